@@ -1,0 +1,482 @@
+//! One `ModelConfig` for all four families, read from a Hugging Face `config.json`.
+//!
+//! The families differ in a handful of switches (biases, q/k norms, norm style, sandwich norms, embedding
+//! scale, attention scale, sliding windows, rope per layer). Keeping them as data rather than as four model
+//! implementations means the streamed engine drives one set of blocks.
+//!
+//! Configs come in two styles: older checkpoints carry `rope_theta` / `rope_scaling` /
+//! `rope_local_base_freq` / `sliding_window_pattern`, newer transformers writes `rope_parameters` (per layer
+//! type for Gemma3) and `layer_types`. Both are read.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::error::{ModelError, Result};
+
+/// The model families this crate implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Qwen2,
+    Qwen3,
+    Llama,
+    Gemma3,
+}
+
+/// How an RMSNorm applies its weight, which is where the families differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormStyle {
+    /// Llama/Qwen: normalise in f32, cast back to the input dtype, then multiply by `w`.
+    CastThenScale,
+    /// Gemma: normalise and multiply by `(1 + w)` in f32, then cast back.
+    OnePlusWeightInF32,
+}
+
+/// The MLP's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// `gelu_pytorch_tanh`: the tanh approximation.
+    GeluTanh,
+    /// Exact (erf) GELU.
+    Gelu,
+}
+
+/// How rotary inverse frequencies are rescaled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Linear {
+        factor: f64,
+    },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// Rotary embedding parameters of one kind of layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+/// What differs from layer to layer: the attention span and which rotary table it uses.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerKind {
+    /// `Some(w)`: query `i` sees keys `j` with `i - w < j <= i`.
+    pub sliding_window: Option<usize>,
+    pub rope: RopeConfig,
+}
+
+/// Everything the blocks need to know about a model, family differences included.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub family: Family,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub tie_word_embeddings: bool,
+    /// Bias on the q, k, v projections.
+    pub qkv_bias: bool,
+    /// Bias on the attention output projection.
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    pub activation: Activation,
+    pub norm_style: NormStyle,
+    /// Per-head RMSNorm on q and k before rope (Qwen3, Gemma3).
+    pub qk_norm: bool,
+    /// Gemma's extra norms after attention and around the MLP.
+    pub sandwich_norms: bool,
+    /// Multiply the embeddings by this (Gemma: sqrt(hidden_size)).
+    pub embed_scale: Option<f64>,
+    /// Multiplies q·k (head_dim^-½, or Gemma's query_pre_attn_scalar^-½).
+    pub attn_scale: f64,
+    pub attn_logit_softcap: Option<f64>,
+    pub final_logit_softcap: Option<f64>,
+    pub max_position_embeddings: usize,
+    pub layers: Vec<LayerKind>,
+}
+
+/// The raw fields of a config.json that matter to us; everything optional, validated afterwards.
+#[derive(Debug, Deserialize, Default)]
+struct RawConfig {
+    model_type: Option<String>,
+    vocab_size: Option<usize>,
+    hidden_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<Value>,
+    rope_parameters: Option<Value>,
+    rope_local_base_freq: Option<f64>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    hidden_act: Option<String>,
+    hidden_activation: Option<String>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    max_window_layers: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    sliding_window_pattern: Option<usize>,
+    #[serde(rename = "_sliding_window_pattern")]
+    sliding_window_pattern_private: Option<usize>,
+    query_pre_attn_scalar: Option<f64>,
+    attn_logit_softcapping: Option<f64>,
+    final_logit_softcapping: Option<f64>,
+    max_position_embeddings: Option<usize>,
+    text_config: Option<Value>,
+}
+
+impl ModelConfig {
+    /// Reads and validates `config.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_json_str(&text, path)
+    }
+
+    /// Parses a config.json text; `path` is only used in error messages.
+    pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
+        let value: Value = serde_json::from_str(text).map_err(|e| ModelError::Config {
+            path: path.to_path_buf(),
+            reason: format!("not valid JSON: {e}"),
+        })?;
+        Self::from_json(&value, path)
+    }
+
+    /// Builds the config from a parsed config.json.
+    pub fn from_json(value: &Value, path: &Path) -> Result<Self> {
+        let err = |reason: String| ModelError::Config {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let raw: RawConfig =
+            serde_json::from_value(value.clone()).map_err(|e| err(format!("{e}")))?;
+        let model_type = raw
+            .model_type
+            .clone()
+            .ok_or_else(|| err("no model_type".into()))?;
+        let family = match model_type.as_str() {
+            "qwen2" => Family::Qwen2,
+            "qwen3" => Family::Qwen3,
+            "llama" => Family::Llama,
+            "gemma3_text" => Family::Gemma3,
+            "gemma3" => {
+                // The multimodal wrapper: its text model is what we train.
+                let text = raw.text_config.as_ref().ok_or_else(|| {
+                    err("model_type gemma3 without text_config".into())
+                })?;
+                let mut text = text.clone();
+                if let Some(obj) = text.as_object_mut() {
+                    obj.insert("model_type".into(), Value::String("gemma3_text".into()));
+                }
+                return Self::from_json(&text, path);
+            }
+            _ => {
+                return Err(ModelError::UnknownModelType {
+                    path: path.to_path_buf(),
+                    model_type,
+                })
+            }
+        };
+        build(family, raw, path)
+    }
+
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Query heads sharing one key/value head.
+    pub fn group_size(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+
+    /// HF names and shapes of every parameter, in checkpoint order. With tied embeddings there is no
+    /// `lm_head.weight`.
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (d, f, hd) = (self.hidden_size, self.intermediate_size, self.head_dim);
+        let (q, kv) = (self.num_heads * hd, self.num_kv_heads * hd);
+        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, d])];
+        for i in 0..self.num_layers() {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            out.push((p("input_layernorm.weight"), vec![d]));
+            for (name, rows, bias) in [
+                ("q_proj", q, self.qkv_bias),
+                ("k_proj", kv, self.qkv_bias),
+                ("v_proj", kv, self.qkv_bias),
+            ] {
+                out.push((p(&format!("self_attn.{name}.weight")), vec![rows, d]));
+                if bias {
+                    out.push((p(&format!("self_attn.{name}.bias")), vec![rows]));
+                }
+            }
+            out.push((p("self_attn.o_proj.weight"), vec![d, q]));
+            if self.o_bias {
+                out.push((p("self_attn.o_proj.bias"), vec![d]));
+            }
+            if self.qk_norm {
+                out.push((p("self_attn.q_norm.weight"), vec![hd]));
+                out.push((p("self_attn.k_norm.weight"), vec![hd]));
+            }
+            out.push((p("post_attention_layernorm.weight"), vec![d]));
+            if self.sandwich_norms {
+                out.push((p("pre_feedforward_layernorm.weight"), vec![d]));
+                out.push((p("post_feedforward_layernorm.weight"), vec![d]));
+            }
+            for (name, shape) in [
+                ("gate_proj", vec![f, d]),
+                ("up_proj", vec![f, d]),
+                ("down_proj", vec![d, f]),
+            ] {
+                let rows = shape[0];
+                out.push((p(&format!("mlp.{name}.weight")), shape));
+                if self.mlp_bias {
+                    out.push((p(&format!("mlp.{name}.bias")), vec![rows]));
+                }
+            }
+        }
+        out.push(("model.norm.weight".to_string(), vec![d]));
+        if !self.tie_word_embeddings {
+            out.push(("lm_head.weight".to_string(), vec![self.vocab_size, d]));
+        }
+        out
+    }
+}
+
+fn build(family: Family, raw: RawConfig, path: &Path) -> Result<ModelConfig> {
+    let path: PathBuf = path.to_path_buf();
+    let err = |reason: String| ModelError::Config {
+        path: path.clone(),
+        reason,
+    };
+    let need = |v: Option<usize>, name: &str| v.ok_or_else(|| err(format!("missing {name}")));
+    let hidden_size = need(raw.hidden_size, "hidden_size")?;
+    let num_heads = need(raw.num_attention_heads, "num_attention_heads")?;
+    let num_layers = need(raw.num_hidden_layers, "num_hidden_layers")?;
+    let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
+    let head_dim = match raw.head_dim {
+        Some(h) => h,
+        None if num_heads > 0 && hidden_size % num_heads == 0 => hidden_size / num_heads,
+        None => return Err(err("no head_dim and hidden_size is not a multiple of heads".into())),
+    };
+    if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        return Err(err(format!(
+            "num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+        )));
+    }
+    if head_dim % 2 != 0 {
+        return Err(err(format!("head_dim {head_dim} must be even for rope")));
+    }
+    let gemma = family == Family::Gemma3;
+    let activation_name = raw
+        .hidden_activation
+        .clone()
+        .or(raw.hidden_act.clone())
+        .unwrap_or_else(|| if gemma { "gelu_pytorch_tanh" } else { "silu" }.into());
+    let activation = match activation_name.as_str() {
+        "silu" | "swish" => Activation::Silu,
+        "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Activation::GeluTanh,
+        "gelu" => Activation::Gelu,
+        other => return Err(err(format!("unsupported activation {other:?}"))),
+    };
+
+    let (global_rope, local_rope) = rope_configs(family, &raw).map_err(&err)?;
+    let layer_types = layer_types(family, &raw, num_layers).map_err(&err)?;
+    let window = raw.sliding_window;
+    let layers = layer_types
+        .iter()
+        .map(|t| match t.as_str() {
+            "full_attention" => Ok(LayerKind {
+                sliding_window: None,
+                rope: global_rope,
+            }),
+            "sliding_attention" => Ok(LayerKind {
+                sliding_window: Some(
+                    window.ok_or_else(|| err("sliding layers but no sliding_window".into()))?,
+                ),
+                rope: local_rope.unwrap_or(global_rope),
+            }),
+            other => Err(err(format!("unsupported layer type {other:?}"))),
+        })
+        .collect::<Result<Vec<_>>>()?;
+
+    let attention_bias = raw.attention_bias.unwrap_or(false);
+    let attn_scale = match (gemma, raw.query_pre_attn_scalar) {
+        (true, Some(s)) => s.powf(-0.5),
+        (true, None) => return Err(err("gemma3 config without query_pre_attn_scalar".into())),
+        _ => (head_dim as f64).powf(-0.5),
+    };
+    Ok(ModelConfig {
+        family,
+        vocab_size: need(raw.vocab_size, "vocab_size")?,
+        hidden_size,
+        intermediate_size: need(raw.intermediate_size, "intermediate_size")?,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+        // transformers' defaults: Gemma ties, Qwen2 / Llama configs say so explicitly, Qwen3 does not tie.
+        tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma),
+        qkv_bias: family == Family::Qwen2 || attention_bias,
+        o_bias: family != Family::Qwen2 && attention_bias,
+        mlp_bias: raw.mlp_bias.unwrap_or(false),
+        activation,
+        norm_style: if gemma {
+            NormStyle::OnePlusWeightInF32
+        } else {
+            NormStyle::CastThenScale
+        },
+        qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
+        sandwich_norms: gemma,
+        embed_scale: gemma.then(|| (hidden_size as f64).sqrt()),
+        attn_scale,
+        attn_logit_softcap: raw.attn_logit_softcapping,
+        final_logit_softcap: raw.final_logit_softcapping,
+        max_position_embeddings: raw.max_position_embeddings.unwrap_or(usize::MAX),
+        layers,
+    })
+}
+
+/// The per-layer attention types, from `layer_types` or the legacy fields.
+fn layer_types(
+    family: Family,
+    raw: &RawConfig,
+    num_layers: usize,
+) -> std::result::Result<Vec<String>, String> {
+    if let Some(types) = &raw.layer_types {
+        if types.len() != num_layers {
+            return Err(format!(
+                "layer_types has {} entries for {num_layers} layers",
+                types.len()
+            ));
+        }
+        return Ok(types.clone());
+    }
+    let full = "full_attention".to_string();
+    let sliding = "sliding_attention".to_string();
+    Ok(match family {
+        Family::Gemma3 => {
+            let pattern = raw
+                .sliding_window_pattern
+                .or(raw.sliding_window_pattern_private)
+                .unwrap_or(6);
+            (0..num_layers)
+                .map(|i| {
+                    if (i + 1) % pattern.max(1) != 0 {
+                        sliding.clone()
+                    } else {
+                        full.clone()
+                    }
+                })
+                .collect()
+        }
+        Family::Qwen2 | Family::Qwen3 if raw.use_sliding_window == Some(true) => {
+            let first = raw.max_window_layers.unwrap_or(num_layers);
+            (0..num_layers)
+                .map(|i| if i >= first { sliding.clone() } else { full.clone() })
+                .collect()
+        }
+        _ => vec![full; num_layers],
+    })
+}
+
+/// The rotary configs of full-attention layers and (Gemma3) sliding layers.
+fn rope_configs(
+    family: Family,
+    raw: &RawConfig,
+) -> std::result::Result<(RopeConfig, Option<RopeConfig>), String> {
+    let default_theta = if family == Family::Gemma3 {
+        1_000_000.0
+    } else {
+        10_000.0
+    };
+    if let Some(params) = &raw.rope_parameters {
+        // New style: either one dict, or one per layer type (Gemma3).
+        if let Some(full) = params.get("full_attention") {
+            let global = parse_rope(full, default_theta)?;
+            let local = match params.get("sliding_attention") {
+                Some(p) => Some(parse_rope(p, 10_000.0)?),
+                None => None,
+            };
+            return Ok((global, local));
+        }
+        let global = parse_rope(params, raw.rope_theta.unwrap_or(default_theta))?;
+        let local = raw
+            .rope_local_base_freq
+            .map(|theta| RopeConfig {
+                theta,
+                scaling: RopeScaling::None,
+            })
+            .or((family == Family::Gemma3).then_some(RopeConfig {
+                theta: 10_000.0,
+                scaling: RopeScaling::None,
+            }));
+        return Ok((global, local));
+    }
+    let theta = raw.rope_theta.unwrap_or(default_theta);
+    let scaling = match &raw.rope_scaling {
+        None | Some(Value::Null) => RopeScaling::None,
+        Some(v) => parse_scaling(v)?,
+    };
+    let local = (family == Family::Gemma3).then(|| RopeConfig {
+        theta: raw.rope_local_base_freq.unwrap_or(10_000.0),
+        scaling: RopeScaling::None,
+    });
+    Ok((RopeConfig { theta, scaling }, local))
+}
+
+fn parse_rope(v: &Value, default_theta: f64) -> std::result::Result<RopeConfig, String> {
+    let theta = v
+        .get("rope_theta")
+        .and_then(Value::as_f64)
+        .unwrap_or(default_theta);
+    Ok(RopeConfig {
+        theta,
+        scaling: parse_scaling(v)?,
+    })
+}
+
+fn parse_scaling(v: &Value) -> std::result::Result<RopeScaling, String> {
+    let kind = v
+        .get("rope_type")
+        .or_else(|| v.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let num = |key: &str| {
+        v.get(key)
+            .and_then(Value::as_f64)
+            .ok_or_else(|| format!("rope scaling {kind:?} without {key}"))
+    };
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: num("factor")?,
+        }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")?,
+        }),
+        other => Err(format!(
+            "unsupported rope scaling type {other:?} (supported: default, linear, llama3)"
+        )),
+    }
+}

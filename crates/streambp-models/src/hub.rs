@@ -1,0 +1,105 @@
+//! Resolving `--model` to a local directory: an existing directory as it is, otherwise a Hugging Face
+//! hub id, taken from the local hub cache when it is there (always, with `HF_HUB_OFFLINE=1`) and
+//! downloaded through `hf-hub` when it is not.
+
+use std::path::{Path, PathBuf};
+
+use hf_hub::{api::sync::ApiBuilder, Cache};
+
+use crate::error::{ModelError, Result};
+
+/// Files a training run wants besides the weights; absent ones are fine.
+const OPTIONAL_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+];
+
+/// A local model directory for `spec`: a path, or a hub id such as `Qwen/Qwen3-0.6B`.
+pub fn resolve_model_dir(spec: &str) -> Result<PathBuf> {
+    let path = Path::new(spec);
+    if path.is_dir() {
+        return Ok(path.to_path_buf());
+    }
+    if path.exists() {
+        return Err(ModelError::Hub(format!(
+            "{spec} is a file; --model takes a model directory or a hub id"
+        )));
+    }
+    let looks_like_id = spec.split('/').count() == 2 && !spec.starts_with('.') && !spec.ends_with('/');
+    if !looks_like_id {
+        return Err(ModelError::Hub(format!(
+            "{spec} is neither an existing directory nor a hub id of the form owner/name"
+        )));
+    }
+    if let Some(dir) = cached_model_dir(&Cache::from_env(), spec) {
+        return Ok(dir);
+    }
+    if offline() {
+        return Err(ModelError::Hub(format!(
+            "{spec} is not complete in the hub cache ({}) and HF_HUB_OFFLINE is set",
+            Cache::from_env().path().display()
+        )));
+    }
+    download(spec)
+}
+
+fn offline() -> bool {
+    std::env::var("HF_HUB_OFFLINE")
+        .map(|v| !v.is_empty() && v != "0")
+        .unwrap_or(false)
+}
+
+/// The snapshot directory of `id` in `cache` if its config and all its weight files are there.
+pub fn cached_model_dir(cache: &Cache, id: &str) -> Option<PathBuf> {
+    let repo = cache.model(id.to_string());
+    let config = repo.get("config.json")?;
+    let dir = config.parent()?.to_path_buf();
+    match crate::loader::weight_files(&dir) {
+        Ok(files) if files.iter().all(|f| f.exists()) => Some(dir),
+        _ => None,
+    }
+}
+
+fn download(id: &str) -> Result<PathBuf> {
+    let hub = |e: hf_hub::api::sync::ApiError| ModelError::Hub(format!("{id}: {e}"));
+    let api = ApiBuilder::from_env()
+        .with_progress(true)
+        .build()
+        .map_err(hub)?;
+    let repo = api.model(id.to_string());
+    let config = repo.get("config.json").map_err(hub)?;
+    match repo.get("model.safetensors.index.json") {
+        Ok(index) => {
+            let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
+                path: index.clone(),
+                source,
+            })?;
+            let value: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::Hub(format!("{}: {e}", index.display())))?;
+            let mut shards: Vec<&str> = value
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .map(|m| m.values().filter_map(|v| v.as_str()).collect())
+                .unwrap_or_default();
+            shards.sort();
+            shards.dedup();
+            for shard in shards {
+                repo.get(shard).map_err(hub)?;
+            }
+        }
+        Err(_) => {
+            repo.get("model.safetensors").map_err(hub)?;
+        }
+    }
+    for file in OPTIONAL_FILES {
+        if let Err(e) = repo.get(file) {
+            tracing::debug!(file, error = %e, "optional file not fetched");
+        }
+    }
+    config
+        .parent()
+        .map(Path::to_path_buf)
+        .ok_or_else(|| ModelError::Hub(format!("{id}: unexpected cache layout")))
+}

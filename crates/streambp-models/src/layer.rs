@@ -1,0 +1,264 @@
+//! One decoder layer, decomposed into the pieces a streamed engine drives chunk by chunk:
+//! input norm → q/k/v projections (with q/k norms and rope, for any range of positions) → attention core
+//! for a block of queries against a block of keys/values → output projection (→ Gemma's post-attention
+//! norm) → residual → MLP block with its norms → residual.
+//!
+//! Everything but the attention core is position-wise, so any piece can run on a chunk of positions.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::config::{Activation, LayerKind, ModelConfig};
+use crate::error::Result;
+use crate::linear::Linear;
+use crate::norm::RmsNorm;
+use crate::rope::{apply_rope, Rotary};
+
+/// Head counts and score transforms of the attention core.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f64,
+    pub logit_softcap: Option<f64>,
+}
+
+/// The weights of one decoder layer.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    pub kind: LayerKind,
+    pub shape: AttentionShape,
+    pub activation: Activation,
+    pub rotary: Rotary,
+    pub input_norm: RmsNorm,
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
+    /// Gemma: norm of the attention output before the residual.
+    pub post_attn_norm: Option<RmsNorm>,
+    /// The norm in front of the MLP (`post_attention_layernorm` in Llama/Qwen,
+    /// `pre_feedforward_layernorm` in Gemma).
+    pub pre_mlp_norm: RmsNorm,
+    /// Gemma: norm of the MLP output before the residual.
+    pub post_mlp_norm: Option<RmsNorm>,
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+/// Which keys a block of queries reads: keys at positions `k_start..k_start + K.len` and, per row,
+/// whether each of those keys is a real token (`[batch, keys]`, u8, 1 = real).
+#[derive(Debug, Clone, Copy)]
+pub struct KeyBlock<'a> {
+    pub q_start: usize,
+    pub k_start: usize,
+    pub key_valid: Option<&'a Tensor>,
+}
+
+impl DecoderLayer {
+    /// The first key position a query block starting at `q_start` can see (0 without a window).
+    pub fn first_visible_key(&self, q_start: usize) -> usize {
+        match self.kind.sliding_window {
+            Some(w) => (q_start + 1).saturating_sub(w),
+            None => 0,
+        }
+    }
+
+    /// The input norm of the attention block.
+    pub fn norm_input(&self, x: &Tensor) -> Result<Tensor> {
+        self.input_norm.forward(x)
+    }
+
+    /// Queries `[batch, heads, len, head_dim]` for normed inputs at positions `start..start + len`.
+    pub fn queries(&self, normed: &Tensor, start: usize) -> Result<Tensor> {
+        let q = self.project_heads(normed, &self.q_proj, self.shape.num_heads)?;
+        self.norm_and_rotate(q, self.q_norm.as_ref(), start)
+    }
+
+    /// Keys and values `[batch, kv_heads, len, head_dim]` for normed inputs at `start..start + len`.
+    pub fn keys_values(&self, normed: &Tensor, start: usize) -> Result<(Tensor, Tensor)> {
+        let k = self.project_heads(normed, &self.k_proj, self.shape.num_kv_heads)?;
+        let k = self.norm_and_rotate(k, self.k_norm.as_ref(), start)?;
+        let v = self.project_heads(normed, &self.v_proj, self.shape.num_kv_heads)?;
+        Ok((k, v.contiguous()?))
+    }
+
+    fn project_heads(&self, normed: &Tensor, proj: &Linear, heads: usize) -> Result<Tensor> {
+        let (b, len, _) = normed.dims3()?;
+        Ok(proj
+            .forward(normed)?
+            .reshape((b, len, heads, self.shape.head_dim))?
+            .transpose(1, 2)?)
+    }
+
+    fn norm_and_rotate(&self, x: Tensor, norm: Option<&RmsNorm>, start: usize) -> Result<Tensor> {
+        let x = match norm {
+            Some(n) => n.forward(&x)?,
+            None => x,
+        };
+        let len = x.dim(2)?;
+        let (cos, sin) = self
+            .rotary
+            .tables(start..start + len, x.dtype(), x.device())?;
+        apply_rope(&x, &cos, &sin)
+    }
+
+    /// The attention core: queries `[b, heads, c, hd]` against keys/values `[b, kv_heads, t, hd]`,
+    /// causal (and windowed) by position, padded keys masked. Returns `[b, c, heads·hd]`.
+    ///
+    /// Query heads are grouped under their key/value head (`[b, kv_heads, group·c, hd]`) so GQA never
+    /// materialises repeated keys. Scores are softmaxed in f32 (f64 for f64 models) like transformers'
+    /// eager attention.
+    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, keys: KeyBlock) -> Result<Tensor> {
+        let (b, heads, c, hd) = q.dims4()?;
+        let (_, kv_heads, t, _) = k.dims4()?;
+        let group = heads / kv_heads;
+        let q = q.contiguous()?.reshape((b, kv_heads, group * c, hd))?;
+        let mut scores = (q.matmul(&k.t()?)? * self.shape.scale)?;
+        if let Some(cap) = self.shape.logit_softcap {
+            scores = ((scores / cap)?.tanh()? * cap)?;
+        }
+        let dtype = q.dtype();
+        let compute = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let scores = scores
+            .to_dtype(compute)?
+            .reshape((b, kv_heads, group, c, t))?;
+        let allowed = self.allowed(b, c, t, keys, q.device())?;
+        let floor = match compute {
+            DType::F64 => Tensor::new(f64::MIN, q.device())?,
+            _ => Tensor::new(f32::MIN, q.device())?,
+        };
+        let shape = scores.shape().clone();
+        let scores = allowed
+            .broadcast_as(&shape)?
+            .where_cond(&scores, &floor.broadcast_as(&shape)?)?;
+        let probs = candle_nn::ops::softmax(&scores, D::Minus1)?
+            .to_dtype(dtype)?
+            .reshape((b, kv_heads, group * c, t))?;
+        Ok(probs
+            .matmul(v)?
+            .reshape((b, heads, c, hd))?
+            .transpose(1, 2)?
+            .reshape((b, c, heads * hd))?)
+    }
+
+    /// `[b|1, 1, 1, c, t]` u8: 1 where query `q_start + i` may read key `k_start + j`.
+    fn allowed(&self, b: usize, c: usize, t: usize, keys: KeyBlock, dev: &Device) -> Result<Tensor> {
+        let pos = |start: i64, len: usize| Tensor::arange(start, start + len as i64, dev);
+        let (q0, k0) = (keys.q_start as i64, keys.k_start as i64);
+        let q = pos(q0, c)?.reshape((c, 1))?;
+        let k = pos(k0, t)?.reshape((1, t))?;
+        let mut allowed = k.broadcast_le(&q)?;
+        if let Some(w) = self.kind.sliding_window {
+            // key > query - w
+            let lowest = pos(q0 - w as i64 + 1, c)?.reshape((c, 1))?;
+            allowed = (allowed * k.broadcast_ge(&lowest)?)?;
+        }
+        let allowed = match keys.key_valid {
+            Some(valid) => {
+                let valid = valid.narrow(1, keys.k_start, t)?.reshape((b, 1, t))?;
+                valid.broadcast_mul(&allowed.reshape((1, c, t))?)?
+            }
+            None => allowed.reshape((1, c, t))?,
+        };
+        let rows = allowed.dim(0)?;
+        Ok(allowed.reshape((rows, 1, 1, c, t))?)
+    }
+
+    /// Output projection of the attention core's result, with Gemma's post-attention norm.
+    pub fn attention_output(&self, attn: &Tensor) -> Result<Tensor> {
+        let o = self.o_proj.forward(attn)?;
+        match &self.post_attn_norm {
+            Some(n) => n.forward(&o),
+            None => Ok(o),
+        }
+    }
+
+    /// The MLP branch (without its residual): norm → gated MLP → Gemma's post-MLP norm.
+    pub fn mlp_block(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.pre_mlp_norm.forward(x)?;
+        let gate = self.gate_proj.forward(&h)?;
+        let gate = match self.activation {
+            Activation::Silu => candle_nn::ops::silu(&gate)?,
+            Activation::GeluTanh => gate.gelu()?,
+            Activation::Gelu => gate.gelu_erf()?,
+        };
+        let m = self
+            .down_proj
+            .forward(&(gate * self.up_proj.forward(&h)?)?)?;
+        match &self.post_mlp_norm {
+            Some(n) => n.forward(&m),
+            None => Ok(m),
+        }
+    }
+
+    /// The layer output for the input chunk `x_c` at positions `q_start..`, given keys/values for
+    /// positions `keys.k_start..` (computed by the caller, typically once for the whole sequence).
+    pub fn forward_chunk(
+        &self,
+        x_c: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        keys: KeyBlock,
+    ) -> Result<Tensor> {
+        let normed = self.norm_input(x_c)?;
+        let q = self.queries(&normed, keys.q_start)?;
+        let attn = self.attend(&q, k, v, keys)?;
+        let x1 = (x_c + self.attention_output(&attn)?)?;
+        Ok((&x1 + self.mlp_block(&x1)?)?)
+    }
+
+    /// The layer over a whole sequence `[b, t, d]`; `key_valid` is `[b, t]` u8 (1 = real token).
+    pub fn forward(&self, x: &Tensor, key_valid: Option<&Tensor>) -> Result<Tensor> {
+        let normed = self.norm_input(x)?;
+        let (k, v) = self.keys_values(&normed, 0)?;
+        let q = self.queries(&normed, 0)?;
+        let keys = KeyBlock {
+            q_start: 0,
+            k_start: 0,
+            key_valid,
+        };
+        let attn = self.attend(&q, &k, &v, keys)?;
+        let x1 = (x + self.attention_output(&attn)?)?;
+        Ok((&x1 + self.mlp_block(&x1)?)?)
+    }
+
+    /// The same layer with every weight cut from the graph: runs without recording anything.
+    pub fn detached(&self) -> Self {
+        let opt = |n: &Option<RmsNorm>| n.as_ref().map(RmsNorm::detached);
+        Self {
+            input_norm: self.input_norm.detached(),
+            q_proj: self.q_proj.detached(),
+            k_proj: self.k_proj.detached(),
+            v_proj: self.v_proj.detached(),
+            o_proj: self.o_proj.detached(),
+            q_norm: opt(&self.q_norm),
+            k_norm: opt(&self.k_norm),
+            post_attn_norm: opt(&self.post_attn_norm),
+            pre_mlp_norm: self.pre_mlp_norm.detached(),
+            post_mlp_norm: opt(&self.post_mlp_norm),
+            gate_proj: self.gate_proj.detached(),
+            up_proj: self.up_proj.detached(),
+            down_proj: self.down_proj.detached(),
+            ..self.clone()
+        }
+    }
+
+    /// The attention shape of layers of `cfg`.
+    pub fn attention_shape(cfg: &ModelConfig) -> AttentionShape {
+        AttentionShape {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            scale: cfg.attn_scale,
+            logit_softcap: cfg.attn_logit_softcap,
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! Qwen2.5, Qwen3, Llama-3.x and Gemma3 (text) as decomposed layers that an engine can drive chunk by
+//! chunk, loaded from Hugging Face directories or the hub.
+//!
+//! One set of blocks serves all four families; their differences are data in [`ModelConfig`].
+//! Every op used records a correct backward in candle (no fused softmax / rms_norm / rope), so the same
+//! code runs the plain full backward, gradient checkpointing and the streamed backward.
+
+pub mod config;
+pub mod error;
+pub mod hub;
+pub mod init;
+pub mod layer;
+pub mod linear;
+pub mod loader;
+pub mod model;
+pub mod norm;
+pub mod rope;
+
+pub use config::{Activation, Family, LayerKind, ModelConfig, NormStyle, RopeConfig, RopeScaling};
+pub use error::{ModelError, Result};
+pub use hub::resolve_model_dir;
+pub use layer::{DecoderLayer, KeyBlock};
+pub use loader::{load_model, save_safetensors};
+pub use model::{key_validity, Model};

@@ -1,0 +1,211 @@
+//! The whole decoder: embedding → layers → final norm → LM head, over parameters that are candle
+//! `Var`s named as in the Hugging Face checkpoint.
+//!
+//! The model's tensors are the `Var`s themselves, so running it records a graph. `detached()` gives a
+//! view of the same storage that records nothing: the no-grad path, at no copy.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::layer::DecoderLayer;
+use crate::linear::Linear;
+use crate::norm::RmsNorm;
+use crate::rope::Rotary;
+
+/// A decoder-only language model of one of the supported families.
+#[derive(Debug, Clone)]
+pub struct Model {
+    pub config: ModelConfig,
+    pub embed_tokens: Tensor,
+    pub layers: Vec<DecoderLayer>,
+    pub norm: RmsNorm,
+    /// `[vocab, hidden]`; the embedding itself when the embeddings are tied.
+    pub lm_head: Tensor,
+    params: Vec<(String, Var)>,
+}
+
+impl Model {
+    /// Builds the model from tensors named as in the HF checkpoint, already in the wanted dtype and on
+    /// the wanted device. Every name of `config.parameter_shapes()` must be present with its shape.
+    pub fn from_tensors(config: ModelConfig, mut tensors: HashMap<String, Tensor>) -> Result<Self> {
+        let mut params = Vec::new();
+        for (name, shape) in config.parameter_shapes() {
+            let t = tensors
+                .remove(&name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: name.clone(),
+                    files: "the given tensors".into(),
+                })?;
+            if t.dims() != shape.as_slice() {
+                return Err(ModelError::ShapeMismatch {
+                    name,
+                    path: "<memory>".into(),
+                    expected: shape,
+                    found: t.dims().to_vec(),
+                });
+            }
+            params.push((name, Var::from_tensor(&t)?));
+        }
+        let by_name: HashMap<&str, Tensor> = params
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_tensor().clone()))
+            .collect();
+        let get = |name: &str| -> Tensor { by_name[name].clone() };
+        let has = |name: &str| by_name.contains_key(name);
+        let eps = config.rms_norm_eps;
+        let style = config.norm_style;
+        let norm = |name: &str| RmsNorm::new(get(name), eps, style);
+        let linear = |p: &str| {
+            let bias = format!("{p}.bias");
+            Linear::new(get(&format!("{p}.weight")), has(&bias).then(|| get(&bias)))
+        };
+        let shape = DecoderLayer::attention_shape(&config);
+        let layers = config
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, kind)| {
+                let p = |s: &str| format!("model.layers.{i}.{s}");
+                let (pre_mlp, post_attn, post_mlp) = if config.sandwich_norms {
+                    (
+                        norm(&p("pre_feedforward_layernorm.weight")),
+                        Some(norm(&p("post_attention_layernorm.weight"))),
+                        Some(norm(&p("post_feedforward_layernorm.weight"))),
+                    )
+                } else {
+                    (norm(&p("post_attention_layernorm.weight")), None, None)
+                };
+                DecoderLayer {
+                    kind: *kind,
+                    shape,
+                    activation: config.activation,
+                    rotary: Rotary::new(&kind.rope, config.head_dim),
+                    input_norm: norm(&p("input_layernorm.weight")),
+                    q_proj: linear(&p("self_attn.q_proj")),
+                    k_proj: linear(&p("self_attn.k_proj")),
+                    v_proj: linear(&p("self_attn.v_proj")),
+                    o_proj: linear(&p("self_attn.o_proj")),
+                    q_norm: config
+                        .qk_norm
+                        .then(|| norm(&p("self_attn.q_norm.weight"))),
+                    k_norm: config
+                        .qk_norm
+                        .then(|| norm(&p("self_attn.k_norm.weight"))),
+                    post_attn_norm: post_attn,
+                    pre_mlp_norm: pre_mlp,
+                    post_mlp_norm: post_mlp,
+                    gate_proj: linear(&p("mlp.gate_proj")),
+                    up_proj: linear(&p("mlp.up_proj")),
+                    down_proj: linear(&p("mlp.down_proj")),
+                }
+            })
+            .collect();
+        let embed_tokens = get("model.embed_tokens.weight");
+        let lm_head = if config.tie_word_embeddings {
+            embed_tokens.clone()
+        } else {
+            get("lm_head.weight")
+        };
+        Ok(Self {
+            norm: norm("model.norm.weight"),
+            config,
+            embed_tokens,
+            layers,
+            lm_head,
+            params,
+        })
+    }
+
+    /// Every trainable parameter under its HF name (tied embeddings appear once).
+    pub fn parameters(&self) -> &[(String, Var)] {
+        &self.params
+    }
+
+    /// The parameters of decoder layer `index`.
+    pub fn layer_parameters(&self, index: usize) -> impl Iterator<Item = &(String, Var)> {
+        let prefix = format!("model.layers.{index}.");
+        self.params
+            .iter()
+            .filter(move |(name, _)| name.starts_with(&prefix))
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.dtype()
+    }
+
+    pub fn device(&self) -> &Device {
+        self.embed_tokens.device()
+    }
+
+    /// Token embeddings `[b, t, d]` of `input_ids` `[b, t]` (u32), scaled for Gemma.
+    pub fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = input_ids.dims2()?;
+        let vocab = self.config.vocab_size;
+        let ids = input_ids.flatten_all()?;
+        let max = ids.max(0)?.to_scalar::<u32>()? as usize;
+        if max >= vocab {
+            return Err(ModelError::Input(format!(
+                "token id {max} is out of the vocabulary (size {vocab})"
+            )));
+        }
+        let h = self
+            .embed_tokens
+            .index_select(&ids, 0)?
+            .reshape((b, t, self.config.hidden_size))?;
+        Ok(match self.config.embed_scale {
+            // transformers keeps the scale as an f32 buffer cast to the model dtype.
+            Some(s) if h.dtype() == DType::F64 => (h * s)?,
+            Some(s) => (h * (s as f32) as f64)?,
+            None => h,
+        })
+    }
+
+    /// The final norm of the last layer's output.
+    pub fn final_norm(&self, h: &Tensor) -> Result<Tensor> {
+        self.norm.forward(h)
+    }
+
+    /// Logits `[.., vocab]` of final-normed hidden states, soft-capped where the config says so.
+    pub fn logits(&self, normed: &Tensor) -> Result<Tensor> {
+        let logits = Linear::new(self.lm_head.clone(), None).forward(normed)?;
+        Ok(match self.config.final_logit_softcap {
+            Some(cap) => ((logits / cap)?.tanh()? * cap)?,
+            None => logits,
+        })
+    }
+
+    /// Final-normed hidden states `[b, t, d]`. `attention_mask` is `[b, t]` (any integer dtype,
+    /// 1 = real token; rows right-padded).
+    pub fn hidden_states(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
+        let key_valid = attention_mask.map(key_validity).transpose()?;
+        let mut h = self.embed(input_ids)?;
+        for layer in &self.layers {
+            h = layer.forward(&h, key_valid.as_ref())?;
+        }
+        self.final_norm(&h)
+    }
+
+    /// Logits `[b, t, vocab]` over the whole sequence (records a graph unless `detached()`).
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
+        self.logits(&self.hidden_states(input_ids, attention_mask)?)
+    }
+
+    /// The same model sharing the same storage, with nothing recorded for autograd.
+    pub fn detached(&self) -> Self {
+        Self {
+            embed_tokens: self.embed_tokens.detach(),
+            layers: self.layers.iter().map(DecoderLayer::detached).collect(),
+            norm: self.norm.detached(),
+            lm_head: self.lm_head.detach(),
+            ..self.clone()
+        }
+    }
+}
+
+/// `[b, t]` u8 (1 = real token) from an attention mask of any numeric dtype.
+pub fn key_validity(mask: &Tensor) -> Result<Tensor> {
+    Ok(mask.ne(0.0)?)
+}
