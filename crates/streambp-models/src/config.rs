@@ -98,9 +98,9 @@ pub struct ModelConfig {
     pub sandwich_norms: bool,
     /// Multiply the embeddings by this (Gemma: sqrt(hidden_size)).
     pub embed_scale: Option<f64>,
-    /// Multiplies q·k (head_dim^-½, or Gemma's query_pre_attn_scalar^-½).
+    /// Multiplies q·k (head_dim^-½, or Gemma's query_pre_attn_scalar^-½). Gemma3 configs carry an
+    /// `attn_logit_softcapping`, but transformers' Gemma3 attention never applies it, so neither do we.
     pub attn_scale: f64,
-    pub attn_logit_softcap: Option<f64>,
     pub final_logit_softcap: Option<f64>,
     pub max_position_embeddings: usize,
     pub layers: Vec<LayerKind>,
@@ -135,7 +135,6 @@ struct RawConfig {
     #[serde(rename = "_sliding_window_pattern")]
     sliding_window_pattern_private: Option<usize>,
     query_pre_attn_scalar: Option<f64>,
-    attn_logit_softcapping: Option<f64>,
     final_logit_softcapping: Option<f64>,
     max_position_embeddings: Option<usize>,
     text_config: Option<Value>,
@@ -347,7 +346,6 @@ fn build(family: Family, raw: RawConfig, path: &Path) -> Result<ModelConfig> {
         sandwich_norms: gemma,
         embed_scale: gemma.then(|| (hidden_size as f64).sqrt()),
         attn_scale,
-        attn_logit_softcap: raw.attn_logit_softcapping,
         final_logit_softcap: raw.final_logit_softcapping,
         max_position_embeddings: raw.max_position_embeddings.unwrap_or(usize::MAX),
         layers,

@@ -20,7 +20,6 @@ pub struct AttentionShape {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f64,
-    pub logit_softcap: Option<f64>,
 }
 
 /// The weights of one decoder layer.
@@ -117,10 +116,7 @@ impl DecoderLayer {
         let (_, kv_heads, t, _) = k.dims4()?;
         let group = heads / kv_heads;
         let q = q.contiguous()?.reshape((b, kv_heads, group * c, hd))?;
-        let mut scores = (q.matmul(&k.t()?)? * self.shape.scale)?;
-        if let Some(cap) = self.shape.logit_softcap {
-            scores = ((scores / cap)?.tanh()? * cap)?;
-        }
+        let scores = (q.matmul(&k.t()?)? * self.shape.scale)?;
         let dtype = q.dtype();
         let compute = if dtype == DType::F64 {
             DType::F64
@@ -258,7 +254,6 @@ impl DecoderLayer {
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
             scale: cfg.attn_scale,
-            logit_softcap: cfg.attn_logit_softcap,
         }
     }
 }

@@ -1,0 +1,267 @@
+#!/usr/bin/env python3
+"""Tiny random Hugging Face models of each family, with float64 reference outputs from transformers.
+
+Writes tests/fixtures/<case>/{config.json, model.safetensors, reference.safetensors, meta.json}.
+The Rust tests compare against these, so CI needs no Python. See docs/fixtures.md.
+
+Exactness: even with `model.double()`, transformers computes RMSNorm, rotary tables and the eager
+softmax in float32. `exact_float64()` promotes those casts to float64 while the reference is built and
+run, and `check_finite_differences` checks the resulting gradients against central differences.
+
+Usage: python scripts/make_fixtures.py [--out tests/fixtures]
+"""
+import argparse
+import contextlib
+import json
+import os
+
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+F32, F64 = torch.float32, torch.float64
+_TO = torch.Tensor.to  # the unpatched cast, for rounding weights to float32 inside exact_float64()
+
+
+@contextlib.contextmanager
+def exact_float64():
+    """Turns every float32 cast inside transformers into float64 (and the default dtype too)."""
+    orig_float, orig_to = torch.Tensor.float, torch.Tensor.to
+    orig_arange, orig_softmax = torch.arange, torch.nn.functional.softmax
+    orig_default = torch.get_default_dtype()
+
+    def promote(x):
+        return F64 if x is F32 else x
+
+    def to(self, *args, **kwargs):
+        args = tuple(promote(a) for a in args)
+        if "dtype" in kwargs:
+            kwargs["dtype"] = promote(kwargs["dtype"])
+        return orig_to(self, *args, **kwargs)
+
+    def arange(*args, **kwargs):
+        if "dtype" in kwargs:
+            kwargs["dtype"] = promote(kwargs["dtype"])
+        return orig_arange(*args, **kwargs)
+
+    def softmax(*args, **kwargs):
+        if "dtype" in kwargs:
+            kwargs["dtype"] = promote(kwargs["dtype"])
+        return orig_softmax(*args, **kwargs)
+
+    torch.Tensor.float = lambda self, *a, **k: orig_to(self, F64)
+    torch.Tensor.to = to
+    torch.arange = arange
+    torch.nn.functional.softmax = softmax
+    torch.set_default_dtype(F64)
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.Tensor.to = orig_float, orig_to
+        torch.arange, torch.nn.functional.softmax = orig_arange, orig_softmax
+        torch.set_default_dtype(orig_default)
+
+
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    attn_implementation="eager",
+)
+
+# Each case exercises what its family's real checkpoints do, plus the awkward parts of our engine.
+CASES = {
+    # Bias on q/k/v, GQA 4:2, untied head.
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(num_hidden_layers=2, tie_word_embeddings=False)),
+    # q/k norms, head_dim (16) != hidden/heads (8), tied embeddings like Qwen3-0.6B.
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config,
+        dict(num_hidden_layers=2, head_dim=16, tie_word_embeddings=True),
+    ),
+    # llama3 rope scaling with a short original context so that it changes most frequencies at the test
+    # length; tied embeddings like Llama-3.2-1B.
+    "llama3": (
+        LlamaForCausalLM,
+        LlamaConfig,
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    # Sliding window 4 < T on two local layers, one global layer with linear rope scaling, MQA, a
+    # query_pre_attn_scalar that differs from head_dim, and the final logit soft-cap.
+    "gemma3": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=1,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=4,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1000000.0),
+                "sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+            },
+            final_logit_softcapping=3.0,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+BATCH, SEQ = 3, 11
+LENGTHS = [11, 7, 9]  # right-padded rows
+
+
+def randomize(model, family, gen):
+    """Non-trivial weights, exactly representable in float32 (the checkpoint is stored in float32)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                base = 0.0 if family == "gemma3" else 1.0
+                v = base + 0.2 * torch.randn(p.shape, generator=gen, dtype=F64)
+            elif name.endswith("bias"):
+                v = 0.1 * torch.randn(p.shape, generator=gen, dtype=F64)
+            else:
+                v = torch.randn(p.shape, generator=gen, dtype=F64) / p.shape[-1] ** 0.5
+                if "embed_tokens" in name:
+                    v = v * 2.0
+            p.copy_(_TO(_TO(v, F32), F64))
+
+
+def batch(gen, vocab):
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+    mask = torch.zeros(BATCH, SEQ, dtype=torch.int64)
+    for r, n in enumerate(LENGTHS):
+        mask[r, :n] = 1
+    ids = ids * mask  # pad id 0 (any id works: padded keys are masked)
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[0, :3] = -100  # a prompt that is not trained on
+    return ids, mask, labels
+
+
+def sft_loss(logits, labels):
+    """transformers' causal-LM loss: shift, ignore -100, mean over the batch's target tokens."""
+    shift_logits = logits[:, :-1, :].reshape(-1, logits.shape[-1])
+    shift_labels = labels[:, 1:].reshape(-1)
+    return torch.nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="mean")
+
+
+def check_finite_differences(model, ids, mask, labels, gen, probes=8, eps=1e-4):
+    """Central differences of the SFT loss against autograd on a few entries of a few parameters."""
+    params = dict(model.named_parameters())
+    names = sorted(params)
+    worst = 0.0
+    for i in range(probes):
+        name = names[(i * 7 + 3) % len(names)]
+        p = params[name]
+        idx = tuple(int(torch.randint(0, s, (1,), generator=gen)) for s in p.shape)
+        with torch.no_grad():
+            orig = p[idx].item()
+            p[idx] = orig + eps
+            up = sft_loss(model(input_ids=ids, attention_mask=mask).logits, labels).item()
+            p[idx] = orig - eps
+            down = sft_loss(model(input_ids=ids, attention_mask=mask).logits, labels).item()
+            p[idx] = orig
+        fd = (up - down) / (2 * eps)
+        an = p.grad[idx].item()
+        # Truncation error is O(eps²); roundoff is ~1e-16/eps absolute, hence the floor.
+        err = abs(fd - an) / max(abs(an), 1e-3)
+        worst = max(worst, err)
+    return worst
+
+
+def make_case(name, out_root, seed):
+    model_cls, config_cls, extra = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    with exact_float64():
+        config = config_cls(**{**COMMON, **extra})
+        model = model_cls(config).to(F64).eval()
+        randomize(model, name, gen)
+        ids, mask, labels = batch(gen, config.vocab_size)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        loss = sft_loss(logits, labels)
+        model.zero_grad()
+        loss.backward()
+        fd_err = check_finite_differences(model, ids, mask, labels, gen)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    # transformers as users run it (float32 casts in place), for the f32 tolerance of our tests.
+    model32 = model_cls(config).to(F32).eval()
+    model32.load_state_dict({k: v.to(F32) for k, v in model.state_dict().items()}, strict=False)
+    with torch.no_grad():
+        logits32 = model32(input_ids=ids, attention_mask=mask).logits.to(F64)
+    valid = mask.bool()
+    ref = logits.detach()
+    hf32_err = ((logits32 - ref).abs()[valid].max() / ref.abs()[valid].max()).item()
+
+    out = os.path.join(out_root, name)
+    os.makedirs(out, exist_ok=True)
+    model32.save_pretrained(out, safe_serialization=True)
+    for extra_file in ("generation_config.json",):
+        path = os.path.join(out, extra_file)
+        if os.path.exists(path):
+            os.remove(path)
+    tensors = {
+        "input_ids": ids.to(torch.int64),
+        "attention_mask": mask.to(torch.int64),
+        "labels": labels.to(torch.int64),
+        "logits": ref.contiguous(),
+        "loss": loss.detach().reshape(1),
+    }
+    tensors.update({f"grad.{n}": g.contiguous() for n, g in grads.items()})
+    save_file(tensors, os.path.join(out, "reference.safetensors"))
+    meta = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "seed": seed,
+        "lengths": LENGTHS,
+        "hf_float32_max_rel_err": hf32_err,
+        "finite_difference_max_rel_err": fd_err,
+    }
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    print(f"{name}: loss {loss.item():.6f}, hf f32 err {hf32_err:.2e}, finite-difference err {fd_err:.2e}")
+    assert fd_err < 1e-6, f"{name}: float64 reference disagrees with finite differences ({fd_err})"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args()
+    for i, name in enumerate(CASES):
+        if args.only and name not in args.only:
+            continue
+        make_case(name, args.out, seed=1234 + i)
+
+
+if __name__ == "__main__":
+    main()
