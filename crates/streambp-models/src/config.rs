@@ -178,9 +178,10 @@ impl ModelConfig {
             "gemma3_text" => Family::Gemma3,
             "gemma3" => {
                 // The multimodal wrapper: its text model is what we train.
-                let text = raw.text_config.as_ref().ok_or_else(|| {
-                    err("model_type gemma3 without text_config".into())
-                })?;
+                let text = raw
+                    .text_config
+                    .as_ref()
+                    .ok_or_else(|| err("model_type gemma3 without text_config".into()))?;
                 let mut text = text.clone();
                 if let Some(obj) = text.as_object_mut() {
                     obj.insert("model_type".into(), Value::String("gemma3_text".into()));
@@ -212,7 +213,10 @@ impl ModelConfig {
     pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let (d, f, hd) = (self.hidden_size, self.intermediate_size, self.head_dim);
         let (q, kv) = (self.num_heads * hd, self.num_kv_heads * hd);
-        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, d])];
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![self.vocab_size, d],
+        )];
         for i in 0..self.num_layers() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             out.push((p("input_layernorm.weight"), vec![d]));
@@ -273,7 +277,11 @@ fn build(family: Family, raw: RawConfig, path: &Path) -> Result<ModelConfig> {
     let head_dim = match raw.head_dim {
         Some(h) => h,
         None if num_heads > 0 && hidden_size % num_heads == 0 => hidden_size / num_heads,
-        None => return Err(err("no head_dim and hidden_size is not a multiple of heads".into())),
+        None => {
+            return Err(err(
+                "no head_dim and hidden_size is not a multiple of heads".into(),
+            ))
+        }
     };
     if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
         return Err(err(format!(
@@ -388,7 +396,13 @@ fn layer_types(
         Family::Qwen2 | Family::Qwen3 if raw.use_sliding_window == Some(true) => {
             let first = raw.max_window_layers.unwrap_or(num_layers);
             (0..num_layers)
-                .map(|i| if i >= first { sliding.clone() } else { full.clone() })
+                .map(|i| {
+                    if i >= first {
+                        sliding.clone()
+                    } else {
+                        full.clone()
+                    }
+                })
                 .collect()
         }
         _ => vec![full; num_layers],

@@ -21,7 +21,9 @@ pub enum ModelError {
     )]
     UnknownModelType { path: PathBuf, model_type: String },
 
-    #[error("{path}: no model.safetensors and no model.safetensors.index.json in the model directory")]
+    #[error(
+        "{path}: no model.safetensors and no model.safetensors.index.json in the model directory"
+    )]
     NoWeights { path: PathBuf },
 
     #[error("{path}: not a valid safetensors file (truncated or corrupt?): {reason}")]
@@ -30,7 +32,9 @@ pub enum ModelError {
     #[error("tensor {name:?} is missing from the checkpoint (looked in {files})")]
     MissingTensor { name: String, files: String },
 
-    #[error("tensor {name:?} in {path} has shape {found:?}, expected {expected:?} from config.json")]
+    #[error(
+        "tensor {name:?} in {path} has shape {found:?}, expected {expected:?} from config.json"
+    )]
     ShapeMismatch {
         name: String,
         path: PathBuf,

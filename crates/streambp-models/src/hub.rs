@@ -27,7 +27,8 @@ pub fn resolve_model_dir(spec: &str) -> Result<PathBuf> {
             "{spec} is a file; --model takes a model directory or a hub id"
         )));
     }
-    let looks_like_id = spec.split('/').count() == 2 && !spec.starts_with('.') && !spec.ends_with('/');
+    let looks_like_id =
+        spec.split('/').count() == 2 && !spec.starts_with('.') && !spec.ends_with('/');
     if !looks_like_id {
         return Err(ModelError::Hub(format!(
             "{spec} is neither an existing directory nor a hub id of the form owner/name"

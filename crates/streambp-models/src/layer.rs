@@ -146,7 +146,14 @@ impl DecoderLayer {
     }
 
     /// `[b|1, 1, 1, c, t]` u8: 1 where query `q_start + i` may read key `k_start + j`.
-    fn allowed(&self, b: usize, c: usize, t: usize, keys: KeyBlock, dev: &Device) -> Result<Tensor> {
+    fn allowed(
+        &self,
+        b: usize,
+        c: usize,
+        t: usize,
+        keys: KeyBlock,
+        dev: &Device,
+    ) -> Result<Tensor> {
         let pos = |start: i64, len: usize| Tensor::arange(start, start + len as i64, dev);
         let (q0, k0) = (keys.q_start as i64, keys.k_start as i64);
         let q = pos(q0, c)?.reshape((c, 1))?;

@@ -19,7 +19,9 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let Some((inner, lead)) = dims.split_last() else {
-            return Err(ModelError::Input("a linear layer needs at least a 1-d input".into()));
+            return Err(ModelError::Input(
+                "a linear layer needs at least a 1-d input".into(),
+            ));
         };
         let rows: usize = lead.iter().product();
         let y = x.reshape((rows, *inner))?.matmul(&self.weight.t()?)?;

@@ -88,12 +88,8 @@ impl Model {
                     k_proj: linear(&p("self_attn.k_proj")),
                     v_proj: linear(&p("self_attn.v_proj")),
                     o_proj: linear(&p("self_attn.o_proj")),
-                    q_norm: config
-                        .qk_norm
-                        .then(|| norm(&p("self_attn.q_norm.weight"))),
-                    k_norm: config
-                        .qk_norm
-                        .then(|| norm(&p("self_attn.k_norm.weight"))),
+                    q_norm: config.qk_norm.then(|| norm(&p("self_attn.q_norm.weight"))),
+                    k_norm: config.qk_norm.then(|| norm(&p("self_attn.k_norm.weight"))),
                     post_attn_norm: post_attn,
                     pre_mlp_norm: pre_mlp,
                     post_mlp_norm: post_mlp,
@@ -151,10 +147,10 @@ impl Model {
                 "token id {max} is out of the vocabulary (size {vocab})"
             )));
         }
-        let h = self
-            .embed_tokens
-            .index_select(&ids, 0)?
-            .reshape((b, t, self.config.hidden_size))?;
+        let h =
+            self.embed_tokens
+                .index_select(&ids, 0)?
+                .reshape((b, t, self.config.hidden_size))?;
         Ok(match self.config.embed_scale {
             // transformers keeps the scale as an f32 buffer cast to the model dtype.
             Some(s) if h.dtype() == DType::F64 => (h * s)?,
@@ -179,7 +175,11 @@ impl Model {
 
     /// Final-normed hidden states `[b, t, d]`. `attention_mask` is `[b, t]` (any integer dtype,
     /// 1 = real token; rows right-padded).
-    pub fn hidden_states(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
+    pub fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let key_valid = attention_mask.map(key_validity).transpose()?;
         let mut h = self.embed(input_ids)?;
         for layer in &self.layers {

@@ -38,8 +38,12 @@ impl Rotary {
                 base.iter()
                     .map(|&f| {
                         let wavelen = 2.0 * std::f64::consts::PI / f;
-                        let scaled = if wavelen > low_freq_wavelen { f / factor } else { f };
-                        let medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                        let scaled = if wavelen > low_freq_wavelen {
+                            f / factor
+                        } else {
+                            f
+                        };
+                        let medium = (high_freq_wavelen..=low_freq_wavelen).contains(&wavelen);
                         if medium {
                             let smooth = (old_len / wavelen - low_freq_factor)
                                 / (high_freq_factor - low_freq_factor);

@@ -16,8 +16,11 @@ pub fn fixture_dir(name: &str) -> PathBuf {
 }
 
 pub fn reference(name: &str) -> HashMap<String, Tensor> {
-    candle_core::safetensors::load(fixture_dir(name).join("reference.safetensors"), &Device::Cpu)
-        .expect("fixture reference")
+    candle_core::safetensors::load(
+        fixture_dir(name).join("reference.safetensors"),
+        &Device::Cpu,
+    )
+    .expect("fixture reference")
 }
 
 pub fn meta(name: &str) -> serde_json::Value {
@@ -32,7 +35,14 @@ pub fn masked_rel_err(a: &Tensor, b: &Tensor, mask: &Tensor) -> f64 {
     let m = mask.to_dtype(DType::F64).unwrap().unsqueeze(2).unwrap();
     let diff = (a - &b).unwrap().abs().unwrap().broadcast_mul(&m).unwrap();
     let scale = b.abs().unwrap().broadcast_mul(&m).unwrap();
-    let max = |t: Tensor| t.flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
+    let max = |t: Tensor| {
+        t.flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    };
     max(diff) / max(scale)
 }
 
@@ -40,7 +50,14 @@ pub fn masked_rel_err(a: &Tensor, b: &Tensor, mask: &Tensor) -> f64 {
 pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
     let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
     let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-    let diff = (a - &b).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
+    let diff = (a - &b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
     let scale = b.abs().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
     diff / scale.max(f64::MIN_POSITIVE)
 }

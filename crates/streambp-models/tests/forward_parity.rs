@@ -21,7 +21,10 @@ fn f64_logits_match_transformers_to_1e10() {
     for family in FAMILIES {
         let err = logits_err(family, DType::F64);
         println!("{family}: f64 rel err {err:.2e}");
-        assert!(err < 1e-10, "{family}: f64 logits differ from transformers by {err:.2e}");
+        assert!(
+            err < 1e-10,
+            "{family}: f64 logits differ from transformers by {err:.2e}"
+        );
     }
 }
 
@@ -33,7 +36,10 @@ fn f32_logits_are_as_accurate_as_transformers_f32() {
         let err = logits_err(family, DType::F32);
         let hf = meta(family)["hf_float32_max_rel_err"].as_f64().unwrap();
         println!("{family}: f32 rel err {err:.2e} (transformers f32: {hf:.2e})");
-        assert!(err < 4.0 * hf, "{family}: f32 error {err:.2e} vs transformers' {hf:.2e}");
+        assert!(
+            err < 4.0 * hf,
+            "{family}: f32 error {err:.2e} vs transformers' {hf:.2e}"
+        );
     }
 }
 
@@ -61,7 +67,12 @@ fn padded_rows_match_unpadded_rows() {
         let lengths = meta(family)["lengths"].as_array().unwrap().clone();
         for (row, len) in lengths.iter().enumerate() {
             let len = len.as_u64().unwrap() as usize;
-            let alone = model.forward(&ids.narrow(0, row, 1).unwrap().narrow(1, 0, len).unwrap(), None).unwrap();
+            let alone = model
+                .forward(
+                    &ids.narrow(0, row, 1).unwrap().narrow(1, 0, len).unwrap(),
+                    None,
+                )
+                .unwrap();
             let in_batch = batch.narrow(0, row, 1).unwrap().narrow(1, 0, len).unwrap();
             let err = rel_err(&alone, &in_batch);
             assert!(err < 1e-12, "{family} row {row}: {err:.2e}");
