@@ -103,6 +103,9 @@ pub struct ModelConfig {
     pub attn_scale: f64,
     pub final_logit_softcap: Option<f64>,
     pub max_position_embeddings: usize,
+    /// transformers builds the embedding with `padding_idx = pad_token_id`: that row gets no gradient
+    /// from the lookup (it still gets one through a tied LM head).
+    pub pad_token_id: Option<u32>,
     pub layers: Vec<LayerKind>,
 }
 
@@ -137,6 +140,7 @@ struct RawConfig {
     query_pre_attn_scalar: Option<f64>,
     final_logit_softcapping: Option<f64>,
     max_position_embeddings: Option<usize>,
+    pad_token_id: Option<i64>,
     text_config: Option<Value>,
 }
 
@@ -330,9 +334,10 @@ fn build(family: Family, raw: RawConfig, path: &Path) -> Result<ModelConfig> {
         (true, None) => return Err(err("gemma3 config without query_pre_attn_scalar".into())),
         _ => (head_dim as f64).powf(-0.5),
     };
+    let vocab_size = need(raw.vocab_size, "vocab_size")?;
     Ok(ModelConfig {
         family,
-        vocab_size: need(raw.vocab_size, "vocab_size")?,
+        vocab_size,
         hidden_size,
         intermediate_size: need(raw.intermediate_size, "intermediate_size")?,
         num_heads,
@@ -356,6 +361,10 @@ fn build(family: Family, raw: RawConfig, path: &Path) -> Result<ModelConfig> {
         attn_scale,
         final_logit_softcap: raw.final_logit_softcapping,
         max_position_embeddings: raw.max_position_embeddings.unwrap_or(usize::MAX),
+        pad_token_id: raw
+            .pad_token_id
+            .and_then(|p| u32::try_from(p).ok())
+            .filter(|&p| (p as usize) < vocab_size),
         layers,
     })
 }

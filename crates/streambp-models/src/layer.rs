@@ -190,8 +190,8 @@ impl DecoderLayer {
         let gate = self.gate_proj.forward(&h)?;
         let gate = match self.activation {
             Activation::Silu => candle_nn::ops::silu(&gate)?,
-            Activation::GeluTanh => gate.gelu()?,
-            Activation::Gelu => gate.gelu_erf()?,
+            Activation::GeluTanh => gelu_tanh(&gate)?,
+            Activation::Gelu => gelu_erf(&gate)?,
         };
         let m = self
             .down_proj
@@ -263,4 +263,18 @@ impl DecoderLayer {
             scale: cfg.attn_scale,
         }
     }
+}
+
+/// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, composed: candle's fused `gelu` has a backward with
+/// 6-digit constants (relative error ~1e-6), which breaks exact gradients.
+pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
+    let inner =
+        ((x + (x.sqr()? * x)?.affine(0.044715, 0.0)?)? * (2.0 / std::f64::consts::PI).sqrt())?;
+    Ok(((inner.tanh()? + 1.0)? * x)?.affine(0.5, 0.0)?)
+}
+
+/// `0.5·x·(1 + erf(x/√2))`, composed for the same reason as [`gelu_tanh`].
+pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
+    let e = (x / std::f64::consts::SQRT_2)?.erf()?;
+    Ok(((e + 1.0)? * x)?.affine(0.5, 0.0)?)
 }

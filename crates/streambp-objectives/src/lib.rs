@@ -1,1 +1,47 @@
-//! placeholder
+//! Training objectives, written over the log-probabilities of target tokens.
+//!
+//! Every objective here (SFT cross entropy, DPO, GRPO) depends on the logits only through
+//! `logp[b, t] = log softmax(logits[b, t])[target[b, t]]`: the log-prob, at logits position `t`, of the
+//! token the objective scores there. `logp` is tiny (`[batch, T]`), so an engine can stream the LM head
+//! over chunks of positions, hand each chunk's `logp` to the objective, and backpropagate
+//! `Σ (dLoss/dlogp) · logp` through that chunk's logits: the exact gradient without the `T × V` logits.
+//!
+//! Objectives that are sums over positions ([`Objective::separable`]) get their loss chunk by chunk;
+//! the others (DPO's sequence-level sigmoid) get all of `logp` at once after a first pass.
+
+use std::ops::Range;
+
+use candle_core::Tensor;
+
+pub mod sft;
+
+pub use sft::Sft;
+
+/// Errors of objective construction and evaluation.
+#[derive(Debug, thiserror::Error)]
+pub enum ObjectiveError {
+    #[error("invalid batch: {0}")]
+    Batch(String),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, ObjectiveError>;
+
+/// A loss over target log-probabilities.
+pub trait Objective {
+    /// Short name (`sft`, `dpo`, `grpo`).
+    fn name(&self) -> &str;
+
+    /// `[batch, T]` u32: the token whose log-prob is read at each logits position (any valid id where
+    /// the loss does not look).
+    fn targets(&self) -> &Tensor;
+
+    /// Whether the loss is a sum of per-position terms, so that `loss(logp_c, c)` summed over chunks `c`
+    /// is the loss. When false the engine calls `loss` once with all positions.
+    fn separable(&self) -> bool;
+
+    /// The loss (a scalar tensor) from `logp` of positions `cols` (`[batch, cols.len()]`), differentiable
+    /// in `logp`. For separable objectives this is the share of those positions.
+    fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor>;
+}

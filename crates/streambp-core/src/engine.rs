@@ -1,0 +1,512 @@
+//! The backward engine: StreamBP and its two baselines on the same model code.
+//!
+//! Phases, in the order they run (each a plain function below, in the spirit of llm.c):
+//! 1. [`forward_checkpoints`]: the model once without a graph, keeping each layer's input.
+//! 2. [`head_backward`]: final norm, LM head and objective, streamed over logits chunks.
+//! 3. [`layer_backward_streamed`] (or [`layer_backward_whole`] for `checkpoint`), top layer first.
+//! 4. [`embedding_backward`].
+//!
+//! `full` builds one graph over everything and calls `backward()` once.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var, D};
+use streambp_models::{key_validity, DecoderLayer, KeyBlock, Model};
+use streambp_objectives::Objective;
+
+use crate::error::{EngineError, Result};
+use crate::memory::PhasePeaks;
+
+/// How the backward is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// StreamBP: layers streamed over query chunks, LM head over logits chunks.
+    Stream,
+    /// Per-layer gradient checkpointing: each layer recomputed and backpropagated whole; head unchunked.
+    Checkpoint,
+    /// Plain backprop through one graph of the whole model.
+    Full,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "stream" => Ok(Mode::Stream),
+            "checkpoint" => Ok(Mode::Checkpoint),
+            "full" => Ok(Mode::Full),
+            other => Err(format!(
+                "unknown mode {other:?} (expected stream, checkpoint or full)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::Stream => "stream",
+            Mode::Checkpoint => "checkpoint",
+            Mode::Full => "full",
+        })
+    }
+}
+
+/// Chunk sizes, in tokens of the sequence (every row of the batch is chunked alike).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunks {
+    /// Query chunk of the streamed layer backward.
+    pub chunk: usize,
+    /// Positions per LM-head chunk.
+    pub logits_chunk: usize,
+}
+
+/// A batch of right-padded token rows.
+#[derive(Debug, Clone, Copy)]
+pub struct Batch<'a> {
+    /// `[batch, T]` u32.
+    pub input_ids: &'a Tensor,
+    /// `[batch, T]`, 1 = real token; all ones when absent.
+    pub attention_mask: Option<&'a Tensor>,
+}
+
+/// The result of one backward.
+#[derive(Debug)]
+pub struct Gradients {
+    pub loss: f64,
+    /// Every trainable parameter's gradient under its HF name, in the model's dtype.
+    pub grads: Vec<(String, Tensor)>,
+    /// `[batch, T]` target log-probs the objective saw (for metrics).
+    pub logp: Tensor,
+    /// Peak host bytes of each phase (empty without the counting allocator).
+    pub peaks: PhasePeaks,
+}
+
+/// Computes the loss and the gradient of every parameter of `model` for `objective` on `batch`.
+pub fn backward(
+    model: &Model,
+    batch: Batch,
+    objective: &dyn Objective,
+    mode: Mode,
+    chunks: Chunks,
+) -> Result<Gradients> {
+    let (b, t) = batch.input_ids.dims2()?;
+    if objective.targets().dims() != [b, t] {
+        return Err(EngineError::Shape(format!(
+            "objective targets {:?} do not match input_ids [{b}, {t}]",
+            objective.targets().dims()
+        )));
+    }
+    if let Some(mask) = batch.attention_mask {
+        if mask.dims() != [b, t] {
+            return Err(EngineError::Shape(format!(
+                "attention_mask {:?} does not match input_ids [{b}, {t}]",
+                mask.dims()
+            )));
+        }
+    }
+    if chunks.chunk == 0 || chunks.logits_chunk == 0 {
+        return Err(EngineError::Plan("chunk sizes must be at least 1".into()));
+    }
+    let key_valid = batch.attention_mask.map(key_validity).transpose()?;
+    let mut sink = GradSink::new(model);
+    let mut peaks = PhasePeaks::default();
+    crate::memory::reset_peak();
+
+    let (loss, logp) = match mode {
+        Mode::Full => {
+            let out = full_backward(model, batch, key_valid.as_ref(), objective, &mut sink)?;
+            peaks.record("full");
+            out
+        }
+        Mode::Stream | Mode::Checkpoint => {
+            let detached = model.detached();
+            let mut inputs = forward_checkpoints(&detached, batch.input_ids, key_valid.as_ref())?;
+            peaks.record("forward");
+            let last = inputs
+                .pop()
+                .expect("forward_checkpoints returns L + 1 tensors");
+            let logits_chunk = match mode {
+                Mode::Stream => chunks.logits_chunk,
+                _ => t,
+            };
+            let (loss, logp, mut grad) =
+                head_backward(model, &last, objective, logits_chunk, &mut sink)?;
+            drop(last);
+            peaks.record("head");
+            for (index, layer) in model.layers.iter().enumerate().rev() {
+                let x = inputs.pop().expect("one checkpoint per layer");
+                grad = match mode {
+                    Mode::Stream => layer_backward_streamed(
+                        layer,
+                        &x,
+                        &grad,
+                        key_valid.as_ref(),
+                        chunks.chunk,
+                        &mut sink,
+                        model,
+                        index,
+                    )?,
+                    _ => layer_backward_whole(
+                        layer,
+                        &x,
+                        &grad,
+                        key_valid.as_ref(),
+                        &mut sink,
+                        model,
+                        index,
+                    )?,
+                };
+            }
+            peaks.record("layers");
+            embedding_backward(model, batch.input_ids, &grad, &mut sink)?;
+            peaks.record("embedding");
+            (loss, logp)
+        }
+    };
+    Ok(Gradients {
+        loss,
+        grads: sink.finish(model)?,
+        logp,
+        peaks,
+    })
+}
+
+/// Phase 1: the model without a graph; returns the input of every layer and the last layer's output
+/// (`L + 1` tensors of `[batch, T, d]`).
+pub fn forward_checkpoints(
+    detached: &Model,
+    input_ids: &Tensor,
+    key_valid: Option<&Tensor>,
+) -> Result<Vec<Tensor>> {
+    let mut states = Vec::with_capacity(detached.layers.len() + 1);
+    states.push(detached.embed(input_ids)?);
+    for layer in &detached.layers {
+        let x = states.last().expect("non-empty");
+        let y = layer.forward(x, key_valid)?;
+        states.push(y);
+    }
+    Ok(states)
+}
+
+/// `log softmax(logits)[target]` for `logits` `[b, c, V]` and `targets` `[b, c]`, in f32 (f64 for f64
+/// models), differentiable in the logits.
+pub fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let compute = if logits.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let z = logits.to_dtype(compute)?;
+    let lse = z.log_sum_exp(D::Minus1)?;
+    let picked = z
+        .gather(&targets.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?
+        .squeeze(D::Minus1)?;
+    Ok((picked - lse)?)
+}
+
+/// The objective's loss on `logp` of positions `cols` and its gradient `dLoss/dlogp` (autograd on the
+/// tiny `[batch, cols]` tensor).
+fn loss_and_grad(
+    objective: &dyn Objective,
+    logp: &Tensor,
+    cols: Range<usize>,
+) -> Result<(f64, Tensor)> {
+    let lp = Var::from_tensor(&logp.detach())?;
+    let loss = objective.loss(lp.as_tensor(), cols)?;
+    let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    // An objective that does not read these positions (all ignored) has a zero gradient there.
+    let grad = match loss.backward()?.get(lp.as_tensor()) {
+        Some(g) => g.detach(),
+        None => lp.as_tensor().zeros_like()?,
+    };
+    Ok((value, grad))
+}
+
+fn chunk_ranges(t: usize, size: usize) -> Vec<Range<usize>> {
+    (0..t.div_ceil(size))
+        .map(|i| i * size..((i + 1) * size).min(t))
+        .collect()
+}
+
+/// Phase 2: final norm, LM head and loss over logits chunks. Returns the loss, the `[batch, T]` target
+/// log-probs and the gradient of the last layer's output.
+///
+/// Per chunk: `logp_c` is computed inside the chunk's graph, and `Σ g_c · logp_c` is backpropagated with
+/// `g = dLoss/dlogp`. Separable objectives give `g_c` chunk by chunk; others need all of `logp` first, so
+/// a no-graph pass computes it and the loss before the backward pass.
+pub fn head_backward(
+    model: &Model,
+    last: &Tensor,
+    objective: &dyn Objective,
+    logits_chunk: usize,
+    sink: &mut GradSink,
+) -> Result<(f64, Tensor, Tensor)> {
+    let t = last.dim(1)?;
+    let targets = objective.targets();
+    let ranges = chunk_ranges(t, logits_chunk);
+    let whole = if objective.separable() {
+        None
+    } else {
+        let detached = model.detached();
+        let mut parts = Vec::with_capacity(ranges.len());
+        for r in &ranges {
+            let h = detached.final_norm(&last.narrow(1, r.start, r.len())?)?;
+            let logits = detached.logits(&h)?;
+            parts.push(target_logprobs(
+                &logits,
+                &targets.narrow(1, r.start, r.len())?,
+            )?);
+        }
+        let logp = Tensor::cat(&parts, 1)?;
+        Some(loss_and_grad(objective, &logp, 0..t)?)
+    };
+
+    let grad_last = last.zeros_like()?;
+    let mut logp_parts = Vec::with_capacity(ranges.len());
+    let mut loss = 0.0;
+    for r in ranges {
+        let x = Var::from_tensor(&last.narrow(1, r.start, r.len())?)?;
+        let h = model.final_norm(x.as_tensor())?;
+        let logits = model.logits(&h)?;
+        let logp = target_logprobs(&logits, &targets.narrow(1, r.start, r.len())?)?;
+        let g = match &whole {
+            Some((_, g)) => g.narrow(1, r.start, r.len())?,
+            None => {
+                let (l, g) = loss_and_grad(objective, &logp, r.clone())?;
+                loss += l;
+                g
+            }
+        };
+        let store = (&logp * g)?.sum_all()?.backward()?;
+        grad_last.slice_set(
+            &required(&store, x.as_tensor(), "last hidden state")?,
+            1,
+            r.start,
+        )?;
+        sink.absorb(&store, head_parameters(model))?;
+        logp_parts.push(logp.detach());
+    }
+    if let Some((l, _)) = whole {
+        loss = l;
+    }
+    Ok((loss, Tensor::cat(&logp_parts, 1)?, grad_last))
+}
+
+fn head_parameters(model: &Model) -> impl Iterator<Item = &(String, Var)> {
+    model.parameters().iter().filter(|(n, _)| {
+        n == "model.norm.weight" || n == "lm_head.weight" || n == "model.embed_tokens.weight"
+    })
+}
+
+/// Phase 3 (StreamBP): one layer's backward streamed over query chunks. `x` is the layer's input
+/// (checkpoint), `grad_out` the gradient of its output; returns the gradient of its input.
+///
+/// Query chunks are visited last first. Keys and values of the whole sequence are recomputed once
+/// without a graph; when chunk `[s, e)` is reached, every later chunk has already pushed its gradient
+/// into keys/values `[s, e)`, so that gradient is final. One graph per chunk then covers: the chunk's
+/// queries against keys `[k0, e)` (earlier keys as detached leaves whose gradients are accumulated, the
+/// chunk's own keys/values recomputed from `x_c` in the graph), the rest of the layer, and the pending
+/// key/value gradient of `[s, e)` through the chunk's own k/v projections. Its backward yields the
+/// chunk's input gradient complete. Queries never score keys they cannot see (future, outside the window).
+#[allow(clippy::too_many_arguments)]
+pub fn layer_backward_streamed(
+    layer: &DecoderLayer,
+    x: &Tensor,
+    grad_out: &Tensor,
+    key_valid: Option<&Tensor>,
+    chunk: usize,
+    sink: &mut GradSink,
+    model: &Model,
+    index: usize,
+) -> Result<Tensor> {
+    let t = x.dim(1)?;
+    let ranges = chunk_ranges(t, chunk);
+    let detached = layer.detached();
+    let (mut ks, mut vs) = (Vec::new(), Vec::new());
+    for r in &ranges {
+        let normed = detached.norm_input(&x.narrow(1, r.start, r.len())?)?;
+        let (k, v) = detached.keys_values(&normed, r.start)?;
+        ks.push(k);
+        vs.push(v);
+    }
+    let keys = Tensor::cat(&ks, 2)?;
+    let values = Tensor::cat(&vs, 2)?;
+    drop((ks, vs));
+    let grad_keys = keys.zeros_like()?;
+    let grad_values = values.zeros_like()?;
+    let grad_in = x.zeros_like()?;
+
+    for r in ranges.into_iter().rev() {
+        let (s, len) = (r.start, r.len());
+        let k0 = layer.first_visible_key(s);
+        let x_c = Var::from_tensor(&x.narrow(1, s, len)?)?;
+        let normed = layer.norm_input(x_c.as_tensor())?;
+        let (k_own, v_own) = layer.keys_values(&normed, s)?;
+        let q = layer.queries(&normed, s)?;
+        let earlier = if k0 < s {
+            let k = Var::from_tensor(&keys.narrow(2, k0, s - k0)?)?;
+            let v = Var::from_tensor(&values.narrow(2, k0, s - k0)?)?;
+            Some((k, v))
+        } else {
+            None
+        };
+        let (k_all, v_all) = match &earlier {
+            Some((k, v)) => (
+                Tensor::cat(&[k.as_tensor(), &k_own], 2)?,
+                Tensor::cat(&[v.as_tensor(), &v_own], 2)?,
+            ),
+            None => (k_own.clone(), v_own.clone()),
+        };
+        let block = KeyBlock {
+            q_start: s,
+            k_start: k0,
+            key_valid,
+        };
+        let attn = layer.attend(&q, &k_all, &v_all, block)?;
+        let x1 = (x_c.as_tensor() + layer.attention_output(&attn)?)?;
+        let y = (&x1 + layer.mlp_block(&x1)?)?;
+        let surrogate = ((y * grad_out.narrow(1, s, len)?)?.sum_all()?
+            + (k_own * grad_keys.narrow(2, s, len)?)?.sum_all()?
+            + (v_own * grad_values.narrow(2, s, len)?)?.sum_all()?)?;
+        let store = surrogate.backward()?;
+        grad_in.slice_set(&required(&store, x_c.as_tensor(), "layer input")?, 1, s)?;
+        if let Some((k, v)) = &earlier {
+            accumulate_slice(&grad_keys, &required(&store, k.as_tensor(), "keys")?, k0)?;
+            accumulate_slice(
+                &grad_values,
+                &required(&store, v.as_tensor(), "values")?,
+                k0,
+            )?;
+        }
+        sink.absorb(&store, model.layer_parameters(index))?;
+    }
+    Ok(grad_in)
+}
+
+/// `dst[:, :, start..] += src` along dim 2, in place.
+fn accumulate_slice(dst: &Tensor, src: &Tensor, start: usize) -> Result<()> {
+    let sum = (dst.narrow(2, start, src.dim(2)?)? + src)?;
+    dst.slice_set(&sum, 2, start)?;
+    Ok(())
+}
+
+/// Phase 3 (checkpoint): the layer recomputed over the whole sequence with a graph and backpropagated.
+pub fn layer_backward_whole(
+    layer: &DecoderLayer,
+    x: &Tensor,
+    grad_out: &Tensor,
+    key_valid: Option<&Tensor>,
+    sink: &mut GradSink,
+    model: &Model,
+    index: usize,
+) -> Result<Tensor> {
+    let x = Var::from_tensor(x)?;
+    let y = layer.forward(x.as_tensor(), key_valid)?;
+    let store = (y * grad_out)?.sum_all()?.backward()?;
+    let grad_in = required(&store, x.as_tensor(), "layer input")?;
+    sink.absorb(&store, model.layer_parameters(index))?;
+    Ok(grad_in)
+}
+
+/// Phase 4: the gradient of the embedding table from the gradient of the first layer's input.
+pub fn embedding_backward(
+    model: &Model,
+    input_ids: &Tensor,
+    grad: &Tensor,
+    sink: &mut GradSink,
+) -> Result<()> {
+    let emb = model.embed(input_ids)?;
+    let store = (emb * grad)?.sum_all()?.backward()?;
+    sink.absorb(
+        &store,
+        model
+            .parameters()
+            .iter()
+            .filter(|(n, _)| n == "model.embed_tokens.weight"),
+    )
+}
+
+/// `full`: one graph over the model and the loss.
+fn full_backward(
+    model: &Model,
+    batch: Batch,
+    key_valid: Option<&Tensor>,
+    objective: &dyn Objective,
+    sink: &mut GradSink,
+) -> Result<(f64, Tensor)> {
+    let mut h = model.embed(batch.input_ids)?;
+    for layer in &model.layers {
+        h = layer.forward(&h, key_valid)?;
+    }
+    let logits = model.logits(&model.final_norm(&h)?)?;
+    let logp = target_logprobs(&logits, objective.targets())?;
+    let t = logp.dim(1)?;
+    let loss = objective.loss(&logp, 0..t)?;
+    let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let store = loss.backward()?;
+    sink.absorb(&store, model.parameters().iter())?;
+    Ok((value, logp.detach()))
+}
+
+fn required(store: &GradStore, t: &Tensor, what: &str) -> Result<Tensor> {
+    store
+        .get(t)
+        .map(Tensor::detach)
+        .ok_or_else(|| EngineError::MissingGradient(what.to_string()))
+}
+
+/// Accumulates parameter gradients across chunks and phases, detached (so no chunk's graph stays
+/// alive) and in f32 for half-precision models (so chunking does not add rounding).
+pub struct GradSink {
+    acc: HashMap<String, Tensor>,
+}
+
+impl GradSink {
+    pub fn new(_model: &Model) -> Self {
+        Self {
+            acc: HashMap::new(),
+        }
+    }
+
+    /// Adds the gradients `store` holds for `params`.
+    pub fn absorb<'a>(
+        &mut self,
+        store: &GradStore,
+        params: impl Iterator<Item = &'a (String, Var)>,
+    ) -> Result<()> {
+        for (name, var) in params {
+            let Some(g) = store.get(var.as_tensor()) else {
+                continue;
+            };
+            let g = match g.dtype() {
+                DType::BF16 | DType::F16 => g.to_dtype(DType::F32)?.detach(),
+                _ => g.detach(),
+            };
+            let sum = match self.acc.remove(name) {
+                Some(prev) => (prev + g)?,
+                None => g,
+            };
+            self.acc.insert(name.clone(), sum);
+        }
+        Ok(())
+    }
+
+    /// Every parameter's gradient in the model's order and dtype; a parameter that received none is an
+    /// error (a dropped gradient must never read as zero).
+    pub fn finish(mut self, model: &Model) -> Result<Vec<(String, Tensor)>> {
+        model
+            .parameters()
+            .iter()
+            .map(|(name, var)| {
+                let g = self
+                    .acc
+                    .remove(name)
+                    .ok_or_else(|| EngineError::MissingGradient(name.clone()))?;
+                Ok((name.clone(), g.to_dtype(var.dtype())?))
+            })
+            .collect()
+    }
+}

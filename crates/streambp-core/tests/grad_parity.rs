@@ -1,0 +1,122 @@
+//! Exactness: StreamBP and gradient checkpointing give the plain backward's gradients to rounding (f64,
+//! every family, awkward chunkings), and all three match transformers' float64 SFT gradients.
+
+mod common;
+
+use candle_core::DType;
+use common::*;
+use streambp_core::Mode;
+
+/// `(chunk, logits_chunk)` for T = 11: chunk 1; chunks not dividing T (and not aligned with Gemma3's
+/// window of 4); chunk = T; chunk > T; logits chunk 1 and >= T.
+const CHUNKINGS: [(usize, usize); 6] = [(1, 1), (3, 4), (4, 16), (5, 1), (11, 11), (16, 3)];
+
+#[test]
+fn stream_and_checkpoint_equal_full_backward_in_f64() {
+    for family in FAMILIES {
+        let f = fixture(family, DType::F64);
+        let full = f.run(Mode::Full, 1, 1);
+        let ckpt = f.run(Mode::Checkpoint, 1, 1);
+        let (err, name) = worst_grad_err(&ckpt, &full);
+        assert!(err < 1e-10, "{family} checkpoint: {name} off by {err:.2e}");
+        assert!((ckpt.loss - full.loss).abs() < 1e-12 * full.loss.abs());
+        for (chunk, logits_chunk) in CHUNKINGS {
+            let stream = f.run(Mode::Stream, chunk, logits_chunk);
+            let (err, name) = worst_grad_err(&stream, &full);
+            println!(
+                "{family} stream chunk {chunk} logits {logits_chunk}: worst {err:.2e} ({name})"
+            );
+            assert!(
+                err < 1e-10,
+                "{family} stream {chunk}/{logits_chunk}: {name} off by {err:.2e}"
+            );
+            assert!((stream.loss - full.loss).abs() < 1e-12 * full.loss.abs());
+            assert!(super_close(&stream.logp, &full.logp));
+        }
+    }
+}
+
+fn super_close(a: &candle_core::Tensor, b: &candle_core::Tensor) -> bool {
+    rel_err(a, b) < 1e-12
+}
+
+#[test]
+fn every_mode_matches_transformers_sft_gradients() {
+    for family in FAMILIES {
+        let f = fixture(family, DType::F64);
+        let ref_loss = f.reference["loss"].to_vec1::<f64>().unwrap()[0];
+        for (mode, chunk, logits_chunk) in [
+            (Mode::Full, 1, 1),
+            (Mode::Checkpoint, 1, 1),
+            (Mode::Stream, 3, 5),
+        ] {
+            let out = f.run(mode, chunk, logits_chunk);
+            assert!(
+                (out.loss - ref_loss).abs() < 1e-10 * ref_loss.abs(),
+                "{family} {mode}: loss {} vs transformers {ref_loss}",
+                out.loss
+            );
+            let mut worst = 0.0f64;
+            for (name, grad) in &out.grads {
+                let reference = &f.reference[&format!("grad.{name}")];
+                let err = rel_err(grad, reference);
+                worst = worst.max(err);
+                assert!(
+                    err < 1e-8,
+                    "{family} {mode}: {name} off by {err:.2e} from transformers"
+                );
+            }
+            println!("{family} {mode}: worst gradient error vs transformers {worst:.2e}");
+            // Every parameter of the checkpoint got a gradient.
+            let expected = f
+                .reference
+                .keys()
+                .filter(|k| k.starts_with("grad."))
+                .count();
+            assert_eq!(out.grads.len(), expected, "{family} {mode}");
+        }
+    }
+}
+
+/// Batch of one unpadded row without an attention mask (all ones).
+#[test]
+fn no_attention_mask_means_all_tokens() {
+    let f = fixture("qwen3", DType::F64);
+    let ids = f.ids.narrow(0, 0, 1).unwrap();
+    let labels = f.reference["labels"]
+        .narrow(0, 0, 1)
+        .unwrap()
+        .to_vec2::<i64>()
+        .unwrap();
+    let sft = streambp_objectives::Sft::new(&labels, 96, None, &candle_core::Device::Cpu).unwrap();
+    let run = |mode, chunk| {
+        let batch = streambp_core::Batch {
+            input_ids: &ids,
+            attention_mask: None,
+        };
+        let chunks = streambp_core::Chunks {
+            chunk,
+            logits_chunk: 2,
+        };
+        streambp_core::backward(&f.model, batch, &sft, mode, chunks).unwrap()
+    };
+    let full = run(Mode::Full, 1);
+    let (err, name) = worst_grad_err(&run(Mode::Stream, 2), &full);
+    assert!(err < 1e-10, "{name}: {err:.2e}");
+}
+
+/// f32: streamed gradients agree with the full backward to f32 rounding.
+#[test]
+fn stream_matches_full_in_f32_and_bf16() {
+    for family in FAMILIES {
+        for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 6e-2)] {
+            let f = fixture(family, dtype);
+            let full = f.run(Mode::Full, 1, 1);
+            let stream = f.run(Mode::Stream, 3, 4);
+            let (err, name) = worst_grad_err(&stream, &full);
+            println!("{family} {dtype:?}: worst {err:.2e} ({name})");
+            assert!(err < tol, "{family} {dtype:?}: {name} off by {err:.2e}");
+            assert!(stream.grads.iter().all(|(_, g)| g.dtype() == dtype));
+        }
+    }
+}
