@@ -1,1 +1,27 @@
-//! placeholder
+//! The streambp trainer as a library: batch files, the `grad` command, and (soon) the training loops
+//! the CLI runs.
+
+pub mod batch_file;
+pub mod device;
+pub mod grad;
+
+/// Typed errors of the trainer library.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("{path}: {reason}")]
+    BatchFile { path: String, reason: String },
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Engine(#[from] streambp_core::EngineError),
+    #[error(transparent)]
+    Model(#[from] streambp_models::ModelError),
+    #[error(transparent)]
+    Objective(#[from] streambp_objectives::ObjectiveError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+pub type Result<T> = std::result::Result<T, TrainError>;

@@ -1,0 +1,112 @@
+//! The `grad` command: one backward on one batch file, every gradient written under its HF name.
+//! Other tools rely on its output contract; keep it stable.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use serde::Serialize;
+use streambp_core::{backward, plan_for_budget, Batch, Chunks, Mode, Problem};
+use streambp_models::{load_model, resolve_model_dir, save_safetensors};
+
+use crate::batch_file::load_batch;
+use crate::device::{parse_device, parse_dtype};
+use crate::Result;
+
+/// Default chunk sizes when neither explicit sizes nor a budget are given.
+pub const DEFAULT_CHUNK: usize = 512;
+pub const DEFAULT_LOGITS_CHUNK: usize = 128;
+
+#[derive(Debug, Clone)]
+pub struct GradArgs {
+    pub model: String,
+    pub batch: PathBuf,
+    pub mode: Mode,
+    pub chunk: Option<usize>,
+    pub logits_chunk: Option<usize>,
+    pub memory_budget: Option<u64>,
+    pub dtype: String,
+    pub device: String,
+    pub out: PathBuf,
+}
+
+/// The one JSON line `grad` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct GradReport {
+    pub loss: f64,
+    pub mode: String,
+    /// Peak host heap bytes during the backward (null on CUDA or without the counting allocator).
+    pub peak_bytes: Option<usize>,
+    pub seconds: f64,
+    pub tokens: usize,
+    pub chunk: usize,
+    pub logits_chunk: usize,
+}
+
+pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
+    let device = parse_device(&args.device)?;
+    let dtype = parse_dtype(&args.dtype)?;
+    let dir = resolve_model_dir(&args.model)?;
+    let model = load_model(&dir, dtype, &device)?;
+    let batch = load_batch(&args.batch, model.config.vocab_size, &device)?;
+    let (b, t) = batch.input_ids.dims2()?;
+    let chunks = match (args.chunk, args.logits_chunk, args.memory_budget) {
+        (None, None, Some(budget)) => {
+            let problem = Problem {
+                config: &model.config,
+                batch: b,
+                seq_len: t,
+                dtype,
+            };
+            plan_for_budget(problem, budget)?
+        }
+        (chunk, logits_chunk, _) => Chunks {
+            chunk: chunk.unwrap_or(DEFAULT_CHUNK),
+            logits_chunk: logits_chunk.unwrap_or(DEFAULT_LOGITS_CHUNK),
+        },
+    };
+    tracing::info!(?chunks, mode = %args.mode, batch = b, seq_len = t, "backward");
+    let start = Instant::now();
+    let out = backward(
+        &model,
+        Batch {
+            input_ids: &batch.input_ids,
+            attention_mask: batch.attention_mask.as_ref(),
+        },
+        batch.objective.as_ref(),
+        args.mode,
+        chunks,
+    )?;
+    let seconds = start.elapsed().as_secs_f64();
+    for (phase, bytes) in &out.peaks.phases {
+        tracing::info!(
+            phase,
+            peak_mib = *bytes as f64 / (1 << 20) as f64,
+            "phase peak"
+        );
+    }
+
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    for (name, g) in out.grads {
+        tensors.insert(name, g.to_device(&Device::Cpu)?);
+    }
+    tensors.insert(
+        "loss".into(),
+        Tensor::new(&[out.loss], &Device::Cpu)?.to_dtype(dtype)?,
+    );
+    save_safetensors(&tensors, &args.out)?;
+    Ok(GradReport {
+        loss: out.loss,
+        mode: args.mode.to_string(),
+        peak_bytes: if device.is_cpu() {
+            out.peaks.overall()
+        } else {
+            None
+        },
+        seconds,
+        tokens: batch.tokens,
+        chunk: chunks.chunk,
+        logits_chunk: chunks.logits_chunk,
+    })
+}

@@ -1,0 +1,218 @@
+//! The `grad` command end to end: its output contract, its gradients against transformers', and a clear
+//! error for each kind of bad batch.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_core::{DType, Device, Tensor};
+
+fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn reference(name: &str) -> std::collections::HashMap<String, Tensor> {
+    candle_core::safetensors::load(
+        fixture_dir(name).join("reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
+fn rows(t: &Tensor) -> Vec<Vec<i64>> {
+    t.to_vec2::<i64>().unwrap()
+}
+
+/// The fixture's batch as a grad batch file.
+fn batch_json(name: &str) -> serde_json::Value {
+    let r = reference(name);
+    serde_json::json!({
+        "objective": "sft",
+        "input_ids": rows(&r["input_ids"]),
+        "labels": rows(&r["labels"]),
+        "attention_mask": rows(&r["attention_mask"]),
+    })
+}
+
+fn grad(
+    model: &Path,
+    batch: &serde_json::Value,
+    extra: &[&str],
+) -> (bool, String, String, PathBuf, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let batch_path = dir.path().join("batch.json");
+    std::fs::write(&batch_path, batch.to_string()).unwrap();
+    let out = dir.path().join("grads.safetensors");
+    let output = Command::new(env!("CARGO_BIN_EXE_streambp-train"))
+        .args(["grad", "--model"])
+        .arg(model)
+        .arg("--batch")
+        .arg(&batch_path)
+        .arg("--out")
+        .arg(&out)
+        .args(extra)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+        out,
+        dir,
+    )
+}
+
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let d = (a - &b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    d / b.abs().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+}
+
+#[test]
+fn grad_writes_hf_named_gradients_matching_transformers() {
+    for family in ["qwen2", "gemma3"] {
+        for mode in ["stream", "checkpoint", "full"] {
+            let (ok, stdout, stderr, out, _dir) = grad(
+                &fixture_dir(family),
+                &batch_json(family),
+                &[
+                    "--mode",
+                    mode,
+                    "--chunk",
+                    "3",
+                    "--logits-chunk",
+                    "4",
+                    "--dtype",
+                    "f64",
+                ],
+            );
+            assert!(ok, "{family} {mode}: {stderr}");
+            let line: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+            for key in ["loss", "mode", "peak_bytes", "seconds", "tokens"] {
+                assert!(line.get(key).is_some(), "missing {key} in {stdout}");
+            }
+            assert_eq!(line["mode"], mode);
+            assert_eq!(line["tokens"], 11 + 7 + 9);
+            assert!(line["peak_bytes"].as_u64().unwrap() > 0);
+
+            let written = candle_core::safetensors::load(&out, &Device::Cpu).unwrap();
+            let r = reference(family);
+            let loss = written["loss"].to_vec1::<f64>().unwrap();
+            assert_eq!(written["loss"].dims(), [1]);
+            assert!((loss[0] - r["loss"].to_vec1::<f64>().unwrap()[0]).abs() < 1e-12);
+            let expected: Vec<_> = r.keys().filter_map(|k| k.strip_prefix("grad.")).collect();
+            assert_eq!(written.len(), expected.len() + 1);
+            for name in expected {
+                let err = rel_err(&written[name], &r[&format!("grad.{name}")]);
+                assert!(err < 1e-10, "{family} {mode} {name}: {err:.2e}");
+                assert_eq!(written[name].dtype(), DType::F64);
+            }
+        }
+    }
+}
+
+#[test]
+fn tied_embeddings_are_written_once() {
+    let (ok, _, stderr, out, _dir) = grad(
+        &fixture_dir("qwen3"),
+        &batch_json("qwen3"),
+        &["--dtype", "f32"],
+    );
+    assert!(ok, "{stderr}");
+    let written = candle_core::safetensors::load(&out, &Device::Cpu).unwrap();
+    assert!(written.contains_key("model.embed_tokens.weight"));
+    assert!(!written.contains_key("lm_head.weight"));
+    assert_eq!(written["loss"].dtype(), DType::F32);
+}
+
+#[test]
+fn memory_budget_picks_chunks_and_too_small_budget_is_explained() {
+    let (ok, stdout, stderr, _, _dir) = grad(
+        &fixture_dir("llama3"),
+        &batch_json("llama3"),
+        &["--memory-budget", "64MiB"],
+    );
+    assert!(ok, "{stderr}");
+    let line: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert!(line["chunk"].as_u64().unwrap() >= 1);
+    let (ok, _, stderr, _, _dir) = grad(
+        &fixture_dir("llama3"),
+        &batch_json("llama3"),
+        &["--memory-budget", "1000"],
+    );
+    assert!(!ok);
+    assert!(
+        stderr.contains("too small") && stderr.contains("need an estimated"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn bad_batches_are_clear_errors() {
+    let model = fixture_dir("qwen2");
+    let mut cases: Vec<(serde_json::Value, &str)> = Vec::new();
+
+    let mut ragged = batch_json("qwen2");
+    ragged["input_ids"][1].as_array_mut().unwrap().pop();
+    cases.push((ragged, "ragged: row 1"));
+
+    let mut oov = batch_json("qwen2");
+    oov["input_ids"][0][2] = 96.into();
+    cases.push((oov, "token id 96 at row 0, position 2"));
+
+    let mut no_target = batch_json("qwen2");
+    for row in no_target["labels"].as_array_mut().unwrap() {
+        for v in row.as_array_mut().unwrap() {
+            *v = (-100).into();
+        }
+    }
+    cases.push((no_target, "no target token"));
+
+    let mut unknown = batch_json("qwen2");
+    unknown["objective"] = "ppo".into();
+    cases.push((unknown, "unknown objective \"ppo\""));
+
+    let mut left_padded = batch_json("qwen2");
+    left_padded["attention_mask"][1] = serde_json::json!([0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]);
+    cases.push((left_padded, "not right-padded"));
+
+    let mut bad_label = batch_json("qwen2");
+    bad_label["labels"][0][5] = 500.into();
+    cases.push((bad_label, "label 500"));
+
+    for (batch, expected) in cases {
+        let (ok, _, stderr, out, _dir) = grad(&model, &batch, &[]);
+        assert!(!ok, "accepted a bad batch ({expected})");
+        assert!(
+            stderr.contains(expected),
+            "expected {expected:?} in: {stderr}"
+        );
+        assert!(
+            stderr.contains("batch.json"),
+            "error should name the file: {stderr}"
+        );
+        assert!(!out.exists(), "no output on error");
+    }
+}
+
+#[test]
+fn unknown_mode_and_missing_model_are_reported() {
+    let (ok, _, stderr, _, _dir) = grad(
+        &fixture_dir("qwen2"),
+        &batch_json("qwen2"),
+        &["--mode", "fast"],
+    );
+    assert!(!ok && stderr.contains("unknown mode"), "{stderr}");
+    let (ok, _, stderr, _, _dir) = grad(Path::new("/nonexistent/model"), &batch_json("qwen2"), &[]);
+    assert!(!ok && stderr.contains("/nonexistent/model"), "{stderr}");
+}
