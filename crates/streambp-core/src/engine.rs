@@ -123,7 +123,12 @@ pub fn backward(
         }
         Mode::Stream | Mode::Checkpoint => {
             let detached = model.detached();
-            let mut inputs = forward_checkpoints(&detached, batch.input_ids, key_valid.as_ref())?;
+            let mut inputs = forward_checkpoints(
+                &detached,
+                batch.input_ids,
+                key_valid.as_ref(),
+                chunks.chunk,
+            )?;
             peaks.record("forward");
             let last = inputs
                 .pop()
@@ -174,21 +179,62 @@ pub fn backward(
     })
 }
 
-/// Phase 1: the model without a graph; returns the input of every layer and the last layer's output
-/// (`L + 1` tensors of `[batch, T, d]`).
+/// Phase 1: the model without a graph, each layer over query chunks; returns the input of every layer
+/// and the last layer's output (`L + 1` tensors of `[batch, T, d]`).
 pub fn forward_checkpoints(
     detached: &Model,
     input_ids: &Tensor,
     key_valid: Option<&Tensor>,
+    chunk: usize,
 ) -> Result<Vec<Tensor>> {
     let mut states = Vec::with_capacity(detached.layers.len() + 1);
     states.push(detached.embed(input_ids)?);
     for layer in &detached.layers {
         let x = states.last().expect("non-empty");
-        let y = layer.forward(x, key_valid)?;
+        let y = layer_forward_streamed(layer, x, key_valid, chunk)?;
         states.push(y);
     }
     Ok(states)
+}
+
+/// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk.
+fn keys_values_streamed(layer: &DecoderLayer, x: &Tensor, chunk: usize) -> Result<(Tensor, Tensor)> {
+    let (mut ks, mut vs) = (Vec::new(), Vec::new());
+    for r in chunk_ranges(x.dim(1)?, chunk) {
+        let normed = layer.norm_input(&x.narrow(1, r.start, r.len())?)?;
+        let (k, v) = layer.keys_values(&normed, r.start)?;
+        ks.push(k);
+        vs.push(v);
+    }
+    Ok((Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?))
+}
+
+/// One layer's output over query chunks (no graph when `layer` is detached): attention memory is
+/// `chunk × T` per head instead of `T × T`.
+pub fn layer_forward_streamed(
+    layer: &DecoderLayer,
+    x: &Tensor,
+    key_valid: Option<&Tensor>,
+    chunk: usize,
+) -> Result<Tensor> {
+    let (keys, values) = keys_values_streamed(layer, x, chunk)?;
+    let out = x.zeros_like()?;
+    for r in chunk_ranges(x.dim(1)?, chunk) {
+        let k0 = layer.first_visible_key(r.start);
+        let block = KeyBlock {
+            q_start: r.start,
+            k_start: k0,
+            key_valid,
+        };
+        let y = layer.forward_chunk(
+            &x.narrow(1, r.start, r.len())?,
+            &keys.narrow(2, k0, r.end - k0)?,
+            &values.narrow(2, k0, r.end - k0)?,
+            block,
+        )?;
+        out.slice_set(&y, 1, r.start)?;
+    }
+    Ok(out)
 }
 
 /// `log softmax(logits)[target]` for `logits` `[b, c, V]` and `targets` `[b, c]`, in f32 (f64 for f64
@@ -324,17 +370,7 @@ pub fn layer_backward_streamed(
 ) -> Result<Tensor> {
     let t = x.dim(1)?;
     let ranges = chunk_ranges(t, chunk);
-    let detached = layer.detached();
-    let (mut ks, mut vs) = (Vec::new(), Vec::new());
-    for r in &ranges {
-        let normed = detached.norm_input(&x.narrow(1, r.start, r.len())?)?;
-        let (k, v) = detached.keys_values(&normed, r.start)?;
-        ks.push(k);
-        vs.push(v);
-    }
-    let keys = Tensor::cat(&ks, 2)?;
-    let values = Tensor::cat(&vs, 2)?;
-    drop((ks, vs));
+    let (keys, values) = keys_values_streamed(&layer.detached(), x, chunk)?;
     let grad_keys = keys.zeros_like()?;
     let grad_values = values.zeros_like()?;
     let grad_in = x.zeros_like()?;

@@ -31,13 +31,21 @@ fn stream_and_checkpoint_equal_full_backward_in_f64() {
                 "{family} stream {chunk}/{logits_chunk}: {name} off by {err:.2e}"
             );
             assert!((stream.loss - full.loss).abs() < 1e-12 * full.loss.abs());
-            assert!(super_close(&stream.logp, &full.logp));
+            assert!(targets_close(&f, &stream.logp, &full.logp));
         }
     }
 }
 
-fn super_close(a: &candle_core::Tensor, b: &candle_core::Tensor) -> bool {
-    rel_err(a, b) < 1e-12
+/// Log-probs agree where a target exists (padded positions carry no loss and may differ: a padded query
+/// in a sliding-window layer sees no real key).
+fn targets_close(f: &Fixture, a: &candle_core::Tensor, b: &candle_core::Tensor) -> bool {
+    let labels = f.reference["labels"].to_vec2::<i64>().unwrap();
+    let (a, b) = (a.to_vec2::<f64>().unwrap(), b.to_vec2::<f64>().unwrap());
+    labels.iter().enumerate().all(|(r, row)| {
+        (0..row.len() - 1)
+            .filter(|&t| row[t + 1] != -100)
+            .all(|t| (a[r][t] - b[r][t]).abs() < 1e-12 * b[r][t].abs().max(1.0))
+    })
 }
 
 #[test]
