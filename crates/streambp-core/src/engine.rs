@@ -17,7 +17,7 @@ use streambp_models::{key_validity, DecoderLayer, KeyBlock, Model};
 use streambp_objectives::Objective;
 
 use crate::error::{EngineError, Result};
-use crate::memory::PhasePeaks;
+use crate::memory::PhaseLog;
 
 /// How the backward is computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,8 +80,8 @@ pub struct Gradients {
     pub grads: Vec<(String, Tensor)>,
     /// `[batch, T]` target log-probs the objective saw (for metrics).
     pub logp: Tensor,
-    /// Peak host bytes of each phase (empty without the counting allocator).
-    pub peaks: PhasePeaks,
+    /// Peak host bytes (with the counting allocator) and seconds of each phase.
+    pub phases: PhaseLog,
 }
 
 /// Computes the loss and the gradient of every parameter of `model` for `objective` on `batch`.
@@ -112,8 +112,7 @@ pub fn backward(
     }
     let key_valid = batch.attention_mask.map(key_validity).transpose()?;
     let mut sink = GradSink::new(model);
-    let mut peaks = PhasePeaks::default();
-    crate::memory::reset_peak();
+    let mut peaks = PhaseLog::start();
 
     let (loss, logp) = match mode {
         Mode::Full => {
@@ -123,12 +122,8 @@ pub fn backward(
         }
         Mode::Stream | Mode::Checkpoint => {
             let detached = model.detached();
-            let mut inputs = forward_checkpoints(
-                &detached,
-                batch.input_ids,
-                key_valid.as_ref(),
-                chunks.chunk,
-            )?;
+            let mut inputs =
+                forward_checkpoints(&detached, batch.input_ids, key_valid.as_ref(), chunks.chunk)?;
             peaks.record("forward");
             let last = inputs
                 .pop()
@@ -175,7 +170,7 @@ pub fn backward(
         loss,
         grads: sink.finish(model)?,
         logp,
-        peaks,
+        phases: peaks,
     })
 }
 
@@ -198,7 +193,11 @@ pub fn forward_checkpoints(
 }
 
 /// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk.
-fn keys_values_streamed(layer: &DecoderLayer, x: &Tensor, chunk: usize) -> Result<(Tensor, Tensor)> {
+fn keys_values_streamed(
+    layer: &DecoderLayer,
+    x: &Tensor,
+    chunk: usize,
+) -> Result<(Tensor, Tensor)> {
     let (mut ks, mut vs) = (Vec::new(), Vec::new());
     for r in chunk_ranges(x.dim(1)?, chunk) {
         let normed = layer.norm_input(&x.narrow(1, r.start, r.len())?)?;
@@ -280,9 +279,10 @@ fn chunk_ranges(t: usize, size: usize) -> Vec<Range<usize>> {
 /// Phase 2: final norm, LM head and loss over logits chunks. Returns the loss, the `[batch, T]` target
 /// log-probs and the gradient of the last layer's output.
 ///
-/// Per chunk: `logp_c` is computed inside the chunk's graph, and `Σ g_c · logp_c` is backpropagated with
-/// `g = dLoss/dlogp`. Separable objectives give `g_c` chunk by chunk; others need all of `logp` first, so
-/// a no-graph pass computes it and the loss before the backward pass.
+/// Per chunk the head's VJP is explicit (see [`head_chunk`]): with `g = dLoss/dlogp`,
+/// `dlogits = g ⊙ (onehot(target) − softmax)`, `dH = dlogits·W`, `dW += dlogitsᵀ·H`. Separable objectives
+/// give `g` chunk by chunk; others need all of `logp` first, so a forward-only pass computes it and the
+/// loss before the backward pass. The final norm is backpropagated through autograd (`c × d` only).
 pub fn head_backward(
     model: &Model,
     last: &Tensor,
@@ -293,10 +293,10 @@ pub fn head_backward(
     let t = last.dim(1)?;
     let targets = objective.targets();
     let ranges = chunk_ranges(t, logits_chunk);
+    let detached = model.detached();
     let whole = if objective.separable() {
         None
     } else {
-        let detached = model.detached();
         let mut parts = Vec::with_capacity(ranges.len());
         for r in &ranges {
             let h = detached.final_norm(&last.narrow(1, r.start, r.len())?)?;
@@ -310,30 +310,44 @@ pub fn head_backward(
         Some(loss_and_grad(objective, &logp, 0..t)?)
     };
 
+    let head_name = if model.config.tie_word_embeddings {
+        "model.embed_tokens.weight"
+    } else {
+        "lm_head.weight"
+    };
     let grad_last = last.zeros_like()?;
     let mut logp_parts = Vec::with_capacity(ranges.len());
     let mut loss = 0.0;
     for r in ranges {
         let x = Var::from_tensor(&last.narrow(1, r.start, r.len())?)?;
         let h = model.final_norm(x.as_tensor())?;
-        let logits = model.logits(&h)?;
-        let logp = target_logprobs(&logits, &targets.narrow(1, r.start, r.len())?)?;
-        let g = match &whole {
-            Some((_, g)) => g.narrow(1, r.start, r.len())?,
-            None => {
-                let (l, g) = loss_and_grad(objective, &logp, r.clone())?;
-                loss += l;
-                g
-            }
+        let chunk_targets = targets.narrow(1, r.start, r.len())?;
+        let grad_of = |logp: &Tensor| -> Result<Tensor> {
+            Ok(match &whole {
+                Some((_, g)) => g.narrow(1, r.start, r.len())?,
+                None => {
+                    let (l, g) = loss_and_grad(objective, logp, r.clone())?;
+                    loss += l;
+                    g
+                }
+            })
         };
-        let store = (&logp * g)?.sum_all()?.backward()?;
+        let out = head_chunk(&detached, &h.detach(), &chunk_targets, grad_of)?;
+        sink.add(head_name, out.grad_weight)?;
+        let store = (h * out.grad_hidden)?.sum_all()?.backward()?;
         grad_last.slice_set(
             &required(&store, x.as_tensor(), "last hidden state")?,
             1,
             r.start,
         )?;
-        sink.absorb(&store, head_parameters(model))?;
-        logp_parts.push(logp.detach());
+        sink.absorb(
+            &store,
+            model
+                .parameters()
+                .iter()
+                .filter(|(n, _)| n == "model.norm.weight"),
+        )?;
+        logp_parts.push(out.logp);
     }
     if let Some((l, _)) = whole {
         loss = l;
@@ -341,9 +355,61 @@ pub fn head_backward(
     Ok((loss, Tensor::cat(&logp_parts, 1)?, grad_last))
 }
 
-fn head_parameters(model: &Model) -> impl Iterator<Item = &(String, Var)> {
-    model.parameters().iter().filter(|(n, _)| {
-        n == "model.norm.weight" || n == "lm_head.weight" || n == "model.embed_tokens.weight"
+/// What one LM-head chunk yields.
+pub struct HeadChunk {
+    /// `[b, c]` target log-probs.
+    pub logp: Tensor,
+    /// `[b, c, d]` gradient of the normed hidden states.
+    pub grad_hidden: Tensor,
+    /// `[V, d]` this chunk's share of the head weight's gradient.
+    pub grad_weight: Tensor,
+}
+
+/// The LM head's forward and explicit VJP on one chunk of normed hidden states `h` (`[b, c, d]`,
+/// detached). `grad_of` maps the chunk's `logp` to `dLoss/dlogp`.
+///
+/// With `z` the (soft-capped) logits in f32/f64 and `p = softmax(z)`, `d logp / dz = onehot − p`; a
+/// soft-cap `z = cap·tanh(l / cap)` adds the factor `1 − (z / cap)²`. Writing it out avoids autograd's
+/// `[V, d]` zero-fill and strided transpose-add per chunk.
+pub fn head_chunk(
+    detached: &Model,
+    h: &Tensor,
+    targets: &Tensor,
+    mut grad_of: impl FnMut(&Tensor) -> Result<Tensor>,
+) -> Result<HeadChunk> {
+    let (b, c, d) = h.dims3()?;
+    let n = b * c;
+    let h2 = h.reshape((n, d))?;
+    let weight = &detached.lm_head;
+    let dtype = h.dtype();
+    let compute = if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let mut z = h2.matmul(&weight.t()?)?;
+    let cap = detached.config.final_logit_softcap;
+    if let Some(cap) = cap {
+        z = ((z / cap)?.tanh()? * cap)?;
+    }
+    let z = z.to_dtype(compute)?;
+    let lse = z.log_sum_exp(D::Minus1)?;
+    let idx = targets.reshape((n, 1))?.contiguous()?;
+    let logp = (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
+    let g = grad_of(&logp)?.to_dtype(compute)?.reshape((n, 1))?;
+    let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
+    let mut dz = p
+        .broadcast_mul(&g.neg()?)?
+        .scatter_add(&idx, &g, D::Minus1)?;
+    if let Some(cap) = cap {
+        let slope = (1.0 - (&z / cap)?.sqr()?)?;
+        dz = (dz * slope)?;
+    }
+    let dz = dz.to_dtype(dtype)?;
+    Ok(HeadChunk {
+        logp,
+        grad_hidden: dz.matmul(weight)?.reshape((b, c, d))?,
+        grad_weight: dz.t()?.matmul(&h2)?,
     })
 }
 
@@ -527,6 +593,20 @@ impl GradSink {
             };
             self.acc.insert(name.clone(), sum);
         }
+        Ok(())
+    }
+
+    /// Adds a gradient computed outside autograd (the LM head's).
+    pub fn add(&mut self, name: &str, grad: Tensor) -> Result<()> {
+        let grad = match grad.dtype() {
+            DType::BF16 | DType::F16 => grad.to_dtype(DType::F32)?,
+            _ => grad,
+        };
+        let sum = match self.acc.remove(name) {
+            Some(prev) => (prev + grad)?,
+            None => grad,
+        };
+        self.acc.insert(name.to_string(), sum);
         Ok(())
     }
 

@@ -77,23 +77,52 @@ pub fn reset_peak() {
     PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
 }
 
-/// Peak bytes of each phase of a backward, as measured (None without the counting allocator).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct PhasePeaks {
-    pub phases: Vec<(&'static str, usize)>,
+/// What one phase of a backward cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Phase {
+    pub name: &'static str,
+    /// Peak live heap bytes during the phase (None without the counting allocator).
+    pub peak_bytes: Option<usize>,
+    pub seconds: f64,
 }
 
-impl PhasePeaks {
-    /// Ends a phase: records its peak and starts the next phase's measurement.
-    pub fn record(&mut self, phase: &'static str) {
-        if let Some(p) = peak_bytes() {
-            self.phases.push((phase, p));
+/// Peak bytes and seconds of each phase of a backward, in order.
+#[derive(Debug, Clone)]
+pub struct PhaseLog {
+    pub phases: Vec<Phase>,
+    started: std::time::Instant,
+}
+
+impl Default for PhaseLog {
+    fn default() -> Self {
+        Self::start()
+    }
+}
+
+impl PhaseLog {
+    /// Starts measuring the first phase.
+    pub fn start() -> Self {
+        reset_peak();
+        Self {
+            phases: Vec::new(),
+            started: std::time::Instant::now(),
         }
+    }
+
+    /// Ends a phase: records its peak and time, and starts the next phase's measurement.
+    pub fn record(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.phases.push(Phase {
+            name,
+            peak_bytes: peak_bytes(),
+            seconds: (now - self.started).as_secs_f64(),
+        });
+        self.started = now;
         reset_peak();
     }
 
     /// The highest peak over all phases.
-    pub fn overall(&self) -> Option<usize> {
-        self.phases.iter().map(|(_, p)| *p).max()
+    pub fn overall_peak(&self) -> Option<usize> {
+        self.phases.iter().filter_map(|p| p.peak_bytes).max()
     }
 }

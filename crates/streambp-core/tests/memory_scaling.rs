@@ -28,23 +28,55 @@ fn model() -> Model {
 fn activation_peak(model: &Model, mode: Mode, t: usize) -> usize {
     let ids: Vec<u32> = (0..t as u32).map(|i| (i * 37 + 11) % 128).collect();
     let ids = Tensor::from_vec(ids, (1, t), &Device::Cpu).unwrap();
-    let labels = vec![ids.to_vec2::<u32>().unwrap()[0].iter().map(|&v| v as i64).collect()];
+    let labels = vec![ids.to_vec2::<u32>().unwrap()[0]
+        .iter()
+        .map(|&v| v as i64)
+        .collect()];
     let sft = Sft::new(&labels, 128, None, &Device::Cpu).unwrap();
     let before = current_bytes().unwrap();
-    let chunks = Chunks { chunk: 64, logits_chunk: 64 };
-    let out = backward(model, Batch { input_ids: &ids, attention_mask: None }, &sft, mode, chunks).unwrap();
-    println!("{mode} T={t}: {:?}", out.peaks.phases.iter().map(|(p, b)| (p, (b - before) >> 10)).collect::<Vec<_>>());
-    out.peaks.overall().unwrap() - before
+    let chunks = Chunks {
+        chunk: 64,
+        logits_chunk: 64,
+    };
+    let out = backward(
+        model,
+        Batch {
+            input_ids: &ids,
+            attention_mask: None,
+        },
+        &sft,
+        mode,
+        chunks,
+    )
+    .unwrap();
+    let phases: Vec<_> = out
+        .phases
+        .phases
+        .iter()
+        .map(|p| (p.name, (p.peak_bytes.unwrap() - before) >> 10))
+        .collect();
+    println!("{mode} T={t}: {phases:?} KiB");
+    out.phases.overall_peak().unwrap() - before
 }
 
 #[test]
 fn stream_peak_is_linear_in_t_and_checkpoint_grows_faster() {
     let model = model();
     let ts = [256usize, 512, 1024];
-    let stream: Vec<usize> = ts.iter().map(|&t| activation_peak(&model, Mode::Stream, t)).collect();
-    let ckpt: Vec<usize> = ts.iter().map(|&t| activation_peak(&model, Mode::Checkpoint, t)).collect();
+    let stream: Vec<usize> = ts
+        .iter()
+        .map(|&t| activation_peak(&model, Mode::Stream, t))
+        .collect();
+    let ckpt: Vec<usize> = ts
+        .iter()
+        .map(|&t| activation_peak(&model, Mode::Checkpoint, t))
+        .collect();
     for (i, t) in ts.iter().enumerate() {
-        println!("T={t}: stream {} KiB, checkpoint {} KiB", stream[i] >> 10, ckpt[i] >> 10);
+        println!(
+            "T={t}: stream {} KiB, checkpoint {} KiB",
+            stream[i] >> 10,
+            ckpt[i] >> 10
+        );
     }
     // Bytes per added token: constant for a linear peak (the second step adds twice the tokens of the
     // first, so the ratio of increments per token is 1), growing for a quadratic one.
@@ -53,8 +85,17 @@ fn stream_peak_is_linear_in_t_and_checkpoint_grows_faster() {
     println!("bytes per added token, second step over first: stream {s:.3}, checkpoint {c:.3}");
     assert!(stream[2] > stream[1] && stream[1] > stream[0]);
     // Measured 0.81: never super-linear (the per-token cost does not grow with T).
-    assert!(s < 1.1, "stream peak grows faster than linearly: {stream:?}");
+    assert!(
+        s < 1.1,
+        "stream peak grows faster than linearly: {stream:?}"
+    );
     // Measured 1.94: checkpointing's per-token cost doubles with T (heads × T² scores).
-    assert!(c > 1.6, "checkpoint peak should grow quadratically: {ckpt:?}");
-    assert!(ckpt[2] as f64 > 2.0 * stream[2] as f64, "at T=1024 stream should need far less: {stream:?} vs {ckpt:?}");
+    assert!(
+        c > 1.6,
+        "checkpoint peak should grow quadratically: {ckpt:?}"
+    );
+    assert!(
+        ckpt[2] as f64 > 2.0 * stream[2] as f64,
+        "at T=1024 stream should need far less: {stream:?} vs {ckpt:?}"
+    );
 }

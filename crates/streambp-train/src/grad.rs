@@ -100,7 +100,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         loss: out.loss,
         mode: args.mode.to_string(),
         peak_bytes: if device.is_cpu() {
-            out.peaks.overall()
+            out.phases.overall_peak()
         } else {
             None
         },
