@@ -79,11 +79,12 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         chunks,
     )?;
     let seconds = start.elapsed().as_secs_f64();
-    for (phase, bytes) in &out.peaks.phases {
+    for phase in &out.phases.phases {
         tracing::info!(
-            phase,
-            peak_mib = *bytes as f64 / (1 << 20) as f64,
-            "phase peak"
+            phase = phase.name,
+            seconds = phase.seconds,
+            peak_mib = phase.peak_bytes.map(|b| b as f64 / (1 << 20) as f64),
+            "phase"
         );
     }
 
