@@ -174,6 +174,119 @@ def sft_loss(logits, labels):
     return torch.nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="mean")
 
 
+def token_logps(logits, ids):
+    """log p(ids[t]) from logits[t-1]: [B, T-1], aligned with positions 1..T-1."""
+    logp = torch.log_softmax(logits[:, :-1, :], dim=-1)
+    return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def pad_rows(rows, t, fill):
+    return torch.stack([torch.cat([r, torch.full((t - len(r),), fill, dtype=r.dtype)]) for r in rows])
+
+
+def dpo_case(model, vocab, gen):
+    """Two pairs with unequal chosen/rejected lengths and a shared prompt that is not trained on."""
+    prompt = torch.randint(0, vocab, (3,), generator=gen)
+    lengths = {"chosen": [9, 6], "rejected": [7, 10]}
+    out, seqs = {}, {}
+    for side, lens in lengths.items():
+        rows = [torch.cat([prompt, torch.randint(0, vocab, (n - 3,), generator=gen)]) for n in lens]
+        t = max(lens)
+        ids = pad_rows(rows, t, 0)
+        mask = pad_rows([torch.ones(n, dtype=torch.int64) for n in lens], t, 0)
+        labels = ids.clone()
+        labels[mask == 0] = -100
+        labels[:, :3] = -100
+        out[f"{side}_input_ids"], out[f"{side}_attention_mask"], out[f"{side}_labels"] = ids, mask, labels
+    ref_chosen = -20.0 + 2.0 * torch.randn(2, generator=gen, dtype=F64)
+    ref_rejected = -20.0 + 2.0 * torch.randn(2, generator=gen, dtype=F64)
+    beta = 0.1
+
+    def seq_logps(side):
+        ids, mask, labels = out[f"{side}_input_ids"], out[f"{side}_attention_mask"], out[f"{side}_labels"]
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        tok = token_logps(logits, ids)
+        return (tok * (labels[:, 1:] != -100)).sum(-1)
+
+    model.zero_grad()
+    pc, pr = seq_logps("chosen"), seq_logps("rejected")
+    chosen_logratios, rejected_logratios = pc - ref_chosen, pr - ref_rejected
+    loss = -torch.nn.functional.logsigmoid(beta * (chosen_logratios - rejected_logratios)).mean()
+    loss.backward()
+    batch = {"objective": "dpo", **{k: v.tolist() for k, v in out.items()},
+             "ref_chosen_logps": ref_chosen.tolist(), "ref_rejected_logps": ref_rejected.tolist(), "beta": beta}
+    chosen_rewards, rejected_rewards = beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+    tensors = {
+        "dpo.loss": loss.detach().reshape(1),
+        "dpo.rewards_chosen": chosen_rewards.mean().reshape(1),
+        "dpo.rewards_rejected": rejected_rewards.mean().reshape(1),
+        "dpo.accuracy": (chosen_rewards > rejected_rewards).to(F64).mean().reshape(1),
+    }
+    tensors.update({f"dpo.grad.{n}": p.grad.detach().clone() for n, p in model.named_parameters()})
+    return batch, tensors
+
+
+def grpo_case(model, vocab, gen):
+    """A group of 4 completions of one prompt, padded, with old log-probs that make some ratios clip."""
+    prompt_len, completion_lens = 4, [5, 3, 6, 2]
+    t = prompt_len + max(completion_lens)
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
+    rows = [torch.cat([prompt, torch.randint(0, vocab, (n,), generator=gen)]) for n in completion_lens]
+    ids = pad_rows(rows, t, 0)
+    attention_mask = pad_rows([torch.ones(prompt_len + n, dtype=torch.int64) for n in completion_lens], t, 0)
+    completion_mask = torch.zeros_like(ids)
+    for i, n in enumerate(completion_lens):
+        completion_mask[i, prompt_len:prompt_len + n] = 1
+    advantages = torch.tensor([1.0, -0.5, 0.8, -1.3], dtype=F64)
+    with torch.no_grad():
+        current = token_logps(model(input_ids=ids, attention_mask=attention_mask).logits, ids)
+    mask = completion_mask[:, 1:].to(F64)
+    old = (current + 0.3 * torch.randn(current.shape, generator=gen, dtype=F64)) * mask
+    ref = (current + 0.2 * torch.randn(current.shape, generator=gen, dtype=F64)) * mask
+    beta, eps, max_completion_length = 0.04, 0.2, 8
+
+    def trl_loss(loss_type, old_logps, beta):
+        per_token_logps = token_logps(model(input_ids=ids, attention_mask=attention_mask).logits, ids)
+        old_per_token_logps = per_token_logps.detach() if old_logps is None else old_logps
+        coef_1 = torch.exp(per_token_logps - old_per_token_logps)
+        coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
+        adv = advantages.unsqueeze(1)
+        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+        kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+        if beta != 0.0:
+            per_token_loss = per_token_loss + beta * kl
+        if loss_type == "grpo":
+            loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        elif loss_type == "bnpo":
+            loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+        else:
+            loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
+        clipped = ((coef_1 < 1 - eps) & (adv < 0)) | ((coef_1 > 1 + eps) & (adv > 0))
+        clip_ratio = (clipped.to(F64) * mask).sum() / mask.sum()
+        mean_kl = (kl * mask).sum() / mask.sum()
+        return loss, clip_ratio.detach(), mean_kl.detach()
+
+    def aligned(x):  # [B, T-1] for positions 1.. -> [B, T] aligned with input_ids
+        return torch.cat([torch.zeros(x.shape[0], 1, dtype=F64), x], dim=1).tolist()
+
+    batch = {"objective": "grpo", "input_ids": ids.tolist(), "attention_mask": attention_mask.tolist(),
+             "completion_mask": completion_mask.tolist(), "advantages": advantages.tolist(),
+             "old_logps": aligned(old), "ref_logps": aligned(ref), "beta": beta, "epsilon": eps,
+             "max_completion_length": max_completion_length}
+    tensors = {}
+    variants = [(lt, old, beta) for lt in ("grpo", "bnpo", "dr_grpo")] + [("noold", None, 0.0)]
+    for name, old_logps, b in variants:
+        model.zero_grad()
+        loss, clip_ratio, mean_kl = trl_loss("grpo" if name == "noold" else name, old_logps, b)
+        loss.backward()
+        tensors[f"grpo.{name}.loss"] = loss.detach().reshape(1)
+        tensors[f"grpo.{name}.clip_ratio"] = clip_ratio.reshape(1)
+        tensors[f"grpo.{name}.kl"] = mean_kl.reshape(1)
+        tensors.update({f"grpo.{name}.grad.{n}": p.grad.detach().clone() for n, p in model.named_parameters()})
+    assert tensors["grpo.grpo.clip_ratio"].item() > 0, "the fixture should make some ratios clip"
+    return batch, tensors
+
+
 def check_finite_differences(model, ids, mask, labels, gen, probes=8, eps=1e-4):
     """Central differences of the SFT loss against autograd on a few entries of a few parameters."""
     params = dict(model.named_parameters())
@@ -212,6 +325,8 @@ def make_case(name, out_root, seed):
         loss.backward()
         fd_err = check_finite_differences(model, ids, mask, labels, gen)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        dpo_batch, dpo_tensors = dpo_case(model, config.vocab_size, gen)
+        grpo_batch, grpo_tensors = grpo_case(model, config.vocab_size, gen)
 
     # transformers as users run it (float32 casts in place), for the f32 tolerance of our tests.
     model32 = model_cls(config).to(F32).eval()
@@ -237,7 +352,11 @@ def make_case(name, out_root, seed):
         "loss": loss.detach().reshape(1),
     }
     tensors.update({f"grad.{n}": g.contiguous() for n, g in grads.items()})
+    tensors.update({k: v.contiguous() for k, v in {**dpo_tensors, **grpo_tensors}.items()})
     save_file(tensors, os.path.join(out, "reference.safetensors"))
+    for file_name, batch_json in (("dpo-batch.json", dpo_batch), ("grpo-batch.json", grpo_batch)):
+        with open(os.path.join(out, file_name), "w") as f:
+            json.dump(batch_json, f)
     meta = {
         "transformers": transformers.__version__,
         "torch": torch.__version__,

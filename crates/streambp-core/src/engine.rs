@@ -80,6 +80,8 @@ pub struct Gradients {
     pub grads: Vec<(String, Tensor)>,
     /// `[batch, T]` target log-probs the objective saw (for metrics).
     pub logp: Tensor,
+    /// The objective's metrics (DPO rewards, GRPO clip ratio and KL, …).
+    pub metrics: Vec<(String, f64)>,
     /// Peak host bytes (with the counting allocator) and seconds of each phase.
     pub phases: PhaseLog,
 }
@@ -166,10 +168,12 @@ pub fn backward(
             (loss, logp)
         }
     };
+    let metrics = objective.metrics(&logp)?;
     Ok(Gradients {
         loss,
         grads: sink.finish(model)?,
         logp,
+        metrics,
         phases: peaks,
     })
 }
@@ -190,6 +194,34 @@ pub fn forward_checkpoints(
         states.push(y);
     }
     Ok(states)
+}
+
+/// Target log-probs `[batch, T]` of `targets` under `model`, without any graph and streamed like the
+/// backward (one layer's hidden states at a time, query chunks, logits chunks): the reference model of
+/// DPO and GRPO, and GRPO's old policy.
+pub fn forward_logprobs(
+    model: &Model,
+    batch: Batch,
+    targets: &Tensor,
+    chunks: Chunks,
+) -> Result<Tensor> {
+    let detached = model.detached();
+    let key_valid = batch.attention_mask.map(key_validity).transpose()?;
+    let mut h = detached.embed(batch.input_ids)?;
+    for layer in &detached.layers {
+        h = layer_forward_streamed(layer, &h, key_valid.as_ref(), chunks.chunk)?;
+    }
+    let t = h.dim(1)?;
+    let mut parts = Vec::new();
+    for r in chunk_ranges(t, chunks.logits_chunk) {
+        let normed = detached.final_norm(&h.narrow(1, r.start, r.len())?)?;
+        let logits = detached.logits(&normed)?;
+        parts.push(target_logprobs(
+            &logits,
+            &targets.narrow(1, r.start, r.len())?,
+        )?);
+    }
+    Ok(Tensor::cat(&parts, 1)?)
 }
 
 /// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk.

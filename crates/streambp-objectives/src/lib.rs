@@ -13,9 +13,15 @@ use std::ops::Range;
 
 use candle_core::Tensor;
 
+pub mod dpo;
+pub mod grpo;
 pub mod sft;
+mod targets;
 
+pub use dpo::Dpo;
+pub use grpo::{Grpo, GrpoBatch, GrpoLossType};
 pub use sft::Sft;
+pub use targets::TokenTargets;
 
 /// Errors of objective construction and evaluation.
 #[derive(Debug, thiserror::Error)]
@@ -44,4 +50,9 @@ pub trait Objective {
     /// The loss (a scalar tensor) from `logp` of positions `cols` (`[batch, cols.len()]`), differentiable
     /// in `logp`. For separable objectives this is the share of those positions.
     fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor>;
+
+    /// Metrics of the batch from the final `[batch, T]` log-probs (DPO rewards, GRPO clip ratio…).
+    fn metrics(&self, _logp: &Tensor) -> Result<Vec<(String, f64)>> {
+        Ok(Vec::new())
+    }
 }

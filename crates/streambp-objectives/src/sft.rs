@@ -7,17 +7,15 @@ use std::ops::Range;
 
 use candle_core::{Device, Tensor};
 
-use crate::{Objective, ObjectiveError, Result};
+use crate::{Objective, ObjectiveError, Result, TokenTargets};
 
-/// The label value that marks a position as not trained on.
-pub const IGNORE_INDEX: i64 = -100;
+pub use crate::targets::IGNORE_INDEX;
 
 #[derive(Debug, Clone)]
 pub struct Sft {
-    targets: Tensor,
-    /// `[batch, T]`: `1 / normaliser` where a target exists, else 0 (in the loss dtype, set lazily).
+    targets: TokenTargets,
+    /// `[batch, T]`: `1 / normaliser` where a target exists, else 0.
     weights: Tensor,
-    target_tokens: usize,
 }
 
 impl Sft {
@@ -29,54 +27,20 @@ impl Sft {
         normaliser: Option<f64>,
         device: &Device,
     ) -> Result<Self> {
-        let b = labels.len();
-        let t = labels.first().map(Vec::len).unwrap_or(0);
-        if b == 0 || t == 0 {
-            return Err(ObjectiveError::Batch("empty labels".into()));
-        }
-        let mut targets = vec![0u32; b * t];
-        let mut mask = vec![0f64; b * t];
-        let mut count = 0usize;
-        for (row, labels_row) in labels.iter().enumerate() {
-            if labels_row.len() != t {
-                return Err(ObjectiveError::Batch(format!(
-                    "labels row {row} has {} entries, row 0 has {t}",
-                    labels_row.len()
-                )));
-            }
-            for pos in 0..t.saturating_sub(1) {
-                let label = labels_row[pos + 1];
-                if label == IGNORE_INDEX {
-                    continue;
-                }
-                if label < 0 || label as usize >= vocab_size {
-                    return Err(ObjectiveError::Batch(format!(
-                        "label {label} at row {row}, position {} is outside the vocabulary (size {vocab_size})",
-                        pos + 1
-                    )));
-                }
-                targets[row * t + pos] = label as u32;
-                mask[row * t + pos] = 1.0;
-                count += 1;
-            }
-        }
-        if count == 0 {
+        let targets = TokenTargets::from_labels(labels, vocab_size, device)?;
+        if targets.total() == 0 {
             return Err(ObjectiveError::Batch(
                 "no target token: every label after the first position is -100".into(),
             ));
         }
-        let norm = normaliser.unwrap_or(count as f64);
-        let weights: Vec<f64> = mask.iter().map(|m| m / norm).collect();
-        Ok(Self {
-            targets: Tensor::from_vec(targets, (b, t), device)?,
-            weights: Tensor::from_vec(weights, (b, t), device)?,
-            target_tokens: count,
-        })
+        let norm = normaliser.unwrap_or(targets.total() as f64);
+        let weights = (&targets.mask / norm)?;
+        Ok(Self { targets, weights })
     }
 
     /// Number of target tokens in this batch.
     pub fn target_tokens(&self) -> usize {
-        self.target_tokens
+        self.targets.total()
     }
 }
 
@@ -86,7 +50,7 @@ impl Objective for Sft {
     }
 
     fn targets(&self) -> &Tensor {
-        &self.targets
+        &self.targets.ids
     }
 
     fn separable(&self) -> bool {

@@ -2,15 +2,20 @@
 //!
 //! SFT: `{"objective":"sft","input_ids":[[..]],"labels":[[..]],"attention_mask":[[..]]}`; labels are
 //! aligned with input_ids (shifted inside), -100 is ignored, rows are right-padded, the attention mask
-//! is optional (all ones when absent).
+//! is optional (all ones when absent). DPO and GRPO: see docs/grad.md.
 
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
-use streambp_objectives::{Objective, Sft};
+use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
 
 use crate::{Result, TrainError};
+
+/// Computes target log-probs `[batch, T]` (logits coordinates) of a reference model for
+/// `(input_ids, attention_mask, targets)`, when a batch file does not carry them.
+pub type ReferenceLogprobs<'a> =
+    dyn FnMut(&Tensor, Option<&Tensor>, &Tensor) -> Result<Tensor> + 'a;
 
 /// A batch ready for the engine.
 pub struct PreparedBatch {
@@ -33,34 +38,296 @@ struct SftFile {
     attention_mask: Option<Vec<Vec<i64>>>,
 }
 
-/// Reads and validates a batch file for a model with `vocab_size` tokens.
-pub fn load_batch(path: &Path, vocab_size: usize, device: &Device) -> Result<PreparedBatch> {
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DpoFile {
+    #[allow(dead_code)]
+    objective: String,
+    chosen_input_ids: Vec<Vec<i64>>,
+    chosen_labels: Vec<Vec<i64>>,
+    chosen_attention_mask: Option<Vec<Vec<i64>>>,
+    rejected_input_ids: Vec<Vec<i64>>,
+    rejected_labels: Vec<Vec<i64>>,
+    rejected_attention_mask: Option<Vec<Vec<i64>>>,
+    ref_chosen_logps: Option<Vec<f64>>,
+    ref_rejected_logps: Option<Vec<f64>>,
+    #[serde(default = "default_dpo_beta")]
+    beta: f64,
+}
+
+fn default_dpo_beta() -> f64 {
+    0.1
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GrpoFile {
+    #[allow(dead_code)]
+    objective: String,
+    input_ids: Vec<Vec<i64>>,
+    attention_mask: Option<Vec<Vec<i64>>>,
+    completion_mask: Vec<Vec<i64>>,
+    advantages: Vec<f64>,
+    old_logps: Option<Vec<Vec<f64>>>,
+    ref_logps: Option<Vec<Vec<f64>>>,
+    #[serde(default)]
+    beta: f64,
+    #[serde(default = "default_epsilon")]
+    epsilon: f64,
+    epsilon_high: Option<f64>,
+    #[serde(default = "default_loss_type")]
+    loss_type: String,
+    max_completion_length: Option<usize>,
+}
+
+fn default_epsilon() -> f64 {
+    0.2
+}
+
+fn default_loss_type() -> String {
+    "grpo".into()
+}
+
+/// Reads and validates a batch file for a model with `vocab_size` tokens. `reference` supplies
+/// reference log-probs that DPO / GRPO files leave out.
+pub fn load_batch(
+    path: &Path,
+    vocab_size: usize,
+    device: &Device,
+    reference: &mut ReferenceLogprobs,
+) -> Result<PreparedBatch> {
     let name = path.display().to_string();
     let fail = |reason: String| TrainError::BatchFile {
         path: name.clone(),
         reason,
     };
     let text = std::fs::read_to_string(path).map_err(|e| fail(format!("cannot read: {e}")))?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| fail(format!("not valid JSON: {e}")))?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+        let hint = if text.contains("NaN") || text.contains("Infinity") {
+            " (NaN and Infinity are not allowed in batch files)"
+        } else {
+            ""
+        };
+        fail(format!("not valid JSON: {e}{hint}"))
+    })?;
     let objective = value
         .get("objective")
         .and_then(|o| o.as_str())
         .ok_or_else(|| fail("no \"objective\" field (sft, dpo or grpo)".into()))?;
+    let named = |e: TrainError| match e {
+        TrainError::Usage(reason) => fail(reason),
+        TrainError::Objective(o) => fail(o.to_string()),
+        other => other,
+    };
     match objective {
         "sft" => {
             let file: SftFile = serde_json::from_value(value.clone())
                 .map_err(|e| fail(format!("bad sft batch: {e}")))?;
-            prepare_sft(file, vocab_size, device).map_err(|e| match e {
-                TrainError::Usage(reason) => fail(reason),
-                TrainError::Objective(o) => fail(o.to_string()),
-                other => other,
-            })
+            prepare_sft(file, vocab_size, device).map_err(named)
+        }
+        "dpo" => {
+            let file: DpoFile = serde_json::from_value(value.clone())
+                .map_err(|e| fail(format!("bad dpo batch: {e}")))?;
+            prepare_dpo(file, vocab_size, device, reference).map_err(named)
+        }
+        "grpo" => {
+            let file: GrpoFile = serde_json::from_value(value.clone())
+                .map_err(|e| fail(format!("bad grpo batch: {e}")))?;
+            prepare_grpo(file, vocab_size, device, reference).map_err(named)
         }
         other => Err(fail(format!(
-            "unknown objective {other:?} (this build supports: sft)"
+            "unknown objective {other:?} (expected sft, dpo or grpo)"
         ))),
     }
+}
+
+/// Chosen and rejected rows stacked (chosen first) and right-padded to one length.
+fn prepare_dpo(
+    file: DpoFile,
+    vocab_size: usize,
+    device: &Device,
+    reference: &mut ReferenceLogprobs,
+) -> Result<PreparedBatch> {
+    let (pc, tc) = check_rectangular("chosen_input_ids", &file.chosen_input_ids)?;
+    let (pr, tr) = check_rectangular("rejected_input_ids", &file.rejected_input_ids)?;
+    if pc != pr {
+        return Err(TrainError::Usage(format!(
+            "{pc} chosen rows but {pr} rejected rows: pairs must match"
+        )));
+    }
+    check_same_shape("chosen_labels", &file.chosen_labels, pc, tc)?;
+    check_same_shape("rejected_labels", &file.rejected_labels, pr, tr)?;
+    let ones = |b: usize, t: usize| vec![vec![1i64; t]; b];
+    let chosen_mask = file
+        .chosen_attention_mask
+        .clone()
+        .unwrap_or_else(|| ones(pc, tc));
+    let rejected_mask = file
+        .rejected_attention_mask
+        .clone()
+        .unwrap_or_else(|| ones(pr, tr));
+    check_same_shape("chosen_attention_mask", &chosen_mask, pc, tc)?;
+    check_same_shape("rejected_attention_mask", &rejected_mask, pr, tr)?;
+    let t = tc.max(tr);
+    let pad = |rows: &[Vec<i64>], fill: i64| -> Vec<Vec<i64>> {
+        rows.iter()
+            .map(|r| {
+                r.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(fill, t - r.len()))
+                    .collect()
+            })
+            .collect()
+    };
+    let ids = [
+        pad(&file.chosen_input_ids, 0),
+        pad(&file.rejected_input_ids, 0),
+    ]
+    .concat();
+    let mask = [pad(&chosen_mask, 0), pad(&rejected_mask, 0)].concat();
+    let labels = masked_labels(
+        &[
+            pad(&file.chosen_labels, -100),
+            pad(&file.rejected_labels, -100),
+        ]
+        .concat(),
+        &mask,
+    );
+    check_vocab(&ids, vocab_size)?;
+    check_right_padded(&mask)?;
+    let input_ids = to_u32_tensor(&ids, device)?;
+    let attention_mask = to_u32_tensor(&mask, device)?;
+    let (ref_chosen, ref_rejected) = match (file.ref_chosen_logps, file.ref_rejected_logps) {
+        (Some(c), Some(r)) => (c, r),
+        (None, None) => {
+            let targets =
+                streambp_objectives::TokenTargets::from_labels(&labels, vocab_size, device)?;
+            let logp = reference(&input_ids, Some(&attention_mask), &targets.ids)?;
+            let sums = (logp.to_dtype(DType::F64)? * &targets.mask)?
+                .sum(1)?
+                .to_vec1::<f64>()?;
+            (sums[..pc].to_vec(), sums[pc..].to_vec())
+        }
+        _ => {
+            return Err(TrainError::Usage(
+                "give both ref_chosen_logps and ref_rejected_logps, or neither".into(),
+            ))
+        }
+    };
+    let dpo = Dpo::new(
+        &labels,
+        &ref_chosen,
+        &ref_rejected,
+        file.beta,
+        vocab_size,
+        device,
+    )?;
+    Ok(PreparedBatch {
+        input_ids,
+        attention_mask: Some(attention_mask),
+        objective: Box::new(dpo),
+        tokens: mask.iter().flatten().filter(|&&v| v != 0).count(),
+    })
+}
+
+fn prepare_grpo(
+    file: GrpoFile,
+    vocab_size: usize,
+    device: &Device,
+    reference: &mut ReferenceLogprobs,
+) -> Result<PreparedBatch> {
+    let (b, t) = check_rectangular("input_ids", &file.input_ids)?;
+    check_vocab(&file.input_ids, vocab_size)?;
+    check_same_shape("completion_mask", &file.completion_mask, b, t)?;
+    let mask = match &file.attention_mask {
+        Some(m) => {
+            check_same_shape("attention_mask", m, b, t)?;
+            check_right_padded(m)?;
+            for (row, (c, m)) in file.completion_mask.iter().zip(m).enumerate() {
+                if c.iter().zip(m).any(|(&c, &m)| c != 0 && m == 0) {
+                    return Err(TrainError::Usage(format!(
+                        "completion_mask row {row} marks a padded position"
+                    )));
+                }
+            }
+            Some(m.clone())
+        }
+        None => None,
+    };
+    let input_ids = to_u32_tensor(&file.input_ids, device)?;
+    let attention_mask = mask
+        .as_ref()
+        .map(|m| to_u32_tensor(m, device))
+        .transpose()?;
+    let ref_logps = match (&file.ref_logps, file.beta != 0.0) {
+        (None, true) => {
+            // Reference log-probs in input_ids coordinates: position t holds log p(input_ids[t]).
+            let targets: Vec<Vec<i64>> = file
+                .input_ids
+                .iter()
+                .map(|r| {
+                    r.iter()
+                        .skip(1)
+                        .copied()
+                        .chain(std::iter::once(0))
+                        .collect()
+                })
+                .collect();
+            let targets = to_u32_tensor(&targets, device)?;
+            let logp = reference(&input_ids, attention_mask.as_ref(), &targets)?
+                .to_dtype(DType::F64)?
+                .to_vec2::<f64>()?;
+            Some(
+                logp.iter()
+                    .map(|r| {
+                        std::iter::once(0.0)
+                            .chain(r[..t - 1].iter().copied())
+                            .collect()
+                    })
+                    .collect(),
+            )
+        }
+        (given, _) => given.clone(),
+    };
+    let grpo = Grpo::new(
+        &GrpoBatch {
+            input_ids: &file.input_ids,
+            completion_mask: &file.completion_mask,
+            advantages: &file.advantages,
+            old_logps: file.old_logps.as_deref(),
+            ref_logps: ref_logps.as_deref(),
+            beta: file.beta,
+            epsilon_low: file.epsilon,
+            epsilon_high: file.epsilon_high.unwrap_or(file.epsilon),
+            loss_type: file.loss_type.parse::<GrpoLossType>()?,
+            max_completion_length: file.max_completion_length,
+        },
+        vocab_size,
+        device,
+    )?;
+    Ok(PreparedBatch {
+        input_ids,
+        attention_mask,
+        objective: Box::new(grpo),
+        tokens: match &mask {
+            Some(m) => m.iter().flatten().filter(|&&v| v != 0).count(),
+            None => b * t,
+        },
+    })
+}
+
+/// Labels with padded positions set to -100.
+fn masked_labels(labels: &[Vec<i64>], mask: &[Vec<i64>]) -> Vec<Vec<i64>> {
+    labels
+        .iter()
+        .zip(mask)
+        .map(|(l, m)| {
+            l.iter()
+                .zip(m)
+                .map(|(&l, &m)| if m == 0 { -100 } else { l })
+                .collect()
+        })
+        .collect()
 }
 
 fn prepare_sft(file: SftFile, vocab_size: usize, device: &Device) -> Result<PreparedBatch> {

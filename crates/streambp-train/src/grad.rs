@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use serde::Serialize;
-use streambp_core::{backward, plan_for_budget, Batch, Chunks, Mode, Problem};
+use streambp_core::{backward, forward_logprobs, plan_for_budget, Batch, Chunks, Mode, Problem};
 use streambp_models::{load_model, resolve_model_dir, save_safetensors};
 
 use crate::batch_file::load_batch;
@@ -29,6 +29,9 @@ pub struct GradArgs {
     pub dtype: String,
     pub device: String,
     pub out: PathBuf,
+    /// Reference model for DPO / GRPO batches without reference log-probs (default: the policy itself,
+    /// as TRL's reference is the initial policy).
+    pub ref_model: Option<String>,
 }
 
 /// The one JSON line `grad` prints.
@@ -42,6 +45,8 @@ pub struct GradReport {
     pub tokens: usize,
     pub chunk: usize,
     pub logits_chunk: usize,
+    /// The objective's metrics (DPO rewards and accuracy, GRPO clip ratio and KL).
+    pub metrics: serde_json::Map<String, serde_json::Value>,
 }
 
 pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
@@ -49,7 +54,32 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     let dtype = parse_dtype(&args.dtype)?;
     let dir = resolve_model_dir(&args.model)?;
     let model = load_model(&dir, dtype, &device)?;
-    let batch = load_batch(&args.batch, model.config.vocab_size, &device)?;
+    let ref_model = match &args.ref_model {
+        Some(spec) => Some(load_model(&resolve_model_dir(spec)?, dtype, &device)?),
+        None => None,
+    };
+    let reference_chunks = Chunks {
+        chunk: args.chunk.unwrap_or(DEFAULT_CHUNK),
+        logits_chunk: args.logits_chunk.unwrap_or(DEFAULT_LOGITS_CHUNK),
+    };
+    let mut reference = |ids: &Tensor, mask: Option<&Tensor>, targets: &Tensor| {
+        let batch = Batch {
+            input_ids: ids,
+            attention_mask: mask,
+        };
+        Ok(forward_logprobs(
+            ref_model.as_ref().unwrap_or(&model),
+            batch,
+            targets,
+            reference_chunks,
+        )?)
+    };
+    let batch = load_batch(
+        &args.batch,
+        model.config.vocab_size,
+        &device,
+        &mut reference,
+    )?;
     let (b, t) = batch.input_ids.dims2()?;
     let chunks = match (args.chunk, args.logits_chunk, args.memory_budget) {
         (None, None, Some(budget)) => {
@@ -109,5 +139,10 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         tokens: batch.tokens,
         chunk: chunks.chunk,
         logits_chunk: chunks.logits_chunk,
+        metrics: out
+            .metrics
+            .iter()
+            .map(|(k, v)| (k.clone(), serde_json::json!(v)))
+            .collect(),
     })
 }

@@ -55,6 +55,10 @@ enum Command {
         /// Output safetensors file.
         #[arg(long)]
         out: PathBuf,
+        /// Reference model for DPO / GRPO batches that carry no reference log-probs
+        /// [default: the policy itself].
+        #[arg(long)]
+        ref_model: Option<String>,
     },
 }
 
@@ -92,6 +96,7 @@ fn run() -> anyhow::Result<()> {
             dtype,
             device,
             out,
+            ref_model,
         } => {
             let args = GradArgs {
                 model,
@@ -103,6 +108,7 @@ fn run() -> anyhow::Result<()> {
                 dtype,
                 device,
                 out,
+                ref_model,
             };
             let report = run_grad(&args).context("grad failed")?;
             println!("{}", serde_json::to_string(&report)?);

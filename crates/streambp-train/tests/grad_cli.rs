@@ -216,3 +216,131 @@ fn unknown_mode_and_missing_model_are_reported() {
     let (ok, _, stderr, _, _dir) = grad(Path::new("/nonexistent/model"), &batch_json("qwen2"), &[]);
     assert!(!ok && stderr.contains("/nonexistent/model"), "{stderr}");
 }
+
+fn fixture_batch(family: &str, file: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture_dir(family).join(file)).unwrap()).unwrap()
+}
+
+#[test]
+fn dpo_and_grpo_batches_through_grad() {
+    let r = reference("llama3");
+    for (file, prefix, metric) in [
+        ("dpo-batch.json", "dpo", "rewards/margins"),
+        ("grpo-batch.json", "grpo.grpo", "clip_ratio"),
+    ] {
+        let (ok, stdout, stderr, out, _dir) = grad(
+            &fixture_dir("llama3"),
+            &fixture_batch("llama3", file),
+            &["--dtype", "f64", "--chunk", "3", "--logits-chunk", "5"],
+        );
+        assert!(ok, "{file}: {stderr}");
+        let line: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        assert!(line["metrics"][metric].is_number(), "{stdout}");
+        let written = candle_core::safetensors::load(&out, &Device::Cpu).unwrap();
+        let loss = written["loss"].to_vec1::<f64>().unwrap()[0];
+        assert!((loss - r[&format!("{prefix}.loss")].to_vec1::<f64>().unwrap()[0]).abs() < 1e-12);
+        for (name, g) in &written {
+            if name != "loss" {
+                let err = rel_err(g, &r[&format!("{prefix}.grad.{name}")]);
+                assert!(err < 1e-10, "{file} {name}: {err:.2e}");
+            }
+        }
+    }
+}
+
+/// Without reference log-probs the reference is the policy itself (TRL's default reference is the
+/// initial policy): DPO's margin is 0 and its loss is exactly ln 2; GRPO's KL is 0.
+#[test]
+fn missing_reference_logps_use_the_policy_or_ref_model() {
+    let mut dpo = fixture_batch("qwen3", "dpo-batch.json");
+    dpo.as_object_mut().unwrap().remove("ref_chosen_logps");
+    dpo.as_object_mut().unwrap().remove("ref_rejected_logps");
+    let model = fixture_dir("qwen3");
+    for extra in [
+        vec!["--dtype", "f64"],
+        vec!["--dtype", "f64", "--ref-model", model.to_str().unwrap()],
+    ] {
+        let (ok, stdout, stderr, _, _dir) = grad(&model, &dpo, &extra);
+        assert!(ok, "{stderr}");
+        let line: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        assert!(
+            (line["loss"].as_f64().unwrap() - std::f64::consts::LN_2).abs() < 1e-12,
+            "{stdout}"
+        );
+    }
+    let mut grpo = fixture_batch("qwen3", "grpo-batch.json");
+    grpo.as_object_mut().unwrap().remove("ref_logps");
+    let (ok, stdout, stderr, _, _dir) = grad(&model, &grpo, &["--dtype", "f64"]);
+    assert!(ok, "{stderr}");
+    let line: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert!(
+        line["metrics"]["kl"].as_f64().unwrap().abs() < 1e-12,
+        "{stdout}"
+    );
+}
+
+#[test]
+fn bad_dpo_and_grpo_batches_are_clear_errors() {
+    let model = fixture_dir("qwen2");
+    let mut cases: Vec<(serde_json::Value, &str)> = Vec::new();
+
+    let mut pairs = fixture_batch("qwen2", "dpo-batch.json");
+    pairs["rejected_input_ids"].as_array_mut().unwrap().pop();
+    cases.push((pairs, "2 chosen rows but 1 rejected rows"));
+
+    let mut one_ref = fixture_batch("qwen2", "dpo-batch.json");
+    one_ref
+        .as_object_mut()
+        .unwrap()
+        .remove("ref_rejected_logps");
+    cases.push((one_ref, "or neither"));
+
+    let mut lengths = fixture_batch("qwen2", "dpo-batch.json");
+    lengths["chosen_labels"][0].as_array_mut().unwrap().pop();
+    cases.push((lengths, "chosen_labels is ragged"));
+
+    let mut empty = fixture_batch("qwen2", "grpo-batch.json");
+    for v in empty["completion_mask"][2].as_array_mut().unwrap() {
+        *v = 0.into();
+    }
+    cases.push((empty, "completion_mask row 2 has no completion token"));
+
+    let mut short = fixture_batch("qwen2", "grpo-batch.json");
+    short["old_logps"][1].as_array_mut().unwrap().pop();
+    cases.push((short, "old_logps row 1 has 9 entries, expected 10"));
+
+    let mut advantages = fixture_batch("qwen2", "grpo-batch.json");
+    advantages["advantages"].as_array_mut().unwrap().pop();
+    cases.push((advantages, "advantages has 3 entries for 4 sequences"));
+
+    let mut loss_type = fixture_batch("qwen2", "grpo-batch.json");
+    loss_type["loss_type"] = "dapo".into();
+    cases.push((loss_type, "unknown loss_type \"dapo\""));
+
+    for (batch, expected) in cases {
+        let (ok, _, stderr, _, _dir) = grad(&model, &batch, &[]);
+        assert!(!ok, "accepted a bad batch ({expected})");
+        assert!(
+            stderr.contains(expected),
+            "expected {expected:?} in: {stderr}"
+        );
+    }
+
+    // NaN is not JSON; the error says so.
+    let dir = tempfile::tempdir().unwrap();
+    let text = fixture_batch("qwen2", "grpo-batch.json")
+        .to_string()
+        .replacen("0.2", "NaN", 1);
+    let path = dir.path().join("nan.json");
+    std::fs::write(&path, text).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_streambp-train"))
+        .args(["grad", "--model"])
+        .arg(&model)
+        .arg("--batch")
+        .arg(&path)
+        .args(["--out", "/tmp/never.safetensors"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("NaN and Infinity are not allowed"));
+}

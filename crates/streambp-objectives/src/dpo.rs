@@ -1,0 +1,134 @@
+//! DPO with TRL's sigmoid loss: a sequence's policy log-prob is the sum over its target tokens, and
+//! `loss = mean over pairs of −log σ(β((π_c − ρ_c) − (π_r − ρ_r)))`.
+//!
+//! Rows are laid out `[chosen_0 .. chosen_{P−1}, rejected_0 .. rejected_{P−1}]`, right-padded to one
+//! length. The loss is not a sum over positions, so the engine gives it all of `logp` at once (after a
+//! forward-only pass over the LM head) and streams `dLoss/dlogp` back.
+
+use std::ops::Range;
+
+use candle_core::{Device, Tensor};
+
+use crate::{Objective, ObjectiveError, Result, TokenTargets};
+
+#[derive(Debug, Clone)]
+pub struct Dpo {
+    targets: TokenTargets,
+    pairs: usize,
+    /// `[2P]`: ρ_c then ρ_r.
+    reference: Tensor,
+    beta: f64,
+}
+
+impl Dpo {
+    /// `labels` are HF-style (`-100` ignored, aligned with input_ids) for the `2P` rows, chosen first.
+    /// `ref_chosen` / `ref_rejected`: the reference model's summed log-probs of each pair's sequences.
+    pub fn new(
+        labels: &[Vec<i64>],
+        ref_chosen: &[f64],
+        ref_rejected: &[f64],
+        beta: f64,
+        vocab_size: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let pairs = ref_chosen.len();
+        if labels.len() != 2 * pairs || ref_rejected.len() != pairs {
+            return Err(ObjectiveError::Batch(format!(
+                "{} label rows, {} chosen and {} rejected reference log-probs: expected 2P rows for P pairs",
+                labels.len(),
+                ref_chosen.len(),
+                ref_rejected.len()
+            )));
+        }
+        if !beta.is_finite() || beta <= 0.0 {
+            return Err(ObjectiveError::Batch(format!(
+                "beta must be positive, got {beta}"
+            )));
+        }
+        if let Some(v) = ref_chosen
+            .iter()
+            .chain(ref_rejected)
+            .find(|v| !v.is_finite())
+        {
+            return Err(ObjectiveError::Batch(format!(
+                "reference log-prob {v} is not finite"
+            )));
+        }
+        let targets = TokenTargets::from_labels(labels, vocab_size, device)?;
+        if let Some(row) = targets.rows_without_target().first() {
+            return Err(ObjectiveError::Batch(format!(
+                "{} row {} has no target token",
+                if *row < pairs { "chosen" } else { "rejected" },
+                row % pairs
+            )));
+        }
+        let reference: Vec<f64> = ref_chosen.iter().chain(ref_rejected).copied().collect();
+        Ok(Self {
+            targets,
+            pairs,
+            reference: Tensor::from_vec(reference, 2 * pairs, device)?,
+            beta,
+        })
+    }
+
+    /// Summed target log-probs per row (`[2P]`).
+    fn sequence_logps(&self, logp: &Tensor) -> Result<Tensor> {
+        let mask = self.targets.mask.to_dtype(logp.dtype())?;
+        Ok((logp * mask)?.sum(1)?)
+    }
+
+    /// `β (π − ρ)` per row: chosen rewards then rejected rewards.
+    fn rewards(&self, logp: &Tensor) -> Result<Tensor> {
+        let rho = self.reference.to_dtype(logp.dtype())?;
+        Ok(((self.sequence_logps(logp)? - rho)? * self.beta)?)
+    }
+}
+
+impl Objective for Dpo {
+    fn name(&self) -> &str {
+        "dpo"
+    }
+
+    fn targets(&self) -> &Tensor {
+        &self.targets.ids
+    }
+
+    fn separable(&self) -> bool {
+        false
+    }
+
+    fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor> {
+        if cols.start != 0 || cols.len() != self.targets.ids.dim(1)? {
+            return Err(ObjectiveError::Batch(
+                "DPO needs the log-probs of all positions at once".into(),
+            ));
+        }
+        let rewards = self.rewards(logp)?;
+        let p = self.pairs;
+        let margin = (rewards.narrow(0, 0, p)? - rewards.narrow(0, p, p)?)?;
+        Ok(softplus(&margin.neg()?)?.mean_all()?)
+    }
+
+    fn metrics(&self, logp: &Tensor) -> Result<Vec<(String, f64)>> {
+        let rewards = self
+            .rewards(logp)?
+            .to_dtype(candle_core::DType::F64)?
+            .to_vec1::<f64>()?;
+        let (chosen, rejected) = rewards.split_at(self.pairs);
+        let p = self.pairs as f64;
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / p;
+        let margins: Vec<f64> = chosen.iter().zip(rejected).map(|(c, r)| c - r).collect();
+        let accuracy = margins.iter().filter(|m| **m > 0.0).count() as f64 / p;
+        Ok(vec![
+            ("rewards/chosen".into(), mean(chosen)),
+            ("rewards/rejected".into(), mean(rejected)),
+            ("rewards/margins".into(), mean(&margins)),
+            ("rewards/accuracies".into(), accuracy),
+        ])
+    }
+}
+
+/// `log(1 + eˣ)` without overflow: `max(x, 0) + log(1 + e^{−|x|})`.
+pub fn softplus(x: &Tensor) -> candle_core::Result<Tensor> {
+    x.relu()? + ((x.abs()?.neg()?.exp()? + 1.0)?.log()?)
+}

@@ -1,0 +1,309 @@
+//! GRPO with TRL's per-token loss:
+//! `ℓ_t = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) + β·(e^{ρ−π} − (ρ−π) − 1)`, `r = e^{π − π_old}`,
+//! reduced by `grpo` (mean over each sequence's completion tokens, then over sequences), `bnpo` (mean over
+//! all completion tokens) or `dr_grpo` (sum / (G · max_completion_length)). Without old log-probs,
+//! `π_old = π` detached: `r = 1` with the gradient of the current policy. β = 0 skips the reference.
+//!
+//! Per-position inputs are aligned with `input_ids`: the log-prob at position `t` is that of
+//! `input_ids[t]` from the logits at `t − 1`. The loss is a sum over positions, so it streams.
+
+use std::ops::Range;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::{Objective, ObjectiveError, Result};
+
+/// How GRPO reduces per-token losses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrpoLossType {
+    Grpo,
+    Bnpo,
+    DrGrpo,
+}
+
+impl std::str::FromStr for GrpoLossType {
+    type Err = ObjectiveError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "grpo" => Ok(Self::Grpo),
+            "bnpo" => Ok(Self::Bnpo),
+            "dr_grpo" => Ok(Self::DrGrpo),
+            other => Err(ObjectiveError::Batch(format!(
+                "unknown loss_type {other:?} (expected grpo, bnpo or dr_grpo)"
+            ))),
+        }
+    }
+}
+
+/// A GRPO batch: `G` sequences (prompt + completion), right-padded.
+#[derive(Debug, Clone)]
+pub struct GrpoBatch<'a> {
+    pub input_ids: &'a [Vec<i64>],
+    pub completion_mask: &'a [Vec<i64>],
+    pub advantages: &'a [f64],
+    pub old_logps: Option<&'a [Vec<f64>]>,
+    pub ref_logps: Option<&'a [Vec<f64>]>,
+    pub beta: f64,
+    pub epsilon_low: f64,
+    pub epsilon_high: f64,
+    pub loss_type: GrpoLossType,
+    pub max_completion_length: Option<usize>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Grpo {
+    /// `[G, T]` in logits coordinates (position `t` scores `input_ids[t + 1]`).
+    targets: Tensor,
+    /// `[G, T]` u8 completion mask in logits coordinates.
+    mask: Tensor,
+    /// `[G, T]` per-token weight of the reduction.
+    weights: Tensor,
+    /// `[G, 1]`.
+    advantages: Tensor,
+    old: Option<Tensor>,
+    reference: Option<Tensor>,
+    beta: f64,
+    epsilon_low: f64,
+    epsilon_high: f64,
+}
+
+/// Shifts a per-position array aligned with input_ids into logits coordinates (drops position 0).
+fn shift<T: Copy + Default>(rows: &[Vec<T>]) -> Vec<T> {
+    rows.iter()
+        .flat_map(|r| {
+            r.iter()
+                .skip(1)
+                .copied()
+                .chain(std::iter::once(T::default()))
+        })
+        .collect()
+}
+
+impl Grpo {
+    pub fn new(batch: &GrpoBatch, vocab_size: usize, device: &Device) -> Result<Self> {
+        let bad = |m: String| ObjectiveError::Batch(m);
+        let g = batch.input_ids.len();
+        let t = batch.input_ids.first().map(Vec::len).unwrap_or(0);
+        if g == 0 || t == 0 {
+            return Err(bad("empty input_ids".into()));
+        }
+        let same_shape = |name: &str, rows: usize, lens: &mut dyn Iterator<Item = usize>| {
+            if rows != g {
+                return Err(bad(format!("{name} has {rows} rows, input_ids has {g}")));
+            }
+            if let Some((i, l)) = lens.enumerate().find(|(_, l)| *l != t) {
+                return Err(bad(format!("{name} row {i} has {l} entries, expected {t}")));
+            }
+            Ok(())
+        };
+        same_shape("input_ids", g, &mut batch.input_ids.iter().map(Vec::len))?;
+        same_shape(
+            "completion_mask",
+            batch.completion_mask.len(),
+            &mut batch.completion_mask.iter().map(Vec::len),
+        )?;
+        for (name, arr) in [
+            ("old_logps", batch.old_logps),
+            ("ref_logps", batch.ref_logps),
+        ] {
+            if let Some(a) = arr {
+                same_shape(name, a.len(), &mut a.iter().map(Vec::len))?;
+            }
+        }
+        if batch.advantages.len() != g {
+            return Err(bad(format!(
+                "advantages has {} entries for {g} sequences",
+                batch.advantages.len()
+            )));
+        }
+        if let Some(a) = batch.advantages.iter().find(|a| !a.is_finite()) {
+            return Err(bad(format!("advantage {a} is not finite")));
+        }
+        for (b, row) in batch.input_ids.iter().enumerate() {
+            if let Some(id) = row.iter().find(|&&id| id < 0 || id as usize >= vocab_size) {
+                return Err(bad(format!(
+                    "token id {id} in row {b} is outside the vocabulary (size {vocab_size})"
+                )));
+            }
+        }
+        let mut completion_lengths = Vec::with_capacity(g);
+        for (b, row) in batch.completion_mask.iter().enumerate() {
+            if row.iter().any(|&m| m != 0 && m != 1) {
+                return Err(bad(format!(
+                    "completion_mask row {b} holds values other than 0/1"
+                )));
+            }
+            if row[0] != 0 {
+                return Err(bad(format!(
+                    "completion_mask row {b} marks position 0, which has no preceding logits"
+                )));
+            }
+            let n = row.iter().filter(|&&m| m == 1).count();
+            if n == 0 {
+                return Err(bad(format!(
+                    "completion_mask row {b} has no completion token"
+                )));
+            }
+            completion_lengths.push(n);
+        }
+        for (name, arr) in [
+            ("old_logps", batch.old_logps),
+            ("ref_logps", batch.ref_logps),
+        ] {
+            if let Some(a) = arr {
+                for (b, (row, m)) in a.iter().zip(batch.completion_mask).enumerate() {
+                    if let Some((p, v)) = row
+                        .iter()
+                        .zip(m)
+                        .enumerate()
+                        .find(|(_, (v, &m))| m == 1 && !v.is_finite())
+                        .map(|(p, (v, _))| (p, v))
+                    {
+                        return Err(bad(format!("{name} row {b} position {p} is {v}")));
+                    }
+                }
+            }
+        }
+        if batch.beta != 0.0 && batch.ref_logps.is_none() {
+            return Err(bad(
+                "beta != 0 needs ref_logps (or a reference model)".into()
+            ));
+        }
+        if !(batch.beta >= 0.0 && batch.epsilon_low >= 0.0 && batch.epsilon_high >= 0.0) {
+            return Err(bad("beta and epsilon must be non-negative".into()));
+        }
+        let longest = completion_lengths.iter().copied().max().unwrap_or(0);
+        let denominators: Vec<f64> = match batch.loss_type {
+            GrpoLossType::Grpo => completion_lengths.iter().map(|&n| (n * g) as f64).collect(),
+            GrpoLossType::Bnpo => vec![completion_lengths.iter().sum::<usize>() as f64; g],
+            GrpoLossType::DrGrpo => {
+                let max_len = batch
+                    .max_completion_length
+                    .ok_or_else(|| bad("loss_type dr_grpo needs max_completion_length".into()))?;
+                if max_len < longest {
+                    return Err(bad(format!(
+                        "max_completion_length {max_len} is shorter than a completion ({longest} tokens)"
+                    )));
+                }
+                vec![(g * max_len) as f64; g]
+            }
+        };
+        let mask = shift(batch.completion_mask);
+        let weights: Vec<f64> = mask
+            .iter()
+            .enumerate()
+            .map(|(i, &m)| m as f64 / denominators[i / t])
+            .collect();
+        let targets: Vec<u32> = shift(batch.input_ids)
+            .into_iter()
+            .map(|v| v as u32)
+            .collect();
+        let per_pos = |a: Option<&[Vec<f64>]>| -> Result<Option<Tensor>> {
+            a.map(|a| Tensor::from_vec(shift(a), (g, t), device).map_err(ObjectiveError::from))
+                .transpose()
+        };
+        Ok(Self {
+            targets: Tensor::from_vec(targets, (g, t), device)?,
+            mask: Tensor::from_vec(
+                mask.iter().map(|&m| m as u8).collect::<Vec<_>>(),
+                (g, t),
+                device,
+            )?,
+            weights: Tensor::from_vec(weights, (g, t), device)?,
+            advantages: Tensor::from_vec(batch.advantages.to_vec(), (g, 1), device)?,
+            old: per_pos(batch.old_logps)?,
+            reference: if batch.beta != 0.0 {
+                per_pos(batch.ref_logps)?
+            } else {
+                None
+            },
+            beta: batch.beta,
+            epsilon_low: batch.epsilon_low,
+            epsilon_high: batch.epsilon_high,
+        })
+    }
+
+    /// `(log-ratio π − π_old, ρ − π)` on `cols`, zero where the mask is 0 (so nothing overflows there).
+    fn log_ratios(&self, logp: &Tensor, cols: &Range<usize>) -> Result<(Tensor, Option<Tensor>)> {
+        let dt = logp.dtype();
+        let mask = self.mask.narrow(1, cols.start, cols.len())?;
+        let zeros = logp.zeros_like()?;
+        let select = |x: Tensor| mask.where_cond(&x, &zeros);
+        let old = match &self.old {
+            Some(o) => o.narrow(1, cols.start, cols.len())?.to_dtype(dt)?,
+            None => logp.detach(),
+        };
+        let ratio = select((logp - old)?)?;
+        let kl_arg = match &self.reference {
+            Some(r) => Some(select(
+                (r.narrow(1, cols.start, cols.len())?.to_dtype(dt)? - logp)?,
+            )?),
+            None => None,
+        };
+        Ok((ratio, kl_arg))
+    }
+}
+
+impl Objective for Grpo {
+    fn name(&self) -> &str {
+        "grpo"
+    }
+
+    fn targets(&self) -> &Tensor {
+        &self.targets
+    }
+
+    fn separable(&self) -> bool {
+        true
+    }
+
+    fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor> {
+        let dt = logp.dtype();
+        let (log_ratio, kl_arg) = self.log_ratios(logp, &cols)?;
+        let r = log_ratio.exp()?;
+        let a = self.advantages.to_dtype(dt)?;
+        let unclipped = r.broadcast_mul(&a)?;
+        let clipped = r
+            .clamp(1.0 - self.epsilon_low, 1.0 + self.epsilon_high)?
+            .broadcast_mul(&a)?;
+        let mut per_token = unclipped.minimum(&clipped)?.neg()?;
+        if let Some(d) = kl_arg {
+            let kl = ((d.exp()? - &d)? - 1.0)?;
+            per_token = (per_token + (kl * self.beta)?)?;
+        }
+        let w = self
+            .weights
+            .narrow(1, cols.start, cols.len())?
+            .to_dtype(dt)?;
+        Ok((per_token * w)?.sum_all()?)
+    }
+
+    fn metrics(&self, logp: &Tensor) -> Result<Vec<(String, f64)>> {
+        let t = logp.dim(1)?;
+        let (log_ratio, kl_arg) = self.log_ratios(logp, &(0..t))?;
+        let mask = self.mask.to_dtype(DType::F64)?;
+        let count = mask.sum_all()?.to_scalar::<f64>()?;
+        let masked_mean = |x: &Tensor| -> Result<f64> {
+            Ok((x.to_dtype(DType::F64)? * &mask)?
+                .sum_all()?
+                .to_scalar::<f64>()?
+                / count.max(1.0))
+        };
+        let r = log_ratio.to_dtype(DType::F64)?.exp()?;
+        let a = self.advantages.to_dtype(DType::F64)?;
+        let zero = a.zeros_like()?;
+        let low = r
+            .lt(1.0 - self.epsilon_low)?
+            .mul(&a.lt(&zero)?.broadcast_as(r.shape())?)?;
+        let high = r
+            .gt(1.0 + self.epsilon_high)?
+            .mul(&a.gt(&zero)?.broadcast_as(r.shape())?)?;
+        let clipped = (low + high)?.to_dtype(DType::F64)?;
+        let mut out = vec![("clip_ratio".to_string(), masked_mean(&clipped)?)];
+        if let Some(d) = kl_arg {
+            let d = d.to_dtype(DType::F64)?;
+            out.push(("kl".into(), masked_mean(&((d.exp()? - &d)? - 1.0)?)?));
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,212 @@
+//! DPO and GRPO, exact: streamed gradients equal the plain backward's (f64, every family, chunkings that
+//! do not divide T), and every mode matches the float64 losses and gradients of TRL's formulas written
+//! out in PyTorch on transformers' models (scripts/make_fixtures.py).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+use streambp_core::{backward, Batch, Chunks, Gradients, Mode};
+use streambp_models::load_model;
+use streambp_train::batch_file::load_batch;
+
+const FAMILIES: [&str; 4] = ["qwen2", "qwen3", "llama3", "gemma3"];
+
+fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let d = (a - &b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    d / b
+        .abs()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+        .max(f64::MIN_POSITIVE)
+}
+
+/// Runs `mode` on the batch file of `family` after `edit`, in f64.
+fn run(
+    family: &str,
+    file: &str,
+    edit: &dyn Fn(&mut serde_json::Value),
+    mode: Mode,
+    chunks: Chunks,
+) -> Gradients {
+    let dir = fixture_dir(family);
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(file)).unwrap()).unwrap();
+    edit(&mut json);
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join(file);
+    std::fs::write(&path, json.to_string()).unwrap();
+    let model = load_model(&dir, DType::F64, &Device::Cpu).unwrap();
+    let mut no_reference =
+        |_: &Tensor, _: Option<&Tensor>, _: &Tensor| -> streambp_train::Result<Tensor> {
+            panic!("the fixture batches carry their reference log-probs")
+        };
+    let batch = load_batch(
+        &path,
+        model.config.vocab_size,
+        &Device::Cpu,
+        &mut no_reference,
+    )
+    .unwrap();
+    let input = Batch {
+        input_ids: &batch.input_ids,
+        attention_mask: batch.attention_mask.as_ref(),
+    };
+    backward(&model, input, batch.objective.as_ref(), mode, chunks).unwrap()
+}
+
+fn metric(g: &Gradients, name: &str) -> f64 {
+    g.metrics
+        .iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("no metric {name}"))
+        .1
+}
+
+fn scalar(r: &HashMap<String, Tensor>, key: &str) -> f64 {
+    r[key].to_vec1::<f64>().unwrap()[0]
+}
+
+/// Checks every mode and chunking of one objective variant against the full backward and the reference.
+fn check(
+    family: &str,
+    file: &str,
+    edit: &dyn Fn(&mut serde_json::Value),
+    prefix: &str,
+) -> Gradients {
+    let r = candle_core::safetensors::load(
+        fixture_dir(family).join("reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let full = run(
+        family,
+        file,
+        edit,
+        Mode::Full,
+        Chunks {
+            chunk: 1,
+            logits_chunk: 1,
+        },
+    );
+    let ref_loss = scalar(&r, &format!("{prefix}.loss"));
+    let mut worst = 0.0f64;
+    for (mode, chunk, logits_chunk) in [
+        (Mode::Full, 1, 1),
+        (Mode::Checkpoint, 1, 1),
+        (Mode::Stream, 1, 1),
+        (Mode::Stream, 3, 4),
+        (Mode::Stream, 4, 16),
+    ] {
+        let out = if mode == Mode::Full {
+            None
+        } else {
+            Some(run(
+                family,
+                file,
+                edit,
+                mode,
+                Chunks {
+                    chunk,
+                    logits_chunk,
+                },
+            ))
+        };
+        let out = out.as_ref().unwrap_or(&full);
+        assert!(
+            (out.loss - ref_loss).abs() < 1e-10 * ref_loss.abs().max(1e-3),
+            "{family} {prefix} {mode}: loss {} vs reference {ref_loss}",
+            out.loss
+        );
+        for ((name, g), (_, g_full)) in out.grads.iter().zip(&full.grads) {
+            let vs_full = rel_err(g, g_full);
+            assert!(
+                vs_full < 1e-10,
+                "{family} {prefix} {mode} {chunk}/{logits_chunk}: {name} vs full {vs_full:.2e}"
+            );
+            let vs_ref = rel_err(g, &r[&format!("{prefix}.grad.{name}")]);
+            worst = worst.max(vs_ref);
+            assert!(
+                vs_ref < 1e-8,
+                "{family} {prefix} {mode}: {name} vs reference {vs_ref:.2e}"
+            );
+        }
+    }
+    println!("{family} {prefix}: worst gradient error vs reference {worst:.2e}");
+    full
+}
+
+#[test]
+fn dpo_matches_full_backward_and_reference() {
+    for family in FAMILIES {
+        let r = candle_core::safetensors::load(
+            fixture_dir(family).join("reference.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let out = check(family, "dpo-batch.json", &|_| {}, "dpo");
+        for (metric_name, key) in [
+            ("rewards/chosen", "dpo.rewards_chosen"),
+            ("rewards/rejected", "dpo.rewards_rejected"),
+            ("rewards/accuracies", "dpo.accuracy"),
+        ] {
+            let (ours, theirs) = (metric(&out, metric_name), scalar(&r, key));
+            assert!(
+                (ours - theirs).abs() < 1e-10 * theirs.abs().max(1.0),
+                "{family} {metric_name}: {ours} vs {theirs}"
+            );
+        }
+    }
+}
+
+#[test]
+fn grpo_matches_full_backward_and_reference_for_each_loss_type() {
+    for family in FAMILIES {
+        let r = candle_core::safetensors::load(
+            fixture_dir(family).join("reference.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        for loss_type in ["grpo", "bnpo", "dr_grpo"] {
+            let edit = move |j: &mut serde_json::Value| j["loss_type"] = loss_type.into();
+            let out = check(
+                family,
+                "grpo-batch.json",
+                &edit,
+                &format!("grpo.{loss_type}"),
+            );
+            let clip = metric(&out, "clip_ratio");
+            assert!((clip - scalar(&r, &format!("grpo.{loss_type}.clip_ratio"))).abs() < 1e-12);
+            assert!(clip > 0.0, "the fixture's ratios clip");
+            let kl = metric(&out, "kl");
+            assert!((kl - scalar(&r, &format!("grpo.{loss_type}.kl"))).abs() < 1e-10);
+        }
+        // No old log-probs: r = 1 with the current policy's gradient; beta = 0: no reference.
+        let edit = |j: &mut serde_json::Value| {
+            let o = j.as_object_mut().unwrap();
+            o.remove("old_logps");
+            o.remove("ref_logps");
+            o.insert("beta".into(), 0.0.into());
+        };
+        let out = check(family, "grpo-batch.json", &edit, "grpo.noold");
+        assert_eq!(metric(&out, "clip_ratio"), 0.0);
+    }
+}
