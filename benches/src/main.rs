@@ -13,7 +13,7 @@ use clap::Parser;
 use streambp_core::memory::{current_bytes, CountingAllocator};
 use streambp_core::{backward, Batch, Chunks, Mode};
 use streambp_models::{Model, ModelConfig};
-use streambp_objectives::Sft;
+use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -27,6 +27,12 @@ struct Args {
     /// Sequence lengths, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1024,2048")]
     seq_lens: Vec<usize>,
+    /// sft (one row of T), dpo (a pair: two rows of T) or grpo (a group of --group rows of T, half prompt).
+    #[arg(long, default_value = "sft")]
+    objective: String,
+    /// GRPO group size.
+    #[arg(long, default_value_t = 4)]
+    group: usize,
     /// Modes, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "stream,checkpoint,full")]
     modes: Vec<Mode>,
@@ -55,20 +61,69 @@ struct Point {
     loss: f64,
 }
 
+/// A synthetic batch of `rows` sequences of `t` tokens and the objective over it.
+fn workload(
+    objective: &str,
+    vocab: usize,
+    t: usize,
+    group: usize,
+) -> anyhow::Result<(Tensor, Box<dyn Objective>)> {
+    let rows = match objective {
+        "sft" => 1,
+        "dpo" => 2,
+        "grpo" => group,
+        other => bail!("unknown objective {other}"),
+    };
+    let ids: Vec<Vec<i64>> = (0..rows)
+        .map(|r| {
+            (0..t as u64)
+                .map(|i| ((i * 2654435761 + r as u64 * 97) >> 7) as i64 % vocab as i64)
+                .collect()
+        })
+        .collect();
+    let dev = Device::Cpu;
+    let objective: Box<dyn Objective> = match objective {
+        "sft" => Box::new(Sft::new(&ids, vocab, None, &dev)?),
+        "dpo" => Box::new(Dpo::new(&ids, &[-1000.0], &[-1000.0], 0.1, vocab, &dev)?),
+        _ => {
+            let completion: Vec<Vec<i64>> = (0..rows)
+                .map(|_| (0..t).map(|i| (i >= t / 2) as i64).collect())
+                .collect();
+            let advantages: Vec<f64> = (0..rows)
+                .map(|r| if r % 2 == 0 { 1.0 } else { -1.0 })
+                .collect();
+            let reference: Vec<Vec<f64>> = vec![vec![-5.0; t]; rows];
+            Box::new(Grpo::new(
+                &GrpoBatch {
+                    input_ids: &ids,
+                    completion_mask: &completion,
+                    advantages: &advantages,
+                    old_logps: None,
+                    ref_logps: Some(&reference),
+                    beta: 0.04,
+                    epsilon_low: 0.2,
+                    epsilon_high: 0.2,
+                    loss_type: GrpoLossType::Grpo,
+                    max_completion_length: None,
+                },
+                vocab,
+                &dev,
+            )?)
+        }
+    };
+    let flat: Vec<u32> = ids.iter().flatten().map(|&v| v as u32).collect();
+    Ok((Tensor::from_vec(flat, (rows, t), &dev)?, objective))
+}
+
 fn run(
     model: &Model,
+    work: &(Tensor, Box<dyn Objective>),
     mode: Mode,
-    t: usize,
     chunks: Chunks,
     repeats: usize,
 ) -> anyhow::Result<Point> {
-    let vocab = model.config.vocab_size as u32;
-    let ids: Vec<u32> = (0..t as u32)
-        .map(|i| (i.wrapping_mul(2654435761) >> 7) % vocab)
-        .collect();
-    let labels = vec![ids.iter().map(|&v| v as i64).collect::<Vec<_>>()];
-    let ids = Tensor::from_vec(ids, (1, t), &Device::Cpu)?;
-    let sft = Sft::new(&labels, vocab as usize, None, &Device::Cpu)?;
+    let (ids, objective) = work;
+    let t = ids.dim(1)?;
     let mut best: Option<Point> = None;
     for _ in 0..repeats.max(1) {
         let before = current_bytes().unwrap_or(0);
@@ -76,10 +131,10 @@ fn run(
         let out = backward(
             model,
             Batch {
-                input_ids: &ids,
+                input_ids: ids,
                 attention_mask: None,
             },
-            &sft,
+            objective.as_ref(),
             mode,
             chunks,
         )?;
@@ -127,7 +182,8 @@ fn main() -> anyhow::Result<()> {
     let model = Model::random(cfg, dtype, &Device::Cpu, 0)?;
     let params: usize = model.parameters().iter().map(|(_, v)| v.elem_count()).sum();
     println!(
-        "model {} ({:.1}M parameters, {} layers), dtype {dtype:?}, logits chunk {}",
+        "objective {}, model {} ({:.1}M parameters, {} layers), dtype {dtype:?}, logits chunk {}",
+        args.objective,
         args.config.display(),
         params as f64 / 1e6,
         model.layers.len(),
@@ -138,7 +194,14 @@ fn main() -> anyhow::Result<()> {
         chunk: 64,
         logits_chunk: 64,
     };
-    run(&model, Mode::Stream, 128, warm, 1)?;
+    let vocab = model.config.vocab_size;
+    run(
+        &model,
+        &workload("sft", vocab, 128, 1)?,
+        Mode::Stream,
+        warm,
+        1,
+    )?;
 
     let mut points = Vec::new();
     for &t in &args.seq_lens {
@@ -146,8 +209,9 @@ fn main() -> anyhow::Result<()> {
             chunk: args.chunk.unwrap_or(t.div_ceil(3)),
             logits_chunk: args.logits_chunk,
         };
+        let work = workload(&args.objective, vocab, t, args.group)?;
         for &mode in &args.modes {
-            let p = run(&model, mode, t, chunks, args.repeats)?;
+            let p = run(&model, &work, mode, chunks, args.repeats)?;
             eprintln!(
                 "T={t} {mode}: peak {:.1} MiB, {:.3} s",
                 mib(p.peak),
@@ -193,7 +257,7 @@ fn main() -> anyhow::Result<()> {
             .iter()
             .map(|(p, c)| {
                 serde_json::json!({
-                    "t": p.t, "mode": p.mode.to_string(), "chunk": c.chunk, "logits_chunk": c.logits_chunk,
+                    "objective": args.objective, "t": p.t, "mode": p.mode.to_string(), "chunk": c.chunk, "logits_chunk": c.logits_chunk,
                     "peak_bytes": p.peak, "seconds": p.seconds, "loss": p.loss,
                     "phases": p.phases.iter().map(|(n, b, s)| serde_json::json!({"phase": n, "peak_bytes": b, "seconds": s})).collect::<Vec<_>>(),
                 })

@@ -2,8 +2,14 @@
 //! the CLI runs.
 
 pub mod batch_file;
+pub mod checkpoint;
+pub mod data;
 pub mod device;
+pub mod generate;
 pub mod grad;
+pub mod optim;
+pub mod sft;
+pub mod tokenizer;
 
 /// Typed errors of the trainer library.
 #[derive(Debug, thiserror::Error)]

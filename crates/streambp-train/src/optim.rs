@@ -1,0 +1,187 @@
+//! AdamW (decoupled weight decay, as `torch.optim.AdamW`) with f32 state (f64 for f64 models), global-norm
+//! gradient clipping, and the warmup + cosine/linear learning-rate schedules of transformers.
+
+use candle_core::{DType, Tensor, Var};
+
+use crate::{Result, TrainError};
+
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWConfig {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-5,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+/// Parameters that get no weight decay, as in transformers' Trainer: biases and norm weights.
+pub fn decays(name: &str) -> bool {
+    !(name.ends_with(".bias") || name.ends_with("norm.weight"))
+}
+
+struct Slot {
+    name: String,
+    var: Var,
+    m: Tensor,
+    v: Tensor,
+    decay: bool,
+}
+
+pub struct AdamW {
+    pub config: AdamWConfig,
+    slots: Vec<Slot>,
+    pub step: usize,
+}
+
+fn state_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+impl AdamW {
+    pub fn new(params: &[(String, Var)], config: AdamWConfig) -> Result<Self> {
+        let slots = params
+            .iter()
+            .map(|(name, var)| {
+                let zeros = var.zeros_like()?.to_dtype(state_dtype(var.dtype()))?;
+                Ok(Slot {
+                    name: name.clone(),
+                    var: var.clone(),
+                    m: zeros.clone(),
+                    v: zeros,
+                    decay: decays(name),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            config,
+            slots,
+            step: 0,
+        })
+    }
+
+    /// One update with `grads` (same names and order as the parameters) at learning rate `lr`.
+    pub fn apply(&mut self, grads: &[(String, Tensor)], lr: f64) -> Result<()> {
+        if grads.len() != self.slots.len() {
+            return Err(TrainError::Usage(format!(
+                "{} gradients for {} parameters",
+                grads.len(),
+                self.slots.len()
+            )));
+        }
+        self.step += 1;
+        let c = self.config;
+        let bc1 = 1.0 - c.beta1.powi(self.step as i32);
+        let bc2 = 1.0 - c.beta2.powi(self.step as i32);
+        for (slot, (name, g)) in self.slots.iter_mut().zip(grads) {
+            if *name != slot.name {
+                return Err(TrainError::Usage(format!(
+                    "gradient {name} where {} was expected",
+                    slot.name
+                )));
+            }
+            let sd = slot.m.dtype();
+            let g = g.to_dtype(sd)?;
+            let mut p = slot.var.as_tensor().detach().to_dtype(sd)?;
+            if slot.decay && c.weight_decay != 0.0 {
+                p = (p * (1.0 - lr * c.weight_decay))?;
+            }
+            slot.m = ((&slot.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
+            slot.v = ((&slot.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
+            let denom = ((&slot.v / bc2)?.sqrt()? + c.eps)?;
+            let update = ((&slot.m / bc1)? / denom)?;
+            let p = (p - (update * lr)?)?;
+            slot.var.set(&p.to_dtype(slot.var.dtype())?)?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer state for checkpoints: `(name.m, name.v)` tensors.
+    pub fn state(&self) -> Vec<(String, Tensor)> {
+        self.slots
+            .iter()
+            .flat_map(|s| {
+                [
+                    (format!("{}.m", s.name), s.m.clone()),
+                    (format!("{}.v", s.name), s.v.clone()),
+                ]
+            })
+            .collect()
+    }
+}
+
+/// Scales `grads` so their global L2 norm is at most `max_norm`; returns the norm before clipping.
+pub fn clip_grad_norm(grads: &mut [(String, Tensor)], max_norm: f64) -> Result<f64> {
+    let mut sq = 0.0;
+    for (_, g) in grads.iter() {
+        sq += g
+            .to_dtype(DType::F64)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f64>()?;
+    }
+    let norm = sq.sqrt();
+    if max_norm > 0.0 && norm > max_norm {
+        let scale = max_norm / (norm + 1e-6);
+        for (_, g) in grads.iter_mut() {
+            *g = (&*g * scale)?;
+        }
+    }
+    Ok(norm)
+}
+
+/// Learning-rate schedules (transformers' `get_*_schedule_with_warmup`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    Cosine,
+    Linear,
+    Constant,
+}
+
+impl std::str::FromStr for Schedule {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cosine" => Ok(Self::Cosine),
+            "linear" => Ok(Self::Linear),
+            "constant" => Ok(Self::Constant),
+            other => Err(format!(
+                "expected cosine, linear or constant, got {other:?}"
+            )),
+        }
+    }
+}
+
+/// The learning rate at optimizer step `step` (0-based) of `total`.
+pub fn learning_rate(
+    schedule: Schedule,
+    base: f64,
+    step: usize,
+    warmup: usize,
+    total: usize,
+) -> f64 {
+    if step < warmup {
+        return base * step as f64 / warmup.max(1) as f64;
+    }
+    let progress = (step - warmup) as f64 / (total.saturating_sub(warmup)).max(1) as f64;
+    match schedule {
+        Schedule::Cosine => base * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()),
+        Schedule::Linear => base * (1.0 - progress).max(0.0),
+        Schedule::Constant => base,
+    }
+}

@@ -1,0 +1,87 @@
+//! A Hugging Face tokenizer (`tokenizer.json`) with the special tokens of `tokenizer_config.json`.
+
+use std::path::{Path, PathBuf};
+
+use crate::{Result, TrainError};
+
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    pub eos_id: u32,
+    pub pad_id: u32,
+    /// The files to copy into checkpoints.
+    pub files: Vec<PathBuf>,
+}
+
+fn token_name(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(String::from),
+        _ => None,
+    }
+}
+
+impl TextTokenizer {
+    /// Loads `tokenizer.json` (required) and `tokenizer_config.json` (optional) from `dir`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| {
+            TrainError::Usage(format!("cannot load tokenizer {}: {e}", path.display()))
+        })?;
+        let config_path = dir.join("tokenizer_config.json");
+        let config: serde_json::Value = match std::fs::read_to_string(&config_path) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| {
+                TrainError::Usage(format!("{}: not valid JSON: {e}", config_path.display()))
+            })?,
+            Err(_) => serde_json::Value::Null,
+        };
+        let id_of = |key: &str| -> Option<u32> {
+            config
+                .get(key)
+                .and_then(token_name)
+                .and_then(|t| inner.token_to_id(&t))
+        };
+        let eos_id = id_of("eos_token").ok_or_else(|| {
+            TrainError::Usage(format!(
+                "{}: no eos_token that the tokenizer knows; it is needed to end completions",
+                config_path.display()
+            ))
+        })?;
+        let pad_id = id_of("pad_token").unwrap_or(eos_id);
+        let mut files = vec![path];
+        for name in [
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "generation_config.json",
+        ] {
+            if dir.join(name).exists() {
+                files.push(dir.join(name));
+            }
+        }
+        Ok(Self {
+            inner,
+            eos_id,
+            pad_id,
+            files,
+        })
+    }
+
+    /// Token ids of `text`, without special tokens added.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self
+            .inner
+            .encode(text, false)
+            .map_err(|e| TrainError::Usage(format!("tokenizer: {e}")))?
+            .get_ids()
+            .to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| TrainError::Usage(format!("tokenizer: {e}")))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
