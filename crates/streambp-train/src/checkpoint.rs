@@ -10,6 +10,38 @@ use streambp_models::Model;
 
 use crate::{Result, TrainError};
 
+/// Optimizer moments of a resumable checkpoint.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// Step, epoch and data position of a resumable checkpoint.
+pub const STATE_FILE: &str = "trainer_state.json";
+
+/// Where a run stood when its checkpoint was written: enough to continue it exactly.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps taken.
+    pub step: usize,
+    /// Passes over the data begun (the shuffle of epoch `e` is seeded with `seed + e`).
+    pub epoch: u64,
+    /// Position in the current epoch's order.
+    pub cursor: usize,
+    pub seed: u64,
+}
+
+impl TrainerState {
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join(STATE_FILE);
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            TrainError::Usage(format!(
+                "{} is not a resumable checkpoint ({}: {e})",
+                dir.display(),
+                STATE_FILE
+            ))
+        })?;
+        serde_json::from_str(&text)
+            .map_err(|e| TrainError::Usage(format!("{}: {e}", path.display())))
+    }
+}
+
 /// Writes `model` (weights under their HF names, tied embeddings once), its `config.json` and the
 /// tokenizer files into `dir`.
 pub fn save_checkpoint(
@@ -17,6 +49,7 @@ pub fn save_checkpoint(
     config_json: &Path,
     tokenizer_files: &[PathBuf],
     extra: &[(&str, String)],
+    optimizer: Option<&HashMap<String, Tensor>>,
     dir: &Path,
 ) -> Result<()> {
     let parent = dir.parent().unwrap_or(Path::new("."));
@@ -43,6 +76,13 @@ pub fn save_checkpoint(
     }
     for (file, text) in extra {
         std::fs::write(tmp.join(file), text)?;
+    }
+    if let Some(state) = optimizer {
+        let cpu: HashMap<String, Tensor> = state
+            .iter()
+            .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
+            .collect::<Result<_>>()?;
+        candle_core::safetensors::save(&cpu, tmp.join(OPTIMIZER_FILE))?;
     }
     if dir.exists() {
         let old = parent.join(format!(".{name}.old-{}", std::process::id()));

@@ -82,18 +82,18 @@ struct SftArgs {
     /// Where metrics.jsonl and checkpoints go.
     #[arg(long, default_value = "runs/sft")]
     output_dir: PathBuf,
-    /// Optimizer steps [default: --epochs over the data; built-in task: 400].
+    /// Optimizer steps [default: --epochs over the data; built-in task: 300].
     #[arg(long)]
     max_steps: Option<usize>,
     #[arg(long, default_value_t = 1.0)]
     epochs: f64,
-    /// Sequences per micro-batch [default: 8; built-in task: 32].
+    /// Sequences per micro-batch [default: 8; built-in task: 128].
     #[arg(long)]
     batch_size: Option<usize>,
     /// Micro-batches per optimizer step (the loss is normalised over all their target tokens).
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
-    /// Peak learning rate [default: 2e-5; built-in task: 3e-3].
+    /// Peak learning rate [default: 2e-5; built-in task: 5e-3].
     #[arg(long)]
     lr: Option<f64>,
     #[arg(long, default_value_t = 0.0)]
@@ -132,6 +132,10 @@ struct SftArgs {
     /// Save a checkpoint every N steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     save_every: usize,
+    /// Continue from a checkpoint-N directory of an earlier run (weights, optimizer, schedule, data
+    /// position); give the same flags as that run.
+    #[arg(long)]
+    resume: Option<PathBuf>,
     /// Hide the progress bar.
     #[arg(long)]
     no_progress: bool,
@@ -144,11 +148,11 @@ impl SftArgs {
             given.unwrap_or(if builtin { builtin_default } else { default })
         };
         SftConfig {
-            max_steps: self.max_steps.or(builtin.then_some(400)),
+            max_steps: self.max_steps.or(builtin.then_some(300)),
             epochs: self.epochs,
-            batch_size: pick(self.batch_size, 8, 32),
+            batch_size: pick(self.batch_size, 8, 128),
             grad_accum: self.grad_accum.max(1),
-            lr: self.lr.unwrap_or(if builtin { 3e-3 } else { 2e-5 }),
+            lr: self.lr.unwrap_or(if builtin { 5e-3 } else { 2e-5 }),
             weight_decay: self.weight_decay,
             warmup_steps: pick(self.warmup_steps, 0, 20),
             schedule: self.schedule,
@@ -162,6 +166,7 @@ impl SftArgs {
             dtype: self.dtype,
             device: self.device,
             save_every: self.save_every,
+            resume: self.resume,
             log_every: 10,
             progress: !self.no_progress,
             model: self.model,

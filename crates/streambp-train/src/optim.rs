@@ -112,7 +112,8 @@ impl AdamW {
     }
 
     /// The optimizer state for checkpoints: `(name.m, name.v)` tensors.
-    pub fn state(&self) -> Vec<(String, Tensor)> {
+    /// The optimizer state for checkpoints: `name.m` and `name.v` for every parameter.
+    pub fn state(&self) -> std::collections::HashMap<String, Tensor> {
         self.slots
             .iter()
             .flat_map(|s| {
@@ -122,6 +123,32 @@ impl AdamW {
                 ]
             })
             .collect()
+    }
+
+    /// Restores the moments saved by [`AdamW::state`] and the step count.
+    pub fn load_state(
+        &mut self,
+        state: &std::collections::HashMap<String, Tensor>,
+        step: usize,
+    ) -> Result<()> {
+        for slot in &mut self.slots {
+            for (suffix, dst) in [("m", &mut slot.m), ("v", &mut slot.v)] {
+                let key = format!("{}.{suffix}", slot.name);
+                let t = state
+                    .get(&key)
+                    .ok_or_else(|| TrainError::Usage(format!("optimizer state has no {key}")))?;
+                if t.dims() != dst.dims() {
+                    return Err(TrainError::Usage(format!(
+                        "optimizer state {key} has shape {:?}, expected {:?}",
+                        t.dims(),
+                        dst.dims()
+                    )));
+                }
+                *dst = t.to_dtype(dst.dtype())?.to_device(dst.device())?;
+            }
+        }
+        self.step = step;
+        Ok(())
     }
 }
 

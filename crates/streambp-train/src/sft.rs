@@ -10,7 +10,7 @@ use streambp_core::{backward, Batch, Chunks, Mode};
 use streambp_models::{load_model, resolve_model_dir, Model, ModelConfig};
 use streambp_objectives::Sft;
 
-use crate::checkpoint::save_checkpoint;
+use crate::checkpoint::{save_checkpoint, TrainerState, OPTIMIZER_FILE, STATE_FILE};
 use crate::data::{collate, load_sft, read_jsonl, Example, Overflow};
 use crate::device::{parse_device, parse_dtype};
 use crate::generate::greedy;
@@ -47,6 +47,8 @@ pub struct SftConfig {
     pub dtype: String,
     pub device: String,
     pub save_every: usize,
+    /// Continue from this checkpoint (weights, optimizer, schedule, data position).
+    pub resume: Option<PathBuf>,
     pub log_every: usize,
     pub progress: bool,
 }
@@ -144,12 +146,13 @@ pub fn run_sft(cfg: &SftConfig) -> Result<SftSummary> {
     } else {
         None
     };
-    let (model, model_dir) = match &cfg.model {
-        Some(spec) => {
+    let (model, model_dir) = match (&cfg.resume, &cfg.model) {
+        (Some(dir), _) => (load_model(dir, dtype, &device)?, dir.clone()),
+        (None, Some(spec)) => {
             let dir = resolve_model_dir(spec)?;
             (load_model(&dir, dtype, &device)?, dir)
         }
-        None => {
+        (None, None) => {
             let dir = builtin_dir.clone().expect("built-in task written");
             let config = ModelConfig::from_file(&dir.join("config.json"))?;
             (Model::random(config, dtype, &device, cfg.seed)?, dir)
@@ -184,10 +187,14 @@ pub fn run_sft(cfg: &SftConfig) -> Result<SftSummary> {
         "sft"
     );
 
-    let accuracy_before = eval
-        .as_ref()
-        .map(|rows| accuracy(&model, &tokenizer, rows))
-        .transpose()?;
+    let resumed = cfg.resume.as_deref().map(TrainerState::read).transpose()?;
+    let accuracy_before = match resumed {
+        Some(_) => None,
+        None => eval
+            .as_ref()
+            .map(|rows| accuracy(&model, &tokenizer, rows))
+            .transpose()?,
+    };
     if let Some(a) = accuracy_before {
         tracing::info!(accuracy = a, "held-out accuracy before training");
     }
@@ -209,16 +216,38 @@ pub fn run_sft(cfg: &SftConfig) -> Result<SftSummary> {
         .max_steps
         .unwrap_or(((examples.len() as f64 * cfg.epochs) / per_step as f64).ceil() as usize)
         .max(1);
-    let mut order = shuffled(examples.len(), cfg.seed);
-    let mut cursor = 0usize;
-    let mut epoch = 0u64;
-    let mut metrics = std::fs::File::create(cfg.output_dir.join("metrics.jsonl"))?;
+    let (start, mut epoch, mut cursor) = match (&resumed, &cfg.resume) {
+        (Some(state), Some(dir)) => {
+            if state.seed != cfg.seed {
+                tracing::warn!(
+                    saved = state.seed,
+                    given = cfg.seed,
+                    "resuming with a different seed"
+                );
+            }
+            let path = dir.join(OPTIMIZER_FILE);
+            let moments = candle_core::safetensors::load(&path, &device)
+                .map_err(|e| TrainError::Usage(format!("cannot read {}: {e}", path.display())))?;
+            optimizer.load_state(&moments, state.step)?;
+            tracing::info!(step = state.step, dir = %dir.display(), "resumed");
+            (state.step, state.epoch, state.cursor)
+        }
+        _ => (0, 0, 0),
+    };
+    let mut order = shuffled(examples.len(), cfg.seed.wrapping_add(epoch));
+    let mut metrics = std::fs::OpenOptions::new()
+        .create(true)
+        .append(resumed.is_some())
+        .write(true)
+        .truncate(resumed.is_none())
+        .open(cfg.output_dir.join("metrics.jsonl"))?;
     let bar = progress_bar(max_steps, cfg.progress);
     let started = Instant::now();
     let (mut first_loss, mut last_loss) = (f64::NAN, f64::NAN);
     let mut last_good: Option<PathBuf> = None;
 
-    for step in 0..max_steps {
+    bar.set_position(start as u64);
+    for step in start..max_steps {
         let step_start = Instant::now();
         // The examples of this optimizer step, split into micro-batches.
         let mut picked: Vec<&Example> = Vec::with_capacity(per_step);
@@ -309,11 +338,20 @@ pub fn run_sft(cfg: &SftConfig) -> Result<SftSummary> {
         }
         if cfg.save_every > 0 && (step + 1) % cfg.save_every == 0 && step + 1 < max_steps {
             let dir = cfg.output_dir.join(format!("checkpoint-{}", step + 1));
+            let state = TrainerState {
+                step: step + 1,
+                epoch,
+                cursor,
+                seed: cfg.seed,
+            };
+            let state = serde_json::to_string_pretty(&state)
+                .map_err(|e| TrainError::Usage(e.to_string()))?;
             save_checkpoint(
                 &model,
                 &model_dir.join("config.json"),
                 &tokenizer.files,
-                &[],
+                &[(STATE_FILE, state)],
+                Some(&optimizer.state()),
                 &dir,
             )?;
             last_good = Some(dir);
@@ -326,6 +364,7 @@ pub fn run_sft(cfg: &SftConfig) -> Result<SftSummary> {
         &model_dir.join("config.json"),
         &tokenizer.files,
         &[],
+        None,
         &final_dir,
     )?;
     let accuracy_after = eval

@@ -1,0 +1,201 @@
+//! The SFT trainer end to end on small runs: it learns, its checkpoints load as HF models, the engine's
+//! modes train identically, and bad data is reported by line.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+use streambp_core::Mode;
+use streambp_train::data::Overflow;
+use streambp_train::optim::Schedule;
+use streambp_train::sft::{run_sft, SftConfig};
+
+fn config(out: &Path) -> SftConfig {
+    SftConfig {
+        model: None,
+        data: None,
+        eval_data: None,
+        output_dir: out.to_path_buf(),
+        max_steps: Some(12),
+        epochs: 1.0,
+        batch_size: 16,
+        grad_accum: 2,
+        lr: 5e-3,
+        weight_decay: 0.01,
+        warmup_steps: 2,
+        schedule: Schedule::Cosine,
+        max_grad_norm: 1.0,
+        seed: 3,
+        max_length: 16,
+        overflow: Overflow::Truncate,
+        mode: Mode::Stream,
+        chunk: 4,
+        logits_chunk: 5,
+        dtype: "f32".into(),
+        device: "cpu".into(),
+        save_every: 5,
+        resume: None,
+        log_every: 0,
+        progress: false,
+    }
+}
+
+fn losses(dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn builtin_task_learns_and_saves_hf_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run_sft(&config(dir.path())).unwrap();
+    assert_eq!(summary.steps, 12);
+    assert!(summary.last_loss < 0.8 * summary.first_loss, "{summary:?}");
+    let losses = losses(dir.path());
+    assert_eq!(losses.len(), 12);
+    // Intermediate and final checkpoints load as HF model directories with the trained weights.
+    for ckpt in ["checkpoint-5", "checkpoint-10", "final"] {
+        let path = dir.path().join(ckpt);
+        for f in [
+            "model.safetensors",
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ] {
+            assert!(path.join(f).exists(), "{ckpt}/{f}");
+        }
+        let model = streambp_models::load_model(&path, DType::F32, &Device::Cpu).unwrap();
+        assert!(
+            model
+                .parameters()
+                .iter()
+                .all(|(n, _)| n != "lm_head.weight"),
+            "tied: one table"
+        );
+    }
+    // No temporary directories left behind.
+    let leftovers: Vec<PathBuf> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with('.'))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// StreamBP is exact, so training with it follows the same loss curve as plain backprop.
+#[test]
+fn stream_and_full_backward_train_identically() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut cfg = config(a.path());
+    cfg.max_steps = Some(6);
+    cfg.save_every = 0;
+    run_sft(&cfg).unwrap();
+    cfg.output_dir = b.path().to_path_buf();
+    cfg.mode = Mode::Full;
+    run_sft(&cfg).unwrap();
+    for (x, y) in losses(a.path()).iter().zip(losses(b.path())) {
+        assert!((x - y).abs() < 1e-4 * y.abs(), "{x} vs {y}");
+    }
+}
+
+fn run_on(data: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("data.jsonl");
+    std::fs::write(&path, data).unwrap();
+    let mut cfg = config(&dir.path().join("out"));
+    cfg.data = Some(path);
+    cfg.max_steps = Some(1);
+    match run_sft(&cfg) {
+        Ok(_) => String::new(),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn bad_data_is_reported_by_line() {
+    let good = "{\"prompt\": \"1+2=\", \"completion\": \"3\"}\n";
+    let err = run_on(&format!(
+        "{good}{good}{{\"prompt\": \"1+2=\", \"completion\": \n"
+    ));
+    assert!(
+        err.contains("line 3") && err.contains("not valid JSON"),
+        "{err}"
+    );
+    let err = run_on(&format!("{good}{{\"question\": \"1+2=\"}}\n"));
+    assert!(
+        err.contains("line 2") && err.contains("expected \"prompt\" and \"completion\""),
+        "{err}"
+    );
+    let err = run_on("\n\n");
+    assert!(err.contains("no examples"), "{err}");
+    let err = run_on(&format!(
+        "{good}{{\"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}\n"
+    ));
+    assert!(
+        err.contains("line 2") && err.contains("chat template"),
+        "{err}"
+    );
+    assert_eq!(run_on(&format!("{good}{{\"text\": \"12+3=15\"}}\n")), "");
+}
+
+#[test]
+fn overlong_examples_are_skipped_or_truncated() {
+    let dir = tempfile::tempdir().unwrap();
+    let builtin = streambp_train::sft::materialize_builtin(dir.path()).unwrap();
+    let tok = streambp_train::tokenizer::TextTokenizer::from_dir(&builtin).unwrap();
+    let path = dir.path().join("d.jsonl");
+    std::fs::write(
+        &path,
+        "{\"prompt\": \"12+34=\", \"completion\": \"46\"}\n{\"text\": \"1+1=2\"}\n",
+    )
+    .unwrap();
+    let skip = streambp_train::data::load_sft(&path, &tok, 6, Overflow::Skip).unwrap();
+    assert_eq!(skip.len(), 1);
+    let cut = streambp_train::data::load_sft(&path, &tok, 8, Overflow::Truncate).unwrap();
+    assert_eq!(cut.len(), 2);
+    assert_eq!(cut[0].input_ids.len(), 8);
+    // prompt tokens carry no loss; the completion ends with EOS.
+    let full = streambp_train::data::load_sft(&path, &tok, 64, Overflow::Truncate).unwrap();
+    assert_eq!(full[0].labels[..6], [-100; 6]);
+    assert_eq!(*full[0].input_ids.last().unwrap(), tok.eos_id);
+}
+
+/// A run stopped after a checkpoint and resumed from it follows the uninterrupted run's loss curve:
+/// weights, optimizer moments, schedule position and data order all continue.
+#[test]
+fn resumed_run_gives_the_same_loss_curve() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut cfg = config(a.path());
+    cfg.max_steps = Some(10);
+    cfg.save_every = 4;
+    cfg.batch_size = 100;
+    run_sft(&cfg).unwrap();
+    let whole = losses(a.path());
+
+    let mut resumed = config(b.path());
+    resumed.max_steps = Some(10);
+    resumed.save_every = 4;
+    resumed.batch_size = 100;
+    resumed.resume = Some(a.path().join("checkpoint-4"));
+    run_sft(&resumed).unwrap();
+    let tail = losses(b.path());
+    assert_eq!(tail.len(), 6, "steps 5..=10");
+    for (i, (x, y)) in whole[4..].iter().zip(&tail).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-6 * x.abs(),
+            "step {}: {x} vs {y}",
+            i + 5
+        );
+    }
+    // Resuming from something that is not a checkpoint says so.
+    let mut bad = config(b.path());
+    bad.resume = Some(a.path().join("final"));
+    let err = run_sft(&bad).unwrap_err().to_string();
+    assert!(err.contains("not a resumable checkpoint"), "{err}");
+}
