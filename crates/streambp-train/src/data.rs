@@ -193,5 +193,9 @@ pub fn collate(
         m.resize(t, 0);
         mask.push(m);
     }
-    (ids, labels, mask)
+    Collated {
+        input_ids: ids,
+        labels,
+        attention_mask: mask,
+    }
 }

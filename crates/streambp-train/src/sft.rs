@@ -11,7 +11,7 @@ use streambp_models::{load_model, resolve_model_dir, Model, ModelConfig};
 use streambp_objectives::Sft;
 
 use crate::checkpoint::{save_checkpoint, TrainerState, OPTIMIZER_FILE, STATE_FILE};
-use crate::data::{collate, load_sft, read_jsonl, Example, Overflow};
+use crate::data::{collate, load_sft, read_jsonl, Collated, Example, Overflow};
 use crate::device::{parse_device, parse_dtype};
 use crate::generate::greedy;
 use crate::optim::{clip_grad_norm, learning_rate, AdamW, AdamWConfig, Schedule};
@@ -270,7 +270,11 @@ pub fn run_sft(cfg: &SftConfig) -> Result<SftSummary> {
         let mut tokens = 0usize;
         let mut peak = 0usize;
         for micro in picked.chunks(cfg.batch_size) {
-            let (ids, labels, mask) = collate(micro, tokenizer.pad_id);
+            let Collated {
+                input_ids: ids,
+                labels,
+                attention_mask: mask,
+            } = collate(micro, tokenizer.pad_id);
             tokens += mask.iter().flatten().filter(|&&m| m == 1).count();
             let sft = Sft::new(
                 &labels,
