@@ -168,11 +168,15 @@ pub fn load_sft(
     Ok(out)
 }
 
-/// A right-padded micro-batch: `(input_ids, labels, attention_mask)`.
-pub fn collate(
-    examples: &[&Example],
-    pad_id: u32,
-) -> (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<Vec<i64>>) {
+/// A right-padded micro-batch.
+pub struct Collated {
+    pub input_ids: Vec<Vec<i64>>,
+    pub labels: Vec<Vec<i64>>,
+    pub attention_mask: Vec<Vec<i64>>,
+}
+
+/// Pads `examples` on the right to their longest length.
+pub fn collate(examples: &[&Example], pad_id: u32) -> Collated {
     let t = examples
         .iter()
         .map(|e| e.input_ids.len())
