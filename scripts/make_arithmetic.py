@@ -34,6 +34,7 @@ def main():
         return str(abs(c))
 
     write("dpo.jsonl", [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": wrong(a, b)} for a, b in train])
+    write("dpo_test.jsonl", [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": wrong(a, b)} for a, b in test])
 
     tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")

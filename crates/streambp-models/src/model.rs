@@ -193,6 +193,17 @@ impl Model {
         self.logits(&self.hidden_states(input_ids, attention_mask)?)
     }
 
+    /// An independent copy of every parameter (a frozen reference model: optimizer updates of `self`
+    /// write into its storage in place, so a `detached()` view would follow them).
+    pub fn frozen_copy(&self) -> Result<Self> {
+        let tensors = self
+            .params
+            .iter()
+            .map(|(n, v)| Ok((n.clone(), v.as_tensor().detach().copy()?)))
+            .collect::<Result<HashMap<_, _>>>()?;
+        Ok(Model::from_tensors(self.config.clone(), tensors)?.detached())
+    }
+
     /// The same model sharing the same storage, with nothing recorded for autograd.
     pub fn detached(&self) -> Self {
         Self {

@@ -5,9 +5,11 @@ pub mod batch_file;
 pub mod checkpoint;
 pub mod data;
 pub mod device;
+pub mod dpo;
 pub mod generate;
 pub mod grad;
 pub mod optim;
+pub mod recipe;
 pub mod sft;
 pub mod tokenizer;
 

@@ -8,9 +8,11 @@ use streambp_core::memory::CountingAllocator;
 use streambp_core::Mode;
 use streambp_train::data::Overflow;
 use streambp_train::device::parse_bytes;
+use streambp_train::dpo::run_dpo;
 use streambp_train::grad::{run_grad, GradArgs};
 use streambp_train::optim::Schedule;
-use streambp_train::sft::{run_sft, SftConfig};
+use streambp_train::recipe::TrainConfig;
+use streambp_train::sft::{run_sft, Summary};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -30,7 +32,10 @@ struct Cli {
 enum Command {
     /// Supervised fine-tuning. With no arguments: a tiny Qwen3-shaped model learns two-digit addition
     /// (shipped in the repo) on the CPU in a minute or two, with held-out accuracy before and after.
-    Sft(SftArgs),
+    Sft(TrainArgs),
+    /// Direct preference optimisation (TRL's sigmoid loss) on prompt/chosen/rejected JSONL. With no
+    /// arguments: the built-in model learns to prefer correct sums over wrong ones.
+    Dpo(TrainArgs),
     /// One backward on a batch file; writes every gradient under its HF name and prints one JSON line
     /// {"loss","mode","peak_bytes","seconds","tokens",...}.
     Grad {
@@ -69,11 +74,12 @@ enum Command {
 }
 
 #[derive(clap::Args)]
-struct SftArgs {
+struct TrainArgs {
     /// Model directory (HF format) or hub id [default: the built-in tiny model, random init].
     #[arg(long)]
     model: Option<String>,
-    /// Training data, JSONL in TRL's prompt/completion or text format [default: built-in arithmetic].
+    /// Training data, JSONL in TRL's formats: sft prompt/completion or text; dpo prompt/chosen/rejected
+    /// [default: the built-in arithmetic task].
     #[arg(long)]
     data: Option<PathBuf>,
     /// Prompt/completion JSONL scored by exact-match accuracy of greedy answers before and after.
@@ -136,18 +142,24 @@ struct SftArgs {
     /// position); give the same flags as that run.
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// DPO β.
+    #[arg(long, default_value_t = 0.1)]
+    beta: f64,
+    /// DPO reference model [default: a frozen copy of the initial policy].
+    #[arg(long)]
+    ref_model: Option<String>,
     /// Hide the progress bar.
     #[arg(long)]
     no_progress: bool,
 }
 
-impl SftArgs {
-    fn into_config(self) -> SftConfig {
+impl TrainArgs {
+    fn into_config(self) -> TrainConfig {
         let builtin = self.model.is_none() && self.data.is_none();
         let pick = |given: Option<usize>, default: usize, builtin_default: usize| {
             given.unwrap_or(if builtin { builtin_default } else { default })
         };
-        SftConfig {
+        TrainConfig {
             max_steps: self.max_steps.or(builtin.then_some(300)),
             epochs: self.epochs,
             batch_size: pick(self.batch_size, 8, 128),
@@ -167,7 +179,8 @@ impl SftArgs {
             device: self.device,
             save_every: self.save_every,
             resume: self.resume,
-            log_every: 10,
+            beta: self.beta,
+            ref_model: self.ref_model,
             progress: !self.no_progress,
             model: self.model,
             data: self.data,
@@ -175,6 +188,24 @@ impl SftArgs {
             output_dir: self.output_dir,
         }
     }
+}
+
+/// The final summary of a run.
+fn report(recipe: &str, summary: &Summary) {
+    println!(
+        "{recipe}: {} steps in {:.1} s, loss {:.4} -> {:.4}",
+        summary.steps, summary.seconds, summary.first_loss, summary.last_loss
+    );
+    for (name, before) in &summary.before {
+        if let Some((_, after)) = summary.after.iter().find(|(n, _)| n == name) {
+            println!(
+                "held-out {name}: {:.1}% -> {:.1}%",
+                100.0 * before,
+                100.0 * after
+            );
+        }
+    }
+    println!("checkpoint: {}", summary.output_dir.display());
 }
 
 fn parse_budget(s: &str) -> Result<u64, String> {
@@ -202,19 +233,13 @@ fn run() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Sft(args) => {
-            let summary = run_sft(&args.into_config()).context("sft failed")?;
-            println!(
-                "sft: {} steps in {:.1} s, loss {:.4} -> {:.4}",
-                summary.steps, summary.seconds, summary.first_loss, summary.last_loss
-            );
-            if let (Some(before), Some(after)) = (summary.accuracy_before, summary.accuracy_after) {
-                println!(
-                    "held-out accuracy: {:.1}% -> {:.1}%",
-                    100.0 * before,
-                    100.0 * after
-                );
+            report("sft", &run_sft(&args.into_config()).context("sft failed")?);
+        }
+        Command::Dpo(mut args) => {
+            if args.output_dir == std::path::Path::new("runs/sft") {
+                args.output_dir = "runs/dpo".into();
             }
-            println!("checkpoint: {}", summary.output_dir.display());
+            report("dpo", &run_dpo(&args.into_config()).context("dpo failed")?);
         }
         Command::Grad {
             model,

@@ -1,0 +1,242 @@
+//! The DPO recipe (TRL's sigmoid loss): pairs of completions of one prompt, a frozen reference model
+//! (default: a copy of the initial policy, as in TRL), one readable loop over `recipe.rs`.
+
+use std::path::Path;
+
+use candle_core::{DType, Tensor};
+use streambp_core::{backward, forward_logprobs, Batch};
+use streambp_models::Model;
+use streambp_objectives::{Dpo, TokenTargets};
+
+use crate::batch_file::to_u32_tensor;
+use crate::data::{collate, read_jsonl, Collated, Example};
+use crate::recipe::{add_grads, Setup, StepReport, TrainConfig, Trainer};
+use crate::sft::{eval_accuracy, eval_rows, Summary};
+use crate::tokenizer::TextTokenizer;
+use crate::{Result, TrainError};
+
+/// A tokenized preference pair.
+pub struct Pair {
+    pub chosen: Example,
+    pub rejected: Example,
+}
+
+/// Pairs from TRL's `prompt` + `chosen` + `rejected` JSONL (strings); EOS ends each completion.
+pub fn load_pairs(path: &Path, tok: &TextTokenizer, max_length: usize) -> Result<Vec<Pair>> {
+    let rows = read_jsonl(path)?;
+    let mut pairs = Vec::with_capacity(rows.len());
+    let mut skipped = 0;
+    for (i, row) in rows.iter().enumerate() {
+        let field = |k: &str| -> Result<String> {
+            match row.get(k) {
+                Some(serde_json::Value::String(s)) => Ok(s.clone()),
+                Some(serde_json::Value::Array(_)) => Err(TrainError::Usage(format!(
+                    "{} line {}: {k:?} holds messages; conversational data needs a chat template, \
+                     which this build does not render yet",
+                    path.display(),
+                    i + 1
+                ))),
+                _ => Err(TrainError::Usage(format!(
+                    "{} line {}: expected string fields \"prompt\", \"chosen\" and \"rejected\"",
+                    path.display(),
+                    i + 1
+                ))),
+            }
+        };
+        let prompt = tok.encode(&field("prompt")?)?;
+        let side = |text: String| -> Result<Example> {
+            let mut completion = tok.encode(&text)?;
+            completion.push(tok.eos_id);
+            let mut input_ids = prompt.clone();
+            input_ids.extend(&completion);
+            let mut labels = vec![-100i64; prompt.len()];
+            labels.extend(completion.iter().map(|&t| t as i64));
+            Ok(Example { input_ids, labels })
+        };
+        let (chosen, rejected) = (side(field("chosen")?)?, side(field("rejected")?)?);
+        if chosen.input_ids.len() > max_length || rejected.input_ids.len() > max_length {
+            skipped += 1;
+            continue;
+        }
+        pairs.push(Pair { chosen, rejected });
+    }
+    if skipped > 0 {
+        tracing::warn!(skipped, max_length, "pairs over the maximum length skipped");
+    }
+    if pairs.is_empty() {
+        return Err(TrainError::Usage(format!(
+            "{}: no pair to train on",
+            path.display()
+        )));
+    }
+    Ok(pairs)
+}
+
+/// Stacks `pairs` as `[chosen…, rejected…]` right-padded rows.
+fn stack(pairs: &[&Pair], pad: u32) -> Collated {
+    let rows: Vec<&Example> = pairs
+        .iter()
+        .map(|p| &p.chosen)
+        .chain(pairs.iter().map(|p| &p.rejected))
+        .collect();
+    collate(&rows, pad)
+}
+
+/// Summed target log-probs of each row under `model` (no graph).
+fn sequence_logps(
+    model: &Model,
+    ids: &Tensor,
+    mask: &Tensor,
+    targets: &TokenTargets,
+    cfg: &TrainConfig,
+) -> Result<Vec<f64>> {
+    let batch = Batch {
+        input_ids: ids,
+        attention_mask: Some(mask),
+    };
+    let logp = forward_logprobs(model, batch, &targets.ids, cfg.chunks())?;
+    Ok((logp.to_dtype(DType::F64)? * &targets.mask)?
+        .sum(1)?
+        .to_vec1::<f64>()?)
+}
+
+/// Fraction of pairs whose implicit reward margin `(π_c − ρ_c) − (π_r − ρ_r)` is positive.
+fn preference_accuracy(
+    setup: &Setup,
+    reference: &Model,
+    pairs: &[Pair],
+    cfg: &TrainConfig,
+) -> Result<f64> {
+    let mut wins = 0;
+    for group in pairs.chunks(32) {
+        let refs: Vec<&Pair> = group.iter().collect();
+        let c = stack(&refs, setup.tokenizer.pad_id);
+        let ids = to_u32_tensor(&c.input_ids, &setup.device)?;
+        let mask = to_u32_tensor(&c.attention_mask, &setup.device)?;
+        let targets =
+            TokenTargets::from_labels(&c.labels, setup.model.config.vocab_size, &setup.device)?;
+        let policy = sequence_logps(&setup.model, &ids, &mask, &targets, cfg)?;
+        let reference = sequence_logps(reference, &ids, &mask, &targets, cfg)?;
+        let n = group.len();
+        wins += (0..n)
+            .filter(|&i| (policy[i] - reference[i]) - (policy[n + i] - reference[n + i]) > 0.0)
+            .count();
+    }
+    Ok(wins as f64 / pairs.len() as f64)
+}
+
+pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
+    let setup = Setup::new(cfg)?;
+    let reference = match &cfg.ref_model {
+        Some(spec) => streambp_models::load_model(
+            &streambp_models::resolve_model_dir(spec)?,
+            setup.dtype,
+            &setup.device,
+        )?,
+        // TRL's default reference: the policy as it starts (a copy, since the policy is updated in place).
+        None => setup.model.frozen_copy()?,
+    };
+    let data = setup
+        .data_path(&cfg.data, "dpo.jsonl")
+        .expect("built-in data when none is given");
+    let pairs = load_pairs(&data, &setup.tokenizer, cfg.max_length)?;
+    let builtin_eval = cfg.data.is_none();
+    let eval_pairs = match builtin_eval {
+        true => Some(load_pairs(
+            &setup.data_path(&None, "dpo_test.jsonl").expect("built-in"),
+            &setup.tokenizer,
+            cfg.max_length,
+        )?),
+        false => None,
+    };
+    let eval_path = cfg.eval_data.clone().or_else(|| {
+        builtin_eval
+            .then(|| setup.data_path(&None, "test.jsonl"))
+            .flatten()
+    });
+    let eval = eval_path.as_deref().map(eval_rows).transpose()?;
+    let held_out = |setup: &Setup| -> Result<Vec<(String, f64)>> {
+        let mut m = eval_accuracy(setup, &eval)?;
+        if let Some(p) = &eval_pairs {
+            m.push((
+                "preference_accuracy".into(),
+                preference_accuracy(setup, &reference, p, cfg)?,
+            ));
+        }
+        Ok(m)
+    };
+    tracing::info!(pairs = pairs.len(), data = %data.display(), beta = cfg.beta, "dpo");
+    let before = held_out(&setup)?;
+
+    let mut trainer = Trainer::new(cfg, &setup, pairs.len())?;
+    let model = &setup.model;
+    for step in trainer.start_step..trainer.max_steps {
+        trainer.begin_step();
+        let picked = trainer.data.take(cfg.batch_size * cfg.grad_accum);
+        let micro_batches = picked.len().div_ceil(cfg.batch_size) as f64;
+        let (mut grads, mut loss, mut tokens, mut peak) = (None, 0.0, 0, 0);
+        let mut metrics: Vec<(String, f64)> = Vec::new();
+        for micro in picked.chunks(cfg.batch_size) {
+            let group: Vec<&Pair> = micro.iter().map(|&i| &pairs[i]).collect();
+            let c = stack(&group, setup.tokenizer.pad_id);
+            tokens += c
+                .attention_mask
+                .iter()
+                .flatten()
+                .filter(|&&m| m == 1)
+                .count();
+            let ids = to_u32_tensor(&c.input_ids, &setup.device)?;
+            let mask = to_u32_tensor(&c.attention_mask, &setup.device)?;
+            let targets =
+                TokenTargets::from_labels(&c.labels, model.config.vocab_size, &setup.device)?;
+            let ref_logps = sequence_logps(&reference, &ids, &mask, &targets, cfg)?;
+            let n = group.len();
+            let dpo = Dpo::new(
+                &c.labels,
+                &ref_logps[..n],
+                &ref_logps[n..],
+                cfg.beta,
+                model.config.vocab_size,
+                &setup.device,
+            )?;
+            let batch = Batch {
+                input_ids: &ids,
+                attention_mask: Some(&mask),
+            };
+            let out = backward(model, batch, &dpo, cfg.mode, cfg.chunks())?;
+            // Micro-batches of equal size: the step's loss is the mean of their means.
+            loss += out.loss / micro_batches;
+            peak = peak.max(out.phases.overall_peak().unwrap_or(0));
+            let scaled = out
+                .grads
+                .into_iter()
+                .map(|(n, g)| Ok((n, (g / micro_batches)?)))
+                .collect::<Result<Vec<_>>>()?;
+            grads = Some(add_grads(grads, scaled)?);
+            for (k, v) in out.metrics {
+                match metrics.iter_mut().find(|(name, _)| *name == k) {
+                    Some((_, acc)) => *acc += v / micro_batches,
+                    None => metrics.push((k, v / micro_batches)),
+                }
+            }
+        }
+        let report = StepReport {
+            loss,
+            grads: grads.expect("at least one micro-batch"),
+            tokens,
+            peak_bytes: peak,
+            metrics,
+        };
+        trainer.finish_step(cfg, &setup, step, report)?;
+    }
+    let (output_dir, seconds) = trainer.finish(cfg, &setup)?;
+    Ok(Summary {
+        steps: trainer.max_steps,
+        first_loss: trainer.first_loss,
+        last_loss: trainer.last_loss,
+        before,
+        after: held_out(&setup)?,
+        output_dir,
+        seconds,
+    })
+}
