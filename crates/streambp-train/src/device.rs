@@ -68,3 +68,8 @@ pub fn parse_bytes(spec: &str) -> Result<u64> {
     };
     Ok((value * scale) as u64)
 }
+
+/// `parse_bytes` for clap.
+pub fn parse_budget(s: &str) -> std::result::Result<u64, String> {
+    parse_bytes(s).map_err(|e| e.to_string())
+}

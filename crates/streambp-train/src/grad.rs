@@ -18,19 +18,39 @@ use crate::Result;
 pub const DEFAULT_CHUNK: usize = 512;
 pub const DEFAULT_LOGITS_CHUNK: usize = 128;
 
-#[derive(Debug, Clone)]
+/// The flags of `grad`.
+#[derive(Debug, Clone, clap::Args)]
 pub struct GradArgs {
+    /// Model directory (HF format) or hub id.
+    #[arg(long)]
     pub model: String,
+    /// Batch file (JSON; see docs/grad.md).
+    #[arg(long)]
     pub batch: PathBuf,
+    /// stream (StreamBP), checkpoint (per-layer gradient checkpointing) or full (plain backprop).
+    #[arg(long, default_value = "stream")]
     pub mode: Mode,
+    /// Query chunk of the streamed layer backward, in tokens [default: 512, or from --memory-budget].
+    #[arg(long)]
     pub chunk: Option<usize>,
+    /// Positions per LM-head chunk [default: 128, or from --memory-budget].
+    #[arg(long)]
     pub logits_chunk: Option<usize>,
+    /// Pick the largest chunks whose estimated peak fits this budget (e.g. 8GiB).
+    #[arg(long, value_parser = crate::device::parse_budget)]
     pub memory_budget: Option<u64>,
+    /// Compute dtype: f64, f32 or bf16.
+    #[arg(long, default_value = "f32")]
     pub dtype: String,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Output safetensors file.
+    #[arg(long)]
     pub out: PathBuf,
-    /// Reference model for DPO / GRPO batches without reference log-probs (default: the policy itself,
-    /// as TRL's reference is the initial policy).
+    /// Reference model for DPO / GRPO batches that carry no reference log-probs [default: the policy
+    /// itself, as TRL's reference is the initial policy].
+    #[arg(long)]
     pub ref_model: Option<String>,
 }
 

@@ -7,7 +7,6 @@ use clap::{Parser, Subcommand};
 use streambp_core::memory::CountingAllocator;
 use streambp_core::Mode;
 use streambp_train::data::Overflow;
-use streambp_train::device::parse_bytes;
 use streambp_train::dpo::run_dpo;
 use streambp_train::grad::{run_grad, GradArgs};
 use streambp_train::optim::Schedule;
@@ -33,44 +32,13 @@ enum Command {
     /// Supervised fine-tuning. With no arguments: a tiny Qwen3-shaped model learns two-digit addition
     /// (shipped in the repo) on the CPU in a minute or two, with held-out accuracy before and after.
     Sft(TrainArgs),
-    /// Direct preference optimisation (TRL's sigmoid loss) on prompt/chosen/rejected JSONL. With no
-    /// arguments: the built-in model learns to prefer correct sums over wrong ones.
+    /// Direct preference optimisation (TRL's sigmoid loss) on prompt/chosen/rejected JSONL, against a
+    /// frozen reference. With no arguments: the built-in arithmetic pairs (correct vs wrong sums), from
+    /// the built-in model (best started from an SFT checkpoint: --model runs/sft/final).
     Dpo(TrainArgs),
     /// One backward on a batch file; writes every gradient under its HF name and prints one JSON line
     /// {"loss","mode","peak_bytes","seconds","tokens",...}.
-    Grad {
-        /// Model directory (HF format) or hub id.
-        #[arg(long)]
-        model: String,
-        /// Batch file (JSON; see docs/grad.md).
-        #[arg(long)]
-        batch: PathBuf,
-        /// stream (StreamBP), checkpoint (per-layer gradient checkpointing) or full (plain backprop).
-        #[arg(long, default_value = "stream")]
-        mode: Mode,
-        /// Query chunk of the streamed layer backward, in tokens [default: 512, or from --memory-budget].
-        #[arg(long)]
-        chunk: Option<usize>,
-        /// Positions per LM-head chunk [default: 128, or from --memory-budget].
-        #[arg(long)]
-        logits_chunk: Option<usize>,
-        /// Pick the largest chunks whose estimated peak fits this budget (e.g. 8GiB).
-        #[arg(long, value_parser = parse_budget)]
-        memory_budget: Option<u64>,
-        /// Compute dtype: f64, f32 or bf16.
-        #[arg(long, default_value = "f32")]
-        dtype: String,
-        /// cpu, cuda or cuda:N.
-        #[arg(long, default_value = "cpu")]
-        device: String,
-        /// Output safetensors file.
-        #[arg(long)]
-        out: PathBuf,
-        /// Reference model for DPO / GRPO batches that carry no reference log-probs
-        /// [default: the policy itself].
-        #[arg(long)]
-        ref_model: Option<String>,
-    },
+    Grad(GradArgs),
 }
 
 #[derive(clap::Args)]
@@ -208,10 +176,6 @@ fn report(recipe: &str, summary: &Summary) {
     println!("checkpoint: {}", summary.output_dir.display());
 }
 
-fn parse_budget(s: &str) -> Result<u64, String> {
-    parse_bytes(s).map_err(|e| e.to_string())
-}
-
 fn main() -> std::process::ExitCode {
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -241,30 +205,7 @@ fn run() -> anyhow::Result<()> {
             }
             report("dpo", &run_dpo(&args.into_config()).context("dpo failed")?);
         }
-        Command::Grad {
-            model,
-            batch,
-            mode,
-            chunk,
-            logits_chunk,
-            memory_budget,
-            dtype,
-            device,
-            out,
-            ref_model,
-        } => {
-            let args = GradArgs {
-                model,
-                batch,
-                mode,
-                chunk,
-                logits_chunk,
-                memory_budget,
-                dtype,
-                device,
-                out,
-                ref_model,
-            };
+        Command::Grad(args) => {
             let report = run_grad(&args).context("grad failed")?;
             println!("{}", serde_json::to_string(&report)?);
         }
