@@ -11,7 +11,7 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use streambp_core::memory::{current_bytes, CountingAllocator};
-use streambp_core::{backward, Batch, Chunks, Mode};
+use streambp_core::{backward, estimate, Batch, Chunks, Mode, Problem};
 use streambp_models::{Model, ModelConfig};
 use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
 
@@ -47,6 +47,12 @@ struct Args {
     /// Timed repetitions per point (the fastest is reported).
     #[arg(long, default_value_t = 1)]
     repeats: usize,
+    /// Instead of the sweep: the longest T (a multiple of --t-step) whose measured peak, weights
+    /// included, fits this budget, per mode, by doubling then bisection (e.g. 1GiB).
+    #[arg(long, value_parser = parse_budget)]
+    max_t_budget: Option<u64>,
+    #[arg(long, default_value_t = 256)]
+    t_step: usize,
     /// Write the results as JSON lines here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -55,10 +61,21 @@ struct Args {
 struct Point {
     mode: Mode,
     t: usize,
+    /// Peak bytes above what was live before the backward (the weights).
     peak: usize,
+    /// Bytes live before the backward.
+    base: usize,
     phases: Vec<(&'static str, usize, f64)>,
     seconds: f64,
     loss: f64,
+}
+
+fn rows_of(objective: &str, group: usize) -> usize {
+    match objective {
+        "dpo" => 2,
+        "grpo" => group,
+        _ => 1,
+    }
 }
 
 /// A synthetic batch of `rows` sequences of `t` tokens and the objective over it.
@@ -68,12 +85,10 @@ fn workload(
     t: usize,
     group: usize,
 ) -> anyhow::Result<(Tensor, Box<dyn Objective>)> {
-    let rows = match objective {
-        "sft" => 1,
-        "dpo" => 2,
-        "grpo" => group,
-        other => bail!("unknown objective {other}"),
-    };
+    if !matches!(objective, "sft" | "dpo" | "grpo") {
+        bail!("unknown objective {objective} (sft, dpo or grpo)");
+    }
+    let rows = rows_of(objective, group);
     let ids: Vec<Vec<i64>> = (0..rows)
         .map(|r| {
             (0..t as u64)
@@ -157,6 +172,7 @@ fn run(
                 mode,
                 t,
                 peak,
+                base: before,
                 phases,
                 seconds,
                 loss: out.loss,
@@ -164,6 +180,85 @@ fn run(
         }
     }
     best.context("no run")
+}
+
+fn parse_budget(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let v: f64 = num.parse().map_err(|_| format!("bad size {s:?}"))?;
+    let scale = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => return Err(format!("unknown unit {other:?} (use B, KiB, MiB or GiB)")),
+    };
+    Ok((v * scale) as u64)
+}
+
+/// The longest T (multiple of `step`) whose whole peak (weights included) fits `budget`, and the
+/// peak there, plus the first T tried that did not fit.
+fn max_t(
+    model: &Model,
+    args: &Args,
+    mode: Mode,
+    budget: u64,
+) -> anyhow::Result<(usize, usize, usize)> {
+    let vocab = model.config.vocab_size;
+    let fits = |t: usize| -> anyhow::Result<(bool, usize)> {
+        let chunks = Chunks {
+            chunk: args.chunk.unwrap_or(512),
+            logits_chunk: args.logits_chunk,
+        };
+        let p = run(
+            model,
+            &workload(&args.objective, vocab, t, args.group)?,
+            mode,
+            chunks,
+            1,
+        )?;
+        let total = p.peak + p.base;
+        eprintln!(
+            "  {mode} T={t}: {:.1} MiB {}",
+            mib(total),
+            if total as u64 <= budget {
+                "fits"
+            } else {
+                "over"
+            }
+        );
+        Ok((total as u64 <= budget, total))
+    };
+    let step = args.t_step;
+    let (ok, mut best_peak) = fits(step)?;
+    if !ok {
+        return Ok((0, 0, step));
+    }
+    let (mut lo, mut hi) = (step, 2 * step);
+    loop {
+        let (ok, peak) = fits(hi)?;
+        if !ok {
+            break;
+        }
+        best_peak = peak;
+        lo = hi;
+        hi *= 2;
+    }
+    // lo fits, hi does not.
+    while hi - lo > step {
+        let mid = (lo + hi) / 2 / step * step;
+        let (ok, peak) = fits(mid)?;
+        if ok {
+            lo = mid;
+            best_peak = peak;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok((lo, best_peak, hi))
 }
 
 fn mib(b: usize) -> f64 {
@@ -203,6 +298,21 @@ fn main() -> anyhow::Result<()> {
         1,
     )?;
 
+    if let Some(budget) = args.max_t_budget {
+        println!();
+        println!(
+            "Longest T whose peak (weights included) fits {:.0} MiB:",
+            budget as f64 / (1 << 20) as f64
+        );
+        println!("| mode | max T | peak there (MiB) | next T tried (over) |");
+        println!("|---|---|---|---|");
+        for &mode in &args.modes {
+            let (t, peak, over) = max_t(&model, &args, mode, budget)?;
+            println!("| {mode} | {t} | {:.1} | {over} |", mib(peak));
+        }
+        return Ok(());
+    }
+
     let mut points = Vec::new();
     for &t in &args.seq_lens {
         let chunks = Chunks {
@@ -222,8 +332,8 @@ fn main() -> anyhow::Result<()> {
     }
 
     println!();
-    println!("| T | mode | chunk | activation peak (MiB) | vs checkpoint | vs full | seconds | vs checkpoint |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| T | mode | chunk | activation peak (MiB) | vs checkpoint | vs full | seconds | vs checkpoint | planner estimate error |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for (p, chunks) in &points {
         let same_t = |m: Mode| {
             points
@@ -236,8 +346,22 @@ fn main() -> anyhow::Result<()> {
                 .map(|o| format!("{:.3}", f(p) / f(o)))
                 .unwrap_or_else(|| "-".into())
         };
+        // The planner's cost model of stream's whole peak, against the measured whole peak.
+        let estimate_error = if p.mode == Mode::Stream {
+            let problem = Problem {
+                config: &model.config,
+                batch: rows_of(&args.objective, args.group),
+                seq_len: p.t,
+                dtype,
+            };
+            let est = estimate(problem, *chunks).peak() as f64;
+            let measured = (p.peak + p.base) as f64;
+            format!("{:+.1}%", 100.0 * (est - measured) / measured)
+        } else {
+            "-".into()
+        };
         println!(
-            "| {} | {} | {} | {:.1} | {} | {} | {:.3} | {} |",
+            "| {} | {} | {} | {:.1} | {} | {} | {:.3} | {} | {} |",
             p.t,
             p.mode,
             if p.mode == Mode::Stream {
@@ -250,6 +374,7 @@ fn main() -> anyhow::Result<()> {
             ratio(same_t(Mode::Full), &|x| x.peak as f64),
             p.seconds,
             ratio(same_t(Mode::Checkpoint), &|x| x.seconds),
+            estimate_error,
         );
     }
     if let Some(path) = &args.json {

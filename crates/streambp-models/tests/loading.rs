@@ -282,3 +282,24 @@ fn out_of_vocabulary_ids_are_an_error() {
     let err = model.detached().forward(&ids, None).unwrap_err();
     assert!(err.to_string().contains("out of the vocabulary"), "{err}");
 }
+
+/// The bench's real-model configs read as the published models: parameter counts match exactly.
+#[test]
+fn shipped_bench_configs_have_the_published_parameter_counts() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../benches/configs");
+    for (file, expected) in [
+        ("llama-3.2-1b.json", 1_235_814_400u64),
+        ("gemma3-1b.json", 999_885_952),
+        ("qwen3-0.6b.json", 596_049_920),
+        ("qwen3-4b.json", 4_022_468_096),
+        ("qwen3-8b.json", 8_190_735_360),
+    ] {
+        let cfg = ModelConfig::from_file(&dir.join(file)).unwrap();
+        let count: u64 = cfg
+            .parameter_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum();
+        assert_eq!(count, expected, "{file}");
+    }
+}
