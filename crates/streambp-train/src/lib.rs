@@ -3,6 +3,7 @@
 
 pub mod batch_file;
 pub mod checkpoint;
+pub mod config_file;
 pub mod data;
 pub mod device;
 pub mod dpo;

@@ -43,6 +43,10 @@ enum Command {
 
 #[derive(clap::Args)]
 struct TrainArgs {
+    /// A TOML file whose keys mirror these flags (max_steps = 100, lr = 1e-5, …); flags typed on the
+    /// command line override it.
+    #[arg(long, value_name = "FILE.toml")]
+    config: Option<PathBuf>,
     /// Model directory (HF format) or hub id [default: the built-in tiny model, random init].
     #[arg(long)]
     model: Option<String>,
@@ -195,7 +199,8 @@ fn run() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    let args = streambp_train::config_file::expand_config(std::env::args().collect())?;
+    match Cli::parse_from(args).command {
         Command::Sft(args) => {
             report("sft", &run_sft(&args.into_config()).context("sft failed")?);
         }

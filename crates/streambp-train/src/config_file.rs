@@ -1,0 +1,73 @@
+//! `--config FILE.toml`: a run configuration whose keys mirror the command-line flags
+//! (`max_steps = 100` or `max-steps = 100` for `--max-steps 100`). The file's values become flags; a flag
+//! also typed on the command line overrides the file's.
+
+use std::path::Path;
+
+use crate::{Result, TrainError};
+
+/// The flags a config file stands for, in file order: `(flag, value)` (no value for a `true` switch).
+pub fn flags_from_toml(path: &Path) -> Result<Vec<(String, Option<String>)>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| TrainError::Usage(format!("cannot read {}: {e}", path.display())))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e| TrainError::Usage(format!("{}: not valid TOML: {e}", path.display())))?;
+    let mut flags = Vec::new();
+    for (key, value) in table {
+        let flag = format!("--{}", key.replace('_', "-"));
+        match value {
+            toml::Value::Boolean(true) => flags.push((flag, None)),
+            toml::Value::Boolean(false) => {}
+            toml::Value::String(s) => flags.push((flag, Some(s))),
+            toml::Value::Integer(i) => flags.push((flag, Some(i.to_string()))),
+            toml::Value::Float(f) => flags.push((flag, Some(f.to_string()))),
+            other => {
+                return Err(TrainError::Usage(format!(
+                    "{}: {key} = {other} is not a flag value (use a string, number or boolean)",
+                    path.display()
+                )))
+            }
+        }
+    }
+    Ok(flags)
+}
+
+/// `args` with `--config FILE` (after the subcommand) replaced by the file's flags, placed before the
+/// typed ones.
+pub fn expand_config(args: Vec<String>) -> Result<Vec<String>> {
+    let Some(pos) = args
+        .iter()
+        .position(|a| a == "--config" || a.starts_with("--config="))
+    else {
+        return Ok(args);
+    };
+    let (path, consumed) = match args[pos].strip_prefix("--config=") {
+        Some(p) => (p.to_string(), 1),
+        None => match args.get(pos + 1) {
+            Some(p) => (p.clone(), 2),
+            None => return Err(TrainError::Usage("--config needs a file".into())),
+        },
+    };
+    let typed: Vec<String> = args[..pos]
+        .iter()
+        .chain(&args[pos + consumed..])
+        .cloned()
+        .collect();
+    let is_typed = |flag: &str| {
+        typed
+            .iter()
+            .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+    };
+    // Program name and subcommand first, then the file's flags not typed, then everything typed.
+    let head = 2.min(typed.len());
+    let mut out: Vec<String> = typed[..head].to_vec();
+    for (flag, value) in flags_from_toml(Path::new(&path))? {
+        if !is_typed(&flag) {
+            out.push(flag);
+            out.extend(value);
+        }
+    }
+    out.extend(typed[head..].iter().cloned());
+    Ok(out)
+}
