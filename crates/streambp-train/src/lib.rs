@@ -9,8 +9,11 @@ pub mod device;
 pub mod dpo;
 pub mod generate;
 pub mod grad;
+pub mod grpo;
 pub mod optim;
 pub mod recipe;
+pub mod rewards;
+pub mod sampling;
 pub mod sft;
 pub mod tokenizer;
 

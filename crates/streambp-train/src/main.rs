@@ -9,8 +9,10 @@ use streambp_core::Mode;
 use streambp_train::data::Overflow;
 use streambp_train::dpo::run_dpo;
 use streambp_train::grad::{run_grad, GradArgs};
+use streambp_train::grpo::{run_grpo, GrpoConfig};
 use streambp_train::optim::Schedule;
 use streambp_train::recipe::TrainConfig;
+use streambp_train::sampling::SamplingConfig;
 use streambp_train::sft::{run_sft, Summary};
 
 #[global_allocator]
@@ -36,6 +38,15 @@ enum Command {
     /// frozen reference. With no arguments: the built-in arithmetic pairs (correct vs wrong sums), from
     /// the built-in model (best started from an SFT checkpoint: --model runs/sft/final).
     Dpo(TrainArgs),
+    /// GRPO (TRL's loss): sample a group per prompt with a KV cache, reward it, learn from the
+    /// group-normalised advantages. With no arguments: the built-in model on the arithmetic prompts,
+    /// rewarded for a digits-only answer and for the exact sum.
+    Grpo {
+        #[command(flatten)]
+        train: TrainArgs,
+        #[command(flatten)]
+        grpo: GrpoArgs,
+    },
     /// One backward on a batch file; writes every gradient under its HF name and prints one JSON line
     /// {"loss","mode","peak_bytes","seconds","tokens",...}.
     Grad(GradArgs),
@@ -114,15 +125,41 @@ struct TrainArgs {
     /// position); give the same flags as that run.
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// DPO β.
-    #[arg(long, default_value_t = 0.1)]
-    beta: f64,
+    /// DPO β [default: 0.1]; GRPO's KL weight β [default: 0, as in TRL].
+    #[arg(long)]
+    beta: Option<f64>,
     /// DPO reference model [default: a frozen copy of the initial policy].
     #[arg(long)]
     ref_model: Option<String>,
     /// Hide the progress bar.
     #[arg(long)]
     no_progress: bool,
+}
+
+#[derive(clap::Args)]
+struct GrpoArgs {
+    /// Completions sampled per prompt.
+    #[arg(long, default_value_t = 8)]
+    group_size: usize,
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f64,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: usize,
+    /// Reward functions, summed: exact:COLUMN (completion equals the row's COLUMN) or format:REGEX
+    /// (the whole completion matches). Repeat the flag for several.
+    #[arg(long = "reward")]
+    rewards: Vec<String>,
+    /// grpo, bnpo or dr_grpo.
+    #[arg(long, default_value = "grpo")]
+    loss_type: String,
+    /// Clipping ε of the probability ratio.
+    #[arg(long, default_value_t = 0.2)]
+    epsilon: f64,
+    /// Optimizer steps per batch of rollouts (old log-probs fixed before the first).
+    #[arg(long, default_value_t = 1)]
+    num_iterations: usize,
 }
 
 impl TrainArgs {
@@ -151,7 +188,7 @@ impl TrainArgs {
             device: self.device,
             save_every: self.save_every,
             resume: self.resume,
-            beta: self.beta,
+            beta: self.beta.unwrap_or(0.1),
             ref_model: self.ref_model,
             progress: !self.no_progress,
             model: self.model,
@@ -209,6 +246,39 @@ fn run() -> anyhow::Result<()> {
                 args.output_dir = "runs/dpo".into();
             }
             report("dpo", &run_dpo(&args.into_config()).context("dpo failed")?);
+        }
+        Command::Grpo { mut train, grpo } => {
+            let builtin = train.model.is_none() && train.data.is_none();
+            if train.output_dir == std::path::Path::new("runs/sft") {
+                train.output_dir = "runs/grpo".into();
+            }
+            train.beta = Some(train.beta.unwrap_or(0.0));
+            // The built-in task: 8 prompts per step, short answers, a quicker learning rate.
+            if builtin {
+                train.batch_size = train.batch_size.or(Some(8));
+                train.max_steps = train.max_steps.or(Some(60));
+                train.lr = train.lr.or(Some(2e-3));
+            }
+            let g = GrpoConfig {
+                group_size: grpo.group_size,
+                sampling: SamplingConfig {
+                    temperature: grpo.temperature,
+                    top_p: grpo.top_p,
+                    max_new_tokens: if builtin {
+                        grpo.max_new_tokens.min(5)
+                    } else {
+                        grpo.max_new_tokens
+                    },
+                },
+                rewards: grpo.rewards,
+                loss_type: grpo.loss_type,
+                epsilon: grpo.epsilon,
+                num_iterations: grpo.num_iterations.max(1),
+            };
+            report(
+                "grpo",
+                &run_grpo(&train.into_config(), &g).context("grpo failed")?,
+            );
         }
         Command::Grad(args) => {
             let report = run_grad(&args).context("grad failed")?;

@@ -1,0 +1,147 @@
+//! Sampling with a KV cache: a group of completions of one prompt (GRPO's rollouts), with temperature and
+//! top-p, each row stopping at EOS. All rows share the prompt, so no padding is needed during generation.
+
+use candle_core::{DType, Device, Tensor};
+use streambp_models::init::NormalRng;
+use streambp_models::{KeyBlock, Model};
+
+use crate::Result;
+
+#[derive(Debug, Clone, Copy)]
+pub struct SamplingConfig {
+    pub temperature: f64,
+    pub top_p: f64,
+    pub max_new_tokens: usize,
+}
+
+/// Per-layer cached keys and values `[rows, kv_heads, t, head_dim]`.
+struct Cache {
+    keys: Vec<Option<Tensor>>,
+    values: Vec<Option<Tensor>>,
+}
+
+/// Runs `x` (`[rows, n, d]`, positions `start..start + n`) through the model, extending the cache, and
+/// returns the logits of the last position (`[rows, vocab]`).
+fn step(model: &Model, cache: &mut Cache, x: Tensor, start: usize) -> Result<Tensor> {
+    let mut h = x;
+    for (i, layer) in model.layers.iter().enumerate() {
+        let normed = layer.norm_input(&h)?;
+        let (k, v) = layer.keys_values(&normed, start)?;
+        let k = match cache.keys[i].take() {
+            Some(prev) => Tensor::cat(&[&prev, &k], 2)?,
+            None => k,
+        };
+        let v = match cache.values[i].take() {
+            Some(prev) => Tensor::cat(&[&prev, &v], 2)?,
+            None => v,
+        };
+        let q = layer.queries(&normed, start)?;
+        let k0 = layer.first_visible_key(start);
+        let len = k.dim(2)? - k0;
+        let block = KeyBlock {
+            q_start: start,
+            k_start: k0,
+            key_valid: None,
+        };
+        let attn = layer.attend(&q, &k.narrow(2, k0, len)?, &v.narrow(2, k0, len)?, block)?;
+        let x1 = (&h + layer.attention_output(&attn)?)?;
+        h = (&x1 + layer.mlp_block(&x1)?)?;
+        cache.keys[i] = Some(k);
+        cache.values[i] = Some(v);
+    }
+    let n = h.dim(1)?;
+    let last = model.final_norm(&h.narrow(1, n - 1, 1)?)?;
+    Ok(model.logits(&last)?.squeeze(1)?)
+}
+
+/// Draws a token from `logits` with temperature and nucleus (top-p) sampling; temperature 0 is greedy.
+fn draw(logits: &[f32], cfg: &SamplingConfig, rng: &mut NormalRng) -> u32 {
+    if cfg.temperature <= 0.0 {
+        return argmax(logits);
+    }
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut probs: Vec<(u32, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, (((l - max) as f64) / cfg.temperature).exp()))
+        .collect();
+    let total: f64 = probs.iter().map(|p| p.1).sum();
+    probs.iter_mut().for_each(|p| p.1 /= total);
+    probs.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let mut kept = 0;
+    let mut mass = 0.0;
+    for p in &probs {
+        kept += 1;
+        mass += p.1;
+        if mass >= cfg.top_p {
+            break;
+        }
+    }
+    let u = rng.uniform() * mass;
+    let mut acc = 0.0;
+    for p in &probs[..kept] {
+        acc += p.1;
+        if u <= acc {
+            return p.0;
+        }
+    }
+    probs[kept - 1].0
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i as u32)
+        .unwrap_or(0)
+}
+
+/// `rows` sampled completions of `prompt` (token ids, EOS excluded; a row that never emits EOS stops at
+/// `max_new_tokens`).
+pub fn sample_group(
+    model: &Model,
+    prompt: &[u32],
+    rows: usize,
+    eos: u32,
+    cfg: &SamplingConfig,
+    rng: &mut NormalRng,
+) -> Result<Vec<Vec<u32>>> {
+    let model = model.detached();
+    let device: &Device = model.device();
+    let mut cache = Cache {
+        keys: vec![None; model.layers.len()],
+        values: vec![None; model.layers.len()],
+    };
+    let ids = Tensor::new(prompt, device)?
+        .unsqueeze(0)?
+        .repeat((rows, 1))?;
+    let mut logits = step(&model, &mut cache, model.embed(&ids)?, 0)?;
+    let mut out = vec![Vec::new(); rows];
+    let mut done = vec![false; rows];
+    for t in 0..cfg.max_new_tokens {
+        let rows_logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let next: Vec<u32> = rows_logits.iter().map(|l| draw(l, cfg, rng)).collect();
+        for (r, &tok) in next.iter().enumerate() {
+            if done[r] {
+                continue;
+            }
+            if tok == eos {
+                done[r] = true;
+            } else {
+                out[r].push(tok);
+            }
+        }
+        if done.iter().all(|&d| d) || t + 1 == cfg.max_new_tokens {
+            break;
+        }
+        // Finished rows keep feeding EOS; their tokens are ignored.
+        let feed: Vec<u32> = next
+            .iter()
+            .zip(&done)
+            .map(|(&tok, &d)| if d { eos } else { tok })
+            .collect();
+        let x = model.embed(&Tensor::new(feed.as_slice(), device)?.unsqueeze(1)?)?;
+        logits = step(&model, &mut cache, x, prompt.len() + t)?;
+    }
+    Ok(out)
+}
