@@ -68,29 +68,62 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<serde_json::Map<String, serde_json:
     Ok(rows)
 }
 
-fn string_field(
+/// A field of a data row: plain text, or a conversation (a list of `{role, content}` messages).
+pub enum Text {
+    Plain(String),
+    Messages(Vec<serde_json::Value>),
+}
+
+/// The field `key` of `row`, if present.
+pub fn text_field(
     row: &serde_json::Map<String, serde_json::Value>,
     key: &str,
     path: &Path,
     line: usize,
-) -> Result<Option<String>> {
+) -> Result<Option<Text>> {
     match row.get(key) {
         None => Ok(None),
-        Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
-        Some(serde_json::Value::Array(_)) => Err(TrainError::Usage(format!(
-            "{} line {line}: {key:?} holds messages; conversational data needs a chat template, \
-             which this build does not render yet (use prompt/completion strings)",
-            path.display()
-        ))),
+        Some(serde_json::Value::String(s)) => Ok(Some(Text::Plain(s.clone()))),
+        Some(serde_json::Value::Array(m)) => Ok(Some(Text::Messages(m.clone()))),
         Some(_) => Err(TrainError::Usage(format!(
-            "{} line {line}: {key:?} must be a string",
+            "{} line {line}: {key:?} must be a string or a list of messages",
             path.display()
         ))),
     }
 }
 
-/// Tokenized SFT examples from a JSONL file in TRL's `prompt`/`completion` or `text` format. The EOS
-/// token ends every example and is trained on.
+/// Prompt and completion token ids of a (prompt, reply) pair. Plain text: the completion ends with EOS,
+/// as TRL appends it. Conversations: rendered with the chat template, the prompt with the generation
+/// prompt; the template writes the turn's end itself.
+pub fn encode_pair(
+    tok: &TextTokenizer,
+    prompt: Text,
+    reply: Text,
+    where_: &str,
+) -> Result<(Vec<u32>, Vec<u32>)> {
+    match (prompt, reply) {
+        (Text::Plain(p), Text::Plain(c)) => {
+            let mut completion = tok.encode(&c)?;
+            completion.push(tok.eos_id);
+            Ok((tok.encode(&p)?, completion))
+        }
+        (Text::Messages(p), Text::Messages(c)) => {
+            let (p, c) = tok
+                .chat_template()
+                .map_err(|e| TrainError::Usage(format!("{where_}: {e}")))?
+                .split(&p, &c)
+                .map_err(|e| TrainError::Usage(format!("{where_}: {e}")))?;
+            Ok((tok.encode(&p)?, tok.encode(&c)?))
+        }
+        _ => Err(TrainError::Usage(format!(
+            "{where_}: prompt and completion must both be strings or both be messages"
+        ))),
+    }
+}
+
+/// Tokenized SFT examples from a JSONL file in TRL's formats: `messages` (a conversation; the loss is on
+/// its final assistant turn), `prompt` + `completion` (strings or messages; loss on the completion), or
+/// `text` (loss on every token). Plain completions end with EOS.
 pub fn load_sft(
     path: &Path,
     tokenizer: &TextTokenizer,
@@ -102,26 +135,46 @@ pub fn load_sft(
     let (mut truncated, mut skipped) = (0usize, 0usize);
     for (i, row) in rows.iter().enumerate() {
         let line = i + 1;
-        if row.contains_key("messages") {
-            string_field(row, "messages", path, line)?;
-        }
-        let (prompt, completion) = match (
-            string_field(row, "prompt", path, line)?,
-            string_field(row, "completion", path, line)?,
-            string_field(row, "text", path, line)?,
+        let where_ = format!("{} line {line}", path.display());
+        let field = |k: &str| text_field(row, k, path, line);
+        let (prompt_ids, completion_ids) = match (
+            field("messages")?,
+            field("prompt")?,
+            field("completion")?,
+            field("text")?,
         ) {
-            (Some(p), Some(c), _) => (p, c),
-            (None, None, Some(t)) => (String::new(), t),
+            (Some(Text::Messages(m)), None, None, None) => {
+                let last_is_assistant = m
+                    .last()
+                    .and_then(|l| l.get("role"))
+                    .and_then(|r| r.as_str())
+                    == Some("assistant");
+                if !last_is_assistant {
+                    return Err(TrainError::Usage(format!(
+                        "{where_}: the conversation must end with an assistant message to train on"
+                    )));
+                }
+                let n = m.len();
+                encode_pair(
+                    tokenizer,
+                    Text::Messages(m[..n - 1].to_vec()),
+                    Text::Messages(m[n - 1..].to_vec()),
+                    &where_,
+                )?
+            }
+            (None, Some(p), Some(c), None) => encode_pair(tokenizer, p, c, &where_)?,
+            (None, None, None, Some(Text::Plain(t))) => encode_pair(
+                tokenizer,
+                Text::Plain(String::new()),
+                Text::Plain(t),
+                &where_,
+            )?,
             _ => {
                 return Err(TrainError::Usage(format!(
-                    "{} line {line}: expected \"prompt\" and \"completion\", or \"text\"",
-                    path.display()
+                    "{where_}: expected \"messages\", \"prompt\" and \"completion\", or \"text\""
                 )))
             }
         };
-        let prompt_ids = tokenizer.encode(&prompt)?;
-        let mut completion_ids = tokenizer.encode(&completion)?;
-        completion_ids.push(tokenizer.eos_id);
         let mut input_ids = prompt_ids.clone();
         input_ids.extend(&completion_ids);
         let mut labels: Vec<i64> = vec![-100; prompt_ids.len()];

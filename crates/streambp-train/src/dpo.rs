@@ -9,7 +9,7 @@ use streambp_models::Model;
 use streambp_objectives::{Dpo, TokenTargets};
 
 use crate::batch_file::to_u32_tensor;
-use crate::data::{collate, read_jsonl, Collated, Example};
+use crate::data::{collate, encode_pair, read_jsonl, text_field, Collated, Example, Text};
 use crate::recipe::{add_grads, Setup, StepReport, TrainConfig, Trainer};
 use crate::sft::{eval_accuracy, eval_rows, Summary};
 use crate::tokenizer::TextTokenizer;
@@ -21,39 +21,31 @@ pub struct Pair {
     pub rejected: Example,
 }
 
-/// Pairs from TRL's `prompt` + `chosen` + `rejected` JSONL (strings); EOS ends each completion.
+/// Pairs from TRL's `prompt` + `chosen` + `rejected` JSONL: strings (EOS ends each completion) or
+/// conversations rendered with the chat template.
 pub fn load_pairs(path: &Path, tok: &TextTokenizer, max_length: usize) -> Result<Vec<Pair>> {
     let rows = read_jsonl(path)?;
     let mut pairs = Vec::with_capacity(rows.len());
     let mut skipped = 0;
     for (i, row) in rows.iter().enumerate() {
-        let field = |k: &str| -> Result<String> {
-            match row.get(k) {
-                Some(serde_json::Value::String(s)) => Ok(s.clone()),
-                Some(serde_json::Value::Array(_)) => Err(TrainError::Usage(format!(
-                    "{} line {}: {k:?} holds messages; conversational data needs a chat template, \
-                     which this build does not render yet",
-                    path.display(),
-                    i + 1
-                ))),
-                _ => Err(TrainError::Usage(format!(
-                    "{} line {}: expected string fields \"prompt\", \"chosen\" and \"rejected\"",
-                    path.display(),
-                    i + 1
-                ))),
-            }
+        let line = i + 1;
+        let where_ = format!("{} line {line}", path.display());
+        let field = |k: &str| -> Result<Text> {
+            text_field(row, k, path, line)?.ok_or_else(|| {
+                TrainError::Usage(format!(
+                    "{where_}: expected fields \"prompt\", \"chosen\" and \"rejected\" (no {k:?})"
+                ))
+            })
         };
-        let prompt = tok.encode(&field("prompt")?)?;
-        let side = |text: String| -> Result<Example> {
-            let mut completion = tok.encode(&text)?;
-            completion.push(tok.eos_id);
+        let side = |reply: &str| -> Result<Example> {
+            let (prompt, completion) = encode_pair(tok, field("prompt")?, field(reply)?, &where_)?;
             let mut input_ids = prompt.clone();
             input_ids.extend(&completion);
             let mut labels = vec![-100i64; prompt.len()];
             labels.extend(completion.iter().map(|&t| t as i64));
             Ok(Example { input_ids, labels })
         };
-        let (chosen, rejected) = (side(field("chosen")?)?, side(field("rejected")?)?);
+        let (chosen, rejected) = (side("chosen")?, side("rejected")?);
         if chosen.input_ids.len() > max_length || rejected.input_ids.len() > max_length {
             skipped += 1;
             continue;

@@ -2,6 +2,7 @@
 //! the CLI runs.
 
 pub mod batch_file;
+pub mod chat;
 pub mod checkpoint;
 pub mod config_file;
 pub mod data;

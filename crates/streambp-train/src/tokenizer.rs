@@ -10,6 +10,8 @@ pub struct TextTokenizer {
     pub pad_id: u32,
     /// The files to copy into checkpoints.
     pub files: Vec<PathBuf>,
+    /// The chat template, when the model has one.
+    pub chat: Option<crate::chat::ChatTemplate>,
 }
 
 fn token_name(v: &serde_json::Value) -> Option<String> {
@@ -47,6 +49,7 @@ impl TextTokenizer {
             ))
         })?;
         let pad_id = id_of("pad_token").unwrap_or(eos_id);
+        let chat = crate::chat::ChatTemplate::from_dir(dir, &config)?;
         let mut files = vec![path];
         for name in [
             "tokenizer_config.json",
@@ -62,6 +65,7 @@ impl TextTokenizer {
             eos_id,
             pad_id,
             files,
+            chat,
         })
     }
 
@@ -79,6 +83,16 @@ impl TextTokenizer {
         self.inner
             .decode(ids, true)
             .map_err(|e| TrainError::Usage(format!("tokenizer: {e}")))
+    }
+
+    /// The chat template, or an error saying conversational data needs one.
+    pub fn chat_template(&self) -> Result<&crate::chat::ChatTemplate> {
+        self.chat.as_ref().ok_or_else(|| {
+            TrainError::Usage(
+                "conversational data (messages) needs a chat template, and this tokenizer has none                  (no chat_template in tokenizer_config.json, no chat_template.jinja)"
+                    .into(),
+            )
+        })
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -1,0 +1,113 @@
+//! Chat templates from `tokenizer_config.json` (or `chat_template.jinja`), rendered as transformers'
+//! `apply_chat_template` does: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and
+//! `raise_exception`.
+
+use std::path::Path;
+
+use minijinja::{Environment, Error, ErrorKind, Value};
+
+use crate::{Result, TrainError};
+
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+fn raise_exception(message: String) -> std::result::Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+impl ChatTemplate {
+    pub fn new(source: String, bos_token: String, eos_token: String) -> Result<Self> {
+        let mut env = Environment::new();
+        // transformers compiles templates with trim_blocks and lstrip_blocks.
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| TrainError::Usage(e.to_string()))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_template_owned("chat", source)
+            .map_err(|e| TrainError::Usage(format!("chat template does not parse: {e}")))?;
+        Ok(Self {
+            env,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// The template of a model directory: `chat_template.jinja`, else `chat_template` in the config
+    /// (a string, or a list of named templates of which `default` is used).
+    pub fn from_dir(dir: &Path, config: &serde_json::Value) -> Result<Option<Self>> {
+        let token = |key: &str| match config.get(key) {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Object(o)) => o
+                .get("content")
+                .and_then(|c| c.as_str())
+                .unwrap_or_default()
+                .to_string(),
+            _ => String::new(),
+        };
+        let file = dir.join("chat_template.jinja");
+        let source = if file.exists() {
+            Some(std::fs::read_to_string(&file)?)
+        } else {
+            match config.get("chat_template") {
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                Some(serde_json::Value::Array(list)) => list
+                    .iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .and_then(|t| t.get("template"))
+                    .and_then(|t| t.as_str())
+                    .map(String::from),
+                _ => None,
+            }
+        };
+        source
+            .map(|s| Self::new(s, token("bos_token"), token("eos_token")))
+            .transpose()
+    }
+
+    /// The conversation `messages` (a JSON array of `{role, content}`) as text.
+    pub fn render(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let template = self
+            .env
+            .get_template("chat")
+            .map_err(|e| TrainError::Usage(e.to_string()))?;
+        template
+            .render(minijinja::context! {
+                messages => Value::from(minijinja::value::Serde(messages)),
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token.clone(),
+                eos_token => self.eos_token.clone(),
+            })
+            .map_err(|e| TrainError::Usage(format!("chat template: {e}")))
+    }
+
+    /// `(prompt, completion)` texts of a conversation split before its reply: the prompt rendered with
+    /// the generation prompt, the completion what the whole conversation adds after it.
+    pub fn split(
+        &self,
+        prompt: &[serde_json::Value],
+        reply: &[serde_json::Value],
+    ) -> Result<(String, String)> {
+        let prompt_text = self.render(&serde_json::Value::from(prompt.to_vec()), true)?;
+        let all: Vec<serde_json::Value> = prompt.iter().chain(reply).cloned().collect();
+        let full = self.render(&serde_json::Value::from(all), false)?;
+        match full.strip_prefix(&prompt_text) {
+            Some(completion) => Ok((prompt_text, completion.to_string())),
+            None => Err(TrainError::Usage(
+                "the chat template renders the prompt differently inside the full conversation; \
+                 cannot tell the reply's tokens apart"
+                    .into(),
+            )),
+        }
+    }
+}

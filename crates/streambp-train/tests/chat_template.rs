@@ -1,0 +1,121 @@
+//! Chat templates: rendered like transformers' apply_chat_template (Python string methods,
+//! raise_exception, add_generation_prompt), split into prompt and reply, and used for messages data.
+
+use streambp_train::chat::ChatTemplate;
+use streambp_train::data::{load_sft, Overflow};
+use streambp_train::tokenizer::TextTokenizer;
+
+const CHATML: &str = "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('the first message must not be the assistant') }}{% endif %}\
+{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'].strip() + '<|im_end|>\\n' }}{% endfor %}\
+{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+fn msg(role: &str, content: &str) -> serde_json::Value {
+    serde_json::json!({"role": role, "content": content})
+}
+
+#[test]
+fn chatml_renders_and_splits_like_transformers() {
+    let t = ChatTemplate::new(CHATML.into(), String::new(), "<|im_end|>".into()).unwrap();
+    let prompt = vec![msg("system", "Be brief."), msg("user", " 2+2? ")];
+    let rendered = t
+        .render(&serde_json::Value::from(prompt.clone()), true)
+        .unwrap();
+    assert_eq!(
+        rendered,
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let (p, c) = t.split(&prompt, &[msg("assistant", "4")]).unwrap();
+    assert_eq!(p, rendered);
+    assert_eq!(c, "4<|im_end|>\n");
+    let err = t
+        .render(&serde_json::Value::from(vec![msg("assistant", "x")]), false)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("must not be the assistant"),
+        "{err}"
+    );
+}
+
+/// A tokenizer directory whose chat template only writes characters the arithmetic tokenizer knows.
+fn arithmetic_chat_tokenizer(dir: &std::path::Path) -> TextTokenizer {
+    let builtin = streambp_train::recipe::materialize_builtin(dir).unwrap();
+    let template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'].strip() }}={% else %}{{ m['content'] }}{% endif %}{% endfor %}";
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(builtin.join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    config["chat_template"] = template.into();
+    std::fs::write(builtin.join("tokenizer_config.json"), config.to_string()).unwrap();
+    TextTokenizer::from_dir(&builtin).unwrap()
+}
+
+#[test]
+fn messages_train_only_the_final_assistant_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = arithmetic_chat_tokenizer(dir.path());
+    let data = dir.path().join("chat.jsonl");
+    let rows = [
+        serde_json::json!({"messages": [msg("user", " 12+3 "), msg("assistant", "15")]}),
+        serde_json::json!({"prompt": [msg("user", "1+1")], "completion": [msg("assistant", "2")]}),
+    ];
+    std::fs::write(
+        &data,
+        rows.iter()
+            .map(|r| r.to_string() + "\n")
+            .collect::<String>(),
+    )
+    .unwrap();
+    let examples = load_sft(&data, &tok, 64, Overflow::Truncate).unwrap();
+    assert_eq!(tok.decode(&examples[0].input_ids).unwrap(), "12+3=15");
+    assert_eq!(examples[0].labels[..5], [-100; 5]);
+    let trained: Vec<u32> = examples[0].labels[5..].iter().map(|&l| l as u32).collect();
+    assert_eq!(
+        tok.decode(&trained).unwrap(),
+        "15",
+        "no EOS added: the template ends turns"
+    );
+    assert_eq!(tok.decode(&examples[1].input_ids).unwrap(), "1+1=2");
+
+    // A conversation that does not end with the assistant, and a tokenizer without a template.
+    std::fs::write(
+        &data,
+        serde_json::json!({"messages": [msg("user", "1+1")]}).to_string(),
+    )
+    .unwrap();
+    let err = load_sft(&data, &tok, 64, Overflow::Truncate)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("line 1") && err.contains("end with an assistant"),
+        "{err}"
+    );
+    let plain = TextTokenizer::from_dir(
+        &streambp_train::recipe::materialize_builtin(&dir.path().join("plain")).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(&data, rows[0].to_string()).unwrap();
+    let err = load_sft(&data, &plain, 64, Overflow::Truncate)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("line 1") && err.contains("no chat_template"),
+        "{err}"
+    );
+}
+
+/// Whitespace like transformers' environment (trim_blocks, lstrip_blocks): block tags on their own
+/// lines leave no blank lines behind. Expected text from transformers' render_jinja_template.
+#[test]
+fn block_whitespace_is_trimmed_like_transformers() {
+    let template = "{%- for m in messages %}\n  {% if m['role'] == 'user' %}\nU: {{ m['content'] }}\n  {% else %}\nA: {{ m['content'] }}\n  {% endif %}\n{% endfor %}";
+    let t = ChatTemplate::new(template.into(), String::new(), String::new()).unwrap();
+    let out = t
+        .render(
+            &serde_json::Value::from(vec![msg("user", "hi"), msg("assistant", "yo")]),
+            false,
+        )
+        .unwrap();
+    assert_eq!(out, "U: hi\nA: yo\n");
+}
