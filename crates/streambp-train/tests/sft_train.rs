@@ -131,7 +131,7 @@ fn bad_data_is_reported_by_line() {
     );
     let err = run_on(&format!("{good}{{\"question\": \"1+2=\"}}\n"));
     assert!(
-        err.contains("line 2") && err.contains("expected \"prompt\" and \"completion\""),
+        err.contains("line 2") && err.contains("\"prompt\" and \"completion\", or \"text\""),
         "{err}"
     );
     let err = run_on("\n\n");
