@@ -137,7 +137,7 @@ fn bad_data_is_reported_by_line() {
     let err = run_on("\n\n");
     assert!(err.contains("no examples"), "{err}");
     let err = run_on(&format!(
-        "{good}{{\"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}\n"
+        "{good}{{\"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}, {{\"role\": \"assistant\", \"content\": \"yo\"}}]}}\n"
     ));
     assert!(
         err.contains("line 2") && err.contains("chat template"),
