@@ -12,8 +12,8 @@
 //!
 //! The copy counts are fitted to peaks measured with the counting allocator (CPU, f32, candle 0.11,
 //! `streambp-bench` on `benches/configs/qwen3-small.json`, T = 1024/2048, chunk 128/256, logits chunk
-//! 100/400): a chunk's attention holds about 16 f32 copies of its `heads × c × T` scores (the composed
-//! softmax's intermediates and their gradients), a logits chunk about 3.4 f32 copies of `c × V`. The bench
+//! 100/400): a chunk's attention holds about 12 f32 copies of its `heads × c × T` scores (the graph's
+//! intermediates and their gradients), a logits chunk about 3.4 f32 copies of `c × V`. The bench
 //! prints the model's error next to every measured stream peak.
 
 use candle_core::DType;
@@ -74,7 +74,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let kv_state = 4 * b * t * kv * e;
     let grads_io = 2 * b * t * d * e;
     let chunk_acts = b * c * (8 * d + 4 * q + 4 * kv + 6 * ffn) * e;
-    let scores = 16 * b * heads * c * keys * f32b.max(e);
+    let scores = 12 * b * heads * c * keys * f32b.max(e);
     let layer_phase = kv_state + grads_io + chunk_acts + scores;
 
     let lc = (chunks.logits_chunk as u64).min(t);

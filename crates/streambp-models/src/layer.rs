@@ -5,7 +5,7 @@
 //!
 //! Everything but the attention core is position-wise, so any piece can run on a chunk of positions.
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 
 use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::error::Result;
@@ -115,8 +115,9 @@ impl DecoderLayer {
         let (b, heads, c, hd) = q.dims4()?;
         let (_, kv_heads, t, _) = k.dims4()?;
         let group = heads / kv_heads;
-        let q = q.contiguous()?.reshape((b, kv_heads, group * c, hd))?;
-        let scores = (q.matmul(&k.t()?)? * self.shape.scale)?;
+        // Scaling q (c × hd) rather than the scores (c × T) saves a score-sized copy.
+        let q = (q.contiguous()?.reshape((b, kv_heads, group * c, hd))? * self.shape.scale)?;
+        let scores = q.matmul(&k.t()?)?;
         let dtype = q.dtype();
         let compute = if dtype == DType::F64 {
             DType::F64
@@ -126,16 +127,19 @@ impl DecoderLayer {
         let scores = scores
             .to_dtype(compute)?
             .reshape((b, kv_heads, group, c, t))?;
-        let allowed = self.allowed(b, c, t, keys, q.device())?;
+        // An additive mask as in transformers: 0 where allowed, the dtype's minimum elsewhere (a row with
+        // no visible key, only possible at padding, becomes uniform instead of NaN). Unlike where_cond it
+        // needs no score-sized zero fill, and its operand's gradient is only `[rows, 1, 1, c, t]`.
         let floor = match compute {
-            DType::F64 => Tensor::new(f64::MIN, q.device())?,
-            _ => Tensor::new(f32::MIN, q.device())?,
+            DType::F64 => f64::MIN,
+            _ => f32::MIN as f64,
         };
-        let shape = scores.shape().clone();
-        let scores = allowed
-            .broadcast_as(&shape)?
-            .where_cond(&scores, &floor.broadcast_as(&shape)?)?;
-        let probs = candle_nn::ops::softmax(&scores, D::Minus1)?
+        let bias = self
+            .allowed(b, c, t, keys, q.device())?
+            .to_dtype(compute)?
+            .affine(-floor, floor)?;
+        let scores = scores.broadcast_add(&bias)?;
+        let probs = crate::softmax::softmax_last_dim(&scores)?
             .to_dtype(dtype)?
             .reshape((b, kv_heads, group * c, t))?;
         Ok(probs

@@ -15,6 +15,7 @@ pub mod loader;
 pub mod model;
 pub mod norm;
 pub mod rope;
+pub mod softmax;
 
 pub use config::{Activation, Family, LayerKind, ModelConfig, NormStyle, RopeConfig, RopeScaling};
 pub use error::{ModelError, Result};
