@@ -11,9 +11,11 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use streambp_core::memory::{current_bytes, CountingAllocator};
-use streambp_core::{backward, estimate, Batch, Chunks, Mode, Problem};
+use streambp_core::{backward_with, estimate, Batch, Chunks, Mode, Options, Problem};
 use streambp_models::{Model, ModelConfig};
 use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
+
+mod plot;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -53,6 +55,12 @@ struct Args {
     max_t_budget: Option<u64>,
     #[arg(long, default_value_t = 256)]
     t_step: usize,
+    /// Write memory.svg and time.svg (peak memory and seconds vs T, one line per mode) into this folder.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Keep layer checkpoints in host memory (matters on an accelerator; a no-op on the CPU).
+    #[arg(long)]
+    offload_checkpoints: bool,
     /// Write the results as JSON lines here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -136,6 +144,7 @@ fn run(
     mode: Mode,
     chunks: Chunks,
     repeats: usize,
+    options: Options,
 ) -> anyhow::Result<Point> {
     let (ids, objective) = work;
     let t = ids.dim(1)?;
@@ -143,7 +152,7 @@ fn run(
     for _ in 0..repeats.max(1) {
         let before = current_bytes().unwrap_or(0);
         let start = Instant::now();
-        let out = backward(
+        let out = backward_with(
             model,
             Batch {
                 input_ids: ids,
@@ -152,6 +161,7 @@ fn run(
             objective.as_ref(),
             mode,
             chunks,
+            options,
         )?;
         let seconds = start.elapsed().as_secs_f64();
         let phases: Vec<_> = out
@@ -180,6 +190,12 @@ fn run(
         }
     }
     best.context("no run")
+}
+
+fn options(args: &Args) -> Options {
+    Options {
+        offload_checkpoints: args.offload_checkpoints,
+    }
 }
 
 fn parse_budget(s: &str) -> Result<u64, String> {
@@ -219,6 +235,7 @@ fn max_t(
             mode,
             chunks,
             1,
+            options(args),
         )?;
         let total = p.peak + p.base;
         eprintln!(
@@ -296,6 +313,7 @@ fn main() -> anyhow::Result<()> {
         Mode::Stream,
         warm,
         1,
+        Options::default(),
     )?;
 
     if let Some(budget) = args.max_t_budget {
@@ -321,7 +339,7 @@ fn main() -> anyhow::Result<()> {
         };
         let work = workload(&args.objective, vocab, t, args.group)?;
         for &mode in &args.modes {
-            let p = run(&model, &work, mode, chunks, args.repeats)?;
+            let p = run(&model, &work, mode, chunks, args.repeats, options(&args))?;
             eprintln!(
                 "T={t} {mode}: peak {:.1} MiB, {:.3} s",
                 mib(p.peak),
@@ -376,6 +394,52 @@ fn main() -> anyhow::Result<()> {
             ratio(same_t(Mode::Checkpoint), &|x| x.seconds),
             estimate_error,
         );
+    }
+    if let Some(dir) = &args.plot {
+        std::fs::create_dir_all(dir)?;
+        let colours = [
+            (Mode::Stream, "#1f77b4"),
+            (Mode::Checkpoint, "#ff7f0e"),
+            (Mode::Full, "#2ca02c"),
+        ];
+        let series = |value: &dyn Fn(&Point) -> f64| -> Vec<plot::Series> {
+            colours
+                .iter()
+                .filter(|(m, _)| args.modes.contains(m))
+                .map(|(m, c)| plot::Series {
+                    label: match m {
+                        Mode::Stream => "stream",
+                        Mode::Checkpoint => "checkpoint",
+                        Mode::Full => "full",
+                    },
+                    colour: c,
+                    points: points
+                        .iter()
+                        .filter(|(p, _)| p.mode == *m)
+                        .map(|(p, _)| (p.t as f64, value(p)))
+                        .collect(),
+                })
+                .collect()
+        };
+        let title = format!("{} backward, {}", args.objective, args.config.display());
+        std::fs::write(
+            dir.join("memory.svg"),
+            plot::line_chart(
+                &title,
+                "sequence length T",
+                "activation peak (MiB)",
+                &series(&|p| mib(p.peak)),
+            ),
+        )?;
+        std::fs::write(
+            dir.join("time.svg"),
+            plot::line_chart(
+                &title,
+                "sequence length T",
+                "seconds per backward",
+                &series(&|p| p.seconds),
+            ),
+        )?;
     }
     if let Some(path) = &args.json {
         let lines: Vec<String> = points

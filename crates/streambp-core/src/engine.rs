@@ -63,6 +63,14 @@ pub struct Chunks {
     pub logits_chunk: usize,
 }
 
+/// Engine options beyond the mode and chunk sizes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Options {
+    /// Keep the layer checkpoints in host memory and bring each back for its layer's backward, so
+    /// accelerator memory no longer grows with `L × T × d` (a no-op for a model on the CPU).
+    pub offload_checkpoints: bool,
+}
+
 /// A batch of right-padded token rows.
 #[derive(Debug, Clone, Copy)]
 pub struct Batch<'a> {
@@ -94,6 +102,18 @@ pub fn backward(
     mode: Mode,
     chunks: Chunks,
 ) -> Result<Gradients> {
+    backward_with(model, batch, objective, mode, chunks, Options::default())
+}
+
+/// [`backward`] with engine options.
+pub fn backward_with(
+    model: &Model,
+    batch: Batch,
+    objective: &dyn Objective,
+    mode: Mode,
+    chunks: Chunks,
+    options: Options,
+) -> Result<Gradients> {
     let (b, t) = batch.input_ids.dims2()?;
     if objective.targets().dims() != [b, t] {
         return Err(EngineError::Shape(format!(
@@ -124,8 +144,13 @@ pub fn backward(
         }
         Mode::Stream | Mode::Checkpoint => {
             let detached = model.detached();
-            let mut inputs =
-                forward_checkpoints(&detached, batch.input_ids, key_valid.as_ref(), chunks.chunk)?;
+            let mut inputs = forward_checkpoints(
+                &detached,
+                batch.input_ids,
+                key_valid.as_ref(),
+                chunks.chunk,
+                options.offload_checkpoints,
+            )?;
             peaks.record("forward");
             let last = inputs
                 .pop()
@@ -139,7 +164,10 @@ pub fn backward(
             drop(last);
             peaks.record("head");
             for (index, layer) in model.layers.iter().enumerate().rev() {
-                let x = inputs.pop().expect("one checkpoint per layer");
+                let x = inputs
+                    .pop()
+                    .expect("one checkpoint per layer")
+                    .to_device(model.device())?;
                 grad = match mode {
                     Mode::Stream => layer_backward_streamed(
                         layer,
@@ -179,20 +207,25 @@ pub fn backward(
 }
 
 /// Phase 1: the model without a graph, each layer over query chunks; returns the input of every layer
-/// and the last layer's output (`L + 1` tensors of `[batch, T, d]`).
+/// (in host memory with `offload`) and the last layer's output (`L + 1` tensors of `[batch, T, d]`).
 pub fn forward_checkpoints(
     detached: &Model,
     input_ids: &Tensor,
     key_valid: Option<&Tensor>,
     chunk: usize,
+    offload: bool,
 ) -> Result<Vec<Tensor>> {
     let mut states = Vec::with_capacity(detached.layers.len() + 1);
-    states.push(detached.embed(input_ids)?);
+    let mut current = detached.embed(input_ids)?;
     for layer in &detached.layers {
-        let x = states.last().expect("non-empty");
-        let y = layer_forward_streamed(layer, x, key_valid, chunk)?;
-        states.push(y);
+        let next = layer_forward_streamed(layer, &current, key_valid, chunk)?;
+        states.push(match offload {
+            true => current.to_device(&candle_core::Device::Cpu)?,
+            false => current,
+        });
+        current = next;
     }
+    states.push(current);
     Ok(states)
 }
 

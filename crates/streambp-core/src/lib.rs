@@ -17,6 +17,9 @@ pub mod error;
 pub mod memory;
 pub mod planner;
 
-pub use engine::{backward, forward_logprobs, target_logprobs, Batch, Chunks, Gradients, Mode};
+pub use engine::{
+    backward, backward_with, forward_logprobs, target_logprobs, Batch, Chunks, Gradients, Mode,
+    Options,
+};
 pub use error::{EngineError, Result};
 pub use planner::{estimate, plan_for_budget, Estimate, Problem};

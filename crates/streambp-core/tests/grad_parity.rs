@@ -128,3 +128,26 @@ fn stream_matches_full_in_f32_and_bf16() {
         }
     }
 }
+
+/// Offloading the layer checkpoints to host memory changes where they live, never the gradients.
+#[test]
+fn offloaded_checkpoints_give_the_same_gradients() {
+    let f = fixture("gemma3", DType::F64);
+    let batch = streambp_core::Batch {
+        input_ids: &f.ids,
+        attention_mask: Some(&f.reference["attention_mask"]),
+    };
+    let chunks = streambp_core::Chunks {
+        chunk: 3,
+        logits_chunk: 4,
+    };
+    let plain = f.run(Mode::Stream, 3, 4);
+    let offload = streambp_core::Options {
+        offload_checkpoints: true,
+    };
+    let out =
+        streambp_core::backward_with(&f.model, batch, &f.sft(), Mode::Stream, chunks, offload)
+            .unwrap();
+    let (err, name) = worst_grad_err(&out, &plain);
+    assert_eq!(err, 0.0, "{name}");
+}

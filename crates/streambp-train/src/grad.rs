@@ -7,7 +7,9 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use serde::Serialize;
-use streambp_core::{backward, forward_logprobs, plan_for_budget, Batch, Chunks, Mode, Problem};
+use streambp_core::{
+    backward_with, forward_logprobs, plan_for_budget, Batch, Chunks, Mode, Options, Problem,
+};
 use streambp_models::{load_model, resolve_model_dir, save_safetensors};
 
 use crate::batch_file::load_batch;
@@ -52,6 +54,9 @@ pub struct GradArgs {
     /// itself, as TRL's reference is the initial policy].
     #[arg(long)]
     pub ref_model: Option<String>,
+    /// Keep layer checkpoints in host memory (accelerator memory then no longer grows with L × T × d).
+    #[arg(long)]
+    pub offload_checkpoints: bool,
 }
 
 /// The one JSON line `grad` prints.
@@ -118,7 +123,10 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     };
     tracing::info!(?chunks, mode = %args.mode, batch = b, seq_len = t, "backward");
     let start = Instant::now();
-    let out = backward(
+    let options = Options {
+        offload_checkpoints: args.offload_checkpoints,
+    };
+    let out = backward_with(
         &model,
         Batch {
             input_ids: &batch.input_ids,
@@ -127,6 +135,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         batch.objective.as_ref(),
         args.mode,
         chunks,
+        options,
     )?;
     let seconds = start.elapsed().as_secs_f64();
     for phase in &out.phases.phases {

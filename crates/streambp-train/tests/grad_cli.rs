@@ -122,6 +122,23 @@ fn grad_writes_hf_named_gradients_matching_transformers() {
 }
 
 #[test]
+fn offloaded_checkpoints_write_the_same_gradients() {
+    let run = |extra: &[&str]| {
+        let (ok, _, stderr, out, dir) = grad(&fixture_dir("llama3"), &batch_json("llama3"), extra);
+        assert!(ok, "{stderr}");
+        (
+            candle_core::safetensors::load(&out, &Device::Cpu).unwrap(),
+            dir,
+        )
+    };
+    let (a, _d1) = run(&["--dtype", "f64", "--chunk", "3"]);
+    let (b, _d2) = run(&["--dtype", "f64", "--chunk", "3", "--offload-checkpoints"]);
+    for (name, g) in &a {
+        assert_eq!(rel_err(g, &b[name]), 0.0, "{name}");
+    }
+}
+
+#[test]
 fn tied_embeddings_are_written_once() {
     let (ok, _, stderr, out, _dir) = grad(
         &fixture_dir("qwen3"),
