@@ -157,6 +157,8 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     let model = &setup.model;
     let mut rng = NormalRng::new(cfg.seed ^ 0x5eed);
     let mut pending: Vec<(Rollouts, Option<Vec<Vec<f64>>>)> = Vec::new();
+    // Mean reward of each batch of rollouts, for the summary.
+    let mut reward_history: Vec<f64> = Vec::new();
     let mut iteration = 0;
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step();
@@ -183,7 +185,9 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 .iter()
                 .flat_map(|(r, _)| r.rewards.clone())
                 .collect();
-            metrics.push(("reward".into(), all.iter().sum::<f64>() / all.len() as f64));
+            let mean_reward = all.iter().sum::<f64>() / all.len() as f64;
+            reward_history.push(mean_reward);
+            metrics.push(("reward".into(), mean_reward));
             let lengths: Vec<usize> = pending
                 .iter()
                 .flat_map(|(r, _)| r.lengths.clone())
@@ -256,12 +260,25 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         trainer.finish_step(cfg, &setup, step, report)?;
     }
     let (output_dir, seconds) = trainer.finish(cfg, &setup)?;
+    // Training reward: mean over the first and the last (up to) five batches of rollouts.
+    let window = reward_history.len().clamp(1, 5);
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let mut before = before;
+    let mut after = eval_accuracy(&setup, &eval)?;
+    before.push((
+        "reward".into(),
+        mean(&reward_history[..window.min(reward_history.len())]),
+    ));
+    after.push((
+        "reward".into(),
+        mean(&reward_history[reward_history.len().saturating_sub(window)..]),
+    ));
     Ok(Summary {
         steps: trainer.max_steps,
         first_loss: trainer.first_loss,
         last_loss: trainer.last_loss,
         before,
-        after: eval_accuracy(&setup, &eval)?,
+        after,
         output_dir,
         seconds,
     })

@@ -207,11 +207,15 @@ fn report(recipe: &str, summary: &Summary) {
     );
     for (name, before) in &summary.before {
         if let Some((_, after)) = summary.after.iter().find(|(n, _)| n == name) {
-            println!(
-                "held-out {name}: {:.1}% -> {:.1}%",
-                100.0 * before,
-                100.0 * after
-            );
+            if name.contains("accuracy") {
+                println!(
+                    "held-out {name}: {:.1}% -> {:.1}%",
+                    100.0 * before,
+                    100.0 * after
+                );
+            } else {
+                println!("training {name} (first -> last rollouts): {before:.3} -> {after:.3}");
+            }
         }
     }
     println!("checkpoint: {}", summary.output_dir.display());
