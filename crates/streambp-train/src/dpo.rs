@@ -10,7 +10,7 @@ use streambp_objectives::{Dpo, TokenTargets};
 
 use crate::batch_file::to_u32_tensor;
 use crate::data::{collate, encode_pair, read_jsonl, text_field, Collated, Example, Text};
-use crate::recipe::{add_grads, Setup, StepReport, TrainConfig, Trainer};
+use crate::recipe::{Setup, StepAccumulator, TrainConfig, Trainer};
 use crate::sft::{eval_accuracy, eval_rows, Summary};
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
@@ -166,12 +166,11 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
         trainer.begin_step();
         let picked = trainer.data.take(cfg.batch_size * cfg.grad_accum);
         let micro_batches = picked.len().div_ceil(cfg.batch_size) as f64;
-        let (mut grads, mut loss, mut tokens, mut peak) = (None, 0.0, 0, 0);
-        let mut metrics: Vec<(String, f64)> = Vec::new();
+        let mut acc = StepAccumulator::default();
         for micro in picked.chunks(cfg.batch_size) {
             let group: Vec<&Pair> = micro.iter().map(|&i| &pairs[i]).collect();
             let c = stack(&group, setup.tokenizer.pad_id);
-            tokens += c
+            let tokens = c
                 .attention_mask
                 .iter()
                 .flatten()
@@ -195,31 +194,11 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
                 input_ids: &ids,
                 attention_mask: Some(&mask),
             };
-            let out = backward(model, batch, &dpo, cfg.mode, cfg.chunks())?;
             // Micro-batches of equal size: the step's loss is the mean of their means.
-            loss += out.loss / micro_batches;
-            peak = peak.max(out.phases.overall_peak().unwrap_or(0));
-            let scaled = out
-                .grads
-                .into_iter()
-                .map(|(n, g)| Ok((n, (g / micro_batches)?)))
-                .collect::<Result<Vec<_>>>()?;
-            grads = Some(add_grads(grads, scaled)?);
-            for (k, v) in out.metrics {
-                match metrics.iter_mut().find(|(name, _)| *name == k) {
-                    Some((_, acc)) => *acc += v / micro_batches,
-                    None => metrics.push((k, v / micro_batches)),
-                }
-            }
+            let out = backward(model, batch, &dpo, cfg.mode, cfg.chunks())?;
+            acc.add(out, tokens, 1.0 / micro_batches)?;
         }
-        let report = StepReport {
-            loss,
-            grads: grads.expect("at least one micro-batch"),
-            tokens,
-            peak_bytes: peak,
-            metrics,
-        };
-        trainer.finish_step(cfg, &setup, step, report)?;
+        trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
     }
     let (output_dir, seconds) = trainer.finish(cfg, &setup)?;
     Ok(Summary {

@@ -12,7 +12,7 @@ use streambp_objectives::{Grpo, GrpoBatch, GrpoLossType};
 
 use crate::batch_file::to_u32_tensor;
 use crate::data::read_jsonl;
-use crate::recipe::{add_grads, Setup, StepReport, TrainConfig, Trainer};
+use crate::recipe::{Setup, StepAccumulator, TrainConfig, Trainer};
 use crate::rewards::{group_advantages, parse_reward, Reward};
 use crate::sampling::{sample_group, SamplingConfig};
 use crate::sft::{eval_accuracy, eval_rows, Summary};
@@ -162,7 +162,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     let mut iteration = 0;
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step();
-        let mut metrics: Vec<(String, f64)> = Vec::new();
+        let mut acc = StepAccumulator::default();
         if iteration == 0 {
             // New rollouts: batch_size prompts, a group each.
             pending.clear();
@@ -179,7 +179,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
             }
             let n = (picked.len() * g.group_size) as f64;
             for (r, total) in rewards.iter().zip(&totals) {
-                metrics.push((r.name().to_string(), total / n));
+                acc.add_metric(r.name(), total / n);
             }
             let all: Vec<f64> = pending
                 .iter()
@@ -187,20 +187,19 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 .collect();
             let mean_reward = all.iter().sum::<f64>() / all.len() as f64;
             reward_history.push(mean_reward);
-            metrics.push(("reward".into(), mean_reward));
+            acc.add_metric("reward", mean_reward);
             let lengths: Vec<usize> = pending
                 .iter()
                 .flat_map(|(r, _)| r.lengths.clone())
                 .collect();
-            metrics.push((
-                "completion_length".into(),
+            acc.add_metric(
+                "completion_length",
                 lengths.iter().sum::<usize>() as f64 / lengths.len() as f64,
-            ));
+            );
         }
         iteration = (iteration + 1) % g.num_iterations.max(1);
 
         let groups = pending.len() as f64;
-        let (mut grads, mut loss, mut tokens, mut peak) = (None, 0.0, 0, 0);
         for (r, old) in &pending {
             let ids = to_u32_tensor(&r.input_ids, &setup.device)?;
             let mask = to_u32_tensor(&r.attention_mask, &setup.device)?;
@@ -229,35 +228,16 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 attention_mask: Some(&mask),
             };
             let out = backward(model, batch, &objective, cfg.mode, cfg.chunks())?;
-            loss += out.loss / groups;
-            tokens += r
+            let tokens = r
                 .attention_mask
                 .iter()
                 .flatten()
                 .filter(|&&m| m == 1)
                 .count();
-            peak = peak.max(out.phases.overall_peak().unwrap_or(0));
-            let scaled = out
-                .grads
-                .into_iter()
-                .map(|(n, g)| Ok((n, (g / groups)?)))
-                .collect::<Result<Vec<_>>>()?;
-            grads = Some(add_grads(grads, scaled)?);
-            for (k, v) in out.metrics {
-                match metrics.iter_mut().find(|(name, _)| *name == k) {
-                    Some((_, acc)) => *acc += v / groups,
-                    None => metrics.push((k, v / groups)),
-                }
-            }
+            // Each group's loss is a mean over its sequences; the step averages the groups.
+            acc.add(out, tokens, 1.0 / groups)?;
         }
-        let report = StepReport {
-            loss,
-            grads: grads.expect("at least one prompt per step"),
-            tokens,
-            peak_bytes: peak,
-            metrics,
-        };
-        trainer.finish_step(cfg, &setup, step, report)?;
+        trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
     }
     let (output_dir, seconds) = trainer.finish(cfg, &setup)?;
     // Training reward: mean over the first and the last (up to) five batches of rollouts.

@@ -404,19 +404,64 @@ impl Trainer {
     }
 }
 
-/// Sums gradient lists of the same parameters (micro-batches of one step).
-pub fn add_grads(
-    acc: Option<Vec<(String, Tensor)>>,
-    grads: Vec<(String, Tensor)>,
-) -> Result<Vec<(String, Tensor)>> {
-    Ok(match acc {
-        None => grads,
-        Some(acc) => acc
-            .into_iter()
-            .zip(grads)
-            .map(|((n, a), (_, g))| Ok((n, (a + g)?)))
-            .collect::<Result<Vec<_>>>()?,
-    })
+/// Sums the micro-batches of one optimizer step into its report.
+#[derive(Default)]
+pub struct StepAccumulator {
+    grads: Option<Vec<(String, Tensor)>>,
+    loss: f64,
+    tokens: usize,
+    peak: usize,
+    metrics: Vec<(String, f64)>,
+}
+
+impl StepAccumulator {
+    /// Adds one micro-batch's backward, its loss, gradients and metrics scaled by `weight` (1 when the
+    /// objective already normalised over the whole step, `1 / micro-batches` to average means).
+    pub fn add(&mut self, out: streambp_core::Gradients, tokens: usize, weight: f64) -> Result<()> {
+        self.loss += out.loss * weight;
+        self.tokens += tokens;
+        self.peak = self.peak.max(out.phases.overall_peak().unwrap_or(0));
+        for (name, value) in out.metrics {
+            self.add_metric(&name, value * weight);
+        }
+        let grads = match weight {
+            1.0 => out.grads,
+            w => out
+                .grads
+                .into_iter()
+                .map(|(n, g)| Ok((n, (g * w)?)))
+                .collect::<Result<Vec<_>>>()?,
+        };
+        self.grads = Some(match self.grads.take() {
+            None => grads,
+            Some(acc) => acc
+                .into_iter()
+                .zip(grads)
+                .map(|((n, a), (_, g))| Ok((n, (a + g)?)))
+                .collect::<Result<Vec<_>>>()?,
+        });
+        Ok(())
+    }
+
+    /// Adds to a metric of the step (created at 0).
+    pub fn add_metric(&mut self, name: &str, value: f64) {
+        match self.metrics.iter_mut().find(|(n, _)| n == name) {
+            Some((_, acc)) => *acc += value,
+            None => self.metrics.push((name.to_string(), value)),
+        }
+    }
+
+    pub fn into_report(self) -> Result<StepReport> {
+        Ok(StepReport {
+            loss: self.loss,
+            grads: self.grads.ok_or_else(|| {
+                TrainError::Usage("an optimizer step without a micro-batch".into())
+            })?,
+            tokens: self.tokens,
+            peak_bytes: self.peak,
+            metrics: self.metrics,
+        })
+    }
 }
 
 fn progress_bar(steps: usize, visible: bool) -> indicatif::ProgressBar {

@@ -10,7 +10,7 @@ use streambp_objectives::Sft;
 use crate::batch_file::to_u32_tensor;
 use crate::data::{collate, load_sft, read_jsonl, Collated};
 use crate::generate::greedy;
-use crate::recipe::{add_grads, Setup, StepReport, TrainConfig, Trainer};
+use crate::recipe::{Setup, StepAccumulator, TrainConfig, Trainer};
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
 
@@ -113,7 +113,7 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
                     .count()
             })
             .sum();
-        let (mut grads, mut loss, mut tokens, mut peak) = (None, 0.0, 0, 0);
+        let mut acc = StepAccumulator::default();
         for micro in picked.chunks(cfg.batch_size) {
             let rows: Vec<_> = micro.iter().map(|&i| &examples[i]).collect();
             let Collated {
@@ -121,7 +121,7 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
                 labels,
                 attention_mask,
             } = collate(&rows, setup.tokenizer.pad_id);
-            tokens += attention_mask.iter().flatten().filter(|&&m| m == 1).count();
+            let tokens = attention_mask.iter().flatten().filter(|&&m| m == 1).count();
             let sft = Sft::new(
                 &labels,
                 model.config.vocab_size,
@@ -134,19 +134,14 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
                 input_ids: &ids,
                 attention_mask: Some(&mask),
             };
-            let out = backward(model, batch, &sft, cfg.mode, cfg.chunks())?;
-            loss += out.loss;
-            peak = peak.max(out.phases.overall_peak().unwrap_or(0));
-            grads = Some(add_grads(grads, out.grads)?);
+            // The objective already divides by the step's target tokens: weight 1.
+            acc.add(
+                backward(model, batch, &sft, cfg.mode, cfg.chunks())?,
+                tokens,
+                1.0,
+            )?;
         }
-        let report = StepReport {
-            loss,
-            grads: grads.expect("at least one micro-batch"),
-            tokens,
-            peak_bytes: peak,
-            metrics: Vec::new(),
-        };
-        trainer.finish_step(cfg, &setup, step, report)?;
+        trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
     }
     let (output_dir, seconds) = trainer.finish(cfg, &setup)?;
     Ok(Summary {
