@@ -261,31 +261,9 @@ fn prepare_grpo(
         .transpose()?;
     let ref_logps = match (&file.ref_logps, file.beta != 0.0) {
         (None, true) => {
-            // Reference log-probs in input_ids coordinates: position t holds log p(input_ids[t]).
-            let targets: Vec<Vec<i64>> = file
-                .input_ids
-                .iter()
-                .map(|r| {
-                    r.iter()
-                        .skip(1)
-                        .copied()
-                        .chain(std::iter::once(0))
-                        .collect()
-                })
-                .collect();
-            let targets = to_u32_tensor(&targets, device)?;
-            let logp = reference(&input_ids, attention_mask.as_ref(), &targets)?
-                .to_dtype(DType::F64)?
-                .to_vec2::<f64>()?;
-            Some(
-                logp.iter()
-                    .map(|r| {
-                        std::iter::once(0.0)
-                            .chain(r[..t - 1].iter().copied())
-                            .collect()
-                    })
-                    .collect(),
-            )
+            let targets = to_u32_tensor(&next_token_targets(&file.input_ids), device)?;
+            let logp = reference(&input_ids, attention_mask.as_ref(), &targets)?;
+            Some(align_to_inputs(&logp)?)
         }
         (given, _) => given.clone(),
     };
@@ -314,6 +292,35 @@ fn prepare_grpo(
             None => b * t,
         },
     })
+}
+
+/// Targets that score every token of `rows` from the logits before it (logits position `t` scores
+/// `rows[t + 1]`; the last position scores nothing and gets id 0).
+pub fn next_token_targets(rows: &[Vec<i64>]) -> Vec<Vec<i64>> {
+    rows.iter()
+        .map(|r| {
+            r.iter()
+                .skip(1)
+                .copied()
+                .chain(std::iter::once(0))
+                .collect()
+        })
+        .collect()
+}
+
+/// Log-probs of [`next_token_targets`] (`[B, T]`, logits coordinates) moved onto the tokens they score:
+/// position `t` holds `log p(input_ids[t])`, 0 at position 0.
+pub fn align_to_inputs(logp: &Tensor) -> Result<Vec<Vec<f64>>> {
+    Ok(logp
+        .to_dtype(DType::F64)?
+        .to_vec2::<f64>()?
+        .iter()
+        .map(|r| {
+            std::iter::once(0.0)
+                .chain(r[..r.len() - 1].iter().copied())
+                .collect()
+        })
+        .collect())
 }
 
 /// Labels with padded positions set to -100.

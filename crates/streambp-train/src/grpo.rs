@@ -10,7 +10,7 @@ use streambp_core::{backward, forward_logprobs, Batch};
 use streambp_models::init::NormalRng;
 use streambp_objectives::{Grpo, GrpoBatch, GrpoLossType};
 
-use crate::batch_file::to_u32_tensor;
+use crate::batch_file::{align_to_inputs, next_token_targets, to_u32_tensor};
 use crate::data::read_jsonl;
 use crate::recipe::{Setup, StepAccumulator, TrainConfig, Trainer};
 use crate::rewards::{group_advantages, parse_reward, Reward};
@@ -272,32 +272,12 @@ fn logps_of(
     rows: &[Vec<i64>],
     cfg: &TrainConfig,
 ) -> Result<Vec<Vec<f64>>> {
-    let targets: Vec<Vec<i64>> = rows
-        .iter()
-        .map(|r| {
-            r.iter()
-                .skip(1)
-                .copied()
-                .chain(std::iter::once(0))
-                .collect()
-        })
-        .collect();
-    let targets = to_u32_tensor(&targets, ids.device())?;
+    let targets = to_u32_tensor(&next_token_targets(rows), ids.device())?;
     let batch = Batch {
         input_ids: ids,
         attention_mask: Some(mask),
     };
-    let logp = forward_logprobs(model, batch, &targets, cfg.chunks())?
-        .to_dtype(candle_core::DType::F64)?
-        .to_vec2::<f64>()?;
-    Ok(logp
-        .iter()
-        .map(|r| {
-            std::iter::once(0.0)
-                .chain(r[..r.len() - 1].iter().copied())
-                .collect()
-        })
-        .collect())
+    align_to_inputs(&forward_logprobs(model, batch, &targets, cfg.chunks())?)
 }
 
 fn per_position_logps(
