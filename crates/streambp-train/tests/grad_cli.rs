@@ -1,24 +1,14 @@
 //! The `grad` command end to end: its output contract, its gradients against transformers', and a clear
 //! error for each kind of bad batch.
 
+mod common;
+
+use common::*;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use candle_core::{DType, Device, Tensor};
-
-fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn reference(name: &str) -> std::collections::HashMap<String, Tensor> {
-    candle_core::safetensors::load(
-        fixture_dir(name).join("reference.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap()
-}
 
 fn rows(t: &Tensor) -> Vec<Vec<i64>> {
     t.to_vec2::<i64>().unwrap()
@@ -62,20 +52,6 @@ fn grad(
         out,
         dir,
     )
-}
-
-fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-    let d = (a - &b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    d / b.abs().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
 }
 
 #[test]

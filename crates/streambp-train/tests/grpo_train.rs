@@ -1,7 +1,9 @@
 //! GRPO's pieces: the KV-cache sampler agrees with uncached decoding (every family, Gemma3's sliding
 //! window included), rewards and advantages follow TRL, and a short run raises the reward.
 
-use std::path::PathBuf;
+mod common;
+
+use common::*;
 
 use candle_core::{DType, Device};
 use streambp_core::Mode;
@@ -13,12 +15,6 @@ use streambp_train::optim::Schedule;
 use streambp_train::recipe::TrainConfig;
 use streambp_train::rewards::{group_advantages, parse_reward};
 use streambp_train::sampling::{sample_group, SamplingConfig};
-
-fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
 
 #[test]
 fn cached_greedy_sampling_matches_uncached_decoding() {

@@ -2,42 +2,16 @@
 //! do not divide T), and every mode matches the float64 losses and gradients of TRL's formulas written
 //! out in PyTorch on transformers' models (scripts/make_fixtures.py).
 
+mod common;
+
+use common::*;
+
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use streambp_core::{backward, Batch, Chunks, Gradients, Mode};
 use streambp_models::load_model;
 use streambp_train::batch_file::load_batch;
-
-const FAMILIES: [&str; 4] = ["qwen2", "qwen3", "llama3", "gemma3"];
-
-fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-    let d = (a - &b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    d / b
-        .abs()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
-        .max(f64::MIN_POSITIVE)
-}
 
 /// Runs `mode` on the batch file of `family` after `edit`, in f64.
 fn run(
@@ -92,11 +66,7 @@ fn check(
     edit: &dyn Fn(&mut serde_json::Value),
     prefix: &str,
 ) -> Gradients {
-    let r = candle_core::safetensors::load(
-        fixture_dir(family).join("reference.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap();
+    let r = reference(family);
     let full = run(
         family,
         file,
@@ -157,11 +127,7 @@ fn check(
 #[test]
 fn dpo_matches_full_backward_and_reference() {
     for family in FAMILIES {
-        let r = candle_core::safetensors::load(
-            fixture_dir(family).join("reference.safetensors"),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let r = reference(family);
         let out = check(family, "dpo-batch.json", &|_| {}, "dpo");
         for (metric_name, key) in [
             ("rewards/chosen", "dpo.rewards_chosen"),
@@ -180,11 +146,7 @@ fn dpo_matches_full_backward_and_reference() {
 #[test]
 fn grpo_matches_full_backward_and_reference_for_each_loss_type() {
     for family in FAMILIES {
-        let r = candle_core::safetensors::load(
-            fixture_dir(family).join("reference.safetensors"),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let r = reference(family);
         for loss_type in ["grpo", "bnpo", "dr_grpo"] {
             let edit = move |j: &mut serde_json::Value| j["loss_type"] = loss_type.into();
             let out = check(
