@@ -110,4 +110,45 @@ impl ChatTemplate {
             )),
         }
     }
+
+    /// The conversation `messages` as text segments, each marked `true` where it is an assistant turn
+    /// (what the assistant-only loss trains on). Turn `i` starts where the conversation before it,
+    /// rendered with the generation prompt, ends, and ends where the conversation through it ends.
+    /// Templates that render an earlier turn differently once later turns follow (Qwen3's thinking
+    /// blocks) cannot be cut this way; then `None`.
+    pub fn assistant_segments(
+        &self,
+        messages: &[serde_json::Value],
+    ) -> Result<Option<Vec<(String, bool)>>> {
+        let render = |upto: usize, generation: bool| {
+            self.render(
+                &serde_json::Value::from(messages[..upto].to_vec()),
+                generation,
+            )
+        };
+        let full = render(messages.len(), false)?;
+        let mut segments = Vec::new();
+        let mut done = 0;
+        for (i, message) in messages.iter().enumerate() {
+            if message.get("role").and_then(|r| r.as_str()) != Some("assistant") {
+                continue;
+            }
+            let start = render(i, true)?;
+            let end = render(i + 1, false)?;
+            let consistent = start.len() >= done
+                && end.len() >= start.len()
+                && full.starts_with(&start)
+                && full.starts_with(&end);
+            if !consistent {
+                return Ok(None);
+            }
+            segments.push((full[done..start.len()].to_string(), false));
+            segments.push((full[start.len()..end.len()].to_string(), true));
+            done = end.len();
+        }
+        if done < full.len() {
+            segments.push((full[done..].to_string(), false));
+        }
+        Ok(Some(segments))
+    }
 }

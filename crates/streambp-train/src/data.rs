@@ -122,7 +122,7 @@ pub fn encode_pair(
 }
 
 /// Tokenized SFT examples from a JSONL file in TRL's formats: `messages` (a conversation; the loss is on
-/// its final assistant turn), `prompt` + `completion` (strings or messages; loss on the completion), or
+/// its assistant turns, like TRL's `assistant_only_loss`), `prompt` + `completion` (strings or messages; loss on the completion), or
 /// `text` (loss on every token). Plain completions end with EOS.
 pub fn load_sft(
     path: &Path,
@@ -132,53 +132,35 @@ pub fn load_sft(
 ) -> Result<Vec<Example>> {
     let rows = read_jsonl(path)?;
     let mut out = Vec::with_capacity(rows.len());
-    let (mut truncated, mut skipped) = (0usize, 0usize);
+    let (mut truncated, mut skipped, mut final_turn_only) = (0usize, 0usize, 0usize);
     for (i, row) in rows.iter().enumerate() {
         let line = i + 1;
         let where_ = format!("{} line {line}", path.display());
         let field = |k: &str| text_field(row, k, path, line);
-        let (prompt_ids, completion_ids) = match (
+        let (mut input_ids, mut labels) = match (
             field("messages")?,
             field("prompt")?,
             field("completion")?,
             field("text")?,
         ) {
             (Some(Text::Messages(m)), None, None, None) => {
-                let last_is_assistant = m
-                    .last()
-                    .and_then(|l| l.get("role"))
-                    .and_then(|r| r.as_str())
-                    == Some("assistant");
-                if !last_is_assistant {
-                    return Err(TrainError::Usage(format!(
-                        "{where_}: the conversation must end with an assistant message to train on"
-                    )));
-                }
-                let n = m.len();
-                encode_pair(
-                    tokenizer,
-                    Text::Messages(m[..n - 1].to_vec()),
-                    Text::Messages(m[n - 1..].to_vec()),
-                    &where_,
-                )?
+                let (example, whole) = encode_conversation(tokenizer, &m, &where_)?;
+                final_turn_only += usize::from(!whole);
+                example
             }
-            (None, Some(p), Some(c), None) => encode_pair(tokenizer, p, c, &where_)?,
-            (None, None, None, Some(Text::Plain(t))) => encode_pair(
+            (None, Some(p), Some(c), None) => masked_pair(encode_pair(tokenizer, p, c, &where_)?),
+            (None, None, None, Some(Text::Plain(t))) => masked_pair(encode_pair(
                 tokenizer,
                 Text::Plain(String::new()),
                 Text::Plain(t),
                 &where_,
-            )?,
+            )?),
             _ => {
                 return Err(TrainError::Usage(format!(
                     "{where_}: expected \"messages\", \"prompt\" and \"completion\", or \"text\""
                 )))
             }
         };
-        let mut input_ids = prompt_ids.clone();
-        input_ids.extend(&completion_ids);
-        let mut labels: Vec<i64> = vec![-100; prompt_ids.len()];
-        labels.extend(completion_ids.iter().map(|&t| t as i64));
         if input_ids.len() > max_length {
             match overflow {
                 Overflow::Skip => {
@@ -197,6 +179,13 @@ pub fn load_sft(
             continue;
         }
         out.push(Example { input_ids, labels });
+    }
+    if final_turn_only > 0 {
+        tracing::warn!(
+            final_turn_only,
+            "the chat template renders earlier assistant turns differently once later turns follow; \
+             those conversations train on their final assistant turn only"
+        );
     }
     if truncated > 0 {
         tracing::warn!(
@@ -219,6 +208,59 @@ pub fn load_sft(
         )));
     }
     Ok(out)
+}
+
+/// Ids of a (prompt, completion) pair, with labels on the completion only.
+fn masked_pair((prompt, completion): (Vec<u32>, Vec<u32>)) -> (Vec<u32>, Vec<i64>) {
+    let mut labels: Vec<i64> = vec![-100; prompt.len()];
+    labels.extend(completion.iter().map(|&t| t as i64));
+    let mut ids = prompt;
+    ids.extend(completion);
+    (ids, labels)
+}
+
+/// Ids and labels of a conversation with the loss on every assistant turn, and whether every turn
+/// could be told apart (else only the final assistant turn is trained, see
+/// [`crate::chat::ChatTemplate::assistant_segments`]).
+fn encode_conversation(
+    tok: &TextTokenizer,
+    messages: &[serde_json::Value],
+    where_: &str,
+) -> Result<((Vec<u32>, Vec<i64>), bool)> {
+    let role = |m: &serde_json::Value| m.get("role").and_then(|r| r.as_str()).map(String::from);
+    if !messages
+        .iter()
+        .any(|m| role(m).as_deref() == Some("assistant"))
+    {
+        return Err(TrainError::Usage(format!(
+            "{where_}: the conversation has no assistant message to train on"
+        )));
+    }
+    let in_context = |e: TrainError| TrainError::Usage(format!("{where_}: {e}"));
+    let chat = tok.chat_template().map_err(in_context)?;
+    if let Some(segments) = chat.assistant_segments(messages).map_err(in_context)? {
+        let (mut ids, mut labels) = (Vec::new(), Vec::new());
+        for (text, trained) in segments {
+            let piece = tok.encode(&text)?;
+            labels.extend(piece.iter().map(|&t| if trained { t as i64 } else { -100 }));
+            ids.extend(piece);
+        }
+        return Ok(((ids, labels), true));
+    }
+    let n = messages.len();
+    if role(&messages[n - 1]).as_deref() != Some("assistant") {
+        return Err(TrainError::Usage(format!(
+            "{where_}: the chat template cannot mark every assistant turn, and the conversation \
+             does not end with one"
+        )));
+    }
+    let pair = encode_pair(
+        tok,
+        Text::Messages(messages[..n - 1].to_vec()),
+        Text::Messages(messages[n - 1..].to_vec()),
+        where_,
+    )?;
+    Ok((masked_pair(pair), false))
 }
 
 /// A right-padded micro-batch.

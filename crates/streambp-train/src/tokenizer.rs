@@ -89,7 +89,8 @@ impl TextTokenizer {
     pub fn chat_template(&self) -> Result<&crate::chat::ChatTemplate> {
         self.chat.as_ref().ok_or_else(|| {
             TrainError::Usage(
-                "conversational data (messages) needs a chat template, and this tokenizer has none                  (no chat_template in tokenizer_config.json, no chat_template.jinja)"
+                "conversational data (messages) needs a chat template, and this tokenizer has none \
+                 (no chat_template in tokenizer_config.json, no chat_template.jinja)"
                     .into(),
             )
         })

@@ -49,14 +49,27 @@ fn arithmetic_chat_tokenizer(dir: &std::path::Path) -> TextTokenizer {
     TextTokenizer::from_dir(&builtin).unwrap()
 }
 
+/// The trained text of each example: the decoded runs of labelled tokens.
+fn trained_runs(tok: &TextTokenizer, labels: &[i64]) -> Vec<String> {
+    labels
+        .split(|&l| l == -100)
+        .filter(|run| !run.is_empty())
+        .map(|run| {
+            tok.decode(&run.iter().map(|&l| l as u32).collect::<Vec<_>>())
+                .unwrap()
+        })
+        .collect()
+}
+
 #[test]
-fn messages_train_only_the_final_assistant_turn() {
+fn messages_train_every_assistant_turn() {
     let dir = tempfile::tempdir().unwrap();
     let tok = arithmetic_chat_tokenizer(dir.path());
     let data = dir.path().join("chat.jsonl");
     let rows = [
         serde_json::json!({"messages": [msg("user", " 12+3 "), msg("assistant", "15")]}),
         serde_json::json!({"prompt": [msg("user", "1+1")], "completion": [msg("assistant", "2")]}),
+        serde_json::json!({"messages": [msg("user", "1+1"), msg("assistant", "2"), msg("user", "3+4"), msg("assistant", "7"), msg("user", "9+9")]}),
     ];
     std::fs::write(
         &data,
@@ -75,6 +88,11 @@ fn messages_train_only_the_final_assistant_turn() {
         "no EOS added: the template ends turns"
     );
     assert_eq!(tok.decode(&examples[1].input_ids).unwrap(), "1+1=2");
+    assert_eq!(
+        tok.decode(&examples[2].input_ids).unwrap(),
+        "1+1=23+4=79+9="
+    );
+    assert_eq!(trained_runs(&tok, &examples[2].labels), ["2", "7"]);
 
     // A conversation that does not end with the assistant, and a tokenizer without a template.
     std::fs::write(
@@ -87,7 +105,7 @@ fn messages_train_only_the_final_assistant_turn() {
         .unwrap()
         .to_string();
     assert!(
-        err.contains("line 1") && err.contains("end with an assistant"),
+        err.contains("line 1") && err.contains("no assistant message"),
         "{err}"
     );
     let plain = TextTokenizer::from_dir(
@@ -118,4 +136,26 @@ fn block_whitespace_is_trimmed_like_transformers() {
         )
         .unwrap();
     assert_eq!(out, "U: hi\nA: yo\n");
+}
+
+/// A template that renders the last assistant turn differently (as Qwen3 adds an empty thinking block
+/// to it): earlier turns cannot be cut from the whole conversation, so only the final one trains.
+#[test]
+fn templates_that_rewrite_earlier_turns_train_the_final_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let builtin = streambp_train::recipe::materialize_builtin(dir.path()).unwrap();
+    let template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}={% elif loop.last %}+{{ m['content'] }}{% else %}{{ m['content'] }}{% endif %}{% endfor %}";
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(builtin.join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    config["chat_template"] = template.into();
+    std::fs::write(builtin.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let tok = TextTokenizer::from_dir(&builtin).unwrap();
+    let data = dir.path().join("chat.jsonl");
+    let row = serde_json::json!({"messages": [msg("user", "1+1"), msg("assistant", "2"), msg("user", "3+4"), msg("assistant", "7")]});
+    std::fs::write(&data, row.to_string()).unwrap();
+    let examples = load_sft(&data, &tok, 64, Overflow::Truncate).unwrap();
+    assert_eq!(tok.decode(&examples[0].input_ids).unwrap(), "1+1=23+4=+7");
+    assert_eq!(trained_runs(&tok, &examples[0].labels), ["+7"]);
 }
