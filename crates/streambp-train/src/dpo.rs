@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Tensor};
-use streambp_core::{backward, forward_logprobs, Batch};
+use streambp_core::{forward_logprobs, Batch};
 use streambp_models::Model;
 use streambp_objectives::{Dpo, TokenTargets};
 
@@ -82,11 +82,12 @@ fn sequence_logps(
     targets: &TokenTargets,
     cfg: &TrainConfig,
 ) -> Result<Vec<f64>> {
+    let chunks = cfg.chunks_for(model, ids)?;
     let batch = Batch {
         input_ids: ids,
         attention_mask: Some(mask),
     };
-    let logp = forward_logprobs(model, batch, &targets.ids, cfg.chunks())?;
+    let logp = forward_logprobs(model, batch, &targets.ids, chunks)?;
     Ok((logp.to_dtype(DType::F64)? * &targets.mask)?
         .sum(1)?
         .to_vec1::<f64>()?)
@@ -195,7 +196,7 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
                 attention_mask: Some(&mask),
             };
             // Micro-batches of equal size: the step's loss is the mean of their means.
-            let out = backward(model, batch, &dpo, cfg.mode, cfg.chunks())?;
+            let out = cfg.backward(model, batch, &dpo)?;
             acc.add(out, tokens, 1.0 / micro_batches)?;
         }
         trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;

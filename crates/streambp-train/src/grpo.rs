@@ -6,7 +6,7 @@ use std::path::Path;
 
 use candle_core::Tensor;
 use serde_json::{Map, Value};
-use streambp_core::{backward, forward_logprobs, Batch};
+use streambp_core::{forward_logprobs, Batch};
 use streambp_models::init::NormalRng;
 use streambp_objectives::{Grpo, GrpoBatch, GrpoLossType};
 
@@ -227,7 +227,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 input_ids: &ids,
                 attention_mask: Some(&mask),
             };
-            let out = backward(model, batch, &objective, cfg.mode, cfg.chunks())?;
+            let out = cfg.backward(model, batch, &objective)?;
             let tokens = r
                 .attention_mask
                 .iter()
@@ -273,11 +273,12 @@ fn logps_of(
     cfg: &TrainConfig,
 ) -> Result<Vec<Vec<f64>>> {
     let targets = to_u32_tensor(&next_token_targets(rows), ids.device())?;
+    let chunks = cfg.chunks_for(model, ids)?;
     let batch = Batch {
         input_ids: ids,
         attention_mask: Some(mask),
     };
-    align_to_inputs(&forward_logprobs(model, batch, &targets, cfg.chunks())?)
+    align_to_inputs(&forward_logprobs(model, batch, &targets, chunks)?)
 }
 
 fn per_position_logps(

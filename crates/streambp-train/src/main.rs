@@ -113,6 +113,14 @@ struct TrainArgs {
     /// LM-head chunk [default: 128; built-in task: 8].
     #[arg(long)]
     logits_chunk: Option<usize>,
+    /// Pick the largest chunks whose estimated backward peak (weights, gradients, activations; not
+    /// the optimizer state) fits this budget, e.g. 8GiB. Overrides --chunk and --logits-chunk.
+    #[arg(long, value_parser = streambp_train::device::parse_budget)]
+    memory_budget: Option<u64>,
+    /// Keep layer checkpoints in host memory during the backward (accelerator memory then no longer
+    /// grows with layers x sequence x hidden size).
+    #[arg(long)]
+    offload_checkpoints: bool,
     /// f32, bf16 or f64.
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -184,6 +192,8 @@ impl TrainArgs {
             mode: self.mode,
             chunk: pick(self.chunk, 512, 8),
             logits_chunk: pick(self.logits_chunk, 128, 8),
+            memory_budget: self.memory_budget,
+            offload_checkpoints: self.offload_checkpoints,
             dtype: self.dtype,
             device: self.device,
             save_every: self.save_every,

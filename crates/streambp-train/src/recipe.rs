@@ -7,7 +7,10 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use streambp_core::{Chunks, Mode};
+use streambp_core::{
+    backward_with, plan_for_budget, Batch, Chunks, Gradients, Mode, Options, Problem,
+};
+use streambp_objectives::Objective;
 use streambp_models::{load_model, resolve_model_dir, Model, ModelConfig};
 
 use crate::checkpoint::{save_checkpoint, TrainerState, OPTIMIZER_FILE, STATE_FILE};
@@ -44,6 +47,11 @@ pub struct TrainConfig {
     pub mode: Mode,
     pub chunk: usize,
     pub logits_chunk: usize,
+    /// Pick chunk sizes per micro-batch so the backward's estimated peak fits this many bytes
+    /// (overrides `chunk` and `logits_chunk`).
+    pub memory_budget: Option<u64>,
+    /// Keep layer checkpoints in host memory during the backward.
+    pub offload_checkpoints: bool,
     pub dtype: String,
     pub device: String,
     pub save_every: usize,
@@ -56,11 +64,39 @@ pub struct TrainConfig {
 }
 
 impl TrainConfig {
-    pub fn chunks(&self) -> Chunks {
-        Chunks {
-            chunk: self.chunk,
-            logits_chunk: self.logits_chunk,
-        }
+    /// The chunk sizes for a micro-batch `input_ids`: as given, or the largest the memory budget
+    /// allows for its shape.
+    pub fn chunks_for(&self, model: &Model, input_ids: &Tensor) -> Result<Chunks> {
+        let Some(budget) = self.memory_budget else {
+            return Ok(Chunks {
+                chunk: self.chunk,
+                logits_chunk: self.logits_chunk,
+            });
+        };
+        let (batch, seq_len) = input_ids.dims2()?;
+        let problem = Problem {
+            config: &model.config,
+            batch,
+            seq_len,
+            dtype: model.dtype(),
+        };
+        Ok(plan_for_budget(problem, budget)?)
+    }
+
+    /// The engine's backward of `objective` on `batch` as this run is configured.
+    pub fn backward(
+        &self,
+        model: &Model,
+        batch: Batch,
+        objective: &dyn Objective,
+    ) -> Result<Gradients> {
+        let chunks = self.chunks_for(model, batch.input_ids)?;
+        let options = Options {
+            offload_checkpoints: self.offload_checkpoints,
+        };
+        Ok(backward_with(
+            model, batch, objective, self.mode, chunks, options,
+        )?)
     }
 }
 

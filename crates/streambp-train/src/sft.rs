@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use streambp_core::{backward, Batch};
+use streambp_core::Batch;
 use streambp_models::Model;
 use streambp_objectives::Sft;
 
@@ -136,7 +136,7 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
             };
             // The objective already divides by the step's target tokens: weight 1.
             acc.add(
-                backward(model, batch, &sft, cfg.mode, cfg.chunks())?,
+                cfg.backward(model, batch, &sft)?,
                 tokens,
                 1.0,
             )?;

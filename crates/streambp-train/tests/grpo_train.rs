@@ -84,6 +84,8 @@ fn short_grpo_run_raises_the_reward() {
         mode: Mode::Stream,
         chunk: 4,
         logits_chunk: 4,
+        memory_budget: None,
+        offload_checkpoints: false,
         dtype: "f32".into(),
         device: "cpu".into(),
         save_every: 0,
