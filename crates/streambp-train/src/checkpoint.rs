@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use streambp_models::Model;
 
 use crate::{Result, TrainError};
@@ -42,6 +42,31 @@ impl TrainerState {
     }
 }
 
+/// Copies `config.json` with its dtype set to the one the weights are saved in, so that
+/// `from_pretrained(..., dtype="auto")` loads them as they are.
+fn write_config(src: &Path, dtype: DType, dst: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(src)?;
+    let mut config: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| TrainError::Usage(format!("{}: not valid JSON: {e}", src.display())))?;
+    let name = match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        DType::F64 => "float64",
+        _ => "float32",
+    };
+    if let Some(object) = config.as_object_mut() {
+        // transformers 4 reads `torch_dtype`, transformers 5 `dtype`.
+        object.insert("torch_dtype".into(), name.into());
+        if object.contains_key("dtype") {
+            object.insert("dtype".into(), name.into());
+        }
+    }
+    let pretty = serde_json::to_string_pretty(&config)
+        .map_err(|e| TrainError::Usage(format!("config.json: {e}")))?;
+    std::fs::write(dst, pretty)?;
+    Ok(())
+}
+
 /// Writes `model` (weights under their HF names, tied embeddings once), its `config.json` and the
 /// tokenizer files into `dir`.
 pub fn save_checkpoint(
@@ -68,7 +93,7 @@ pub fn save_checkpoint(
         tensors.insert(n.clone(), v.as_tensor().detach().to_device(&Device::Cpu)?);
     }
     candle_core::safetensors::save(&tensors, tmp.join("model.safetensors"))?;
-    std::fs::copy(config_json, tmp.join("config.json"))?;
+    write_config(config_json, model.dtype(), &tmp.join("config.json"))?;
     for f in tokenizer_files {
         if let Some(n) = f.file_name() {
             std::fs::copy(f, tmp.join(n))?;

@@ -111,7 +111,6 @@ impl AdamW {
         Ok(())
     }
 
-    /// The optimizer state for checkpoints: `(name.m, name.v)` tensors.
     /// The optimizer state for checkpoints: `name.m` and `name.v` for every parameter.
     pub fn state(&self) -> std::collections::HashMap<String, Tensor> {
         self.slots

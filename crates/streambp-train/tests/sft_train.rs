@@ -92,6 +92,28 @@ fn builtin_task_learns_and_saves_hf_checkpoints() {
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
 
+/// Pure bf16 (weights and activations in bf16; gradients accumulated and optimizer state kept in f32):
+/// it learns, and its checkpoints are bf16 safetensors whose config says so.
+#[test]
+fn bf16_training_learns_and_saves_bf16() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.dtype = "bf16".into();
+    cfg.save_every = 0;
+    let summary = run_sft(&cfg).unwrap();
+    assert!(summary.last_loss < 0.8 * summary.first_loss, "{summary:?}");
+    let ckpt = dir.path().join("final");
+    let model = streambp_models::load_model(&ckpt, DType::BF16, &Device::Cpu).unwrap();
+    assert!(model.parameters().iter().all(|(_, v)| v.dtype() == DType::BF16));
+    let bytes = std::fs::read(ckpt.join("model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8_lossy(&bytes[8..8 + header_len]);
+    assert!(header.contains("BF16") && !header.contains("F32"), "{header}");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "bfloat16");
+}
+
 /// StreamBP is exact, so training with it follows the same loss curve as plain backprop.
 #[test]
 fn stream_and_full_backward_train_identically() {
