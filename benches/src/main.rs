@@ -157,6 +157,7 @@ fn run(
             Batch {
                 input_ids: ids,
                 attention_mask: None,
+                position_ids: None,
             },
             objective.as_ref(),
             mode,

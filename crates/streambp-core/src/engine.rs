@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var, D};
-use streambp_models::{key_validity, DecoderLayer, KeyBlock, Model};
+use streambp_models::{DecoderLayer, KeyBlock, Layout, Model};
 use streambp_objectives::Objective;
 
 use crate::error::{EngineError, Result};
@@ -78,6 +78,39 @@ pub struct Batch<'a> {
     pub input_ids: &'a Tensor,
     /// `[batch, T]`, 1 = real token; all ones when absent.
     pub attention_mask: Option<&'a Tensor>,
+    /// `[batch, T]` positions restarting at 0 where a packed row's next document begins
+    /// (transformers' padding-free convention); `0..T` in every row when absent.
+    pub position_ids: Option<&'a Tensor>,
+}
+
+impl<'a> Batch<'a> {
+    /// Rows of one document each.
+    pub fn new(input_ids: &'a Tensor, attention_mask: Option<&'a Tensor>) -> Self {
+        Self {
+            input_ids,
+            attention_mask,
+            position_ids: None,
+        }
+    }
+
+    /// The batch's padding and document boundaries, checked against its shape.
+    pub fn layout(&self) -> Result<Layout> {
+        let (b, t) = self.input_ids.dims2()?;
+        for (name, tensor) in [
+            ("attention_mask", self.attention_mask),
+            ("position_ids", self.position_ids),
+        ] {
+            if let Some(x) = tensor {
+                if x.dims() != [b, t] {
+                    return Err(EngineError::Shape(format!(
+                        "{name} {:?} does not match input_ids [{b}, {t}]",
+                        x.dims()
+                    )));
+                }
+            }
+        }
+        Ok(Layout::new(self.attention_mask, self.position_ids)?)
+    }
 }
 
 /// The result of one backward.
@@ -121,24 +154,16 @@ pub fn backward_with(
             objective.targets().dims()
         )));
     }
-    if let Some(mask) = batch.attention_mask {
-        if mask.dims() != [b, t] {
-            return Err(EngineError::Shape(format!(
-                "attention_mask {:?} does not match input_ids [{b}, {t}]",
-                mask.dims()
-            )));
-        }
-    }
     if chunks.chunk == 0 || chunks.logits_chunk == 0 {
         return Err(EngineError::Plan("chunk sizes must be at least 1".into()));
     }
-    let key_valid = batch.attention_mask.map(key_validity).transpose()?;
+    let layout = batch.layout()?;
     let mut sink = GradSink::new(model);
     let mut peaks = PhaseLog::start();
 
     let (loss, logp) = match mode {
         Mode::Full => {
-            let out = full_backward(model, batch, key_valid.as_ref(), objective, &mut sink)?;
+            let out = full_backward(model, batch, &layout, objective, &mut sink)?;
             peaks.record("full");
             out
         }
@@ -147,7 +172,7 @@ pub fn backward_with(
             let mut inputs = forward_checkpoints(
                 &detached,
                 batch.input_ids,
-                key_valid.as_ref(),
+                &layout,
                 chunks.chunk,
                 options.offload_checkpoints,
             )?;
@@ -173,21 +198,13 @@ pub fn backward_with(
                         layer,
                         &x,
                         &grad,
-                        key_valid.as_ref(),
+                        &layout,
                         chunks.chunk,
                         &mut sink,
                         model,
                         index,
                     )?,
-                    _ => layer_backward_whole(
-                        layer,
-                        &x,
-                        &grad,
-                        key_valid.as_ref(),
-                        &mut sink,
-                        model,
-                        index,
-                    )?,
+                    _ => layer_backward_whole(layer, &x, &grad, &layout, &mut sink, model, index)?,
                 };
             }
             peaks.record("layers");
@@ -211,14 +228,14 @@ pub fn backward_with(
 pub fn forward_checkpoints(
     detached: &Model,
     input_ids: &Tensor,
-    key_valid: Option<&Tensor>,
+    layout: &Layout,
     chunk: usize,
     offload: bool,
 ) -> Result<Vec<Tensor>> {
     let mut states = Vec::with_capacity(detached.layers.len() + 1);
     let mut current = detached.embed(input_ids)?;
     for layer in &detached.layers {
-        let next = layer_forward_streamed(layer, &current, key_valid, chunk)?;
+        let next = layer_forward_streamed(layer, &current, layout, chunk)?;
         states.push(match offload {
             true => current.to_device(&candle_core::Device::Cpu)?,
             false => current,
@@ -239,10 +256,10 @@ pub fn forward_logprobs(
     chunks: Chunks,
 ) -> Result<Tensor> {
     let detached = model.detached();
-    let key_valid = batch.attention_mask.map(key_validity).transpose()?;
+    let layout = batch.layout()?;
     let mut h = detached.embed(batch.input_ids)?;
     for layer in &detached.layers {
-        h = layer_forward_streamed(layer, &h, key_valid.as_ref(), chunks.chunk)?;
+        h = layer_forward_streamed(layer, &h, &layout, chunks.chunk)?;
     }
     let t = h.dim(1)?;
     let mut parts = Vec::new();
@@ -261,12 +278,13 @@ pub fn forward_logprobs(
 fn keys_values_streamed(
     layer: &DecoderLayer,
     x: &Tensor,
+    layout: &Layout,
     chunk: usize,
 ) -> Result<(Tensor, Tensor)> {
     let (mut ks, mut vs) = (Vec::new(), Vec::new());
     for r in chunk_ranges(x.dim(1)?, chunk) {
         let normed = layer.norm_input(&x.narrow(1, r.start, r.len())?)?;
-        let (k, v) = layer.keys_values(&normed, r.start)?;
+        let (k, v) = layer.keys_values(&normed, r.start, layout)?;
         ks.push(k);
         vs.push(v);
     }
@@ -278,17 +296,17 @@ fn keys_values_streamed(
 pub fn layer_forward_streamed(
     layer: &DecoderLayer,
     x: &Tensor,
-    key_valid: Option<&Tensor>,
+    layout: &Layout,
     chunk: usize,
 ) -> Result<Tensor> {
-    let (keys, values) = keys_values_streamed(layer, x, chunk)?;
+    let (keys, values) = keys_values_streamed(layer, x, layout, chunk)?;
     let out = x.zeros_like()?;
     for r in chunk_ranges(x.dim(1)?, chunk) {
-        let k0 = layer.first_visible_key(r.start);
+        let k0 = layer.first_visible_key(r.start, layout);
         let block = KeyBlock {
             q_start: r.start,
             k_start: k0,
-            key_valid,
+            layout,
         };
         let y = layer.forward_chunk(
             &x.narrow(1, r.start, r.len())?,
@@ -493,7 +511,7 @@ pub fn layer_backward_streamed(
     layer: &DecoderLayer,
     x: &Tensor,
     grad_out: &Tensor,
-    key_valid: Option<&Tensor>,
+    layout: &Layout,
     chunk: usize,
     sink: &mut GradSink,
     model: &Model,
@@ -501,18 +519,18 @@ pub fn layer_backward_streamed(
 ) -> Result<Tensor> {
     let t = x.dim(1)?;
     let ranges = chunk_ranges(t, chunk);
-    let (keys, values) = keys_values_streamed(&layer.detached(), x, chunk)?;
+    let (keys, values) = keys_values_streamed(&layer.detached(), x, layout, chunk)?;
     let grad_keys = keys.zeros_like()?;
     let grad_values = values.zeros_like()?;
     let grad_in = x.zeros_like()?;
 
     for r in ranges.into_iter().rev() {
         let (s, len) = (r.start, r.len());
-        let k0 = layer.first_visible_key(s);
+        let k0 = layer.first_visible_key(s, layout);
         let x_c = Var::from_tensor(&x.narrow(1, s, len)?)?;
         let normed = layer.norm_input(x_c.as_tensor())?;
-        let (k_own, v_own) = layer.keys_values(&normed, s)?;
-        let q = layer.queries(&normed, s)?;
+        let (k_own, v_own) = layer.keys_values(&normed, s, layout)?;
+        let q = layer.queries(&normed, s, layout)?;
         let earlier = if k0 < s {
             let k = Var::from_tensor(&keys.narrow(2, k0, s - k0)?)?;
             let v = Var::from_tensor(&values.narrow(2, k0, s - k0)?)?;
@@ -530,7 +548,7 @@ pub fn layer_backward_streamed(
         let block = KeyBlock {
             q_start: s,
             k_start: k0,
-            key_valid,
+            layout,
         };
         let attn = layer.attend(&q, &k_all, &v_all, block)?;
         let x1 = (x_c.as_tensor() + layer.attention_output(&attn)?)?;
@@ -565,13 +583,13 @@ pub fn layer_backward_whole(
     layer: &DecoderLayer,
     x: &Tensor,
     grad_out: &Tensor,
-    key_valid: Option<&Tensor>,
+    layout: &Layout,
     sink: &mut GradSink,
     model: &Model,
     index: usize,
 ) -> Result<Tensor> {
     let x = Var::from_tensor(x)?;
-    let y = layer.forward(x.as_tensor(), key_valid)?;
+    let y = layer.forward(x.as_tensor(), layout)?;
     let store = (y * grad_out)?.sum_all()?.backward()?;
     let grad_in = required(&store, x.as_tensor(), "layer input")?;
     sink.absorb(&store, model.layer_parameters(index))?;
@@ -600,13 +618,13 @@ pub fn embedding_backward(
 fn full_backward(
     model: &Model,
     batch: Batch,
-    key_valid: Option<&Tensor>,
+    layout: &Layout,
     objective: &dyn Objective,
     sink: &mut GradSink,
 ) -> Result<(f64, Tensor)> {
     let mut h = model.embed(batch.input_ids)?;
     for layer in &model.layers {
-        h = layer.forward(&h, key_valid)?;
+        h = layer.forward(&h, layout)?;
     }
     let logits = model.logits(&model.final_norm(&h)?)?;
     let logp = target_logprobs(&logits, objective.targets())?;

@@ -6,7 +6,7 @@
 //! # use streambp_core::{backward, Batch, Chunks, Mode};
 //! # fn run(model: &streambp_models::Model, ids: &candle_core::Tensor, sft: &streambp_objectives::Sft)
 //! #     -> streambp_core::Result<()> {
-//! let out = backward(model, Batch { input_ids: ids, attention_mask: None }, sft, Mode::Stream,
+//! let out = backward(model, Batch::new(ids, None), sft, Mode::Stream,
 //!                    Chunks { chunk: 512, logits_chunk: 128 })?;
 //! println!("loss {} over {} parameters", out.loss, out.grads.len());
 //! # Ok(()) }

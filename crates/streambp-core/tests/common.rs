@@ -46,6 +46,7 @@ impl Fixture {
         let batch = Batch {
             input_ids: &self.ids,
             attention_mask: Some(&self.reference["attention_mask"]),
+            position_ids: None,
         };
         let chunks = Chunks {
             chunk,

@@ -101,6 +101,7 @@ fn no_attention_mask_means_all_tokens() {
         let batch = streambp_core::Batch {
             input_ids: &ids,
             attention_mask: None,
+            position_ids: None,
         };
         let chunks = streambp_core::Chunks {
             chunk,
@@ -136,6 +137,7 @@ fn offloaded_checkpoints_give_the_same_gradients() {
     let batch = streambp_core::Batch {
         input_ids: &f.ids,
         attention_mask: Some(&f.reference["attention_mask"]),
+        position_ids: None,
     };
     let chunks = streambp_core::Chunks {
         chunk: 3,

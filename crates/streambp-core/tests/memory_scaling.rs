@@ -43,6 +43,7 @@ fn activation_peak(model: &Model, mode: Mode, t: usize) -> usize {
         Batch {
             input_ids: &ids,
             attention_mask: None,
+            position_ids: None,
         },
         &sft,
         mode,

@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::error::Result;
+use crate::layout::Layout;
 use crate::linear::Linear;
 use crate::norm::RmsNorm;
 use crate::rope::{apply_rope, Rotary};
@@ -48,22 +49,24 @@ pub struct DecoderLayer {
     pub down_proj: Linear,
 }
 
-/// Which keys a block of queries reads: keys at positions `k_start..k_start + K.len` and, per row,
-/// whether each of those keys is a real token (`[batch, keys]`, u8, 1 = real).
+/// Which keys a block of queries reads: queries from index `q_start`, keys at indices
+/// `k_start..k_start + K.len`, in a batch laid out as `layout` (padding, packed documents).
 #[derive(Debug, Clone, Copy)]
 pub struct KeyBlock<'a> {
     pub q_start: usize,
     pub k_start: usize,
-    pub key_valid: Option<&'a Tensor>,
+    pub layout: &'a Layout,
 }
 
 impl DecoderLayer {
-    /// The first key position a query block starting at `q_start` can see (0 without a window).
-    pub fn first_visible_key(&self, q_start: usize) -> usize {
-        match self.kind.sliding_window {
+    /// The first key index a query block starting at `q_start` can see: 0, unless a sliding window
+    /// or a packed document boundary hides the earlier keys from every query of the block.
+    pub fn first_visible_key(&self, q_start: usize, layout: &Layout) -> usize {
+        let window = match self.kind.sliding_window {
             Some(w) => (q_start + 1).saturating_sub(w),
             None => 0,
-        }
+        };
+        window.max(layout.first_key_of_document(q_start))
     }
 
     /// The input norm of the attention block.
@@ -71,16 +74,21 @@ impl DecoderLayer {
         self.input_norm.forward(x)
     }
 
-    /// Queries `[batch, heads, len, head_dim]` for normed inputs at positions `start..start + len`.
-    pub fn queries(&self, normed: &Tensor, start: usize) -> Result<Tensor> {
+    /// Queries `[batch, heads, len, head_dim]` for normed inputs at indices `start..start + len`.
+    pub fn queries(&self, normed: &Tensor, start: usize, layout: &Layout) -> Result<Tensor> {
         let q = self.project_heads(normed, &self.q_proj, self.shape.num_heads)?;
-        self.norm_and_rotate(q, self.q_norm.as_ref(), start)
+        self.norm_and_rotate(q, self.q_norm.as_ref(), start, layout)
     }
 
     /// Keys and values `[batch, kv_heads, len, head_dim]` for normed inputs at `start..start + len`.
-    pub fn keys_values(&self, normed: &Tensor, start: usize) -> Result<(Tensor, Tensor)> {
+    pub fn keys_values(
+        &self,
+        normed: &Tensor,
+        start: usize,
+        layout: &Layout,
+    ) -> Result<(Tensor, Tensor)> {
         let k = self.project_heads(normed, &self.k_proj, self.shape.num_kv_heads)?;
-        let k = self.norm_and_rotate(k, self.k_norm.as_ref(), start)?;
+        let k = self.norm_and_rotate(k, self.k_norm.as_ref(), start, layout)?;
         let v = self.project_heads(normed, &self.v_proj, self.shape.num_kv_heads)?;
         Ok((k, v.contiguous()?))
     }
@@ -93,20 +101,25 @@ impl DecoderLayer {
             .transpose(1, 2)?)
     }
 
-    fn norm_and_rotate(&self, x: Tensor, norm: Option<&RmsNorm>, start: usize) -> Result<Tensor> {
+    fn norm_and_rotate(
+        &self,
+        x: Tensor,
+        norm: Option<&RmsNorm>,
+        start: usize,
+        layout: &Layout,
+    ) -> Result<Tensor> {
         let x = match norm {
             Some(n) => n.forward(&x)?,
             None => x,
         };
         let len = x.dim(2)?;
-        let (cos, sin) = self
-            .rotary
-            .tables(start..start + len, x.dtype(), x.device())?;
+        let (cos, sin) = layout.rope_tables(&self.rotary, start, len, x.dtype(), x.device())?;
         apply_rope(&x, &cos, &sin)
     }
 
     /// The attention core: queries `[b, heads, c, hd]` against keys/values `[b, kv_heads, t, hd]`,
-    /// causal (and windowed) by position, padded keys masked. Returns `[b, c, heads·hd]`.
+    /// causal (and windowed) by position, padded keys and other documents' keys masked. Returns
+    /// `[b, c, heads·hd]`.
     ///
     /// Query heads are grouped under their key/value head (`[b, kv_heads, group·c, hd]`) so GQA never
     /// materialises repeated keys. Scores are softmaxed in f32 (f64 for f64 models) like transformers'
@@ -168,13 +181,19 @@ impl DecoderLayer {
             let lowest = pos(q0 - w as i64 + 1, c)?.reshape((c, 1))?;
             allowed = (allowed * k.broadcast_ge(&lowest)?)?;
         }
-        let allowed = match keys.key_valid {
+        let mut allowed = match &keys.layout.key_valid {
             Some(valid) => {
                 let valid = valid.narrow(1, keys.k_start, t)?.reshape((b, 1, t))?;
                 valid.broadcast_mul(&allowed.reshape((1, c, t))?)?
             }
             None => allowed.reshape((1, c, t))?,
         };
+        if let Some(same) = keys
+            .layout
+            .same_document(keys.q_start, c, keys.k_start, t)?
+        {
+            allowed = same.broadcast_mul(&allowed)?;
+        }
         let rows = allowed.dim(0)?;
         Ok(allowed.reshape((rows, 1, 1, c, t))?)
     }
@@ -216,21 +235,21 @@ impl DecoderLayer {
         keys: KeyBlock,
     ) -> Result<Tensor> {
         let normed = self.norm_input(x_c)?;
-        let q = self.queries(&normed, keys.q_start)?;
+        let q = self.queries(&normed, keys.q_start, keys.layout)?;
         let attn = self.attend(&q, k, v, keys)?;
         let x1 = (x_c + self.attention_output(&attn)?)?;
         Ok((&x1 + self.mlp_block(&x1)?)?)
     }
 
-    /// The layer over a whole sequence `[b, t, d]`; `key_valid` is `[b, t]` u8 (1 = real token).
-    pub fn forward(&self, x: &Tensor, key_valid: Option<&Tensor>) -> Result<Tensor> {
+    /// The layer over a whole sequence `[b, t, d]` laid out as `layout`.
+    pub fn forward(&self, x: &Tensor, layout: &Layout) -> Result<Tensor> {
         let normed = self.norm_input(x)?;
-        let (k, v) = self.keys_values(&normed, 0)?;
-        let q = self.queries(&normed, 0)?;
+        let (k, v) = self.keys_values(&normed, 0, layout)?;
+        let q = self.queries(&normed, 0, layout)?;
         let keys = KeyBlock {
             q_start: 0,
             k_start: 0,
-            key_valid,
+            layout,
         };
         let attn = self.attend(&q, &k, &v, keys)?;
         let x1 = (x + self.attention_output(&attn)?)?;

@@ -10,6 +10,7 @@ pub mod error;
 pub mod hub;
 pub mod init;
 pub mod layer;
+pub mod layout;
 pub mod linear;
 pub mod loader;
 pub mod model;
@@ -21,5 +22,6 @@ pub use config::{Activation, Family, LayerKind, ModelConfig, NormStyle, RopeConf
 pub use error::{ModelError, Result};
 pub use hub::resolve_model_dir;
 pub use layer::{DecoderLayer, KeyBlock};
+pub use layout::{key_validity, Layout};
 pub use loader::{load_model, save_safetensors};
-pub use model::{key_validity, Model};
+pub use model::Model;

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::layer::DecoderLayer;
+use crate::layout::Layout;
 use crate::linear::Linear;
 use crate::norm::RmsNorm;
 use crate::rope::Rotary;
@@ -180,10 +181,10 @@ impl Model {
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let key_valid = attention_mask.map(key_validity).transpose()?;
+        let layout = Layout::new(attention_mask, None)?;
         let mut h = self.embed(input_ids)?;
         for layer in &self.layers {
-            h = layer.forward(&h, key_valid.as_ref())?;
+            h = layer.forward(&h, &layout)?;
         }
         self.final_norm(&h)
     }
@@ -214,9 +215,4 @@ impl Model {
             ..self.clone()
         }
     }
-}
-
-/// `[b, t]` u8 (1 = real token) from an attention mask of any numeric dtype.
-pub fn key_validity(mask: &Tensor) -> Result<Tensor> {
-    Ok(mask.ne(0.0)?)
 }

@@ -1,10 +1,8 @@
-//! Rotary position embeddings (the `rotate_half` convention of transformers), for any range of
-//! positions, so a chunk of queries or keys can be rotated on its own.
+//! Rotary position embeddings (the `rotate_half` convention of transformers), for any positions, so a
+//! chunk of queries or keys (or a packed row's documents) can be rotated on its own.
 //!
 //! Inverse frequencies and angles are computed in f64 and only then cast to the model dtype: the f64
 //! path is then exact, and lower precisions get the correctly rounded table.
-
-use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor, D};
 
@@ -63,25 +61,31 @@ impl Rotary {
         &self.inv_freq
     }
 
-    /// `(cos, sin)` tables of shape `[positions.len(), head_dim]` in `dtype`.
+    /// `(cos, sin)` tables of shape `[n, head_dim]` in `dtype` for the `n` given positions.
     pub fn tables(
         &self,
-        positions: Range<usize>,
+        positions: impl Iterator<Item = f64>,
+        n: usize,
         dtype: DType,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
-        let n = positions.len();
         let mut cos = Vec::with_capacity(n * 2 * half);
         let mut sin = Vec::with_capacity(n * 2 * half);
         for p in positions {
             for _ in 0..2 {
                 for f in &self.inv_freq {
-                    let angle = p as f64 * f;
+                    let angle = p * f;
                     cos.push(angle.cos());
                     sin.push(angle.sin());
                 }
             }
+        }
+        if cos.len() != n * 2 * half {
+            return Err(crate::error::ModelError::Input(format!(
+                "rope: {} positions where {n} were expected",
+                cos.len() / (2 * half).max(1)
+            )));
         }
         let shape = (n, 2 * half);
         // Non-f64 dtypes go through f32 like transformers' tables do, to round once more the same way.
@@ -97,7 +101,8 @@ impl Rotary {
     }
 }
 
-/// Applies rope to `x` of shape `[batch, heads, len, head_dim]` with tables `[len, head_dim]`.
+/// Applies rope to `x` of shape `[batch, heads, len, head_dim]` with tables `[len, head_dim]` (or
+/// `[batch, 1, len, head_dim]`, one table per row).
 /// Built from differentiable ops (candle's fused rope records no backward).
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;

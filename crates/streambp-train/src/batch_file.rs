@@ -23,6 +23,8 @@ pub struct PreparedBatch {
     pub input_ids: Tensor,
     /// `[batch, T]` u32 (1 = real token), when given.
     pub attention_mask: Option<Tensor>,
+    /// `[batch, T]` u32 positions restarting at 0 at each packed document, when given.
+    pub position_ids: Option<Tensor>,
     pub objective: Box<dyn Objective>,
     /// Real (unpadded) tokens in the batch.
     pub tokens: usize,
@@ -36,6 +38,7 @@ struct SftFile {
     input_ids: Vec<Vec<i64>>,
     labels: Vec<Vec<i64>>,
     attention_mask: Option<Vec<Vec<i64>>>,
+    position_ids: Option<Vec<Vec<i64>>>,
 }
 
 #[derive(Deserialize)]
@@ -225,6 +228,7 @@ fn prepare_dpo(
     Ok(PreparedBatch {
         input_ids,
         attention_mask: Some(attention_mask),
+        position_ids: None,
         objective: Box::new(dpo),
         tokens: mask.iter().flatten().filter(|&&v| v != 0).count(),
     })
@@ -286,6 +290,7 @@ fn prepare_grpo(
     Ok(PreparedBatch {
         input_ids,
         attention_mask,
+        position_ids: None,
         objective: Box::new(grpo),
         tokens: match &mask {
             Some(m) => m.iter().flatten().filter(|&&v| v != 0).count(),
@@ -349,19 +354,12 @@ fn prepare_sft(file: SftFile, vocab_size: usize, device: &Device) -> Result<Prep
         }
         None => None,
     };
+    if let Some(p) = &file.position_ids {
+        check_same_shape("position_ids", p, b, t)?;
+    }
     // Padded positions are never targets, whatever their label says.
-    let labels: Vec<Vec<i64>> = match mask {
-        Some(m) => file
-            .labels
-            .iter()
-            .zip(m)
-            .map(|(l, m)| {
-                l.iter()
-                    .zip(m)
-                    .map(|(&l, &m)| if m == 0 { -100 } else { l })
-                    .collect()
-            })
-            .collect(),
+    let labels = match mask {
+        Some(m) => masked_labels(&file.labels, m),
         None => file.labels.clone(),
     };
     let sft = Sft::new(&labels, vocab_size, None, device)?;
@@ -372,6 +370,11 @@ fn prepare_sft(file: SftFile, vocab_size: usize, device: &Device) -> Result<Prep
     Ok(PreparedBatch {
         input_ids: to_u32_tensor(&file.input_ids, device)?,
         attention_mask: mask.map(|m| to_u32_tensor(m, device)).transpose()?,
+        position_ids: file
+            .position_ids
+            .as_ref()
+            .map(|p| to_u32_tensor(p, device))
+            .transpose()?,
         objective: Box::new(sft),
         tokens,
     })

@@ -86,6 +86,7 @@ fn sequence_logps(
     let batch = Batch {
         input_ids: ids,
         attention_mask: Some(mask),
+        position_ids: None,
     };
     let logp = forward_logprobs(model, batch, &targets.ids, chunks)?;
     Ok((logp.to_dtype(DType::F64)? * &targets.mask)?
@@ -194,6 +195,7 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
             let batch = Batch {
                 input_ids: &ids,
                 attention_mask: Some(&mask),
+                position_ids: None,
             };
             // Micro-batches of equal size: the step's loss is the mean of their means.
             let out = cfg.backward(model, batch, &dpo)?;

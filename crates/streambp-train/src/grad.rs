@@ -91,6 +91,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         let batch = Batch {
             input_ids: ids,
             attention_mask: mask,
+            position_ids: None,
         };
         Ok(forward_logprobs(
             ref_model.as_ref().unwrap_or(&model),
@@ -131,6 +132,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         Batch {
             input_ids: &batch.input_ids,
             attention_mask: batch.attention_mask.as_ref(),
+            position_ids: batch.position_ids.as_ref(),
         },
         batch.objective.as_ref(),
         args.mode,

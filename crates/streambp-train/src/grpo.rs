@@ -226,6 +226,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
             let batch = Batch {
                 input_ids: &ids,
                 attention_mask: Some(&mask),
+                position_ids: None,
             };
             let out = cfg.backward(model, batch, &objective)?;
             let tokens = r
@@ -277,6 +278,7 @@ fn logps_of(
     let batch = Batch {
         input_ids: ids,
         attention_mask: Some(mask),
+        position_ids: None,
     };
     align_to_inputs(&forward_logprobs(model, batch, &targets, chunks)?)
 }

@@ -10,8 +10,8 @@ use candle_core::{DType, Device, Tensor};
 use streambp_core::{
     backward_with, plan_for_budget, Batch, Chunks, Gradients, Mode, Options, Problem,
 };
-use streambp_objectives::Objective;
 use streambp_models::{load_model, resolve_model_dir, Model, ModelConfig};
+use streambp_objectives::Objective;
 
 use crate::checkpoint::{save_checkpoint, TrainerState, OPTIMIZER_FILE, STATE_FILE};
 use crate::data::Overflow;

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use streambp_models::init::NormalRng;
-use streambp_models::{KeyBlock, Model};
+use streambp_models::{KeyBlock, Layout, Model};
 
 use crate::Result;
 
@@ -24,9 +24,11 @@ struct Cache {
 /// returns the logits of the last position (`[rows, vocab]`).
 fn step(model: &Model, cache: &mut Cache, x: Tensor, start: usize) -> Result<Tensor> {
     let mut h = x;
+    // One prompt for every row, so no padding and no packing.
+    let layout = Layout::default();
     for (i, layer) in model.layers.iter().enumerate() {
         let normed = layer.norm_input(&h)?;
-        let (k, v) = layer.keys_values(&normed, start)?;
+        let (k, v) = layer.keys_values(&normed, start, &layout)?;
         let k = match cache.keys[i].take() {
             Some(prev) => Tensor::cat(&[&prev, &k], 2)?,
             None => k,
@@ -35,13 +37,13 @@ fn step(model: &Model, cache: &mut Cache, x: Tensor, start: usize) -> Result<Ten
             Some(prev) => Tensor::cat(&[&prev, &v], 2)?,
             None => v,
         };
-        let q = layer.queries(&normed, start)?;
-        let k0 = layer.first_visible_key(start);
+        let q = layer.queries(&normed, start, &layout)?;
+        let k0 = layer.first_visible_key(start, &layout);
         let len = k.dim(2)? - k0;
         let block = KeyBlock {
             q_start: start,
             k_start: k0,
-            key_valid: None,
+            layout: &layout,
         };
         let attn = layer.attend(&q, &k.narrow(2, k0, len)?, &v.narrow(2, k0, len)?, block)?;
         let x1 = (&h + layer.attention_output(&attn)?)?;

@@ -133,13 +133,10 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
             let batch = Batch {
                 input_ids: &ids,
                 attention_mask: Some(&mask),
+                position_ids: None,
             };
             // The objective already divides by the step's target tokens: weight 1.
-            acc.add(
-                cfg.backward(model, batch, &sft)?,
-                tokens,
-                1.0,
-            )?;
+            acc.add(cfg.backward(model, batch, &sft)?, tokens, 1.0)?;
         }
         trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
     }

@@ -43,6 +43,7 @@ fn run(
     let input = Batch {
         input_ids: &batch.input_ids,
         attention_mask: batch.attention_mask.as_ref(),
+        position_ids: None,
     };
     backward(&model, input, batch.objective.as_ref(), mode, chunks).unwrap()
 }

@@ -104,11 +104,17 @@ fn bf16_training_learns_and_saves_bf16() {
     assert!(summary.last_loss < 0.8 * summary.first_loss, "{summary:?}");
     let ckpt = dir.path().join("final");
     let model = streambp_models::load_model(&ckpt, DType::BF16, &Device::Cpu).unwrap();
-    assert!(model.parameters().iter().all(|(_, v)| v.dtype() == DType::BF16));
+    assert!(model
+        .parameters()
+        .iter()
+        .all(|(_, v)| v.dtype() == DType::BF16));
     let bytes = std::fs::read(ckpt.join("model.safetensors")).unwrap();
     let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header = String::from_utf8_lossy(&bytes[8..8 + header_len]);
-    assert!(header.contains("BF16") && !header.contains("F32"), "{header}");
+    assert!(
+        header.contains("BF16") && !header.contains("F32"),
+        "{header}"
+    );
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(ckpt.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["torch_dtype"], "bfloat16");

@@ -1,0 +1,133 @@
+//! Packed rows (several documents per row, positions restarting at 0 at each, transformers'
+//! padding-free convention) compute exactly what the documents compute as rows of their own: same
+//! loss, same gradients, in every mode and for every family (Gemma3's window included).
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::{fixture, worst_grad_err, Fixture, FAMILIES};
+use streambp_core::{backward, Batch, Chunks, Gradients, Mode};
+use streambp_objectives::Sft;
+
+/// The fixture's three right-padded rows as two packed rows: `[doc 1, doc 2]` and `[doc 0, padding]`.
+struct Packed {
+    ids: Tensor,
+    mask: Tensor,
+    positions: Tensor,
+    labels: Vec<Vec<i64>>,
+}
+
+fn pack(f: &Fixture) -> Packed {
+    let ids = f
+        .ids
+        .to_dtype(DType::I64)
+        .unwrap()
+        .to_vec2::<i64>()
+        .unwrap();
+    let labels = f.reference["labels"].to_vec2::<i64>().unwrap();
+    let mask = f.reference["attention_mask"]
+        .to_dtype(DType::I64)
+        .unwrap()
+        .to_vec2::<i64>()
+        .unwrap();
+    let len = |r: usize| mask[r].iter().filter(|&&m| m != 0).count();
+    let rows: [&[usize]; 2] = [&[1, 2], &[0]];
+    let width = rows
+        .iter()
+        .map(|docs| docs.iter().map(|&d| len(d)).sum::<usize>())
+        .max()
+        .unwrap();
+    let (mut out_ids, mut out_mask, mut out_pos, mut out_labels) = (vec![], vec![], vec![], vec![]);
+    for docs in rows {
+        let (mut i, mut m, mut p, mut l) = (vec![], vec![], vec![], vec![]);
+        for &d in docs {
+            let n = len(d);
+            i.extend(&ids[d][..n]);
+            m.extend(std::iter::repeat_n(1i64, n));
+            p.extend(0..n as i64);
+            // The first token of a document is no target of the previous one.
+            l.push(-100);
+            l.extend(&labels[d][1..n]);
+        }
+        while i.len() < width {
+            let next = p.last().unwrap() + 1;
+            i.push(0);
+            m.push(0);
+            p.push(next);
+            l.push(-100);
+        }
+        out_ids.push(i);
+        out_mask.push(m);
+        out_pos.push(p);
+        out_labels.push(l);
+    }
+    let t = |rows: &Vec<Vec<i64>>| Tensor::new(rows.clone(), &Device::Cpu).unwrap();
+    Packed {
+        ids: t(&out_ids).to_dtype(DType::U32).unwrap(),
+        mask: t(&out_mask),
+        positions: t(&out_pos),
+        labels: out_labels,
+    }
+}
+
+fn run_packed(f: &Fixture, p: &Packed, mode: Mode, chunk: usize, logits_chunk: usize) -> Gradients {
+    let batch = Batch {
+        input_ids: &p.ids,
+        attention_mask: Some(&p.mask),
+        position_ids: Some(&p.positions),
+    };
+    let sft = Sft::new(&p.labels, f.model.config.vocab_size, None, &Device::Cpu).unwrap();
+    let chunks = Chunks {
+        chunk,
+        logits_chunk,
+    };
+    backward(&f.model, batch, &sft, mode, chunks).unwrap()
+}
+
+#[test]
+fn packed_rows_equal_separate_rows_in_every_mode() {
+    for family in FAMILIES {
+        let f = fixture(family, DType::F64);
+        let separate = f.run(Mode::Full, 1, 1);
+        let packed = pack(&f);
+        for (mode, chunk, logits_chunk) in [
+            (Mode::Full, 1, 1),
+            (Mode::Checkpoint, 16, 16),
+            (Mode::Stream, 1, 1),
+            (Mode::Stream, 3, 4),
+            (Mode::Stream, 5, 16),
+            (Mode::Stream, 16, 7),
+        ] {
+            let out = run_packed(&f, &packed, mode, chunk, logits_chunk);
+            let loss_err = (out.loss - separate.loss).abs() / separate.loss.abs();
+            let (err, name) = worst_grad_err(&out, &separate);
+            println!(
+                "{family} {mode:?} chunk {chunk}/{logits_chunk}: loss {loss_err:.1e}, grads {err:.1e} ({name})"
+            );
+            assert!(loss_err < 1e-12, "{family} {mode:?}: loss {loss_err}");
+            assert!(err < 1e-10, "{family} {mode:?} {chunk}: {name} {err}");
+        }
+    }
+}
+
+#[test]
+fn positions_that_do_not_count_up_are_rejected() {
+    let f = fixture("qwen3", DType::F64);
+    let p = pack(&f);
+    let bad = Tensor::new(&[[0i64, 1, 3], [0, 1, 2]], &Device::Cpu).unwrap();
+    let ids = p.ids.narrow(1, 0, 3).unwrap();
+    let batch = Batch {
+        input_ids: &ids,
+        attention_mask: None,
+        position_ids: Some(&bad),
+    };
+    let sft = Sft::new(&[vec![1, 2, 3], vec![1, 2, 3]], 128, None, &Device::Cpu).unwrap();
+    let chunks = Chunks {
+        chunk: 2,
+        logits_chunk: 2,
+    };
+    let err = backward(&f.model, batch, &sft, Mode::Stream, chunks)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("position_ids row 0, index 2"), "{err}");
+}

@@ -1,0 +1,156 @@
+//! Where the tokens of a batch sit: which of them are real (rows are right-padded) and, for packed rows
+//! that hold several documents one after another, each token's position inside its own document.
+//!
+//! Packed rows follow transformers' padding-free convention: `position_ids` restart at 0 where a new
+//! document begins. A token then sees only earlier tokens of its own document, and rope rotates it by
+//! its position in that document, so a packed row computes exactly what its documents would as rows of
+//! their own.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{ModelError, Result};
+use crate::rope::Rotary;
+
+/// The real tokens and document boundaries of a `[batch, T]` batch.
+#[derive(Debug, Clone, Default)]
+pub struct Layout {
+    /// `[batch, T]` u8, 1 = real token; `None`: no padding.
+    pub key_valid: Option<Tensor>,
+    packing: Option<Packing>,
+}
+
+/// Document boundaries of packed rows.
+#[derive(Debug, Clone)]
+struct Packing {
+    /// Position of every token inside its document, per row (host side: rope tables are built there).
+    positions: Vec<Vec<u32>>,
+    /// `[batch, T]` i64: index of the first token of each token's document.
+    doc_start: Tensor,
+    /// For each index, the earliest document start over the rows: no query at or after it reads an
+    /// earlier key.
+    earliest_doc_start: Vec<usize>,
+}
+
+/// `[b, t]` u8 (1 = real token) from an attention mask of any numeric dtype.
+pub fn key_validity(mask: &Tensor) -> Result<Tensor> {
+    Ok(mask.ne(0.0)?)
+}
+
+impl Layout {
+    /// The layout of a batch from its attention mask (1 = real token) and optional `position_ids`
+    /// (`[batch, T]`, any integer dtype). Rows whose positions simply count `0..T` are not packed; a
+    /// batch without any restart is treated as unpacked.
+    pub fn new(attention_mask: Option<&Tensor>, position_ids: Option<&Tensor>) -> Result<Self> {
+        let key_valid = attention_mask.map(key_validity).transpose()?;
+        let packing = match position_ids {
+            Some(p) => Packing::from_position_ids(p)?,
+            None => None,
+        };
+        Ok(Self { key_valid, packing })
+    }
+
+    /// Whether any row holds more than one document.
+    pub fn is_packed(&self) -> bool {
+        self.packing.is_some()
+    }
+
+    /// `(cos, sin)` rope tables for tokens `start..start + len`: `[len, head_dim]`, or `[batch, 1, len,
+    /// head_dim]` for packed rows.
+    pub fn rope_tables(
+        &self,
+        rotary: &Rotary,
+        start: usize,
+        len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        match &self.packing {
+            None => rotary.tables((start..start + len).map(|p| p as f64), len, dtype, device),
+            Some(p) => {
+                let rows = p.positions.len();
+                let positions = p
+                    .positions
+                    .iter()
+                    .flat_map(|row| row[start..start + len].iter().map(|&q| q as f64));
+                let (cos, sin) = rotary.tables(positions, rows * len, dtype, device)?;
+                let shape = (rows, 1, len, cos.dim(1)?);
+                Ok((cos.reshape(shape)?, sin.reshape(shape)?))
+            }
+        }
+    }
+
+    /// The first key that any query at index `q_start` or later can see across document boundaries.
+    pub fn first_key_of_document(&self, q_start: usize) -> usize {
+        self.packing
+            .as_ref()
+            .map_or(0, |p| p.earliest_doc_start[q_start])
+    }
+
+    /// `[batch, c, t]` u8 for packed rows: 1 where query `q_start + i` and key `k_start + j` are in the
+    /// same document (keys after the query are masked by causality elsewhere).
+    pub fn same_document(
+        &self,
+        q_start: usize,
+        c: usize,
+        k_start: usize,
+        t: usize,
+    ) -> Result<Option<Tensor>> {
+        let Some(p) = &self.packing else {
+            return Ok(None);
+        };
+        let b = p.positions.len();
+        let first = p.doc_start.narrow(1, q_start, c)?.reshape((b, c, 1))?;
+        let keys = Tensor::arange(k_start as i64, (k_start + t) as i64, first.device())?
+            .reshape((1, 1, t))?;
+        Ok(Some(keys.broadcast_ge(&first)?))
+    }
+}
+
+impl Packing {
+    fn from_position_ids(position_ids: &Tensor) -> Result<Option<Self>> {
+        let (b, t) = position_ids.dims2()?;
+        let positions: Vec<Vec<u32>> = position_ids.to_dtype(DType::I64)?.to_vec2::<i64>()?
+            .into_iter()
+            .enumerate()
+            .map(|(row, ids)| {
+                let mut out = Vec::with_capacity(t);
+                for (i, &p) in ids.iter().enumerate() {
+                    let follows = i > 0 && p == i64::from(out[i - 1]) + 1;
+                    if !(p == 0 || follows) {
+                        return Err(ModelError::Input(format!(
+                            "position_ids row {row}, index {i}: {p}; positions must count up from 0 \
+                             inside each document"
+                        )));
+                    }
+                    out.push(p as u32);
+                }
+                Ok(out)
+            })
+            .collect::<Result<_>>()?;
+        if positions
+            .iter()
+            .all(|row| row.iter().enumerate().all(|(i, &p)| p as usize == i))
+        {
+            return Ok(None);
+        }
+        let starts: Vec<Vec<i64>> = positions
+            .iter()
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .map(|(i, &p)| (i - p as usize) as i64)
+                    .collect()
+            })
+            .collect();
+        let earliest_doc_start = (0..t)
+            .map(|i| starts.iter().map(|row| row[i] as usize).min().unwrap_or(0))
+            .collect();
+        let flat: Vec<i64> = starts.into_iter().flatten().collect();
+        let doc_start = Tensor::from_vec(flat, (b, t), position_ids.device())?;
+        Ok(Some(Self {
+            positions,
+            doc_start,
+            earliest_doc_start,
+        }))
+    }
+}
