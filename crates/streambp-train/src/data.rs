@@ -7,11 +7,76 @@ use std::path::Path;
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
 
-/// One tokenized training example: ids and HF-aligned labels (-100 where there is no loss).
+/// One tokenized training example: ids, HF-aligned labels (-100 where there is no loss), and each
+/// token's position in its document (`0..n` for one document; restarting at 0 in a packed example).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Example {
     pub input_ids: Vec<u32>,
     pub labels: Vec<i64>,
+    pub position_ids: Vec<u32>,
+}
+
+impl Example {
+    /// One document.
+    pub fn new(input_ids: Vec<u32>, labels: Vec<i64>) -> Self {
+        let position_ids = (0..input_ids.len() as u32).collect();
+        Self {
+            input_ids,
+            labels,
+            position_ids,
+        }
+    }
+
+    /// A prompt and its completion, with the loss on the completion only.
+    pub fn from_pair(prompt: Vec<u32>, completion: Vec<u32>) -> Self {
+        let (ids, labels) = masked_pair((prompt, completion));
+        Self::new(ids, labels)
+    }
+
+    /// Tokens with a loss (the first token is never predicted).
+    pub fn targets(&self) -> usize {
+        self.labels.iter().skip(1).filter(|&&l| l != -100).count()
+    }
+}
+
+/// Packs whole examples into rows of at most `max_length` tokens, best-fit decreasing (TRL's `bfd`):
+/// the longest first, each into the fullest row it still fits. Positions restart at each example and
+/// its first token is no target, so a packed row trains exactly as its examples would apart, with less
+/// padding. Deterministic: ties keep the input order.
+pub fn pack(examples: Vec<Example>, max_length: usize) -> Vec<Example> {
+    let mut order: Vec<usize> = (0..examples.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(examples[i].input_ids.len()));
+    let mut rows: Vec<Vec<usize>> = Vec::new();
+    // (room left, row) of every row, to find the fullest row that still fits in O(log rows).
+    let mut room: std::collections::BTreeSet<(usize, usize)> = Default::default();
+    for i in order {
+        let len = examples[i].input_ids.len();
+        match room.range((len, 0)..).next().copied() {
+            Some((left, row)) => {
+                room.remove(&(left, row));
+                room.insert((left - len, row));
+                rows[row].push(i);
+            }
+            None => {
+                room.insert((max_length.saturating_sub(len), rows.len()));
+                rows.push(vec![i]);
+            }
+        }
+    }
+    let mut examples: Vec<Option<Example>> = examples.into_iter().map(Some).collect();
+    rows.into_iter()
+        .map(|members| {
+            let mut row = Example::new(Vec::new(), Vec::new());
+            for i in members {
+                let e = examples[i].take().expect("each example is packed once");
+                row.input_ids.extend(&e.input_ids);
+                row.labels.push(-100);
+                row.labels.extend(&e.labels[1.min(e.labels.len())..]);
+                row.position_ids.extend(e.position_ids);
+            }
+            row
+        })
+        .collect()
 }
 
 /// What to do with examples longer than the limit.
@@ -178,7 +243,7 @@ pub fn load_sft(
             skipped += 1;
             continue;
         }
-        out.push(Example { input_ids, labels });
+        out.push(Example::new(input_ids, labels));
     }
     if final_turn_only > 0 {
         tracing::warn!(
@@ -211,7 +276,7 @@ pub fn load_sft(
 }
 
 /// Ids of a (prompt, completion) pair, with labels on the completion only.
-fn masked_pair((prompt, completion): (Vec<u32>, Vec<u32>)) -> (Vec<u32>, Vec<i64>) {
+pub fn masked_pair((prompt, completion): (Vec<u32>, Vec<u32>)) -> (Vec<u32>, Vec<i64>) {
     let mut labels: Vec<i64> = vec![-100; prompt.len()];
     labels.extend(completion.iter().map(|&t| t as i64));
     let mut ids = prompt;
@@ -268,6 +333,8 @@ pub struct Collated {
     pub input_ids: Vec<Vec<i64>>,
     pub labels: Vec<Vec<i64>>,
     pub attention_mask: Vec<Vec<i64>>,
+    /// Positions inside each document; padding continues the last document's count.
+    pub position_ids: Vec<Vec<i64>>,
 }
 
 /// Pads `examples` on the right to their longest length.
@@ -280,6 +347,7 @@ pub fn collate(examples: &[&Example], pad_id: u32) -> Collated {
     let mut ids = Vec::with_capacity(examples.len());
     let mut labels = Vec::with_capacity(examples.len());
     let mut mask = Vec::with_capacity(examples.len());
+    let mut positions = Vec::with_capacity(examples.len());
     for e in examples {
         let n = e.input_ids.len();
         let mut row: Vec<i64> = e.input_ids.iter().map(|&v| v as i64).collect();
@@ -291,10 +359,15 @@ pub fn collate(examples: &[&Example], pad_id: u32) -> Collated {
         let mut m = vec![1i64; n];
         m.resize(t, 0);
         mask.push(m);
+        let mut p: Vec<i64> = e.position_ids.iter().map(|&v| v as i64).collect();
+        let next = p.last().map_or(0, |l| l + 1);
+        p.extend((0..(t - n) as i64).map(|k| next + k));
+        positions.push(p);
     }
     Collated {
         input_ids: ids,
         labels,
         attention_mask: mask,
+        position_ids: positions,
     }
 }

@@ -39,11 +39,7 @@ pub fn load_pairs(path: &Path, tok: &TextTokenizer, max_length: usize) -> Result
         };
         let side = |reply: &str| -> Result<Example> {
             let (prompt, completion) = encode_pair(tok, field("prompt")?, field(reply)?, &where_)?;
-            let mut input_ids = prompt.clone();
-            input_ids.extend(&completion);
-            let mut labels = vec![-100i64; prompt.len()];
-            labels.extend(completion.iter().map(|&t| t as i64));
-            Ok(Example { input_ids, labels })
+            Ok(Example::from_pair(prompt, completion))
         };
         let (chosen, rejected) = (side("chosen")?, side("rejected")?);
         if chosen.input_ids.len() > max_length || rejected.input_ids.len() > max_length {
@@ -120,6 +116,11 @@ fn preference_accuracy(
 }
 
 pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
+    if cfg.packing {
+        return Err(TrainError::Usage(
+            "--packing applies to sft only (as in TRL)".into(),
+        ));
+    }
     let setup = Setup::new(cfg)?;
     let reference = match &cfg.ref_model {
         Some(spec) => streambp_models::load_model(

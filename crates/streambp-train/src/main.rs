@@ -104,6 +104,10 @@ struct TrainArgs {
     /// What to do with longer examples: truncate or skip (the log says how many).
     #[arg(long, default_value = "truncate")]
     overflow: Overflow,
+    /// sft: pack whole examples into rows of up to --max-length tokens, best-fit decreasing; each
+    /// example still sees only itself (positions restart, attention stays inside it), with less padding.
+    #[arg(long)]
+    packing: bool,
     /// stream (StreamBP), checkpoint or full.
     #[arg(long, default_value = "stream")]
     mode: Mode,
@@ -189,6 +193,7 @@ impl TrainArgs {
             seed: self.seed,
             max_length: pick(self.max_length, 2048, 16),
             overflow: self.overflow,
+            packing: self.packing,
             mode: self.mode,
             chunk: pick(self.chunk, 512, 8),
             logits_chunk: pick(self.logits_chunk, 128, 8),

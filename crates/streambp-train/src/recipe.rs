@@ -44,6 +44,8 @@ pub struct TrainConfig {
     pub seed: u64,
     pub max_length: usize,
     pub overflow: Overflow,
+    /// SFT: pack whole examples into rows of up to `max_length` tokens (documents kept apart).
+    pub packing: bool,
     pub mode: Mode,
     pub chunk: usize,
     pub logits_chunk: usize,

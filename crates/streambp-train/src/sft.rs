@@ -8,7 +8,7 @@ use streambp_models::Model;
 use streambp_objectives::Sft;
 
 use crate::batch_file::to_u32_tensor;
-use crate::data::{collate, load_sft, read_jsonl, Collated};
+use crate::data::{collate, load_sft, pack, read_jsonl, Collated};
 use crate::generate::greedy;
 use crate::recipe::{Setup, StepAccumulator, TrainConfig, Trainer};
 use crate::tokenizer::TextTokenizer;
@@ -79,7 +79,17 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
     let data = setup
         .data_path(&cfg.data, "train.jsonl")
         .expect("built-in data when none is given");
-    let examples = load_sft(&data, &setup.tokenizer, cfg.max_length, cfg.overflow)?;
+    let mut examples = load_sft(&data, &setup.tokenizer, cfg.max_length, cfg.overflow)?;
+    if cfg.packing {
+        let before = examples.len();
+        examples = pack(examples, cfg.max_length);
+        tracing::info!(
+            examples = before,
+            rows = examples.len(),
+            max_length = cfg.max_length,
+            "packed"
+        );
+    }
     let eval_path = cfg.eval_data.clone().or_else(|| {
         cfg.data
             .is_none()
@@ -102,17 +112,7 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
         trainer.begin_step();
         let picked = trainer.data.take(cfg.batch_size * cfg.grad_accum);
         // The loss is the mean over every target token of the step, across its micro-batches.
-        let targets: usize = picked
-            .iter()
-            .map(|&i| {
-                examples[i]
-                    .labels
-                    .iter()
-                    .skip(1)
-                    .filter(|&&l| l != -100)
-                    .count()
-            })
-            .sum();
+        let targets: usize = picked.iter().map(|&i| examples[i].targets()).sum();
         let mut acc = StepAccumulator::default();
         for micro in picked.chunks(cfg.batch_size) {
             let rows: Vec<_> = micro.iter().map(|&i| &examples[i]).collect();
@@ -120,6 +120,7 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
                 input_ids,
                 labels,
                 attention_mask,
+                position_ids,
             } = collate(&rows, setup.tokenizer.pad_id);
             let tokens = attention_mask.iter().flatten().filter(|&&m| m == 1).count();
             let sft = Sft::new(
@@ -130,10 +131,11 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
             )?;
             let ids = to_u32_tensor(&input_ids, &setup.device)?;
             let mask = to_u32_tensor(&attention_mask, &setup.device)?;
+            let positions = to_u32_tensor(&position_ids, &setup.device)?;
             let batch = Batch {
                 input_ids: &ids,
                 attention_mask: Some(&mask),
-                position_ids: None,
+                position_ids: Some(&positions),
             };
             // The objective already divides by the step's target tokens: weight 1.
             acc.add(cfg.backward(model, batch, &sft)?, tokens, 1.0)?;

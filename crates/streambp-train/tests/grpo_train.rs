@@ -81,6 +81,7 @@ fn short_grpo_run_raises_the_reward() {
         seed: 1,
         max_length: 16,
         overflow: Overflow::Truncate,
+        packing: false,
         mode: Mode::Stream,
         chunk: 4,
         logits_chunk: 4,

@@ -28,6 +28,7 @@ fn config(out: &Path) -> TrainConfig {
         seed: 3,
         max_length: 16,
         overflow: Overflow::Truncate,
+        packing: false,
         mode: Mode::Stream,
         chunk: 4,
         logits_chunk: 5,
@@ -294,4 +295,42 @@ fn dpo_learns_fixed_preferences_and_reports_bad_pairs() {
         err.contains("line 9") && err.contains("\"rejected\""),
         "{err}"
     );
+}
+
+/// Best-fit decreasing packing: every example once, rows within the limit, positions restarting and
+/// no target at a document's first token; the packed run learns.
+#[test]
+fn packing_fits_examples_into_rows_and_trains() {
+    use streambp_train::data::{pack, Example};
+    let example = |n: u32| Example::new((1..=n).collect(), (1..=n).map(i64::from).collect());
+    let examples: Vec<Example> = [5, 3, 4, 2, 6, 8].into_iter().map(example).collect();
+    let targets: usize = examples.iter().map(Example::targets).sum();
+    let rows = pack(examples, 8);
+    assert_eq!(rows.len(), 4, "8 | 6+2 | 5+3 | 4");
+    assert_eq!(rows.iter().map(Example::targets).sum::<usize>(), targets);
+    let mut lengths = Vec::new();
+    for row in &rows {
+        assert!(row.input_ids.len() <= 8);
+        for (i, &p) in row.position_ids.iter().enumerate() {
+            if p == 0 {
+                assert_eq!(row.labels[i], -100, "{row:?}");
+                let n = row.position_ids[i..]
+                    .iter()
+                    .enumerate()
+                    .take_while(|&(k, &q)| k as u32 == q)
+                    .count();
+                lengths.push(n);
+                assert_eq!(row.input_ids[i..i + n], (1..=n as u32).collect::<Vec<_>>());
+            }
+        }
+    }
+    lengths.sort();
+    assert_eq!(lengths, [2, 3, 4, 5, 6, 8]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.packing = true;
+    cfg.save_every = 0;
+    let summary = run_sft(&cfg).unwrap();
+    assert!(summary.last_loss < 0.8 * summary.first_loss, "{summary:?}");
 }
