@@ -29,8 +29,18 @@ impl Example {
 
     /// A prompt and its completion, with the loss on the completion only.
     pub fn from_pair(prompt: Vec<u32>, completion: Vec<u32>) -> Self {
-        let (ids, labels) = masked_pair((prompt, completion));
+        let mut labels: Vec<i64> = vec![-100; prompt.len()];
+        labels.extend(completion.iter().map(|&t| t as i64));
+        let mut ids = prompt;
+        ids.extend(completion);
         Self::new(ids, labels)
+    }
+
+    /// Keeps the first `n` tokens.
+    pub fn truncate(&mut self, n: usize) {
+        self.input_ids.truncate(n);
+        self.labels.truncate(n);
+        self.position_ids.truncate(n);
     }
 
     /// Tokens with a loss (the first token is never predicted).
@@ -187,8 +197,8 @@ pub fn encode_pair(
 }
 
 /// Tokenized SFT examples from a JSONL file in TRL's formats: `messages` (a conversation; the loss is on
-/// its assistant turns, like TRL's `assistant_only_loss`), `prompt` + `completion` (strings or messages; loss on the completion), or
-/// `text` (loss on every token). Plain completions end with EOS.
+/// its assistant turns, like TRL's `assistant_only_loss`), `prompt` + `completion` (strings or messages;
+/// loss on the completion), or `text` (loss on every token). Plain completions end with EOS.
 pub fn load_sft(
     path: &Path,
     tokenizer: &TextTokenizer,
@@ -202,7 +212,7 @@ pub fn load_sft(
         let line = i + 1;
         let where_ = format!("{} line {line}", path.display());
         let field = |k: &str| text_field(row, k, path, line);
-        let (mut input_ids, mut labels) = match (
+        let mut example = match (
             field("messages")?,
             field("prompt")?,
             field("completion")?,
@@ -213,20 +223,22 @@ pub fn load_sft(
                 final_turn_only += usize::from(!whole);
                 example
             }
-            (None, Some(p), Some(c), None) => masked_pair(encode_pair(tokenizer, p, c, &where_)?),
-            (None, None, None, Some(Text::Plain(t))) => masked_pair(encode_pair(
-                tokenizer,
-                Text::Plain(String::new()),
-                Text::Plain(t),
-                &where_,
-            )?),
+            (None, Some(p), Some(c), None) => {
+                let (p, c) = encode_pair(tokenizer, p, c, &where_)?;
+                Example::from_pair(p, c)
+            }
+            (None, None, None, Some(Text::Plain(t))) => {
+                let plain = Text::Plain(String::new());
+                let (p, c) = encode_pair(tokenizer, plain, Text::Plain(t), &where_)?;
+                Example::from_pair(p, c)
+            }
             _ => {
                 return Err(TrainError::Usage(format!(
                     "{where_}: expected \"messages\", \"prompt\" and \"completion\", or \"text\""
                 )))
             }
         };
-        if input_ids.len() > max_length {
+        if example.input_ids.len() > max_length {
             match overflow {
                 Overflow::Skip => {
                     skipped += 1;
@@ -234,16 +246,15 @@ pub fn load_sft(
                 }
                 Overflow::Truncate => {
                     truncated += 1;
-                    input_ids.truncate(max_length);
-                    labels.truncate(max_length);
+                    example.truncate(max_length);
                 }
             }
         }
-        if labels.iter().skip(1).all(|&l| l == -100) {
+        if example.targets() == 0 {
             skipped += 1;
             continue;
         }
-        out.push(Example::new(input_ids, labels));
+        out.push(example);
     }
     if final_turn_only > 0 {
         tracing::warn!(
@@ -275,15 +286,6 @@ pub fn load_sft(
     Ok(out)
 }
 
-/// Ids of a (prompt, completion) pair, with labels on the completion only.
-pub fn masked_pair((prompt, completion): (Vec<u32>, Vec<u32>)) -> (Vec<u32>, Vec<i64>) {
-    let mut labels: Vec<i64> = vec![-100; prompt.len()];
-    labels.extend(completion.iter().map(|&t| t as i64));
-    let mut ids = prompt;
-    ids.extend(completion);
-    (ids, labels)
-}
-
 /// Ids and labels of a conversation with the loss on every assistant turn, and whether every turn
 /// could be told apart (else only the final assistant turn is trained, see
 /// [`crate::chat::ChatTemplate::assistant_segments`]).
@@ -291,7 +293,7 @@ fn encode_conversation(
     tok: &TextTokenizer,
     messages: &[serde_json::Value],
     where_: &str,
-) -> Result<((Vec<u32>, Vec<i64>), bool)> {
+) -> Result<(Example, bool)> {
     let role = |m: &serde_json::Value| m.get("role").and_then(|r| r.as_str()).map(String::from);
     if !messages
         .iter()
@@ -310,7 +312,7 @@ fn encode_conversation(
             labels.extend(piece.iter().map(|&t| if trained { t as i64 } else { -100 }));
             ids.extend(piece);
         }
-        return Ok(((ids, labels), true));
+        return Ok((Example::new(ids, labels), true));
     }
     let n = messages.len();
     if role(&messages[n - 1]).as_deref() != Some("assistant") {
@@ -325,7 +327,7 @@ fn encode_conversation(
         Text::Messages(messages[n - 1..].to_vec()),
         where_,
     )?;
-    Ok((masked_pair(pair), false))
+    Ok((Example::from_pair(pair.0, pair.1), false))
 }
 
 /// A right-padded micro-batch.
