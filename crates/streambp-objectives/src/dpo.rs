@@ -1,5 +1,7 @@
 //! DPO with TRL's sigmoid loss: a sequence's policy log-prob is the sum over its target tokens, and
-//! `loss = mean over pairs of −log σ(β((π_c − ρ_c) − (π_r − ρ_r)))`.
+//! `loss = mean over pairs of −log σ(β((π_c − ρ_c) − (π_r − ρ_r)))`, optionally plus `w ×` the mean
+//! token NLL of the chosen completions (TRL's `loss_type=["sigmoid", "sft"]`, `loss_weights=[1, w]`: RPO),
+//! which keeps the chosen answers likely while the margin grows.
 //!
 //! Rows are laid out `[chosen_0 .. chosen_{P−1}, rejected_0 .. rejected_{P−1}]`, right-padded to one
 //! length. The loss is not a sum over positions, so the engine gives it all of `logp` at once (after a
@@ -18,6 +20,8 @@ pub struct Dpo {
     /// `[2P]`: ρ_c then ρ_r.
     reference: Tensor,
     beta: f64,
+    /// Weight of the chosen completions' mean token NLL (0: plain DPO).
+    sft_weight: f64,
 }
 
 impl Dpo {
@@ -68,7 +72,30 @@ impl Dpo {
             pairs,
             reference: Tensor::from_vec(reference, 2 * pairs, device)?,
             beta,
+            sft_weight: 0.0,
         })
+    }
+
+    /// Adds `weight ×` the chosen completions' mean token NLL to the loss.
+    pub fn with_sft_weight(mut self, weight: f64) -> Result<Self> {
+        if !weight.is_finite() || weight < 0.0 {
+            return Err(ObjectiveError::Batch(format!(
+                "the SFT weight must be a non-negative number, got {weight}"
+            )));
+        }
+        self.sft_weight = weight;
+        Ok(self)
+    }
+
+    /// Mean token NLL of the chosen rows.
+    fn chosen_nll(&self, logp: &Tensor) -> Result<Tensor> {
+        let mask = self.targets.mask.narrow(0, 0, self.pairs)?;
+        let tokens = mask
+            .sum_all()?
+            .to_dtype(candle_core::DType::F64)?
+            .to_scalar::<f64>()?;
+        let sum = (logp.narrow(0, 0, self.pairs)? * mask.to_dtype(logp.dtype())?)?.sum_all()?;
+        Ok((sum.neg()? / tokens)?)
     }
 
     /// Summed target log-probs per row (`[2P]`).
@@ -106,7 +133,11 @@ impl Objective for Dpo {
         let rewards = self.rewards(logp)?;
         let p = self.pairs;
         let margin = (rewards.narrow(0, 0, p)? - rewards.narrow(0, p, p)?)?;
-        Ok(softplus(&margin.neg()?)?.mean_all()?)
+        let dpo = softplus(&margin.neg()?)?.mean_all()?;
+        if self.sft_weight == 0.0 {
+            return Ok(dpo);
+        }
+        Ok((dpo + (self.chosen_nll(logp)? * self.sft_weight)?)?)
     }
 
     fn metrics(&self, logp: &Tensor) -> Result<Vec<(String, f64)>> {
@@ -119,12 +150,17 @@ impl Objective for Dpo {
         let mean = |v: &[f64]| v.iter().sum::<f64>() / p;
         let margins: Vec<f64> = chosen.iter().zip(rejected).map(|(c, r)| c - r).collect();
         let accuracy = margins.iter().filter(|m| **m > 0.0).count() as f64 / p;
-        Ok(vec![
+        let mut metrics = vec![
             ("rewards/chosen".into(), mean(chosen)),
             ("rewards/rejected".into(), mean(rejected)),
             ("rewards/margins".into(), mean(&margins)),
             ("rewards/accuracies".into(), accuracy),
-        ])
+        ];
+        if self.sft_weight > 0.0 {
+            let nll = self.chosen_nll(logp)?.to_dtype(candle_core::DType::F64)?;
+            metrics.push(("nll_loss".into(), nll.to_scalar::<f64>()?));
+        }
+        Ok(metrics)
     }
 }
 

@@ -56,6 +56,9 @@ struct DpoFile {
     ref_rejected_logps: Option<Vec<f64>>,
     #[serde(default = "default_dpo_beta")]
     beta: f64,
+    /// Weight of the chosen completions' mean token NLL added to the loss (TRL's "sft" loss type).
+    #[serde(default)]
+    sft_weight: f64,
 }
 
 fn default_dpo_beta() -> f64 {
@@ -224,7 +227,8 @@ fn prepare_dpo(
         file.beta,
         vocab_size,
         device,
-    )?;
+    )?
+    .with_sft_weight(file.sft_weight)?;
     Ok(PreparedBatch {
         input_ids,
         attention_mask: Some(attention_mask),

@@ -192,7 +192,8 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
                 cfg.beta,
                 model.config.vocab_size,
                 &setup.device,
-            )?;
+            )?
+            .with_sft_weight(cfg.sft_weight)?;
             let batch = Batch {
                 input_ids: &ids,
                 attention_mask: Some(&mask),

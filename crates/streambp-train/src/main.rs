@@ -11,7 +11,7 @@ use streambp_train::dpo::run_dpo;
 use streambp_train::grad::{run_grad, GradArgs};
 use streambp_train::grpo::{run_grpo, GrpoConfig};
 use streambp_train::optim::Schedule;
-use streambp_train::recipe::TrainConfig;
+use streambp_train::recipe::{BuiltinModel, TrainConfig};
 use streambp_train::sampling::SamplingConfig;
 use streambp_train::sft::{run_sft, Summary};
 
@@ -140,6 +140,10 @@ struct TrainArgs {
     /// DPO β [default: 0.1]; GRPO's KL weight β [default: 0, as in TRL].
     #[arg(long)]
     beta: Option<f64>,
+    /// DPO: add this weight times the chosen completions' mean token NLL to the loss (TRL's
+    /// loss_type=["sigmoid", "sft"] with loss_weights=[1, W]; RPO) [default: 0, plain DPO].
+    #[arg(long)]
+    sft_weight: Option<f64>,
     /// DPO reference model [default: a frozen copy of the initial policy].
     #[arg(long)]
     ref_model: Option<String>,
@@ -181,6 +185,7 @@ impl TrainArgs {
             given.unwrap_or(if builtin { builtin_default } else { default })
         };
         TrainConfig {
+            builtin_model: BuiltinModel::Random,
             max_steps: self.max_steps.or(builtin.then_some(300)),
             epochs: self.epochs,
             batch_size: pick(self.batch_size, 8, 128),
@@ -204,6 +209,7 @@ impl TrainArgs {
             save_every: self.save_every,
             resume: self.resume,
             beta: self.beta.unwrap_or(0.1),
+            sft_weight: self.sft_weight.unwrap_or(0.0),
             ref_model: self.ref_model,
             progress: !self.no_progress,
             model: self.model,
@@ -223,8 +229,14 @@ fn report(recipe: &str, summary: &Summary) {
     for (name, before) in &summary.before {
         if let Some((_, after)) = summary.after.iter().find(|(n, _)| n == name) {
             if name.contains("accuracy") {
+                // Before training the DPO policy is its own reference: every pair ties.
+                let ties = if name == "preference_accuracy" && *before == 0.0 {
+                    " (ties: the policy starts as its own reference)"
+                } else {
+                    ""
+                };
                 println!(
-                    "held-out {name}: {:.1}% -> {:.1}%",
+                    "held-out {name}: {:.1}%{ties} -> {:.1}%",
                     100.0 * before,
                     100.0 * after
                 );
@@ -264,7 +276,19 @@ fn run() -> anyhow::Result<()> {
             if args.output_dir == std::path::Path::new("runs/sft") {
                 args.output_dir = "runs/dpo".into();
             }
-            report("dpo", &run_dpo(&args.into_config()).context("dpo failed")?);
+            // The built-in task: refine the shipped SFT checkpoint (71% held-out accuracy) with
+            // TRL's sigmoid + SFT loss, which keeps the correct answers likely.
+            let builtin = args.model.is_none() && args.data.is_none();
+            if builtin {
+                args.batch_size = args.batch_size.or(Some(32));
+                args.lr = args.lr.or(Some(2e-4));
+                args.sft_weight = args.sft_weight.or(Some(1.0));
+            }
+            let mut cfg = args.into_config();
+            if builtin {
+                cfg.builtin_model = BuiltinModel::Sft;
+            }
+            report("dpo", &run_dpo(&cfg).context("dpo failed")?);
         }
         Command::Grpo { mut train, grpo } => {
             let builtin = train.model.is_none() && train.data.is_none();

@@ -23,8 +23,10 @@ use crate::{Result, TrainError};
 /// Everything a run is configured by (the CLI flags mirror these).
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
-    /// Model directory or hub id; `None`: the built-in tiny model, randomly initialised.
+    /// Model directory or hub id; `None`: the built-in tiny model (see `builtin_model`).
     pub model: Option<String>,
+    /// What the built-in model starts from when `model` is `None`.
+    pub builtin_model: BuiltinModel,
     /// Training JSONL; `None`: the built-in arithmetic task.
     pub data: Option<PathBuf>,
     /// JSONL scored before and after (prompt/completion: exact-match accuracy of greedy answers).
@@ -61,6 +63,8 @@ pub struct TrainConfig {
     pub resume: Option<PathBuf>,
     /// DPO: β, and the reference model (default: a frozen copy of the initial policy).
     pub beta: f64,
+    /// DPO: weight of the chosen completions' mean token NLL added to the loss (0: plain DPO).
+    pub sft_weight: f64,
     pub ref_model: Option<String>,
     pub progress: bool,
 }
@@ -134,15 +138,36 @@ mod builtin {
             include_str!("../../../assets/arithmetic/dpo_test.jsonl"),
         ),
     ];
+
+    /// Where [`super::materialize_builtin`] puts the shipped SFT checkpoint.
+    pub const SFT_MODEL_DIR: &str = "sft-model";
+
+    /// `streambp-train sft --seed 2` (300 steps, 71% held-out accuracy), as shipped.
+    pub const SFT_WEIGHTS: &[u8] =
+        include_bytes!("../../../assets/arithmetic/sft-model.safetensors");
 }
 
-/// Writes the built-in task's files into `dir` and returns it.
+/// Writes the built-in task's files into `dir` (the shipped SFT checkpoint into `dir/sft-model`) and
+/// returns it.
 pub fn materialize_builtin(dir: &Path) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir)?;
+    std::fs::create_dir_all(dir.join(builtin::SFT_MODEL_DIR))?;
     for (name, text) in builtin::FILES {
         std::fs::write(dir.join(name), text)?;
     }
+    let sft = dir.join(builtin::SFT_MODEL_DIR);
+    std::fs::write(sft.join("config.json"), builtin::FILES[0].1)?;
+    std::fs::write(sft.join("model.safetensors"), builtin::SFT_WEIGHTS)?;
     Ok(dir.to_path_buf())
+}
+
+/// The model a run starts from when no `--model` is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BuiltinModel {
+    /// The built-in config, randomly initialised (`sft`).
+    Random,
+    /// The shipped SFT checkpoint of the arithmetic task (`dpo`: preference tuning refines a model
+    /// that already answers).
+    Sft,
 }
 
 /// The model, tokenizer and data paths of a run.
@@ -174,11 +199,16 @@ impl Setup {
                 (load_model(&dir, dtype, &device)?, dir)
             }
             (None, None, Some(dir)) => {
-                let config = ModelConfig::from_file(&dir.join("config.json"))?;
-                (
-                    Model::random(config, dtype, &device, cfg.seed)?,
-                    dir.clone(),
-                )
+                let model = match cfg.builtin_model {
+                    BuiltinModel::Random => {
+                        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+                        Model::random(config, dtype, &device, cfg.seed)?
+                    }
+                    BuiltinModel::Sft => {
+                        load_model(&dir.join(builtin::SFT_MODEL_DIR), dtype, &device)?
+                    }
+                };
+                (model, dir.clone())
             }
             (None, None, None) => {
                 unreachable!("the built-in task is written when no model is given")

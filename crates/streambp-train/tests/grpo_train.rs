@@ -12,7 +12,7 @@ use streambp_models::load_model;
 use streambp_train::data::Overflow;
 use streambp_train::grpo::{run_grpo, GrpoConfig};
 use streambp_train::optim::Schedule;
-use streambp_train::recipe::TrainConfig;
+use streambp_train::recipe::{BuiltinModel, TrainConfig};
 use streambp_train::rewards::{group_advantages, parse_reward};
 use streambp_train::sampling::{sample_group, SamplingConfig};
 
@@ -65,6 +65,7 @@ fn rewards_and_advantages_follow_trl() {
 fn short_grpo_run_raises_the_reward() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = TrainConfig {
+        builtin_model: BuiltinModel::Random,
         model: None,
         data: None,
         eval_data: None,
@@ -92,6 +93,7 @@ fn short_grpo_run_raises_the_reward() {
         save_every: 0,
         resume: None,
         beta: 0.0,
+        sft_weight: 0.0,
         ref_model: None,
         progress: false,
     };
