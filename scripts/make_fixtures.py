@@ -184,6 +184,9 @@ def pad_rows(rows, t, fill):
     return torch.stack([torch.cat([r, torch.full((t - len(r),), fill, dtype=r.dtype)]) for r in rows])
 
 
+SFT_WEIGHT = 0.5
+
+
 def dpo_case(model, vocab, gen):
     """Two pairs with unequal chosen/rejected lengths and a shared prompt that is not trained on."""
     prompt = torch.randint(0, vocab, (3,), generator=gen)
@@ -223,6 +226,20 @@ def dpo_case(model, vocab, gen):
         "dpo.accuracy": (chosen_rewards > rejected_rewards).to(F64).mean().reshape(1),
     }
     tensors.update({f"dpo.grad.{n}": p.grad.detach().clone() for n, p in model.named_parameters()})
+
+    # TRL's loss_type=["sigmoid", "sft"] with loss_weights=[1, SFT_WEIGHT]: plus the mean token NLL of the
+    # chosen completions (`-chosen_per_token_logps[chosen_mask].mean()`).
+    model.zero_grad()
+    ids, mask, labels = out["chosen_input_ids"], out["chosen_attention_mask"], out["chosen_labels"]
+    chosen_tok = token_logps(model(input_ids=ids, attention_mask=mask).logits, ids)
+    nll = -chosen_tok[labels[:, 1:] != -100].mean()
+    pc, pr = seq_logps("chosen"), seq_logps("rejected")
+    sigmoid = -torch.nn.functional.logsigmoid(beta * ((pc - ref_chosen) - (pr - ref_rejected))).mean()
+    loss = sigmoid + SFT_WEIGHT * nll
+    loss.backward()
+    tensors["dpo_sft.loss"] = loss.detach().reshape(1)
+    tensors["dpo_sft.nll"] = nll.detach().reshape(1)
+    tensors.update({f"dpo_sft.grad.{n}": p.grad.detach().clone() for n, p in model.named_parameters()})
     return batch, tensors
 
 

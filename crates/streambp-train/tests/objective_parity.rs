@@ -144,6 +144,21 @@ fn dpo_matches_full_backward_and_reference() {
     }
 }
 
+/// TRL's sigmoid + "sft" loss types (RPO): the chosen completions' mean token NLL added with weight 0.5.
+#[test]
+fn dpo_with_sft_term_matches_full_backward_and_reference() {
+    for family in FAMILIES {
+        let r = reference(family);
+        let with_weight = |json: &mut serde_json::Value| json["sft_weight"] = 0.5.into();
+        let out = check(family, "dpo-batch.json", &with_weight, "dpo_sft");
+        let (ours, theirs) = (metric(&out, "nll_loss"), scalar(&r, "dpo_sft.nll"));
+        assert!(
+            (ours - theirs).abs() < 1e-10 * theirs.abs(),
+            "{family}: nll {ours} vs {theirs}"
+        );
+    }
+}
+
 #[test]
 fn grpo_matches_full_backward_and_reference_for_each_loss_type() {
     for family in FAMILIES {
