@@ -1,6 +1,6 @@
 //! `streambp-bench`: one backward per (mode, T) on a random model built from a config, reporting peak
-//! host bytes per phase (exact, counting allocator) and seconds, with every mode measured side by side
-//! in one process.
+//! bytes per phase (host: exact, counting allocator; CUDA: the device memory pool's high-water marks)
+//! and seconds, with every mode measured side by side in one process.
 //!
 //! `cargo run --release -p streambp-bench -- --config benches/configs/qwen3-small.json --seq-lens 1024,2048`
 
@@ -8,10 +8,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use clap::Parser;
-use streambp_core::memory::{current_bytes, CountingAllocator};
+use streambp_core::memory::{CountingAllocator, Meter};
 use streambp_core::{backward_with, estimate, Batch, Chunks, Mode, Options, Problem};
+use streambp_models::device::{parse_budget, parse_device, parse_dtype};
 use streambp_models::{Model, ModelConfig};
 use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
 
@@ -46,6 +47,10 @@ struct Args {
     logits_chunk: usize,
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// cpu, cuda or cuda:N (a build with --features cuda). On CUDA, peaks are the device memory pool's
+    /// own high-water marks and every phase ends with a device synchronize.
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Timed repetitions per point (the fastest is reported).
     #[arg(long, default_value_t = 1)]
     repeats: usize,
@@ -92,6 +97,7 @@ fn workload(
     vocab: usize,
     t: usize,
     group: usize,
+    dev: &Device,
 ) -> anyhow::Result<(Tensor, Box<dyn Objective>)> {
     if !matches!(objective, "sft" | "dpo" | "grpo") {
         bail!("unknown objective {objective} (sft, dpo or grpo)");
@@ -104,10 +110,9 @@ fn workload(
                 .collect()
         })
         .collect();
-    let dev = Device::Cpu;
     let objective: Box<dyn Objective> = match objective {
-        "sft" => Box::new(Sft::new(&ids, vocab, None, &dev)?),
-        "dpo" => Box::new(Dpo::new(&ids, &[-1000.0], &[-1000.0], 0.1, vocab, &dev)?),
+        "sft" => Box::new(Sft::new(&ids, vocab, None, dev)?),
+        "dpo" => Box::new(Dpo::new(&ids, &[-1000.0], &[-1000.0], 0.1, vocab, dev)?),
         _ => {
             let completion: Vec<Vec<i64>> = (0..rows)
                 .map(|_| (0..t).map(|i| (i >= t / 2) as i64).collect())
@@ -130,12 +135,12 @@ fn workload(
                     max_completion_length: None,
                 },
                 vocab,
-                &dev,
+                dev,
             )?)
         }
     };
     let flat: Vec<u32> = ids.iter().flatten().map(|&v| v as u32).collect();
-    Ok((Tensor::from_vec(flat, (rows, t), &dev)?, objective))
+    Ok((Tensor::from_vec(flat, (rows, t), dev)?, objective))
 }
 
 fn run(
@@ -150,7 +155,9 @@ fn run(
     let t = ids.dim(1)?;
     let mut best: Option<Point> = None;
     for _ in 0..repeats.max(1) {
-        let before = current_bytes().unwrap_or(0);
+        let before = Meter::for_device(model.device())
+            .current_bytes()
+            .unwrap_or(0);
         let start = Instant::now();
         let out = backward_with(
             model,
@@ -199,23 +206,6 @@ fn options(args: &Args) -> Options {
     }
 }
 
-fn parse_budget(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let v: f64 = num.parse().map_err(|_| format!("bad size {s:?}"))?;
-    let scale = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "kib" => 1024.0,
-        "mib" => 1024.0 * 1024.0,
-        "gib" => 1024.0 * 1024.0 * 1024.0,
-        other => return Err(format!("unknown unit {other:?} (use B, KiB, MiB or GiB)")),
-    };
-    Ok((v * scale) as u64)
-}
-
 /// The longest T (multiple of `step`) whose whole peak (weights included) fits `budget`, and the
 /// peak there, plus the first T tried that did not fit.
 fn max_t(
@@ -232,7 +222,7 @@ fn max_t(
         };
         let p = run(
             model,
-            &workload(&args.objective, vocab, t, args.group)?,
+            &workload(&args.objective, vocab, t, args.group, model.device())?,
             mode,
             chunks,
             1,
@@ -285,21 +275,18 @@ fn mib(b: usize) -> f64 {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let dtype = match args.dtype.as_str() {
-        "f32" => DType::F32,
-        "f64" => DType::F64,
-        "bf16" => DType::BF16,
-        other => bail!("unknown dtype {other}"),
-    };
+    let dtype = parse_dtype(&args.dtype)?;
+    let device = parse_device(&args.device)?;
     let cfg = ModelConfig::from_file(&args.config)?;
-    let model = Model::random(cfg, dtype, &Device::Cpu, 0)?;
+    let model = Model::random(cfg, dtype, &device, 0)?;
     let params: usize = model.parameters().iter().map(|(_, v)| v.elem_count()).sum();
     println!(
-        "objective {}, model {} ({:.1}M parameters, {} layers), dtype {dtype:?}, logits chunk {}",
+        "objective {}, model {} ({:.1}M parameters, {} layers), dtype {dtype:?}, device {}, logits chunk {}",
         args.objective,
         args.config.display(),
         params as f64 / 1e6,
         model.layers.len(),
+        args.device,
         args.logits_chunk
     );
     // Warm-up: first-touch costs (thread pools, page faults) out of the timings.
@@ -310,7 +297,7 @@ fn main() -> anyhow::Result<()> {
     let vocab = model.config.vocab_size;
     run(
         &model,
-        &workload("sft", vocab, 128, 1)?,
+        &workload("sft", vocab, 128, 1, model.device())?,
         Mode::Stream,
         warm,
         1,
@@ -338,7 +325,7 @@ fn main() -> anyhow::Result<()> {
             chunk: args.chunk.unwrap_or(t.div_ceil(3)),
             logits_chunk: args.logits_chunk,
         };
-        let work = workload(&args.objective, vocab, t, args.group)?;
+        let work = workload(&args.objective, vocab, t, args.group, model.device())?;
         for &mode in &args.modes {
             let p = run(&model, &work, mode, chunks, args.repeats, options(&args))?;
             eprintln!(

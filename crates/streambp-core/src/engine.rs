@@ -159,7 +159,7 @@ pub fn backward_with(
     }
     let layout = batch.layout()?;
     let mut sink = GradSink::new(model);
-    let mut peaks = PhaseLog::start();
+    let mut peaks = PhaseLog::start_on(model.device());
 
     let (loss, logp) = match mode {
         Mode::Full => {

@@ -1,8 +1,9 @@
-//! Exact host-memory accounting: a global allocator that counts live bytes and their peak.
-//!
+//! Exact memory accounting. On the host: a global allocator that counts live bytes and their peak.
 //! Binaries and benches install it with
-//! `#[global_allocator] static ALLOC: streambp_core::memory::CountingAllocator = CountingAllocator;`.
-//! Without it every figure reads as `None`. On CUDA the device memory is not seen here.
+//! `#[global_allocator] static ALLOC: streambp_core::memory::CountingAllocator = CountingAllocator;`;
+//! without it every host figure reads as `None`. On CUDA (feature `cuda`): the device's own counters of
+//! its memory pool, from which candle allocates (stream-ordered `cuMemAllocAsync`). A [`Meter`] reads
+//! whichever the model's device uses.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -77,6 +78,134 @@ pub fn reset_peak() {
     PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
 }
 
+/// Where live and peak bytes are read for a device.
+#[derive(Debug, Clone)]
+pub enum Meter {
+    /// The counting allocator (the CPU backend's tensors live on the heap).
+    Host,
+    /// The CUDA device's memory pool counters.
+    #[cfg(feature = "cuda")]
+    Cuda(cuda_pool::PoolMeter),
+}
+
+impl Meter {
+    /// The meter of `device`'s memory (the host's when the pool cannot be read).
+    pub fn for_device(device: &candle_core::Device) -> Self {
+        match device {
+            #[cfg(feature = "cuda")]
+            candle_core::Device::Cuda(d) => match cuda_pool::PoolMeter::new(d) {
+                Some(m) => Self::Cuda(m),
+                None => {
+                    tracing::warn!("cannot read the CUDA memory pool; reporting host memory");
+                    Self::Host
+                }
+            },
+            _ => Self::Host,
+        }
+    }
+
+    /// Live bytes now.
+    pub fn current_bytes(&self) -> Option<usize> {
+        match self {
+            Self::Host => current_bytes(),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(m) => m.current(),
+        }
+    }
+
+    /// The most live bytes since the last [`Meter::reset_peak`].
+    pub fn peak_bytes(&self) -> Option<usize> {
+        match self {
+            Self::Host => peak_bytes(),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(m) => m.peak(),
+        }
+    }
+
+    /// Starts a new peak measurement from the current level.
+    pub fn reset_peak(&self) {
+        match self {
+            Self::Host => reset_peak(),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(m) => m.reset_peak(),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda_pool {
+    use std::ffi::c_void;
+    use std::sync::Arc;
+
+    use cudarc::driver::result::{device, mem_pool};
+    use cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool};
+    use cudarc::driver::CudaContext;
+
+    /// The `USED_MEM_CURRENT` / `USED_MEM_HIGH` counters of a device's current memory pool.
+    #[derive(Clone)]
+    pub struct PoolMeter {
+        context: Arc<CudaContext>,
+        pool: CUmemoryPool,
+    }
+
+    // SAFETY: the pool handle is a driver object valid for the context's lifetime, which the meter
+    // holds; the driver API is thread-safe once the context is bound.
+    unsafe impl Send for PoolMeter {}
+    unsafe impl Sync for PoolMeter {}
+
+    impl std::fmt::Debug for PoolMeter {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "PoolMeter(device {})", self.context.ordinal())
+        }
+    }
+
+    impl PoolMeter {
+        pub fn new(device: &candle_core::CudaDevice) -> Option<Self> {
+            let context = device.cuda_stream().context().clone();
+            context.bind_to_thread().ok()?;
+            // SAFETY: the device comes from a live context.
+            let pool = unsafe { device::get_mem_pool(context.cu_device()) }.ok()?;
+            Some(Self { context, pool })
+        }
+
+        fn read(&self, attribute: CUmemPool_attribute) -> Option<usize> {
+            self.context.bind_to_thread().ok()?;
+            let mut value: u64 = 0;
+            // SAFETY: both attributes are u64 counters of a valid pool.
+            unsafe {
+                mem_pool::get_attribute(self.pool, attribute, &mut value as *mut u64 as *mut c_void)
+            }
+            .ok()?;
+            Some(value as usize)
+        }
+
+        pub fn current(&self) -> Option<usize> {
+            self.read(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+        }
+
+        pub fn peak(&self) -> Option<usize> {
+            let high = self.read(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?;
+            Some(high.max(self.current()?))
+        }
+
+        pub fn reset_peak(&self) {
+            if self.context.bind_to_thread().is_err() {
+                return;
+            }
+            // The high watermark can only be reset to zero; it then follows the next allocations.
+            let mut zero: u64 = 0;
+            // SAFETY: a u64 counter of a valid pool.
+            let _ = unsafe {
+                mem_pool::set_attribute(
+                    self.pool,
+                    CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    &mut zero as *mut u64 as *mut c_void,
+                )
+            };
+        }
+    }
+}
+
 /// What one phase of a backward cost.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Phase {
@@ -91,6 +220,9 @@ pub struct Phase {
 pub struct PhaseLog {
     pub phases: Vec<Phase>,
     started: std::time::Instant,
+    meter: Meter,
+    /// Synchronised at each phase end so that an accelerator's queued work is timed in its phase.
+    device: candle_core::Device,
 }
 
 impl Default for PhaseLog {
@@ -100,25 +232,36 @@ impl Default for PhaseLog {
 }
 
 impl PhaseLog {
-    /// Starts measuring the first phase.
+    /// Starts measuring the first phase, on the host.
     pub fn start() -> Self {
-        reset_peak();
+        Self::start_on(&candle_core::Device::Cpu)
+    }
+
+    /// Starts measuring the first phase of work on `device`.
+    pub fn start_on(device: &candle_core::Device) -> Self {
+        let meter = Meter::for_device(device);
+        meter.reset_peak();
         Self {
             phases: Vec::new(),
             started: std::time::Instant::now(),
+            meter,
+            device: device.clone(),
         }
     }
 
     /// Ends a phase: records its peak and time, and starts the next phase's measurement.
     pub fn record(&mut self, name: &'static str) {
+        if let Err(e) = self.device.synchronize() {
+            tracing::warn!("device synchronize failed: {e}");
+        }
         let now = std::time::Instant::now();
         self.phases.push(Phase {
             name,
-            peak_bytes: peak_bytes(),
+            peak_bytes: self.meter.peak_bytes(),
             seconds: (now - self.started).as_secs_f64(),
         });
         self.started = now;
-        reset_peak();
+        self.meter.reset_peak();
     }
 
     /// The highest peak over all phases.

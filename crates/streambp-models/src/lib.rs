@@ -6,6 +6,7 @@
 //! code runs the plain full backward, gradient checkpointing and the streamed backward.
 
 pub mod config;
+pub mod device;
 pub mod error;
 pub mod hub;
 pub mod init;

@@ -1,0 +1,75 @@
+//! `--device`, `--dtype` and byte-size parsing, shared by the trainer's and the bench's command lines.
+
+use candle_core::{DType, Device};
+
+use crate::error::{ModelError, Result};
+
+/// `cpu`, `cuda` or `cuda:N` (the latter only in a build with `--features cuda`).
+pub fn parse_device(spec: &str) -> Result<Device> {
+    match spec {
+        "cpu" => Ok(Device::Cpu),
+        s if s == "cuda" || s.starts_with("cuda:") => {
+            let ordinal = s
+                .strip_prefix("cuda:")
+                .map(|n| {
+                    n.parse::<usize>()
+                        .map_err(|_| ModelError::Input(format!("bad device ordinal in {s:?}")))
+                })
+                .transpose()?
+                .unwrap_or(0);
+            if !candle_core::utils::cuda_is_available() {
+                return Err(ModelError::Input(
+                    "--device cuda needs a build with `--features cuda` and a GPU".into(),
+                ));
+            }
+            Ok(Device::new_cuda(ordinal)?)
+        }
+        other => Err(ModelError::Input(format!(
+            "unknown device {other:?} (expected cpu, cuda or cuda:N)"
+        ))),
+    }
+}
+
+/// `f64`, `f32` or `bf16`.
+pub fn parse_dtype(spec: &str) -> Result<DType> {
+    match spec {
+        "f64" => Ok(DType::F64),
+        "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        other => Err(ModelError::Input(format!(
+            "unknown dtype {other:?} (expected f64, f32 or bf16)"
+        ))),
+    }
+}
+
+/// Byte sizes such as `512MiB`, `8GiB`, `1.5GB` or a plain number of bytes.
+pub fn parse_bytes(spec: &str) -> Result<u64> {
+    let s = spec.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| ModelError::Input(format!("bad size {spec:?}")))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "kib" | "k" => 1024.0,
+        "mib" | "m" => 1024.0 * 1024.0,
+        "gib" | "g" => 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(ModelError::Input(format!(
+                "unknown size unit {other:?} in {spec:?}"
+            )))
+        }
+    };
+    Ok((value * scale) as u64)
+}
+
+/// `parse_bytes` for clap.
+pub fn parse_budget(s: &str) -> std::result::Result<u64, String> {
+    parse_bytes(s).map_err(|e| e.to_string())
+}
