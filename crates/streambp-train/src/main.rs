@@ -71,12 +71,12 @@ struct TrainArgs {
     /// Where metrics.jsonl and checkpoints go.
     #[arg(long, default_value = "runs/sft")]
     output_dir: PathBuf,
-    /// Optimizer steps [default: --epochs over the data; built-in task: 300].
+    /// Optimizer steps [default: --epochs over the data; built-in task: 600; dpo: 300].
     #[arg(long)]
     max_steps: Option<usize>,
     #[arg(long, default_value_t = 1.0)]
     epochs: f64,
-    /// Sequences per micro-batch [default: 8; built-in task: 128].
+    /// Sequences per micro-batch [default: 8; built-in task: 64; dpo: 32 pairs].
     #[arg(long)]
     batch_size: Option<usize>,
     /// Micro-batches per optimizer step (the loss is normalised over all their target tokens).
@@ -186,9 +186,9 @@ impl TrainArgs {
         };
         TrainConfig {
             builtin_model: BuiltinModel::Random,
-            max_steps: self.max_steps.or(builtin.then_some(300)),
+            max_steps: self.max_steps.or(builtin.then_some(600)),
             epochs: self.epochs,
-            batch_size: pick(self.batch_size, 8, 128),
+            batch_size: pick(self.batch_size, 8, 64),
             grad_accum: self.grad_accum.max(1),
             lr: self.lr.unwrap_or(if builtin { 5e-3 } else { 2e-5 }),
             weight_decay: self.weight_decay,
@@ -280,6 +280,7 @@ fn run() -> anyhow::Result<()> {
             // TRL's sigmoid + SFT loss, which keeps the correct answers likely.
             let builtin = args.model.is_none() && args.data.is_none();
             if builtin {
+                args.max_steps = args.max_steps.or(Some(300));
                 args.batch_size = args.batch_size.or(Some(32));
                 args.lr = args.lr.or(Some(2e-4));
                 args.sft_weight = args.sft_weight.or(Some(1.0));
