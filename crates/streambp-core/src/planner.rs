@@ -65,9 +65,12 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let heads = cfg.num_heads as u64;
     let vocab = cfg.vocab_size as u64;
     let layers = cfg.num_layers() as u64;
-    // Gradient accumulators are f32 for half-precision models.
+    // Gradient accumulators are f32 for half-precision models, rounded to the model dtype once a
+    // layer is done: f32 only for the layer in flight and the embedding table.
     let grad_bytes = if e < 4 { f32b } else { e };
-    let resident = parameter_count(cfg) * (e + grad_bytes) + (layers + 1) * b * t * d * e;
+    let params = parameter_count(cfg);
+    let in_flight = params.saturating_sub(vocab * d) / layers.max(1) + vocab * d;
+    let resident = params * 2 * e + in_flight * (grad_bytes - e) + (layers + 1) * b * t * d * e;
 
     let c = (chunks.chunk as u64).min(t);
     let keys = t; // a chunk scores at most all T keys
