@@ -11,7 +11,9 @@ use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
 use clap::Parser;
 use streambp_core::memory::{CountingAllocator, Meter};
-use streambp_core::{backward_with, estimate, Batch, Chunks, Mode, Options, Problem};
+use streambp_core::{
+    backward_with, estimate, plan_for_budget, Batch, Chunks, Mode, Options, Problem,
+};
 use streambp_models::device::{parse_budget, parse_device, parse_dtype};
 use streambp_models::{Model, ModelConfig};
 use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
@@ -39,7 +41,8 @@ struct Args {
     /// Modes, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "stream,checkpoint,full")]
     modes: Vec<Mode>,
-    /// Query chunk of the streamed backward; default T/3 (the paper's timing setting).
+    /// Query chunk of the streamed backward; default T/3 (the paper's timing setting), or with
+    /// --max-t-budget the planner's choice for each T and the budget.
     #[arg(long)]
     chunk: Option<usize>,
     /// LM-head chunk (the paper: 100).
@@ -216,21 +219,46 @@ fn max_t(
 ) -> anyhow::Result<(usize, usize, usize)> {
     let vocab = model.config.vocab_size;
     let fits = |t: usize| -> anyhow::Result<(bool, usize)> {
-        let chunks = Chunks {
-            chunk: args.chunk.unwrap_or(512),
-            logits_chunk: args.logits_chunk,
+        // Chunks as given, else the planner's for this T and budget (when even its smallest chunks
+        // are estimated not to fit, that T does not fit).
+        let chunks = match args.chunk {
+            Some(chunk) => Chunks {
+                chunk,
+                logits_chunk: args.logits_chunk,
+            },
+            None => {
+                let problem = Problem {
+                    config: &model.config,
+                    batch: rows_of(&args.objective, args.group),
+                    seq_len: t,
+                    dtype: model.dtype(),
+                };
+                match plan_for_budget(problem, budget) {
+                    Ok(chunks) => chunks,
+                    Err(e) => {
+                        eprintln!("  {mode} T={t}: {e}");
+                        return Ok((false, usize::MAX));
+                    }
+                }
+            }
         };
-        let p = run(
-            model,
-            &workload(&args.objective, vocab, t, args.group, model.device())?,
-            mode,
-            chunks,
-            1,
-            options(args),
-        )?;
+        let work = workload(&args.objective, vocab, t, args.group, model.device())?;
+        let p = match run(model, &work, mode, chunks, 1, options(args)) {
+            Ok(p) => p,
+            // An accelerator that runs out of memory answers with an error: that T does not fit.
+            Err(e)
+                if format!("{e:#}")
+                    .to_ascii_lowercase()
+                    .contains("out of memory") =>
+            {
+                eprintln!("  {mode} T={t} ({chunks:?}): out of memory");
+                return Ok((false, usize::MAX));
+            }
+            Err(e) => return Err(e),
+        };
         let total = p.peak + p.base;
         eprintln!(
-            "  {mode} T={t}: {:.1} MiB {}",
+            "  {mode} T={t} ({chunks:?}): {:.1} MiB {}",
             mib(total),
             if total as u64 <= budget {
                 "fits"

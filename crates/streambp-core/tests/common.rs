@@ -12,9 +12,12 @@ use streambp_objectives::Sft;
 
 pub const FAMILIES: [&str; 4] = ["qwen2", "qwen3", "llama3", "gemma3"];
 
+/// `tests/fixtures/<name>`; `STREAMBP_FIXTURES` overrides the folder (a test binary carried to another
+/// machine, e.g. the GPU one, where the build's source path does not exist).
 pub fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
+    std::env::var_os("STREAMBP_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"))
         .join(name)
 }
 
