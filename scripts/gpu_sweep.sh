@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU runs of the benchmark issue, for the lent GPU machine (CUDA and PyTorch, no Rust, no network).
+# Build and pack here first (docs/cuda.md):
+#
+#   . ../shared/cuda/env.sh
+#   CARGO_TARGET_DIR=target-cuda cargo build --release -p streambp-bench --features streambp-bench/cuda
+#   CARGO_TARGET_DIR=target-cuda cargo test --release -p streambp-core --features cuda --test cuda_parity --no-run
+#   scripts/gpu_sweep.sh pack        # -> gpu/*.xz (ignored by git), plus the transformers peer script
+#
+# then carry `gpu` and run one step per device call (each stays under the 10-minute limit), from the
+# repository root: `scripts/gpu_sweep.sh parity|time|maxt|offload|peer`. Results go to $OUT (or gpu-out).
+set -euo pipefail
+
+step=${1:?usage: gpu_sweep.sh pack|parity|time|maxt|offload|peer}
+out=${OUT:-gpu-out}
+config=benches/configs/qwen3-8b.json
+bench=gpu/streambp-bench
+
+unpack() {
+    for f in gpu/*.xz; do
+        [ -e "${f%.xz}" ] || xz -dk "$f"
+    done
+    chmod +x gpu/streambp-bench gpu/cuda_parity
+    mkdir -p "$out"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/card.csv"
+}
+
+case "$step" in
+pack)
+    mkdir -p gpu
+    xz -T2 -6 -c target-cuda/release/streambp-bench > gpu/streambp-bench.xz
+    test_bin=$(ls -t target-cuda/release/deps/cuda_parity-* | grep -v '\.d$' | head -1)
+    xz -T2 -6 -c "$test_bin" > gpu/cuda_parity.xz
+    cp ../shared/cuda/peer_transformers.py gpu/
+    du -sh gpu
+    ;;
+parity)
+    # CUDA vs CPU: loss and every gradient of the four fixture families, f32, all modes.
+    unpack
+    STREAMBP_FIXTURES=tests/fixtures gpu/cuda_parity --nocapture 2>&1 | tee "$out/cuda_parity.txt"
+    ;;
+time)
+    # Qwen3-8B, bf16, one backward per mode at fixed T (the peers' lengths), side by side.
+    unpack
+    "$bench" --config "$config" --device cuda --dtype bf16 --seq-lens 16384,24576 \
+        --chunk 2048 --logits-chunk 1024 --modes stream,checkpoint,full \
+        --json "$out/time.jsonl" 2>&1 | tee "$out/time.md"
+    ;;
+maxt)
+    # Longest T that fits the card per mode (out-of-memory counts as over; stream's chunks planned).
+    unpack
+    "$bench" --config "$config" --device cuda --dtype bf16 --max-t-budget 78GiB --t-step 8192 \
+        --modes "${MODES:-stream,checkpoint}" 2>&1 | tee "$out/maxt.md"
+    ;;
+offload)
+    # Past the paper: layer checkpoints in host memory.
+    unpack
+    "$bench" --config "$config" --device cuda --dtype bf16 --max-t-budget 78GiB --t-step 16384 \
+        --modes stream --offload-checkpoints 2>&1 | tee "$out/offload.md"
+    ;;
+peer)
+    # transformers with gradient checkpointing on the same config, same card.
+    unpack
+    /opt/torch/.venv/bin/python gpu/peer_transformers.py --config "$config" --mode gc \
+        --seqs 4096,16384,24576,28672,32768 2>&1 | tee "$out/peer_gc.jsonl"
+    ;;
+*)
+    echo "unknown step $step" >&2
+    exit 2
+    ;;
+esac
