@@ -36,10 +36,10 @@ fn chatml_renders_and_splits_like_transformers() {
     );
 }
 
-/// A tokenizer directory whose chat template only writes characters the arithmetic tokenizer knows.
-fn arithmetic_chat_tokenizer(dir: &std::path::Path) -> TextTokenizer {
+/// The arithmetic task's tokenizer with `template` as its chat template (written with characters the
+/// tokenizer knows).
+fn arithmetic_tokenizer_with_template(dir: &std::path::Path, template: &str) -> TextTokenizer {
     let builtin = streambp_train::recipe::materialize_builtin(dir).unwrap();
-    let template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'].strip() }}={% else %}{{ m['content'] }}{% endif %}{% endfor %}";
     let mut config: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(builtin.join("tokenizer_config.json")).unwrap(),
     )
@@ -64,7 +64,8 @@ fn trained_runs(tok: &TextTokenizer, labels: &[i64]) -> Vec<String> {
 #[test]
 fn messages_train_every_assistant_turn() {
     let dir = tempfile::tempdir().unwrap();
-    let tok = arithmetic_chat_tokenizer(dir.path());
+    let template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'].strip() }}={% else %}{{ m['content'] }}{% endif %}{% endfor %}";
+    let tok = arithmetic_tokenizer_with_template(dir.path(), template);
     let data = dir.path().join("chat.jsonl");
     let rows = [
         serde_json::json!({"messages": [msg("user", " 12+3 "), msg("assistant", "15")]}),
@@ -143,15 +144,8 @@ fn block_whitespace_is_trimmed_like_transformers() {
 #[test]
 fn templates_that_rewrite_earlier_turns_train_the_final_turn() {
     let dir = tempfile::tempdir().unwrap();
-    let builtin = streambp_train::recipe::materialize_builtin(dir.path()).unwrap();
     let template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}={% elif loop.last %}+{{ m['content'] }}{% else %}{{ m['content'] }}{% endif %}{% endfor %}";
-    let mut config: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(builtin.join("tokenizer_config.json")).unwrap(),
-    )
-    .unwrap();
-    config["chat_template"] = template.into();
-    std::fs::write(builtin.join("tokenizer_config.json"), config.to_string()).unwrap();
-    let tok = TextTokenizer::from_dir(&builtin).unwrap();
+    let tok = arithmetic_tokenizer_with_template(dir.path(), template);
     let data = dir.path().join("chat.jsonl");
     let row = serde_json::json!({"messages": [msg("user", "1+1"), msg("assistant", "2"), msg("user", "3+4"), msg("assistant", "7")]});
     std::fs::write(&data, row.to_string()).unwrap();
