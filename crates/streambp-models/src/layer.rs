@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::{Activation, LayerKind, ModelConfig};
+use crate::attention::attention;
 use crate::error::Result;
 use crate::layout::Layout;
 use crate::linear::Linear;
@@ -130,19 +131,13 @@ impl DecoderLayer {
         let group = heads / kv_heads;
         // Scaling q (c × hd) rather than the scores (c × T) saves a score-sized copy.
         let q = (q.contiguous()?.reshape((b, kv_heads, group * c, hd))? * self.shape.scale)?;
-        let scores = q.matmul(&k.t()?)?;
-        let dtype = q.dtype();
-        let compute = if dtype == DType::F64 {
+        let compute = if q.dtype() == DType::F64 {
             DType::F64
         } else {
             DType::F32
         };
-        let scores = scores
-            .to_dtype(compute)?
-            .reshape((b, kv_heads, group, c, t))?;
         // An additive mask as in transformers: 0 where allowed, the dtype's minimum elsewhere (a row with
-        // no visible key, only possible at padding, becomes uniform instead of NaN). Unlike where_cond it
-        // needs no score-sized zero fill, and its operand's gradient is only `[rows, 1, 1, c, t]`.
+        // no visible key, only possible at padding, becomes uniform instead of NaN).
         let floor = match compute {
             DType::F64 => f64::MIN,
             _ => f32::MIN as f64,
@@ -151,12 +146,7 @@ impl DecoderLayer {
             .allowed(b, c, t, keys, q.device())?
             .to_dtype(compute)?
             .affine(-floor, floor)?;
-        let scores = scores.broadcast_add(&bias)?;
-        let probs = crate::softmax::softmax_last_dim(&scores)?
-            .to_dtype(dtype)?
-            .reshape((b, kv_heads, group * c, t))?;
-        Ok(probs
-            .matmul(v)?
+        Ok(attention(&q, k, v, &bias, group, compute)?
             .reshape((b, heads, c, hd))?
             .transpose(1, 2)?
             .reshape((b, c, heads * hd))?)

@@ -5,6 +5,7 @@
 //! Every op used records a correct backward in candle (no fused softmax / rms_norm / rope), so the same
 //! code runs the plain full backward, gradient checkpointing and the streamed backward.
 
+pub mod attention;
 pub mod config;
 pub mod device;
 pub mod error;
@@ -17,7 +18,6 @@ pub mod loader;
 pub mod model;
 pub mod norm;
 pub mod rope;
-pub mod softmax;
 
 pub use config::{Activation, Family, LayerKind, ModelConfig, NormStyle, RopeConfig, RopeScaling};
 pub use error::{ModelError, Result};
