@@ -7,8 +7,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::attention::attention;
+use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::error::Result;
 use crate::layout::Layout;
 use crate::linear::Linear;
