@@ -5,16 +5,16 @@
 //! - held throughout: parameters, gradient accumulators, the `L + 1` layer checkpoints `[b, T, d]`;
 //! - in a layer's backward: K, V and their pending gradients, the incoming and outgoing `[b, T, d]`
 //!   gradients, and one chunk's graph: its activations (`c × (d, q, kv, ffn)` several times) and its
-//!   attention scores against up to `T` keys (`heads × c × T` in f32, a few copies inside the
-//!   attention op's backward);
+//!   attention scores against one block of keys (`heads × c × min(T, KEY_BLOCK)` in f32, a few copies
+//!   inside the attention op's backward);
 //! - in the head: one logits chunk `c × V` (model dtype, an f32 copy and a few f32 temporaries) and the
 //!   gradient of the head weight.
 //!
 //! The copy counts are fitted to peaks measured with the counting allocator (CPU, f32, candle 0.11,
 //! `streambp-bench` on `benches/configs/qwen3-small.json`, T = 1024/2048, chunk 128/256, logits chunk
 //! 100/400; the attention count refitted at T = 4096 after the attention became one op): a chunk's
-//! attention holds about 5 f32 copies of its `heads × c × T` scores at once (inside the attention op's
-//! backward; none stay in the graph), a logits chunk about 3.4 f32 copies of `c × V`. The bench prints
+//! attention holds about 5 f32 copies of its `heads × c × key block` scores at once (inside the
+//! attention op's backward; none stay in the graph), a logits chunk about 3.4 f32 copies of `c × V`. The bench prints
 //! the model's error next to every measured stream peak.
 
 use candle_core::DType;
@@ -74,7 +74,8 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let resident = params * 2 * e + in_flight * (grad_bytes - e) + (layers + 1) * b * t * d * e;
 
     let c = (chunks.chunk as u64).min(t);
-    let keys = t; // a chunk scores at most all T keys
+    // The attention op scores a chunk against one block of keys at a time.
+    let keys = t.min(streambp_models::attention::KEY_BLOCK as u64);
     let kv_state = 4 * b * t * kv * e;
     let grads_io = 2 * b * t * d * e;
     let chunk_acts = b * c * (8 * d + 4 * q + 4 * kv + 6 * ffn) * e;

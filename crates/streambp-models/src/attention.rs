@@ -1,9 +1,10 @@
 //! The attention core as one differentiable op. Composed from tensor ops, autograd would keep the
 //! scores, the masked scores, the probabilities (and their f32 copies) in the graph and build a gradient
-//! for each: about a dozen `heads × queries × keys` tensors. This op computes the probabilities, uses and
-//! drops them in the forward, and recomputes them in the backward (FlashAttention's trade, at the
-//! granularity of a query block): the graph holds only q, k, v and the output, and no score-sized tensor
-//! outlives the forward or the backward. Built from candle ops, so it runs on every backend.
+//! for each: about a dozen `heads × queries × keys` tensors. This op works through the keys in blocks
+//! with an online softmax (FlashAttention's scheme, on tensor ops): the forward keeps only the output and
+//! each query's log-sum-exp; the backward recomputes each block's probabilities from them. The graph
+//! holds q, k, v, the output and the log-sum-exp, and no tensor larger than
+//! `heads × queries × key block` exists at any time. Built from candle ops, so it runs on every backend.
 //!
 //! Shapes (GQA without repeating K/V): q `[b, kv_heads, group·c, hd]` (already scaled), k and v
 //! `[b, kv_heads, t, hd]`, additive mask `[rows, 1, 1, c, t]` (rows = b or 1), output like q.
@@ -15,37 +16,93 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, 
 
 use crate::error::Result;
 
-struct Attention {
+/// Keys per block: the score tensors of a query chunk are at most `heads × c × KEY_BLOCK`.
+pub const KEY_BLOCK: usize = 2048;
+
+type CResult<T> = candle_core::Result<T>;
+
+/// What the forward and the backward share: the mask, the grouping and the block size.
+struct Blocks {
     /// Additive mask in the compute dtype (0 where allowed, the dtype's minimum elsewhere).
     bias: Tensor,
     group: usize,
     /// The softmax's dtype: f32 (f64 for f64 models), like transformers' eager attention.
     compute: DType,
+    key_block: usize,
+}
+
+impl Blocks {
+    /// The key ranges, in order.
+    fn ranges(&self, t: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..t)
+            .step_by(self.key_block)
+            .map(move |start| (start, self.key_block.min(t - start)))
+    }
+
+    /// Masked scores of all queries against keys `start..start + n`: `[b, kv_heads, group, c, n]`.
+    fn scores(&self, q: &Tensor, k: &Tensor, start: usize, n: usize) -> CResult<Tensor> {
+        let (b, kv_heads, rows, _) = q.dims4()?;
+        q.matmul(&k.narrow(2, start, n)?.t()?)?
+            .to_dtype(self.compute)?
+            .reshape((b, kv_heads, self.group, rows / self.group, n))?
+            .broadcast_add(&self.bias.narrow(4, start, n)?)
+    }
+
+    /// `[b, kv_heads, group, c, n]` in the compute dtype as `[b, kv_heads, group·c, n]` in `dtype`.
+    fn flat(&self, x: &Tensor, dtype: DType) -> CResult<Tensor> {
+        let (b, kv_heads, group, c, n) = x.dims5()?;
+        x.to_dtype(dtype)?.reshape((b, kv_heads, group * c, n))
+    }
+
+    /// `[b, kv_heads, group·c, hd]` as `[b, kv_heads, group, c, hd]` in the compute dtype.
+    fn grouped(&self, x: &Tensor) -> CResult<Tensor> {
+        let (b, kv_heads, rows, hd) = x.dims4()?;
+        x.to_dtype(self.compute)?
+            .reshape((b, kv_heads, self.group, rows / self.group, hd))
+    }
+
+    /// Output (like q) and log-sum-exp of each query's masked scores (`[b, kv_heads, group, c, 1]`),
+    /// with a running maximum so that no block's exponentials overflow.
+    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Tensor)> {
+        let dtype = q.dtype();
+        // (running max, running sum of exponentials, running weighted sum of values)
+        let mut state: Option<(Tensor, Tensor, Tensor)> = None;
+        for (start, n) in self.ranges(k.dim(2)?) {
+            let s = self.scores(q, k, start, n)?;
+            let block_max = s.max_keepdim(D::Minus1)?;
+            let max = match &state {
+                Some((m, _, _)) => m.maximum(&block_max)?,
+                None => block_max,
+            };
+            let p = s.broadcast_sub(&max)?.exp()?;
+            let sum = p.sum_keepdim(D::Minus1)?;
+            let pv = self.grouped(&self.flat(&p, dtype)?.matmul(&v.narrow(2, start, n)?)?)?;
+            state = Some(match state {
+                None => (max, sum, pv),
+                Some((m, l, acc)) => {
+                    let rescale = (m - &max)?.exp()?;
+                    let l = ((l * &rescale)? + sum)?;
+                    let acc = (acc.broadcast_mul(&rescale)? + pv)?;
+                    (max, l, acc)
+                }
+            });
+        }
+        let (max, sum, acc) = state.ok_or_else(|| candle_core::Error::Msg("no keys".into()))?;
+        let out = self.flat(&acc.broadcast_div(&sum)?, dtype)?.contiguous()?;
+        Ok((out, (max + sum.log()?)?))
+    }
+}
+
+struct Attention {
+    blocks: Blocks,
+    /// Log-sum-exp of each query's scores, from the forward.
+    lse: Tensor,
     /// The forward's result, computed before the op is recorded; the op's forward only hands it over.
     out: Mutex<Option<Tensor>>,
 }
 
 impl Attention {
-    /// Softmax probabilities `[b, kv_heads, group, c, t]` in the compute dtype (no graph).
-    fn probs(&self, q: &Tensor, k: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, kv_heads, rows, _) = q.dims4()?;
-        let c = rows / self.group;
-        let t = k.dim(2)?;
-        let scores = q
-            .matmul(&k.t()?)?
-            .to_dtype(self.compute)?
-            .reshape((b, kv_heads, self.group, c, t))?
-            .broadcast_add(&self.bias)?;
-        candle_nn::ops::softmax_last_dim(&scores)
-    }
-
-    /// `probs` in the model dtype as `[b, kv_heads, group·c, t]`.
-    fn flat(&self, p: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
-        let (b, kv_heads, group, c, t) = p.dims5()?;
-        p.to_dtype(dtype)?.reshape((b, kv_heads, group * c, t))
-    }
-
-    fn take_out(&self) -> candle_core::Result<Tensor> {
+    fn take_out(&self) -> CResult<Tensor> {
         self.out
             .lock()
             .map_err(|_| candle_core::Error::Msg("attention: poisoned lock".into()))?
@@ -67,7 +124,7 @@ impl CustomOp3 for Attention {
         _: &Layout,
         _: &CpuStorage,
         _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
+    ) -> CResult<(CpuStorage, Shape)> {
         let out = self.take_out()?;
         let (storage, layout) = out.storage_and_layout();
         match &*storage {
@@ -85,7 +142,7 @@ impl CustomOp3 for Attention {
         _: &Layout,
         _: &candle_core::CudaStorage,
         _: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
         let out = self.take_out()?;
         let (storage, layout) = out.storage_and_layout();
         match &*storage {
@@ -94,34 +151,56 @@ impl CustomOp3 for Attention {
         }
     }
 
-    /// With `P` recomputed: `dV = Pᵀ g`, `dP = g Vᵀ`, `dS = P ⊙ (dP − Σ_keys P ⊙ dP)` (the softmax's
-    /// backward), `dQ = dS K`, `dK = dSᵀ Q`: the same products autograd forms through the composition.
+    /// Per key block, with `P = exp(S − lse)` recomputed: `dV = Pᵀ g`, `dP = g Vᵀ`,
+    /// `dS = P ⊙ (dP − Σ g ⊙ out)` (the softmax's backward; `Σ_keys P ⊙ dP = g · out`), `dQ += dS K`,
+    /// `dK = dSᵀ Q`.
     fn bwd(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        _out: &Tensor,
+        out: &Tensor,
         grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let b = &self.blocks;
         let (q, k, v, grad) = (q.detach(), k.detach(), v.detach(), grad.detach());
         let dtype = q.dtype();
-        let p = self.probs(&q, &k)?;
-        let grad_v = self.flat(&p, dtype)?.t()?.matmul(&grad)?;
-        let grad_p = grad
-            .matmul(&v.t()?)?
-            .to_dtype(self.compute)?
-            .reshape(p.shape())?;
-        let dot = (&grad_p * &p)?.sum_keepdim(D::Minus1)?;
-        let grad_s = self.flat(&(p * grad_p.broadcast_sub(&dot)?)?, dtype)?;
-        let grad_q = grad_s.matmul(&k)?;
-        let grad_k = grad_s.t()?.matmul(&q)?;
-        Ok((Some(grad_q), Some(grad_k), Some(grad_v)))
+        let dot = (b.grouped(&grad)? * b.grouped(&out.detach())?)?.sum_keepdim(D::Minus1)?;
+        let mut grad_q: Option<Tensor> = None;
+        let (mut grad_k, mut grad_v) = (Vec::new(), Vec::new());
+        for (start, n) in b.ranges(k.dim(2)?) {
+            let p = b
+                .scores(&q, &k, start, n)?
+                .broadcast_sub(&self.lse)?
+                .exp()?;
+            grad_v.push(b.flat(&p, dtype)?.t()?.matmul(&grad)?);
+            let grad_p = grad
+                .matmul(&v.narrow(2, start, n)?.t()?)?
+                .to_dtype(b.compute)?
+                .reshape(p.shape())?;
+            let grad_s = b.flat(&(p * grad_p.broadcast_sub(&dot)?)?, dtype)?;
+            let dq = grad_s
+                .matmul(&k.narrow(2, start, n)?)?
+                .to_dtype(b.compute)?;
+            grad_q = Some(match grad_q {
+                Some(acc) => (acc + dq)?,
+                None => dq,
+            });
+            grad_k.push(grad_s.t()?.matmul(&q)?);
+        }
+        let grad_q = grad_q
+            .ok_or_else(|| candle_core::Error::Msg("no keys".into()))?
+            .to_dtype(dtype)?;
+        Ok((
+            Some(grad_q),
+            Some(Tensor::cat(&grad_k, 2)?),
+            Some(Tensor::cat(&grad_v, 2)?),
+        ))
     }
 }
 
-/// `softmax(q kᵀ + bias) v` per key/value head, differentiable in q, k and v, holding no score-sized
-/// tensor in the graph (see the module doc for shapes).
+/// `softmax(q kᵀ + bias) v` per key/value head, differentiable in q, k and v, keys in blocks of
+/// [`KEY_BLOCK`] (see the module doc for shapes).
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -130,19 +209,30 @@ pub fn attention(
     group: usize,
     compute: DType,
 ) -> Result<Tensor> {
-    let op = Attention {
+    attention_blocked(q, k, v, bias, group, compute, KEY_BLOCK)
+}
+
+/// [`attention`] with keys in blocks of `key_block` (any size gives the same result to rounding).
+pub fn attention_blocked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    group: usize,
+    compute: DType,
+    key_block: usize,
+) -> Result<Tensor> {
+    let blocks = Blocks {
         bias: bias.detach(),
         group,
         compute,
-        out: Mutex::new(None),
+        key_block: key_block.max(1),
     };
-    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-    let out = op
-        .flat(&op.probs(&qd, &kd)?, qd.dtype())?
-        .matmul(&vd)?
-        .contiguous()?;
-    *op.out
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("attention: poisoned lock".into()))? = Some(out);
+    let (out, lse) = blocks.forward(&q.detach(), &k.detach(), &v.detach())?;
+    let op = Attention {
+        blocks,
+        lse,
+        out: Mutex::new(Some(out)),
+    };
     Ok(q.apply_op3(k, v, op)?)
 }
