@@ -17,6 +17,7 @@ use streambp_core::{
 use streambp_models::device::{parse_budget, parse_device, parse_dtype};
 use streambp_models::{Model, ModelConfig};
 use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
+use streambp_train::optim::{AdamW, AdamWConfig};
 
 mod plot;
 
@@ -69,6 +70,10 @@ struct Args {
     /// Keep layer checkpoints in host memory (matters on an accelerator; a no-op on the CPU).
     #[arg(long)]
     offload_checkpoints: bool,
+    /// After each backward, one AdamW step with the trainer's optimizer (f32 moments created for it;
+    /// learning rate 0, so the weights stay as they are): its seconds and peak bytes are reported too.
+    #[arg(long)]
+    optimizer_step: bool,
     /// Write the results as JSON lines here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -84,6 +89,8 @@ struct Point {
     phases: Vec<(&'static str, usize, f64)>,
     seconds: f64,
     loss: f64,
+    /// With --optimizer-step: the step's peak bytes above what was live before it, and its seconds.
+    optimizer: Option<(usize, f64)>,
 }
 
 fn rows_of(objective: &str, group: usize) -> usize {
@@ -146,6 +153,21 @@ fn workload(
     Ok((Tensor::from_vec(flat, (rows, t), dev)?, objective))
 }
 
+/// One AdamW step on `grads` (moments created for it, learning rate 0): peak bytes above what was live
+/// before it, and seconds.
+fn optimizer_step(model: &Model, grads: &[(String, Tensor)]) -> anyhow::Result<(usize, f64)> {
+    let meter = Meter::for_device(model.device());
+    let before = meter.current_bytes().unwrap_or(0);
+    meter.reset_peak();
+    let start = Instant::now();
+    let mut adamw = AdamW::new(model.parameters(), AdamWConfig::default())?;
+    adamw.apply(grads, 0.0)?;
+    model.device().synchronize()?;
+    let seconds = start.elapsed().as_secs_f64();
+    let peak = meter.peak_bytes().unwrap_or(0).saturating_sub(before);
+    Ok((peak, seconds))
+}
+
 fn run(
     model: &Model,
     work: &(Tensor, Box<dyn Objective>),
@@ -153,6 +175,7 @@ fn run(
     chunks: Chunks,
     repeats: usize,
     options: Options,
+    with_optimizer: bool,
 ) -> anyhow::Result<Point> {
     let (ids, objective) = work;
     let t = ids.dim(1)?;
@@ -175,6 +198,9 @@ fn run(
             options,
         )?;
         let seconds = start.elapsed().as_secs_f64();
+        let optimizer = with_optimizer
+            .then(|| optimizer_step(model, &out.grads))
+            .transpose()?;
         let phases: Vec<_> = out
             .phases
             .phases
@@ -197,6 +223,7 @@ fn run(
                 phases,
                 seconds,
                 loss: out.loss,
+                optimizer,
             });
         }
     }
@@ -243,7 +270,7 @@ fn max_t(
             }
         };
         let work = workload(&args.objective, vocab, t, args.group, model.device())?;
-        let p = match run(model, &work, mode, chunks, 1, options(args)) {
+        let p = match run(model, &work, mode, chunks, 1, options(args), false) {
             Ok(p) => p,
             // An accelerator that runs out of memory answers with an error: that T does not fit.
             Err(e)
@@ -330,6 +357,7 @@ fn main() -> anyhow::Result<()> {
         warm,
         1,
         Options::default(),
+        false,
     )?;
 
     if let Some(budget) = args.max_t_budget {
@@ -355,12 +383,26 @@ fn main() -> anyhow::Result<()> {
         };
         let work = workload(&args.objective, vocab, t, args.group, model.device())?;
         for &mode in &args.modes {
-            let p = run(&model, &work, mode, chunks, args.repeats, options(&args))?;
+            let p = run(
+                &model,
+                &work,
+                mode,
+                chunks,
+                args.repeats,
+                options(&args),
+                args.optimizer_step,
+            )?;
             eprintln!(
                 "T={t} {mode}: peak {:.1} MiB, {:.3} s",
                 mib(p.peak),
                 p.seconds
             );
+            if let Some((peak, seconds)) = p.optimizer {
+                println!(
+                    "T={t} {mode}: AdamW step {seconds:.3} s, peak {:.1} MiB above the gradients (f32 moments included)",
+                    mib(peak)
+                );
+            }
             points.push((p, chunks));
         }
     }
@@ -464,6 +506,7 @@ fn main() -> anyhow::Result<()> {
                 serde_json::json!({
                     "objective": args.objective, "t": p.t, "mode": p.mode.to_string(), "chunk": c.chunk, "logits_chunk": c.logits_chunk,
                     "peak_bytes": p.peak, "seconds": p.seconds, "loss": p.loss,
+                    "optimizer_step": p.optimizer.map(|(b, s)| serde_json::json!({"peak_bytes": b, "seconds": s})),
                     "phases": p.phases.iter().map(|(n, b, s)| serde_json::json!({"phase": n, "peak_bytes": b, "seconds": s})).collect::<Vec<_>>(),
                 })
                 .to_string()
