@@ -146,6 +146,9 @@ mod cuda_pool {
     pub struct PoolMeter {
         context: Arc<CudaContext>,
         pool: CUmemoryPool,
+        /// Bytes in use when the peak was last reset: the high-water mark restarts from zero, so a
+        /// phase that only frees memory would otherwise read lower than where it began.
+        floor: Arc<std::sync::atomic::AtomicUsize>,
     }
 
     // SAFETY: the pool handle is a driver object valid for the context's lifetime, which the meter
@@ -162,10 +165,18 @@ mod cuda_pool {
     impl PoolMeter {
         pub fn new(device: &candle_core::CudaDevice) -> Option<Self> {
             let context = device.cuda_stream().context().clone();
+            // Without stream-ordered allocation cudarc uses cuMemAlloc, which the pool never sees.
+            if !context.has_async_alloc() {
+                return None;
+            }
             context.bind_to_thread().ok()?;
             // SAFETY: the device comes from a live context.
             let pool = unsafe { device::get_mem_pool(context.cu_device()) }.ok()?;
-            Some(Self { context, pool })
+            Some(Self {
+                context,
+                pool,
+                floor: Default::default(),
+            })
         }
 
         fn read(&self, attribute: CUmemPool_attribute) -> Option<usize> {
@@ -185,12 +196,16 @@ mod cuda_pool {
 
         pub fn peak(&self) -> Option<usize> {
             let high = self.read(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?;
-            Some(high.max(self.current()?))
+            let floor = self.floor.load(std::sync::atomic::Ordering::Relaxed);
+            Some(high.max(floor).max(self.current()?))
         }
 
         pub fn reset_peak(&self) {
             if self.context.bind_to_thread().is_err() {
                 return;
+            }
+            if let Some(now) = self.current() {
+                self.floor.store(now, std::sync::atomic::Ordering::Relaxed);
             }
             // The high watermark can only be reset to zero; it then follows the next allocations.
             let mut zero: u64 = 0;

@@ -50,10 +50,9 @@ fn pack(f: &Fixture) -> Packed {
             l.extend(&labels[d][1..n]);
         }
         while i.len() < width {
-            let next = p.last().unwrap() + 1;
             i.push(0);
             m.push(0);
-            p.push(next);
+            p.push(1); // what transformers writes at padding
             l.push(-100);
         }
         out_ids.push(i);

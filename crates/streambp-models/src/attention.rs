@@ -2,8 +2,8 @@
 //! scores, the masked scores, the probabilities (and their f32 copies) in the graph and build a gradient
 //! for each: about a dozen `heads × queries × keys` tensors. This op works through the keys in blocks
 //! with an online softmax (FlashAttention's scheme, on tensor ops): the forward keeps only the output and
-//! each query's log-sum-exp; the backward recomputes each block's probabilities from them. The graph
-//! holds q, k, v, the output and the log-sum-exp, and no tensor larger than
+//! each query's softmax normalizer; the backward recomputes each block's probabilities from them. The graph
+//! holds q, k, v, the output and the normalizer, and no tensor larger than
 //! `heads × queries × key block` exists at any time. Built from candle ops, so it runs on every backend.
 //!
 //! Shapes (GQA without repeating K/V): q `[b, kv_heads, group·c, hd]` (already scaled), k and v
@@ -61,9 +61,9 @@ impl Blocks {
             .reshape((b, kv_heads, self.group, rows / self.group, hd))
     }
 
-    /// Output (like q) and log-sum-exp of each query's masked scores (`[b, kv_heads, group, c, 1]`),
-    /// with a running maximum so that no block's exponentials overflow.
-    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Tensor)> {
+    /// Output (like q) and each query's softmax normalizer, with a running maximum so that no block's
+    /// exponentials overflow.
+    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Normalizer)> {
         let dtype = q.dtype();
         // (running max, running sum of exponentials, running weighted sum of values)
         let mut state: Option<(Tensor, Tensor, Tensor)> = None;
@@ -89,14 +89,23 @@ impl Blocks {
         }
         let (max, sum, acc) = state.ok_or_else(|| candle_core::Error::Msg("no keys".into()))?;
         let out = self.flat(&acc.broadcast_div(&sum)?, dtype)?.contiguous()?;
-        Ok((out, (max + sum.log()?)?))
+        let log_sum = sum.log()?;
+        Ok((out, Normalizer { max, log_sum }))
     }
+}
+
+/// Each query's softmax normalizer (`[b, kv_heads, group, c, 1]`): `p = exp((s − max) − log_sum)`.
+/// Kept as two terms: for a row whose keys are all masked, `max` is the dtype's minimum, and adding
+/// `log_sum` to it would round the sum away.
+struct Normalizer {
+    max: Tensor,
+    log_sum: Tensor,
 }
 
 struct Attention {
     blocks: Blocks,
-    /// Log-sum-exp of each query's scores, from the forward.
-    lse: Tensor,
+    /// From the forward, to recompute the probabilities.
+    normalizer: Normalizer,
     /// The forward's result, computed before the op is recorded; the op's forward only hands it over.
     out: Mutex<Option<Tensor>>,
 }
@@ -151,7 +160,7 @@ impl CustomOp3 for Attention {
         }
     }
 
-    /// Per key block, with `P = exp(S − lse)` recomputed: `dV = Pᵀ g`, `dP = g Vᵀ`,
+    /// Per key block, with `P` recomputed from the normalizer: `dV = Pᵀ g`, `dP = g Vᵀ`,
     /// `dS = P ⊙ (dP − Σ g ⊙ out)` (the softmax's backward; `Σ_keys P ⊙ dP = g · out`), `dQ += dS K`,
     /// `dK = dSᵀ Q`.
     fn bwd(
@@ -171,7 +180,8 @@ impl CustomOp3 for Attention {
         for (start, n) in b.ranges(k.dim(2)?) {
             let p = b
                 .scores(&q, &k, start, n)?
-                .broadcast_sub(&self.lse)?
+                .broadcast_sub(&self.normalizer.max)?
+                .broadcast_sub(&self.normalizer.log_sum)?
                 .exp()?;
             grad_v.push(b.flat(&p, dtype)?.t()?.matmul(&grad)?);
             let grad_p = grad
@@ -228,10 +238,10 @@ pub fn attention_blocked(
         compute,
         key_block: key_block.max(1),
     };
-    let (out, lse) = blocks.forward(&q.detach(), &k.detach(), &v.detach())?;
+    let (out, normalizer) = blocks.forward(&q.detach(), &k.detach(), &v.detach())?;
     let op = Attention {
         blocks,
-        lse,
+        normalizer,
         out: Mutex::new(Some(out)),
     };
     Ok(q.apply_op3(k, v, op)?)

@@ -43,7 +43,7 @@ impl Layout {
     pub fn new(attention_mask: Option<&Tensor>, position_ids: Option<&Tensor>) -> Result<Self> {
         let key_valid = attention_mask.map(key_validity).transpose()?;
         let packing = match position_ids {
-            Some(p) => Packing::from_position_ids(p)?,
+            Some(p) => Packing::from_position_ids(p, key_valid.as_ref())?,
             None => None,
         };
         Ok(Self { key_valid, packing })
@@ -107,14 +107,25 @@ impl Layout {
 }
 
 impl Packing {
-    fn from_position_ids(position_ids: &Tensor) -> Result<Option<Self>> {
+    /// Padding positions (`key_valid` 0) may hold anything (transformers fills them with 1): they are
+    /// taken as continuing the count.
+    fn from_position_ids(
+        position_ids: &Tensor,
+        key_valid: Option<&Tensor>,
+    ) -> Result<Option<Self>> {
         let (b, t) = position_ids.dims2()?;
+        let valid: Option<Vec<Vec<u8>>> = key_valid.map(|v| v.to_vec2::<u8>()).transpose()?;
         let positions: Vec<Vec<u32>> = position_ids.to_dtype(DType::I64)?.to_vec2::<i64>()?
             .into_iter()
             .enumerate()
             .map(|(row, ids)| {
-                let mut out = Vec::with_capacity(t);
+                let mut out: Vec<u32> = Vec::with_capacity(t);
                 for (i, &p) in ids.iter().enumerate() {
+                    let padding = valid.as_ref().is_some_and(|v| v[row][i] == 0);
+                    if padding {
+                        out.push(out.last().map_or(0, |&q| q + 1));
+                        continue;
+                    }
                     let follows = i > 0 && p == i64::from(out[i - 1]) + 1;
                     if !(p == 0 || follows) {
                         return Err(ModelError::Input(format!(

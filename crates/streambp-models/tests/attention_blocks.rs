@@ -1,5 +1,6 @@
-//! The attention op gives the same output and gradients whatever its key block (f64), including rows
-//! whose keys are all masked in some blocks, and rows masked entirely (padding).
+//! The attention op gives the output and gradients of the composed softmax attention that autograd
+//! differentiates, whatever its key block (f64), including rows whose keys are all masked in some
+//! blocks, and rows masked entirely (padding).
 
 use candle_core::{DType, Device, Tensor, Var};
 use streambp_models::attention::attention_blocked;
@@ -66,6 +67,39 @@ fn key_blocks_do_not_change_output_or_gradients() {
         (out, g(&q), g(&k), g(&v))
     };
     let whole = run(t);
+    // The composition autograd differentiates: softmax(q kᵀ + bias) v with the query heads grouped.
+    let composed = {
+        let scores = q
+            .as_tensor()
+            .matmul(&k.as_tensor().t().unwrap())
+            .unwrap()
+            .reshape((b, kv_heads, group, c, t))
+            .unwrap()
+            .broadcast_add(&bias)
+            .unwrap();
+        let p = candle_nn::ops::softmax(&scores, candle_core::D::Minus1)
+            .unwrap()
+            .reshape((b, kv_heads, group * c, t))
+            .unwrap();
+        let out = p.matmul(v.as_tensor()).unwrap();
+        let grads = (&out * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let g = |x: &Var| grads.get(x.as_tensor()).unwrap().clone();
+        (out, g(&q), g(&k), g(&v))
+    };
+    for (name, a, b) in [
+        ("out", &whole.0, &composed.0),
+        ("dq", &whole.1, &composed.1),
+        ("dk", &whole.2, &composed.2),
+        ("dv", &whole.3, &composed.3),
+    ] {
+        let e = rel_err(a, b);
+        assert!(e < 1e-12, "vs composed softmax: {name} {e:.2e}");
+    }
     for key_block in [1, 3, 4, 8] {
         let blocked = run(key_block);
         for (name, a, b) in [

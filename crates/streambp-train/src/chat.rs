@@ -133,8 +133,11 @@ impl ChatTemplate {
             if message.get("role").and_then(|r| r.as_str()) != Some("assistant") {
                 continue;
             }
-            let start = render(i, true)?;
-            let end = render(i + 1, false)?;
+            // A template may refuse a prefix (say, one that starts with the assistant): then the turns
+            // cannot be cut this way either.
+            let (Ok(start), Ok(end)) = (render(i, true), render(i + 1, false)) else {
+                return Ok(None);
+            };
             let consistent = start.len() >= done
                 && end.len() >= start.len()
                 && full.starts_with(&start)

@@ -54,6 +54,10 @@ impl Example {
 /// its first token is no target, so a packed row trains exactly as its examples would apart, with less
 /// padding. Deterministic: ties keep the input order.
 pub fn pack(examples: Vec<Example>, max_length: usize) -> Vec<Example> {
+    let examples: Vec<Example> = examples
+        .into_iter()
+        .filter(|e| !e.input_ids.is_empty())
+        .collect();
     let mut order: Vec<usize> = (0..examples.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(examples[i].input_ids.len()));
     let mut rows: Vec<Vec<usize>> = Vec::new();
