@@ -187,11 +187,7 @@ fn run(
         let start = Instant::now();
         let out = backward_with(
             model,
-            Batch {
-                input_ids: ids,
-                attention_mask: None,
-                position_ids: None,
-            },
+            Batch::new(ids, None),
             objective.as_ref(),
             mode,
             chunks,

@@ -46,11 +46,7 @@ impl Fixture {
     }
 
     pub fn run(&self, mode: Mode, chunk: usize, logits_chunk: usize) -> Gradients {
-        let batch = Batch {
-            input_ids: &self.ids,
-            attention_mask: Some(&self.reference["attention_mask"]),
-            position_ids: None,
-        };
+        let batch = Batch::new(&self.ids, Some(&self.reference["attention_mask"]));
         let chunks = Chunks {
             chunk,
             logits_chunk,

@@ -98,11 +98,7 @@ fn no_attention_mask_means_all_tokens() {
         .unwrap();
     let sft = streambp_objectives::Sft::new(&labels, 96, None, &candle_core::Device::Cpu).unwrap();
     let run = |mode, chunk| {
-        let batch = streambp_core::Batch {
-            input_ids: &ids,
-            attention_mask: None,
-            position_ids: None,
-        };
+        let batch = streambp_core::Batch::new(&ids, None);
         let chunks = streambp_core::Chunks {
             chunk,
             logits_chunk: 2,
@@ -134,11 +130,7 @@ fn stream_matches_full_in_f32_and_bf16() {
 #[test]
 fn offloaded_checkpoints_give_the_same_gradients() {
     let f = fixture("gemma3", DType::F64);
-    let batch = streambp_core::Batch {
-        input_ids: &f.ids,
-        attention_mask: Some(&f.reference["attention_mask"]),
-        position_ids: None,
-    };
+    let batch = streambp_core::Batch::new(&f.ids, Some(&f.reference["attention_mask"]));
     let chunks = streambp_core::Chunks {
         chunk: 3,
         logits_chunk: 4,

@@ -38,18 +38,7 @@ fn activation_peak(model: &Model, mode: Mode, t: usize) -> usize {
         chunk: 64,
         logits_chunk: 64,
     };
-    let out = backward(
-        model,
-        Batch {
-            input_ids: &ids,
-            attention_mask: None,
-            position_ids: None,
-        },
-        &sft,
-        mode,
-        chunks,
-    )
-    .unwrap();
+    let out = backward(model, Batch::new(&ids, None), &sft, mode, chunks).unwrap();
     let phases: Vec<_> = out
         .phases
         .phases

@@ -49,11 +49,6 @@ impl Layout {
         Ok(Self { key_valid, packing })
     }
 
-    /// Whether any row holds more than one document.
-    pub fn is_packed(&self) -> bool {
-        self.packing.is_some()
-    }
-
     /// `(cos, sin)` rope tables for tokens `start..start + len`: `[len, head_dim]`, or `[batch, 1, len,
     /// head_dim]` for packed rows.
     pub fn rope_tables(

@@ -46,6 +46,17 @@ fn key_blocks_do_not_change_output_or_gradients() {
         .affine(-f64::MIN, f64::MIN)
         .unwrap();
     let weights = randn(&[b, kv_heads, group * c, hd]);
+    // An output with the gradients of `sum(out ⊙ weights)` with respect to q, k and v.
+    let with_grads = |out: Tensor| {
+        let grads = (&out * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let g = |x: &Var| grads.get(x.as_tensor()).unwrap().clone();
+        (out, g(&q), g(&k), g(&v))
+    };
     let run = |key_block: usize| {
         let out = attention_blocked(
             q.as_tensor(),
@@ -57,14 +68,7 @@ fn key_blocks_do_not_change_output_or_gradients() {
             key_block,
         )
         .unwrap();
-        let grads = (&out * &weights)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let g = |x: &Var| grads.get(x.as_tensor()).unwrap().clone();
-        (out, g(&q), g(&k), g(&v))
+        with_grads(out)
     };
     let whole = run(t);
     // The composition autograd differentiates: softmax(q kᵀ + bias) v with the query heads grouped.
@@ -82,14 +86,7 @@ fn key_blocks_do_not_change_output_or_gradients() {
             .reshape((b, kv_heads, group * c, t))
             .unwrap();
         let out = p.matmul(v.as_tensor()).unwrap();
-        let grads = (&out * &weights)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let g = |x: &Var| grads.get(x.as_tensor()).unwrap().clone();
-        (out, g(&q), g(&k), g(&v))
+        with_grads(out)
     };
     for (name, a, b) in [
         ("out", &whole.0, &composed.0),

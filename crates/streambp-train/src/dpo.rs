@@ -10,8 +10,8 @@ use streambp_objectives::{Dpo, TokenTargets};
 
 use crate::batch_file::to_u32_tensor;
 use crate::data::{collate, encode_pair, read_jsonl, text_field, Collated, Example, Text};
-use crate::recipe::{Setup, StepAccumulator, TrainConfig, Trainer};
-use crate::sft::{eval_accuracy, eval_rows, Summary};
+use crate::recipe::{Setup, StepAccumulator, Summary, TrainConfig, Trainer};
+use crate::sft::{eval_accuracy, eval_rows};
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
 
@@ -79,11 +79,7 @@ fn sequence_logps(
     cfg: &TrainConfig,
 ) -> Result<Vec<f64>> {
     let chunks = cfg.chunks_for(model, ids)?;
-    let batch = Batch {
-        input_ids: ids,
-        attention_mask: Some(mask),
-        position_ids: None,
-    };
+    let batch = Batch::new(ids, Some(mask));
     let logp = forward_logprobs(model, batch, &targets.ids, chunks)?;
     Ok((logp.to_dtype(DType::F64)? * &targets.mask)?
         .sum(1)?
@@ -194,25 +190,12 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
                 &setup.device,
             )?
             .with_sft_weight(cfg.sft_weight)?;
-            let batch = Batch {
-                input_ids: &ids,
-                attention_mask: Some(&mask),
-                position_ids: None,
-            };
+            let batch = Batch::new(&ids, Some(&mask));
             // Micro-batches of equal size: the step's loss is the mean of their means.
             let out = cfg.backward(model, batch, &dpo)?;
             acc.add(out, tokens, 1.0 / micro_batches)?;
         }
         trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
     }
-    let (output_dir, seconds) = trainer.finish(cfg, &setup)?;
-    Ok(Summary {
-        steps: trainer.max_steps,
-        first_loss: trainer.first_loss,
-        last_loss: trainer.last_loss,
-        before,
-        after: held_out(&setup)?,
-        output_dir,
-        seconds,
-    })
+    trainer.finish(cfg, &setup, before, || held_out(&setup))
 }

@@ -88,11 +88,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         logits_chunk: args.logits_chunk.unwrap_or(DEFAULT_LOGITS_CHUNK),
     };
     let mut reference = |ids: &Tensor, mask: Option<&Tensor>, targets: &Tensor| {
-        let batch = Batch {
-            input_ids: ids,
-            attention_mask: mask,
-            position_ids: None,
-        };
+        let batch = Batch::new(ids, mask);
         Ok(forward_logprobs(
             ref_model.as_ref().unwrap_or(&model),
             batch,

@@ -12,10 +12,10 @@ use streambp_objectives::{Grpo, GrpoBatch, GrpoLossType};
 
 use crate::batch_file::{align_to_inputs, next_token_targets, to_u32_tensor};
 use crate::data::read_jsonl;
-use crate::recipe::{Setup, StepAccumulator, TrainConfig, Trainer};
+use crate::recipe::{Setup, StepAccumulator, Summary, TrainConfig, Trainer};
 use crate::rewards::{group_advantages, parse_reward, Reward};
 use crate::sampling::{sample_group, SamplingConfig};
-use crate::sft::{eval_accuracy, eval_rows, Summary};
+use crate::sft::{eval_accuracy, eval_rows};
 use crate::{Result, TrainError};
 
 /// GRPO's settings beyond the shared ones.
@@ -228,11 +228,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 model.config.vocab_size,
                 &setup.device,
             )?;
-            let batch = Batch {
-                input_ids: &ids,
-                attention_mask: Some(&mask),
-                position_ids: None,
-            };
+            let batch = Batch::new(&ids, Some(&mask));
             let out = cfg.backward(model, batch, &objective)?;
             let tokens = r
                 .attention_mask
@@ -245,28 +241,19 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         }
         trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
     }
-    let (output_dir, seconds) = trainer.finish(cfg, &setup)?;
     // Training reward: mean over the first and the last (up to) five batches of rollouts.
     let window = reward_history.len().clamp(1, 5);
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let mut before = before;
-    let mut after = eval_accuracy(&setup, &eval)?;
     before.push((
         "reward".into(),
         mean(&reward_history[..window.min(reward_history.len())]),
     ));
-    after.push((
-        "reward".into(),
-        mean(&reward_history[reward_history.len().saturating_sub(window)..]),
-    ));
-    Ok(Summary {
-        steps: trainer.max_steps,
-        first_loss: trainer.first_loss,
-        last_loss: trainer.last_loss,
-        before,
-        after,
-        output_dir,
-        seconds,
+    let last_reward = mean(&reward_history[reward_history.len().saturating_sub(window)..]);
+    trainer.finish(cfg, &setup, before, || {
+        let mut after = eval_accuracy(&setup, &eval)?;
+        after.push(("reward".into(), last_reward));
+        Ok(after)
     })
 }
 
@@ -280,11 +267,7 @@ fn logps_of(
 ) -> Result<Vec<Vec<f64>>> {
     let targets = to_u32_tensor(&next_token_targets(rows), ids.device())?;
     let chunks = cfg.chunks_for(model, ids)?;
-    let batch = Batch {
-        input_ids: ids,
-        attention_mask: Some(mask),
-        position_ids: None,
-    };
+    let batch = Batch::new(ids, Some(mask));
     align_to_inputs(&forward_logprobs(model, batch, &targets, chunks)?)
 }
 

@@ -11,9 +11,9 @@ use streambp_train::dpo::run_dpo;
 use streambp_train::grad::{run_grad, GradArgs};
 use streambp_train::grpo::{run_grpo, GrpoConfig};
 use streambp_train::optim::Schedule;
-use streambp_train::recipe::{BuiltinModel, TrainConfig};
+use streambp_train::recipe::{BuiltinModel, Summary, TrainConfig};
 use streambp_train::sampling::SamplingConfig;
-use streambp_train::sft::{run_sft, Summary};
+use streambp_train::sft::run_sft;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;

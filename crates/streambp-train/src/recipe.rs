@@ -170,6 +170,19 @@ pub enum BuiltinModel {
     Sft,
 }
 
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub steps: usize,
+    pub first_loss: f64,
+    pub last_loss: f64,
+    /// Held-out metric before and after (exact-match accuracy; DPO: also preference accuracy).
+    pub before: Vec<(String, f64)>,
+    pub after: Vec<(String, f64)>,
+    pub output_dir: PathBuf,
+    pub seconds: f64,
+}
+
 /// The model, tokenizer and data paths of a run.
 pub struct Setup {
     pub device: Device,
@@ -456,8 +469,15 @@ impl Trainer {
         Ok(())
     }
 
-    /// Ends the run: the final checkpoint (weights, config, tokenizer) in `output_dir/final`.
-    pub fn finish(&self, cfg: &TrainConfig, setup: &Setup) -> Result<(PathBuf, f64)> {
+    /// Ends the run: the final checkpoint (weights, config, tokenizer) in `output_dir/final`, then its
+    /// summary with the held-out metrics `before` and those `after` measures on the trained model.
+    pub fn finish(
+        &self,
+        cfg: &TrainConfig,
+        setup: &Setup,
+        before: Vec<(String, f64)>,
+        after: impl FnOnce() -> Result<Vec<(String, f64)>>,
+    ) -> Result<Summary> {
         self.bar.finish();
         let dir = cfg.output_dir.join("final");
         save_checkpoint(
@@ -468,7 +488,16 @@ impl Trainer {
             None,
             &dir,
         )?;
-        Ok((dir, self.started.elapsed().as_secs_f64()))
+        let seconds = self.started.elapsed().as_secs_f64();
+        Ok(Summary {
+            steps: self.max_steps,
+            first_loss: self.first_loss,
+            last_loss: self.last_loss,
+            before,
+            after: after()?,
+            output_dir: dir,
+            seconds,
+        })
     }
 }
 

@@ -1,7 +1,7 @@
 //! The SFT recipe: token cross entropy on completions, one readable loop over the shared components of
 //! `recipe.rs`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use streambp_core::Batch;
 use streambp_models::Model;
@@ -10,22 +10,9 @@ use streambp_objectives::Sft;
 use crate::batch_file::to_u32_tensor;
 use crate::data::{collate, load_sft, pack, read_jsonl, Collated};
 use crate::generate::greedy;
-use crate::recipe::{Setup, StepAccumulator, TrainConfig, Trainer};
+use crate::recipe::{Setup, StepAccumulator, Summary, TrainConfig, Trainer};
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
-
-/// What a finished run reports.
-#[derive(Debug, Clone)]
-pub struct Summary {
-    pub steps: usize,
-    pub first_loss: f64,
-    pub last_loss: f64,
-    /// Held-out metric before and after (exact-match accuracy; DPO: also preference accuracy).
-    pub before: Vec<(String, f64)>,
-    pub after: Vec<(String, f64)>,
-    pub output_dir: PathBuf,
-    pub seconds: f64,
-}
 
 /// Exact-match accuracy of greedy answers on prompt/completion rows.
 pub fn accuracy(model: &Model, tok: &TextTokenizer, rows: &[(String, String)]) -> Result<f64> {
@@ -142,14 +129,5 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
         }
         trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
     }
-    let (output_dir, seconds) = trainer.finish(cfg, &setup)?;
-    Ok(Summary {
-        steps: trainer.max_steps,
-        first_loss: trainer.first_loss,
-        last_loss: trainer.last_loss,
-        before,
-        after: eval_accuracy(&setup, &eval)?,
-        output_dir,
-        seconds,
-    })
+    trainer.finish(cfg, &setup, before, || eval_accuracy(&setup, &eval))
 }

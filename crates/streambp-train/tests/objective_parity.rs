@@ -40,11 +40,7 @@ fn run(
         &mut no_reference,
     )
     .unwrap();
-    let input = Batch {
-        input_ids: &batch.input_ids,
-        attention_mask: batch.attention_mask.as_ref(),
-        position_ids: None,
-    };
+    let input = Batch::new(&batch.input_ids, batch.attention_mask.as_ref());
     backward(&model, input, batch.objective.as_ref(), mode, chunks).unwrap()
 }
 
