@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use streambp_core::memory::{CountingAllocator, Meter};
 use streambp_core::{
@@ -74,6 +74,11 @@ struct Args {
     /// learning rate 0, so the weights stay as they are): its seconds and peak bytes are reported too.
     #[arg(long)]
     optimizer_step: bool,
+    /// Print the planner's cost-model estimate of stream's peak per phase at each T (with --chunk,
+    /// T/3, or the planner's chunks for --max-t-budget) instead of running: sizes a run on a card
+    /// before it is lent. No weights are built.
+    #[arg(long)]
+    predict: bool,
     /// Write the results as JSON lines here too.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -232,6 +237,55 @@ fn options(args: &Args) -> Options {
     }
 }
 
+/// The planner's view of one backward of this run at `t` tokens.
+fn problem<'a>(config: &'a ModelConfig, dtype: DType, args: &Args, t: usize) -> Problem<'a> {
+    Problem {
+        config,
+        batch: rows_of(&args.objective, args.group),
+        seq_len: t,
+        dtype,
+        // Offloading moves the checkpoints off an accelerator; on the CPU they stay where they were.
+        offloaded: args.offload_checkpoints && args.device != "cpu",
+    }
+}
+
+/// `--predict`: the cost model's view of stream at each T, without building the model.
+fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    println!();
+    println!("Cost-model estimate of stream's peak (not a measurement):");
+    println!("| T | chunk | logits chunk | weights + gradients (GiB) | head phase | layer phase | embedding phase | peak (GiB) |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for &t in &args.seq_lens {
+        let p = problem(cfg, dtype, args, t);
+        let chunks = match args.max_t_budget {
+            Some(budget) => match plan_for_budget(p, budget) {
+                Ok(chunks) => chunks,
+                Err(e) => {
+                    println!("| {t} | - | - | - | - | - | - | {e} |");
+                    continue;
+                }
+            },
+            None => Chunks {
+                chunk: args.chunk.unwrap_or(t.div_ceil(3)),
+                logits_chunk: args.logits_chunk,
+            },
+        };
+        let est = estimate(p, chunks);
+        println!(
+            "| {t} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            chunks.chunk,
+            chunks.logits_chunk,
+            gib(est.resident),
+            gib(est.head_phase),
+            gib(est.layer_phase),
+            gib(est.embedding_phase),
+            gib(est.peak())
+        );
+    }
+    Ok(())
+}
+
 /// The longest T (multiple of `step`) whose whole peak (weights included) fits `budget`, and the
 /// peak there, plus the first T tried that did not fit.
 fn max_t(
@@ -250,12 +304,7 @@ fn max_t(
                 logits_chunk: args.logits_chunk,
             },
             None => {
-                let problem = Problem {
-                    config: &model.config,
-                    batch: rows_of(&args.objective, args.group),
-                    seq_len: t,
-                    dtype: model.dtype(),
-                };
+                let problem = problem(&model.config, model.dtype(), args, t);
                 match plan_for_budget(problem, budget) {
                     Ok(chunks) => chunks,
                     Err(e) => {
@@ -327,8 +376,11 @@ fn mib(b: usize) -> f64 {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let dtype = parse_dtype(&args.dtype)?;
-    let device = parse_device(&args.device)?;
     let cfg = ModelConfig::from_file(&args.config)?;
+    if args.predict {
+        return predict(&cfg, dtype, &args);
+    }
+    let device = parse_device(&args.device)?;
     let model = Model::random(cfg, dtype, &device, 0)?;
     let params: usize = model.parameters().iter().map(|(_, v)| v.elem_count()).sum();
     println!(
@@ -420,13 +472,7 @@ fn main() -> anyhow::Result<()> {
         };
         // The planner's cost model of stream's whole peak, against the measured whole peak.
         let estimate_error = if p.mode == Mode::Stream {
-            let problem = Problem {
-                config: &model.config,
-                batch: rows_of(&args.objective, args.group),
-                seq_len: p.t,
-                dtype,
-            };
-            let est = estimate(problem, *chunks).peak() as f64;
+            let est = estimate(problem(&model.config, dtype, &args, p.t), *chunks).peak() as f64;
             let measured = (p.peak + p.base) as f64;
             format!("{:+.1}%", 100.0 * (est - measured) / measured)
         } else {

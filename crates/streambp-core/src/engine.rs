@@ -71,6 +71,13 @@ pub struct Options {
     pub offload_checkpoints: bool,
 }
 
+impl Options {
+    /// Whether the checkpoints leave `device`'s memory (offloading from the CPU to the CPU keeps them).
+    pub fn offloads_from(&self, device: &candle_core::Device) -> bool {
+        self.offload_checkpoints && !device.is_cpu()
+    }
+}
+
 /// A batch of right-padded token rows.
 #[derive(Debug, Clone, Copy)]
 pub struct Batch<'a> {

@@ -2,20 +2,25 @@
 //! cost model of the streamed backward's peak bytes.
 //!
 //! The model counts what `stream` holds at its peak (see `engine.rs`):
-//! - held throughout: parameters, gradient accumulators, the `L + 1` layer checkpoints `[b, T, d]`;
+//! - throughout: parameters and gradient accumulators;
+//! - the layer checkpoints `[b, T, d]`: `L + 1` in the head, `L` when the layers' backward starts, one
+//!   at a time when they are offloaded to the host;
 //! - in a layer's backward: K, V and their pending gradients, the incoming and outgoing `[b, T, d]`
 //!   gradients, and one chunk's graph: its activations (`c × (d, q, kv, ffn)` several times) and its
 //!   attention scores against one block of keys (`heads × c × min(T, KEY_BLOCK)` in f32, a few copies
 //!   inside the attention op's backward);
 //! - in the head: one logits chunk `c × V` (model dtype, an f32 copy and a few f32 temporaries) and the
-//!   gradient of the head weight.
+//!   gradient of the head weight;
+//! - in the embedding's backward: a few `[b, T, d]` tensors and two copies of the table's gradient.
 //!
 //! The copy counts are fitted to peaks measured with the counting allocator (CPU, f32, candle 0.11,
 //! `streambp-bench` on `benches/configs/qwen3-small.json`, T = 1024/2048, chunk 128/256, logits chunk
-//! 100/400; the attention count refitted at T = 4096 after the attention became one op): a chunk's
-//! attention holds about 5 f32 copies of its `heads × c × key block` scores at once (inside the
-//! attention op's backward; none stay in the graph), a logits chunk about 3.4 f32 copies of `c × V`. The bench prints
-//! the model's error next to every measured stream peak.
+//! 100/400; the attention count refitted at T = 4096 after the attention became one op; the embedding
+//! phase fitted on `tests/planner.rs`'s model): a chunk's attention holds about 5 f32 copies of its
+//! `heads × c × key block` scores at once (inside the attention op's backward; none stay in the graph),
+//! a logits chunk about 3.4 f32 copies of `c × V`. `tests/planner.rs` checks the model against measured
+//! peaks; the bench prints its error next to every measured stream peak, and `--predict` prints its
+//! estimate for shapes too large to run here.
 
 use candle_core::DType;
 use streambp_models::ModelConfig;
@@ -30,19 +35,29 @@ pub struct Problem<'a> {
     pub batch: usize,
     pub seq_len: usize,
     pub dtype: DType,
+    /// The layer checkpoints live outside the memory being planned: offloaded to the host from an
+    /// accelerator (see [`crate::Options::offloads_from`]). The device then holds the last layer's output
+    /// during the head and one layer's input at a time during the layers.
+    pub offloaded: bool,
 }
 
-/// Estimated peak bytes of the phases of a streamed backward.
+/// Estimated peak bytes of the phases of a streamed backward: what stays allocated throughout (weights
+/// and gradients) and each phase's own peak above it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Estimate {
     pub resident: u64,
-    pub layer_phase: u64,
     pub head_phase: u64,
+    pub layer_phase: u64,
+    pub embedding_phase: u64,
 }
 
 impl Estimate {
     pub fn peak(&self) -> u64 {
-        self.resident + self.layer_phase.max(self.head_phase)
+        self.resident
+            + self
+                .head_phase
+                .max(self.layer_phase)
+                .max(self.embedding_phase)
     }
 }
 
@@ -71,27 +86,40 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let grad_bytes = if e < 4 { f32b } else { e };
     let params = parameter_count(cfg);
     let in_flight = params.saturating_sub(vocab * d) / layers.max(1) + vocab * d;
-    let resident = params * 2 * e + in_flight * (grad_bytes - e) + (layers + 1) * b * t * d * e;
+    let resident = params * 2 * e + in_flight * (grad_bytes - e);
+
+    // `[b, T, d]` hidden states; the checkpoints on the device: `L + 1` in the head, `L` when the
+    // last layer's backward starts (one fewer per layer after it), one at a time when offloaded.
+    let hidden = b * t * d * e;
+    let checkpoints = |n: u64| if p.offloaded { hidden } else { n * hidden };
+
+    let lc = (chunks.logits_chunk as u64).min(t);
+    let logits = b * lc * vocab * (e + 3 * f32b.max(e));
+    let head_phase = checkpoints(layers + 1) + hidden + logits + vocab * d * grad_bytes;
 
     let c = (chunks.chunk as u64).min(t);
     // The attention op scores a chunk against one block of keys at a time.
     let keys = t.min(streambp_models::attention::KEY_BLOCK as u64);
     let kv_state = 4 * b * t * kv * e;
-    let grads_io = 2 * b * t * d * e;
+    let grads_io = 2 * hidden;
     let chunk_acts = b * c * (8 * d + 4 * q + 4 * kv + 6 * ffn) * e;
     // The attention op keeps no score-sized tensor in the graph; its backward holds about five at once.
     let scores = 5 * b * heads * c * keys * f32b.max(e);
-    let layer_phase = kv_state + grads_io + chunk_acts + scores;
+    let layer_phase = checkpoints(layers) + kv_state + grads_io + chunk_acts + scores;
 
-    let lc = (chunks.logits_chunk as u64).min(t);
-    let logits = b * lc * vocab * (e + 3 * f32b.max(e));
-    let head_phase = b * t * d * e + logits + vocab * d * grad_bytes;
+    // The embedding's VJP: a few `[b, T, d]` tensors in its graph, the table's gradient (built in the
+    // model dtype from a zeroed table) and its sum with the accumulated one.
+    let embedding_phase = EMBEDDING_HIDDEN_COPIES * hidden + vocab * d * (2 * e + grad_bytes);
     Estimate {
         resident,
-        layer_phase,
         head_phase,
+        layer_phase,
+        embedding_phase,
     }
 }
+
+/// `[b, T, d]` tensors alive in the embedding's VJP (fitted, see the module doc).
+const EMBEDDING_HIDDEN_COPIES: u64 = 6;
 
 /// Share of the budget the chunks are planned for: the cost model's measured error is within about
 /// ±6% (docs/benchmarks.md), so planning for the whole budget would overshoot it about half the time.

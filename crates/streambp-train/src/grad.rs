@@ -103,6 +103,9 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         &mut reference,
     )?;
     let (b, t) = batch.input_ids.dims2()?;
+    let options = Options {
+        offload_checkpoints: args.offload_checkpoints,
+    };
     let chunks = match (args.chunk, args.logits_chunk, args.memory_budget) {
         (None, None, Some(budget)) => {
             let problem = Problem {
@@ -110,6 +113,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
                 batch: b,
                 seq_len: t,
                 dtype,
+                offloaded: options.offloads_from(&device),
             };
             plan_for_budget(problem, budget)?
         }
@@ -120,9 +124,6 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     };
     tracing::info!(?chunks, mode = %args.mode, batch = b, seq_len = t, "backward");
     let start = Instant::now();
-    let options = Options {
-        offload_checkpoints: args.offload_checkpoints,
-    };
     let out = backward_with(
         &model,
         Batch {

@@ -85,6 +85,7 @@ impl TrainConfig {
             batch,
             seq_len,
             dtype: model.dtype(),
+            offloaded: self.options().offloads_from(model.device()),
         };
         Ok(plan_for_budget(problem, budget)?)
     }
@@ -97,12 +98,20 @@ impl TrainConfig {
         objective: &dyn Objective,
     ) -> Result<Gradients> {
         let chunks = self.chunks_for(model, batch.input_ids)?;
-        let options = Options {
-            offload_checkpoints: self.offload_checkpoints,
-        };
         Ok(backward_with(
-            model, batch, objective, self.mode, chunks, options,
+            model,
+            batch,
+            objective,
+            self.mode,
+            chunks,
+            self.options(),
         )?)
+    }
+
+    fn options(&self) -> Options {
+        Options {
+            offload_checkpoints: self.offload_checkpoints,
+        }
     }
 }
 
