@@ -4,6 +4,7 @@
 //!
 //! `cargo run --release -p streambp-bench -- --config benches/configs/qwen3-small.json --seq-lens 1024,2048`
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -64,6 +65,14 @@ struct Args {
     max_t_budget: Option<u64>,
     #[arg(long, default_value_t = 256)]
     t_step: usize,
+    /// With --max-t-budget: try no T above this; a mode that still fits reports "at least" it (long
+    /// runs on a card are bounded by time before memory).
+    #[arg(long)]
+    t_max: Option<usize>,
+    /// Keep only the first N decoder layers: one layer's share of a shape too slow to run whole. A
+    /// deeper model adds its layers' weights and gradients, and their checkpoints unless offloaded.
+    #[arg(long)]
+    layers: Option<usize>,
     /// Write memory.svg and time.svg (peak memory and seconds vs T, one line per mode) into this folder.
     #[arg(long)]
     plot: Option<PathBuf>,
@@ -79,7 +88,7 @@ struct Args {
     /// before it is lent. No weights are built.
     #[arg(long)]
     predict: bool,
-    /// Write the results as JSON lines here too.
+    /// Write the results as JSON lines here too, each as soon as its point is done.
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -317,12 +326,7 @@ fn max_t(
         let work = workload(&args.objective, vocab, t, args.group, model.device())?;
         let p = match run(model, &work, mode, chunks, 1, options(args), false) {
             Ok(p) => p,
-            // An accelerator that runs out of memory answers with an error: that T does not fit.
-            Err(e)
-                if format!("{e:#}")
-                    .to_ascii_lowercase()
-                    .contains("out of memory") =>
-            {
+            Err(e) if is_out_of_memory(&e) => {
                 eprintln!("  {mode} T={t} ({chunks:?}): out of memory");
                 return Ok((false, usize::MAX));
             }
@@ -347,6 +351,10 @@ fn max_t(
     }
     let (mut lo, mut hi) = (step, 2 * step);
     loop {
+        if args.t_max.is_some_and(|cap| hi > cap) {
+            // Bounded by the cap, not by memory: report the cap as the T above.
+            return Ok((lo, best_peak, usize::MAX));
+        }
         let (ok, peak) = fits(hi)?;
         if !ok {
             break;
@@ -369,6 +377,24 @@ fn max_t(
     Ok((lo, best_peak, hi))
 }
 
+/// One JSON line of results.
+fn point_json(args: &Args, p: &Point, c: &Chunks) -> serde_json::Value {
+    serde_json::json!({
+        "objective": args.objective, "t": p.t, "mode": p.mode.to_string(), "chunk": c.chunk,
+        "logits_chunk": c.logits_chunk, "peak_bytes": p.peak, "base_bytes": p.base,
+        "seconds": p.seconds, "loss": p.loss,
+        "optimizer_step": p.optimizer.map(|(b, s)| serde_json::json!({"peak_bytes": b, "seconds": s})),
+        "phases": p.phases.iter().map(|(n, b, s)| serde_json::json!({"phase": n, "peak_bytes": b, "seconds": s})).collect::<Vec<_>>(),
+    })
+}
+
+/// An accelerator that runs out of memory answers with an error, which the bench reports as a result.
+fn is_out_of_memory(e: &anyhow::Error) -> bool {
+    format!("{e:#}")
+        .to_ascii_lowercase()
+        .contains("out of memory")
+}
+
 fn mib(b: usize) -> f64 {
     b as f64 / (1 << 20) as f64
 }
@@ -376,7 +402,10 @@ fn mib(b: usize) -> f64 {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let dtype = parse_dtype(&args.dtype)?;
-    let cfg = ModelConfig::from_file(&args.config)?;
+    let mut cfg = ModelConfig::from_file(&args.config)?;
+    if let Some(n) = args.layers {
+        cfg.layers.truncate(n.max(1));
+    }
     if args.predict {
         return predict(&cfg, dtype, &args);
     }
@@ -418,12 +447,24 @@ fn main() -> anyhow::Result<()> {
         println!("|---|---|---|---|");
         for &mode in &args.modes {
             let (t, peak, over) = max_t(&model, &args, mode, budget)?;
+            let over = match over {
+                usize::MAX => "none tried (--t-max)".to_string(),
+                over => over.to_string(),
+            };
             println!("| {mode} | {t} | {:.1} | {over} |", mib(peak));
         }
         return Ok(());
     }
 
+    let mut json = args
+        .json
+        .as_ref()
+        .map(|path| {
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))
+        })
+        .transpose()?;
     let mut points = Vec::new();
+    let mut out_of_memory = Vec::new();
     for &t in &args.seq_lens {
         let chunks = Chunks {
             chunk: args.chunk.unwrap_or(t.div_ceil(3)),
@@ -431,7 +472,7 @@ fn main() -> anyhow::Result<()> {
         };
         let work = workload(&args.objective, vocab, t, args.group, model.device())?;
         for &mode in &args.modes {
-            let p = run(
+            let p = match run(
                 &model,
                 &work,
                 mode,
@@ -439,7 +480,22 @@ fn main() -> anyhow::Result<()> {
                 args.repeats,
                 options(&args),
                 args.optimizer_step,
-            )?;
+            ) {
+                Ok(p) => p,
+                Err(e) if is_out_of_memory(&e) => {
+                    eprintln!("T={t} {mode}: out of memory");
+                    out_of_memory.push((t, mode));
+                    if let Some(file) = &mut json {
+                        let line = serde_json::json!({
+                            "objective": args.objective, "t": t, "mode": mode.to_string(),
+                            "out_of_memory": true,
+                        });
+                        writeln!(file, "{line}")?;
+                    }
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             eprintln!(
                 "T={t} {mode}: peak {:.1} MiB, {:.3} s",
                 mib(p.peak),
@@ -450,6 +506,10 @@ fn main() -> anyhow::Result<()> {
                     "T={t} {mode}: AdamW step {seconds:.3} s, peak {:.1} MiB above the gradients (f32 moments included)",
                     mib(peak)
                 );
+            }
+            if let Some(file) = &mut json {
+                writeln!(file, "{}", point_json(&args, &p, &chunks))?;
+                file.flush()?;
             }
             points.push((p, chunks));
         }
@@ -494,6 +554,9 @@ fn main() -> anyhow::Result<()> {
             ratio(same_t(Mode::Checkpoint), &|x| x.seconds),
             estimate_error,
         );
+    }
+    for (t, mode) in &out_of_memory {
+        println!("| {t} | {mode} | - | out of memory | - | - | - | - | - |");
     }
     if let Some(dir) = &args.plot {
         std::fs::create_dir_all(dir)?;
@@ -540,21 +603,6 @@ fn main() -> anyhow::Result<()> {
                 &series(&|p| p.seconds),
             ),
         )?;
-    }
-    if let Some(path) = &args.json {
-        let lines: Vec<String> = points
-            .iter()
-            .map(|(p, c)| {
-                serde_json::json!({
-                    "objective": args.objective, "t": p.t, "mode": p.mode.to_string(), "chunk": c.chunk, "logits_chunk": c.logits_chunk,
-                    "peak_bytes": p.peak, "seconds": p.seconds, "loss": p.loss,
-                    "optimizer_step": p.optimizer.map(|(b, s)| serde_json::json!({"peak_bytes": b, "seconds": s})),
-                    "phases": p.phases.iter().map(|(n, b, s)| serde_json::json!({"phase": n, "peak_bytes": b, "seconds": s})).collect::<Vec<_>>(),
-                })
-                .to_string()
-            })
-            .collect();
-        std::fs::write(path, lines.join("\n") + "\n")?;
     }
     Ok(())
 }
