@@ -3,23 +3,12 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use streambp_core::{backward, Batch, Chunks, Gradients, Mode};
 use streambp_models::{load_model, Model};
 use streambp_objectives::Sft;
-
-pub const FAMILIES: [&str; 4] = ["qwen2", "qwen3", "llama3", "gemma3"];
-
-/// `tests/fixtures/<name>`; `STREAMBP_FIXTURES` overrides the folder (a test binary carried to another
-/// machine, e.g. the GPU one, where the build's source path does not exist).
-pub fn fixture_dir(name: &str) -> PathBuf {
-    std::env::var_os("STREAMBP_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"))
-        .join(name)
-}
+pub use streambp_testkit::*;
 
 pub struct Fixture {
     pub model: Model,
@@ -53,22 +42,6 @@ impl Fixture {
         };
         backward(&self.model, batch, &self.sft(), mode, chunks).unwrap()
     }
-}
-
-/// Max relative error of two tensors: `max |a - b| / max |b|`.
-pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
-    let diff = (a - &b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    let scale = b.abs().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
-    diff / scale.max(f64::MIN_POSITIVE)
 }
 
 /// The worst per-tensor relative error between two gradient sets (same names, same order).

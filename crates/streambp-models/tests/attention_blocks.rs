@@ -4,25 +4,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use streambp_models::attention::attention_blocked;
-
-fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let diff = (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    let scale = b
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    diff / scale.max(f64::MIN_POSITIVE)
-}
+use streambp_testkit::rel_err;
 
 #[test]
 fn key_blocks_do_not_change_output_or_gradients() {

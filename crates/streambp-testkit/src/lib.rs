@@ -1,0 +1,60 @@
+//! Helpers shared by the streambp crates' tests: the committed fixtures under `tests/fixtures` (written
+//! by `scripts/make_fixtures.py`) and the error measures the tests assert on. Test code: it panics on
+//! anything unexpected.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+
+/// The fixture families, one tiny random model each.
+pub const FAMILIES: [&str; 4] = ["qwen2", "qwen3", "llama3", "gemma3"];
+
+/// `tests/fixtures/<name>`; `STREAMBP_FIXTURES` overrides the folder (a test binary carried to another
+/// machine, e.g. the GPU one, where the build's source path does not exist).
+pub fn fixture_dir(name: &str) -> PathBuf {
+    std::env::var_os("STREAMBP_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"))
+        .join(name)
+}
+
+/// The fixture's float64 references (batch, logits, losses, gradients).
+pub fn reference(name: &str) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(
+        fixture_dir(name).join("reference.safetensors"),
+        &Device::Cpu,
+    )
+    .expect("fixture reference.safetensors")
+}
+
+/// The fixture's `meta.json` (what the script recorded about it).
+pub fn meta(name: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture_dir(name).join("meta.json")).expect("meta.json");
+    serde_json::from_str(&text).expect("meta.json is JSON")
+}
+
+fn max_of(t: Tensor) -> f64 {
+    t.flatten_all()
+        .and_then(|t| t.max(0))
+        .and_then(|t| t.to_scalar::<f64>())
+        .expect("max of a tensor")
+}
+
+/// Max relative error of two tensors of any shape: `max |a - b| / max |b|`.
+pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap();
+    let b = b.to_dtype(DType::F64).unwrap();
+    let diff = (a - &b).unwrap().abs().unwrap();
+    max_of(diff) / max_of(b.abs().unwrap()).max(f64::MIN_POSITIVE)
+}
+
+/// [`rel_err`] over the positions where `mask` (`[b, t]`) is 1; `a`, `b` are `[b, t, v]`.
+pub fn masked_rel_err(a: &Tensor, b: &Tensor, mask: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap();
+    let b = b.to_dtype(DType::F64).unwrap();
+    let m = mask.to_dtype(DType::F64).unwrap().unsqueeze(2).unwrap();
+    let diff = (a - &b).unwrap().abs().unwrap().broadcast_mul(&m).unwrap();
+    let scale = b.abs().unwrap().broadcast_mul(&m).unwrap();
+    max_of(diff) / max_of(scale).max(f64::MIN_POSITIVE)
+}
