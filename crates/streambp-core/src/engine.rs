@@ -116,7 +116,7 @@ impl<'a> Batch<'a> {
                 }
             }
         }
-        Ok(Layout::new(self.attention_mask, self.position_ids)?)
+        Ok(Layout::new(self.attention_mask, self.position_ids)?.with_seq_len(t))
     }
 }
 

@@ -2,7 +2,7 @@
 //! cost model of the streamed backward's peak bytes.
 //!
 //! The model counts what `stream` holds at its peak (see `engine.rs`):
-//! - throughout: parameters and gradient accumulators;
+//! - throughout: parameters, gradient accumulators and the rope tables (`2 × T × head_dim`);
 //! - the layer checkpoints `[b, T, d]`: `L + 1` in the head, `L` when the layers' backward starts, one
 //!   at a time when they are offloaded to the host;
 //! - in a layer's backward: K, V and their pending gradients, the incoming and outgoing `[b, T, d]`
@@ -86,7 +86,9 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let grad_bytes = if e < 4 { f32b } else { e };
     let params = parameter_count(cfg);
     let in_flight = params.saturating_sub(vocab * d) / layers.max(1) + vocab * d;
-    let resident = params * 2 * e + in_flight * (grad_bytes - e);
+    // The rope tables (cos and sin for every position), built once per backward.
+    let rope = 2 * t * cfg.head_dim as u64 * e;
+    let resident = params * 2 * e + in_flight * (grad_bytes - e) + rope;
 
     // `[b, T, d]` hidden states; the checkpoints on the device: `L + 1` in the head, `L` when the
     // last layer's backward starts (one fewer per layer after it), one at a time when offloaded.

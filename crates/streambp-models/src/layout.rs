@@ -6,6 +6,8 @@
 //! its position in that document, so a packed row computes exactly what its documents would as rows of
 //! their own.
 
+use std::sync::{Arc, Mutex};
+
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
@@ -17,6 +19,25 @@ pub struct Layout {
     /// `[batch, T]` u8, 1 = real token; `None`: no padding.
     pub key_valid: Option<Tensor>,
     packing: Option<Packing>,
+    rope: RopeCache,
+    /// Tokens per row, when known: the rope tables are built that long at once.
+    seq_len: usize,
+}
+
+/// Rope tables this layout has built, per rotary table and dtype: every layer and chunk of a backward
+/// cuts its rows from one table instead of evaluating sines and cosines again (on the host, and
+/// copying them to the device, where that stalls the accelerator). Clones share it.
+#[derive(Debug, Clone, Default)]
+struct RopeCache(Arc<Mutex<Vec<RopeTables>>>);
+
+/// `cos` and `sin` for tokens `0..len`: `[len, head_dim]`, or `[batch, 1, len, head_dim]` when packed.
+#[derive(Debug)]
+struct RopeTables {
+    rotary: Rotary,
+    dtype: DType,
+    len: usize,
+    cos: Tensor,
+    sin: Tensor,
 }
 
 /// Document boundaries of packed rows.
@@ -46,11 +67,24 @@ impl Layout {
             Some(p) => Packing::from_position_ids(p, key_valid.as_ref())?,
             None => None,
         };
-        Ok(Self { key_valid, packing })
+        Ok(Self {
+            key_valid,
+            packing,
+            rope: RopeCache::default(),
+            seq_len: 0,
+        })
+    }
+
+    /// The rows' length, so that rope tables are built once at that length (without it they grow by
+    /// doubling to what the chunks ask for).
+    pub fn with_seq_len(mut self, seq_len: usize) -> Self {
+        self.seq_len = seq_len;
+        self
     }
 
     /// `(cos, sin)` rope tables for tokens `start..start + len`: `[len, head_dim]`, or `[batch, 1, len,
-    /// head_dim]` for packed rows.
+    /// head_dim]` for packed rows. Cut from a table built once per rotary and dtype (grown by doubling
+    /// when a longer one is asked for, as decoding does).
     pub fn rope_tables(
         &self,
         rotary: &Rotary,
@@ -59,19 +93,73 @@ impl Layout {
         dtype: DType,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
-        match &self.packing {
-            None => rotary.tables((start..start + len).map(|p| p as f64), len, dtype, device),
+        let end = start + len;
+        let mut cache = self
+            .rope
+            .0
+            .lock()
+            .map_err(|_| ModelError::Input("rope table cache poisoned".into()))?;
+        let found = cache.iter().position(|c| {
+            c.rotary == *rotary && c.dtype == dtype && c.cos.device().same_device(device)
+        });
+        let index = match found {
+            Some(i) if cache[i].len >= end => i,
+            found => {
+                let shorter = found.map_or(0, |i| cache[i].len);
+                let len = end.max(2 * shorter).max(self.seq_len);
+                let tables = self.build_rope_tables(rotary, len, dtype, device)?;
+                match found {
+                    Some(i) => {
+                        cache[i] = tables;
+                        i
+                    }
+                    None => {
+                        cache.push(tables);
+                        cache.len() - 1
+                    }
+                }
+            }
+        };
+        let t = &cache[index];
+        let axis = t.cos.rank() - 2;
+        Ok((
+            t.cos.narrow(axis, start, len)?,
+            t.sin.narrow(axis, start, len)?,
+        ))
+    }
+
+    /// Tables for tokens `0..len` (a packed batch's whole rows, whatever `len` asks).
+    fn build_rope_tables(
+        &self,
+        rotary: &Rotary,
+        len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<RopeTables> {
+        let (len, cos, sin) = match &self.packing {
+            None => {
+                let (cos, sin) = rotary.tables((0..len).map(|p| p as f64), len, dtype, device)?;
+                (len, cos, sin)
+            }
             Some(p) => {
                 let rows = p.positions.len();
+                let t = p.positions.first().map_or(0, Vec::len);
                 let positions = p
                     .positions
                     .iter()
-                    .flat_map(|row| row[start..start + len].iter().map(|&q| q as f64));
-                let (cos, sin) = rotary.tables(positions, rows * len, dtype, device)?;
-                let shape = (rows, 1, len, cos.dim(1)?);
-                Ok((cos.reshape(shape)?, sin.reshape(shape)?))
+                    .flat_map(|row| row.iter().map(|&q| q as f64));
+                let (cos, sin) = rotary.tables(positions, rows * t, dtype, device)?;
+                let shape = (rows, 1, t, cos.dim(1)?);
+                (t, cos.reshape(shape)?, sin.reshape(shape)?)
             }
-        }
+        };
+        Ok(RopeTables {
+            rotary: rotary.clone(),
+            dtype,
+            len,
+            cos,
+            sin,
+        })
     }
 
     /// The first key that any query at index `q_start` or later can see across document boundaries.

@@ -181,7 +181,7 @@ impl Model {
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let layout = Layout::new(attention_mask, None)?;
+        let layout = Layout::new(attention_mask, None)?.with_seq_len(input_ids.dim(1)?);
         let mut h = self.embed(input_ids)?;
         for layer in &self.layers {
             h = layer.forward(&h, &layout)?;

@@ -73,13 +73,15 @@ impl Rotary {
         let mut cos = Vec::with_capacity(n * 2 * half);
         let mut sin = Vec::with_capacity(n * 2 * half);
         for p in positions {
-            for _ in 0..2 {
-                for f in &self.inv_freq {
-                    let angle = p * f;
-                    cos.push(angle.cos());
-                    sin.push(angle.sin());
-                }
+            // Both halves of a row hold the same angles (`rotate_half`): evaluate them once.
+            let row = cos.len();
+            for f in &self.inv_freq {
+                let (s, c) = (p * f).sin_cos();
+                cos.push(c);
+                sin.push(s);
             }
+            cos.extend_from_within(row..);
+            sin.extend_from_within(row..);
         }
         if cos.len() != n * 2 * half {
             return Err(crate::error::ModelError::Input(format!(

@@ -14,18 +14,19 @@ pub struct SamplingConfig {
     pub max_new_tokens: usize,
 }
 
-/// Per-layer cached keys and values `[rows, kv_heads, t, head_dim]`.
+/// Per-layer cached keys and values `[rows, kv_heads, t, head_dim]`, and the layout of the sequence
+/// (one prompt for every row, so no padding and no packing), which keeps its rope tables across steps.
 struct Cache {
     keys: Vec<Option<Tensor>>,
     values: Vec<Option<Tensor>>,
+    layout: Layout,
 }
 
 /// Runs `x` (`[rows, n, d]`, positions `start..start + n`) through the model, extending the cache, and
 /// returns the logits of the last position (`[rows, vocab]`).
 fn step(model: &Model, cache: &mut Cache, x: Tensor, start: usize) -> Result<Tensor> {
     let mut h = x;
-    // One prompt for every row, so no padding and no packing.
-    let layout = Layout::default();
+    let layout = cache.layout.clone();
     for (i, layer) in model.layers.iter().enumerate() {
         let normed = layer.norm_input(&h)?;
         let (k, v) = layer.keys_values(&normed, start, &layout)?;
@@ -113,6 +114,7 @@ pub fn sample_group(
     let mut cache = Cache {
         keys: vec![None; model.layers.len()],
         values: vec![None; model.layers.len()],
+        layout: Layout::default(),
     };
     let ids = Tensor::new(prompt, device)?
         .unsqueeze(0)?
