@@ -260,10 +260,23 @@ fn problem<'a>(config: &'a ModelConfig, dtype: DType, args: &Args, t: usize) -> 
 
 /// `--predict`: the cost model's view of stream at each T, without building the model.
 fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    // GiB for models of a card's size, MiB for the small ones.
+    let weights = estimate(
+        problem(cfg, dtype, args, 1),
+        Chunks {
+            chunk: 1,
+            logits_chunk: 1,
+        },
+    )
+    .resident;
+    let (unit, scale) = match weights >= 1 << 30 {
+        true => ("GiB", (1u64 << 30) as f64),
+        false => ("MiB", (1u64 << 20) as f64),
+    };
+    let gib = |b: u64| b as f64 / scale;
     println!();
     println!("Cost-model estimate of stream's peak (not a measurement):");
-    println!("| T | chunk | logits chunk | weights + gradients (GiB) | head phase | layer phase | embedding phase | peak (GiB) |");
+    println!("| T | chunk | logits chunk | weights + gradients ({unit}) | head phase | layer phase | embedding phase | peak ({unit}) |");
     println!("|---|---|---|---|---|---|---|---|");
     for &t in &args.seq_lens {
         let p = problem(cfg, dtype, args, t);

@@ -13,14 +13,16 @@
 //!   gradient of the head weight;
 //! - in the embedding's backward: a few `[b, T, d]` tensors and two copies of the table's gradient.
 //!
-//! The copy counts are fitted to peaks measured with the counting allocator (CPU, f32, candle 0.11,
-//! `streambp-bench` on `benches/configs/qwen3-small.json`, T = 1024/2048, chunk 128/256, logits chunk
-//! 100/400; the attention count refitted at T = 4096 after the attention became one op; the embedding
-//! phase fitted on `tests/planner.rs`'s model): a chunk's attention holds about 5 f32 copies of its
-//! `heads × c × key block` scores at once (inside the attention op's backward; none stay in the graph),
-//! a logits chunk about 3.4 f32 copies of `c × V`. `tests/planner.rs` checks the model against measured
-//! peaks; the bench prints its error next to every measured stream peak, and `--predict` prints its
-//! estimate for shapes too large to run here.
+//! The copy counts are fitted to peaks measured with the counting allocator (CPU, candle 0.11,
+//! `streambp-bench` on `benches/configs/qwen3-small.json` in f32 at T = 1024/2048, chunk 128/256, logits
+//! chunk 100/400, the attention count refitted at T = 4096 after the attention became one op; the head
+//! and embedding phases refitted per phase on it and on `tests/planner.rs`'s model, f32 and bf16, at
+//! T = 1024..4096): a chunk's attention holds about 5 f32 copies of its `heads × c × key block` scores
+//! at once (inside the attention op's backward; none stay in the graph), a logits chunk 4 f32 copies
+//! of `c × V` (2 more in the model dtype for half precision), the embedding's backward 8 f32 (6 bf16)
+//! `[b, T, d]` tensors. `tests/planner.rs` checks the model against measured peaks; the bench prints
+//! its error next to every measured stream peak, and `--predict` prints its estimate for shapes too
+//! large to run here.
 
 use candle_core::DType;
 use streambp_models::ModelConfig;
@@ -83,7 +85,8 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let layers = cfg.num_layers() as u64;
     // Gradient accumulators are f32 for half-precision models, rounded to the model dtype once a
     // layer is done: f32 only for the layer in flight and the embedding table.
-    let grad_bytes = if e < 4 { f32b } else { e };
+    let half = e < 4;
+    let grad_bytes = if half { f32b } else { e };
     let params = parameter_count(cfg);
     let in_flight = params.saturating_sub(vocab * d) / layers.max(1) + vocab * d;
     // The rope tables (cos and sin for every position), built once per backward.
@@ -96,7 +99,10 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let checkpoints = |n: u64| if p.offloaded { hidden } else { n * hidden };
 
     let lc = (chunks.logits_chunk as u64).min(t);
-    let logits = b * lc * vocab * (e + 3 * f32b.max(e));
+    // The scores in the compute dtype, their softmax, its VJP and the target scatter; half precision
+    // adds the raw logits and the rounded VJP.
+    let half_logits = if half { 2 * e } else { 0 };
+    let logits = b * lc * vocab * (4 * f32b.max(e) + half_logits);
     let head_phase = checkpoints(layers + 1) + hidden + logits + vocab * d * grad_bytes;
 
     let c = (chunks.chunk as u64).min(t);
@@ -109,9 +115,10 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let scores = 5 * b * heads * c * keys * f32b.max(e);
     let layer_phase = checkpoints(layers) + kv_state + grads_io + chunk_acts + scores;
 
-    // The embedding's VJP: a few `[b, T, d]` tensors in its graph, the table's gradient (built in the
-    // model dtype from a zeroed table) and its sum with the accumulated one.
-    let embedding_phase = EMBEDDING_HIDDEN_COPIES * hidden + vocab * d * (2 * e + grad_bytes);
+    // The embedding's VJP: a few `[b, T, d]` tensors in its graph, the table's gradient (model dtype;
+    // an f32 copy of it for half precision) and its sum with the accumulated one.
+    let (hidden_copies, half_table) = if half { (6, f32b) } else { (8, 0) };
+    let embedding_phase = hidden_copies * hidden + vocab * d * (e + half_table + grad_bytes);
     Estimate {
         resident,
         head_phase,
@@ -119,9 +126,6 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
         embedding_phase,
     }
 }
-
-/// `[b, T, d]` tensors alive in the embedding's VJP (fitted, see the module doc).
-const EMBEDDING_HIDDEN_COPIES: u64 = 6;
 
 /// Share of the budget the chunks are planned for: the cost model's measured error is within about
 /// ±6% (docs/benchmarks.md), so planning for the whole budget would overshoot it about half the time.

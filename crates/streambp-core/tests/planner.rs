@@ -68,6 +68,7 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
         (DType::F32, 2048, 128, 32),
         (DType::F32, 3000, 1000, 100),
         (DType::BF16, 2048, 128, 100),
+        (DType::BF16, 1024, 300, 500),
     ] {
         let chunks = Chunks {
             chunk,

@@ -7,7 +7,8 @@
 //! `heads × queries × key block` exists at any time. Built from candle ops, so it runs on every backend.
 //!
 //! Shapes (GQA without repeating K/V): q `[b, kv_heads, group·c, hd]` (already scaled), k and v
-//! `[b, kv_heads, t, hd]`, additive mask `[rows, 1, 1, c, t]` (rows = b or 1), output like q.
+//! `[b, kv_heads, t, hd]`, output like q. Which keys each query may read comes from a [`KeyMask`] one
+//! key block at a time, so not even the mask is ever `c × t`.
 
 use std::sync::Mutex;
 
@@ -21,10 +22,28 @@ pub const KEY_BLOCK: usize = 2048;
 
 type CResult<T> = candle_core::Result<T>;
 
+fn to_candle(e: crate::error::ModelError) -> candle_core::Error {
+    candle_core::Error::Msg(format!("attention mask: {e}"))
+}
+
+/// Which keys the queries of one op may read, asked for one block of keys at a time.
+pub trait KeyMask: Send + Sync {
+    /// The additive mask `[rows, 1, 1, c, n]` (rows = b or 1) in `dtype` for keys `start..start + n`:
+    /// 0 where a query may read the key, the dtype's minimum where not; `None` when every query may
+    /// read every key of the block (nothing to add).
+    fn bias(&self, start: usize, n: usize, dtype: DType) -> Result<Option<Tensor>>;
+}
+
+/// A mask given whole, as an additive `[rows, 1, 1, c, t]` tensor.
+impl KeyMask for Tensor {
+    fn bias(&self, start: usize, n: usize, dtype: DType) -> Result<Option<Tensor>> {
+        Ok(Some(self.detach().narrow(4, start, n)?.to_dtype(dtype)?))
+    }
+}
+
 /// What the forward and the backward share: the mask, the grouping and the block size.
 struct Blocks {
-    /// Additive mask in the compute dtype (0 where allowed, the dtype's minimum elsewhere).
-    bias: Tensor,
+    mask: Box<dyn KeyMask>,
     group: usize,
     /// The softmax's dtype: f32 (f64 for f64 models), like transformers' eager attention.
     compute: DType,
@@ -42,10 +61,14 @@ impl Blocks {
     /// Masked scores of all queries against keys `start..start + n`: `[b, kv_heads, group, c, n]`.
     fn scores(&self, q: &Tensor, k: &Tensor, start: usize, n: usize) -> CResult<Tensor> {
         let (b, kv_heads, rows, _) = q.dims4()?;
-        q.matmul(&k.narrow(2, start, n)?.t()?)?
+        let s = q
+            .matmul(&k.narrow(2, start, n)?.t()?)?
             .to_dtype(self.compute)?
-            .reshape((b, kv_heads, self.group, rows / self.group, n))?
-            .broadcast_add(&self.bias.narrow(4, start, n)?)
+            .reshape((b, kv_heads, self.group, rows / self.group, n))?;
+        match self.mask.bias(start, n, self.compute).map_err(to_candle)? {
+            Some(bias) => s.broadcast_add(&bias),
+            None => Ok(s),
+        }
     }
 
     /// `[b, kv_heads, group, c, n]` in the compute dtype as `[b, kv_heads, group·c, n]` in `dtype`.
@@ -215,11 +238,11 @@ pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    bias: &Tensor,
+    mask: impl KeyMask + 'static,
     group: usize,
     compute: DType,
 ) -> Result<Tensor> {
-    attention_blocked(q, k, v, bias, group, compute, KEY_BLOCK)
+    attention_blocked(q, k, v, mask, group, compute, KEY_BLOCK)
 }
 
 /// [`attention`] with keys in blocks of `key_block` (any size gives the same result to rounding).
@@ -227,13 +250,13 @@ pub fn attention_blocked(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    bias: &Tensor,
+    mask: impl KeyMask + 'static,
     group: usize,
     compute: DType,
     key_block: usize,
 ) -> Result<Tensor> {
     let blocks = Blocks {
-        bias: bias.detach(),
+        mask: Box::new(mask),
         group,
         compute,
         key_block: key_block.max(1),

@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::attention::attention;
+use crate::attention::{attention, KeyMask};
 use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::error::Result;
 use crate::layout::Layout;
@@ -57,6 +57,75 @@ pub struct KeyBlock<'a> {
     pub q_start: usize,
     pub k_start: usize,
     pub layout: &'a Layout,
+}
+
+/// The mask of one query chunk: causal (and windowed) by index, padded keys and other documents' keys
+/// hidden; built for one block of keys at a time, and not at all for a block every query reads whole.
+struct ChunkMask {
+    q_start: usize,
+    queries: usize,
+    k_start: usize,
+    sliding_window: Option<usize>,
+    layout: Layout,
+    device: Device,
+}
+
+impl ChunkMask {
+    /// Whether every query of the chunk reads every key of `first..first + n` (absolute indices).
+    fn reads_whole(&self, first: usize, n: usize) -> bool {
+        let last_query = self.q_start + self.queries - 1;
+        let causal = first + n <= self.q_start + 1;
+        let window = self.sliding_window.is_none_or(|w| first + w > last_query);
+        causal && window && self.layout.key_valid.is_none() && !self.layout.is_packed()
+    }
+
+    /// `[b|1, 1, 1, c, n]` u8: 1 where query `q_start + i` may read key `first + j`.
+    fn allowed(&self, first: usize, n: usize) -> Result<Tensor> {
+        let c = self.queries;
+        let pos = |start: i64, len: usize| Tensor::arange(start, start + len as i64, &self.device);
+        let q0 = self.q_start as i64;
+        let q = pos(q0, c)?.reshape((c, 1))?;
+        let k = pos(first as i64, n)?.reshape((1, n))?;
+        let mut allowed = k.broadcast_le(&q)?;
+        if let Some(w) = self.sliding_window {
+            // key > query - w
+            let lowest = pos(q0 - w as i64 + 1, c)?.reshape((c, 1))?;
+            allowed = (allowed * k.broadcast_ge(&lowest)?)?;
+        }
+        let mut allowed = match &self.layout.key_valid {
+            Some(valid) => {
+                let b = valid.dim(0)?;
+                let valid = valid.narrow(1, first, n)?.reshape((b, 1, n))?;
+                valid.broadcast_mul(&allowed.reshape((1, c, n))?)?
+            }
+            None => allowed.reshape((1, c, n))?,
+        };
+        if let Some(same) = self.layout.same_document(self.q_start, c, first, n)? {
+            allowed = same.broadcast_mul(&allowed)?;
+        }
+        let rows = allowed.dim(0)?;
+        Ok(allowed.reshape((rows, 1, 1, c, n))?)
+    }
+}
+
+impl KeyMask for ChunkMask {
+    fn bias(&self, start: usize, n: usize, dtype: DType) -> Result<Option<Tensor>> {
+        let first = self.k_start + start;
+        if self.reads_whole(first, n) {
+            return Ok(None);
+        }
+        // An additive mask as in transformers: 0 where allowed, the dtype's minimum elsewhere (a row
+        // with no visible key, only possible at padding, becomes uniform instead of NaN).
+        let floor = match dtype {
+            DType::F64 => f64::MIN,
+            _ => f32::MIN as f64,
+        };
+        Ok(Some(
+            self.allowed(first, n)?
+                .to_dtype(dtype)?
+                .affine(-floor, floor)?,
+        ))
+    }
 }
 
 impl DecoderLayer {
@@ -127,7 +196,7 @@ impl DecoderLayer {
     /// eager attention.
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, keys: KeyBlock) -> Result<Tensor> {
         let (b, heads, c, hd) = q.dims4()?;
-        let (_, kv_heads, t, _) = k.dims4()?;
+        let kv_heads = k.dim(1)?;
         let group = heads / kv_heads;
         // Scaling q (c × hd) rather than the scores (c × T) saves a score-sized copy.
         let q = (q.contiguous()?.reshape((b, kv_heads, group * c, hd))? * self.shape.scale)?;
@@ -136,56 +205,18 @@ impl DecoderLayer {
         } else {
             DType::F32
         };
-        // An additive mask as in transformers: 0 where allowed, the dtype's minimum elsewhere (a row with
-        // no visible key, only possible at padding, becomes uniform instead of NaN).
-        let floor = match compute {
-            DType::F64 => f64::MIN,
-            _ => f32::MIN as f64,
+        let mask = ChunkMask {
+            q_start: keys.q_start,
+            queries: c,
+            k_start: keys.k_start,
+            sliding_window: self.kind.sliding_window,
+            layout: keys.layout.clone(),
+            device: q.device().clone(),
         };
-        let bias = self
-            .allowed(b, c, t, keys, q.device())?
-            .to_dtype(compute)?
-            .affine(-floor, floor)?;
-        Ok(attention(&q, k, v, &bias, group, compute)?
+        Ok(attention(&q, k, v, mask, group, compute)?
             .reshape((b, heads, c, hd))?
             .transpose(1, 2)?
             .reshape((b, c, heads * hd))?)
-    }
-
-    /// `[b|1, 1, 1, c, t]` u8: 1 where query `q_start + i` may read key `k_start + j`.
-    fn allowed(
-        &self,
-        b: usize,
-        c: usize,
-        t: usize,
-        keys: KeyBlock,
-        dev: &Device,
-    ) -> Result<Tensor> {
-        let pos = |start: i64, len: usize| Tensor::arange(start, start + len as i64, dev);
-        let (q0, k0) = (keys.q_start as i64, keys.k_start as i64);
-        let q = pos(q0, c)?.reshape((c, 1))?;
-        let k = pos(k0, t)?.reshape((1, t))?;
-        let mut allowed = k.broadcast_le(&q)?;
-        if let Some(w) = self.kind.sliding_window {
-            // key > query - w
-            let lowest = pos(q0 - w as i64 + 1, c)?.reshape((c, 1))?;
-            allowed = (allowed * k.broadcast_ge(&lowest)?)?;
-        }
-        let mut allowed = match &keys.layout.key_valid {
-            Some(valid) => {
-                let valid = valid.narrow(1, keys.k_start, t)?.reshape((b, 1, t))?;
-                valid.broadcast_mul(&allowed.reshape((1, c, t))?)?
-            }
-            None => allowed.reshape((1, c, t))?,
-        };
-        if let Some(same) = keys
-            .layout
-            .same_document(keys.q_start, c, keys.k_start, t)?
-        {
-            allowed = same.broadcast_mul(&allowed)?;
-        }
-        let rows = allowed.dim(0)?;
-        Ok(allowed.reshape((rows, 1, 1, c, t))?)
     }
 
     /// Output projection of the attention core's result, with Gemma's post-attention norm.
@@ -290,4 +321,59 @@ pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
 pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
     let e = (x / std::f64::consts::SQRT_2)?.erf()?;
     Ok(((e + 1.0)? * x)?.affine(0.5, 0.0)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The mask is skipped exactly for the key blocks it would leave whole.
+    #[test]
+    fn a_key_block_is_skipped_only_when_every_query_reads_all_of_it() {
+        let dev = Device::Cpu;
+        let mut skipped = 0;
+        for window in [None, Some(3), Some(8)] {
+            for (q_start, queries) in [(0, 4), (5, 1), (9, 6), (20, 3)] {
+                for first in 0..24 {
+                    for n in 1..6 {
+                        let mask = ChunkMask {
+                            q_start,
+                            queries,
+                            k_start: 0,
+                            sliding_window: window,
+                            layout: Layout::default(),
+                            device: dev.clone(),
+                        };
+                        let all = mask
+                            .allowed(first, n)
+                            .unwrap()
+                            .min_all()
+                            .unwrap()
+                            .to_scalar::<u8>()
+                            .unwrap()
+                            == 1;
+                        let bias = mask.bias(first, n, DType::F64).unwrap();
+                        assert_eq!(
+                            bias.is_none(),
+                            all,
+                            "{window:?} q {q_start}+{queries} k {first}+{n}"
+                        );
+                        skipped += usize::from(all);
+                    }
+                }
+            }
+        }
+        assert!(skipped > 0);
+        // Padding or packing always build the mask.
+        let valid = Tensor::new(&[[1u8, 1, 1, 1]], &dev).unwrap();
+        let padded = ChunkMask {
+            q_start: 3,
+            queries: 1,
+            k_start: 0,
+            sliding_window: None,
+            layout: Layout::new(Some(&valid), None).unwrap(),
+            device: dev.clone(),
+        };
+        assert!(padded.bias(0, 2, DType::F64).unwrap().is_some());
+    }
 }

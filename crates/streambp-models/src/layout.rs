@@ -18,7 +18,7 @@ use crate::rope::Rotary;
 pub struct Layout {
     /// `[batch, T]` u8, 1 = real token; `None`: no padding.
     pub key_valid: Option<Tensor>,
-    packing: Option<Packing>,
+    packing: Option<Arc<Packing>>,
     rope: RopeCache,
     /// Tokens per row, when known: the rope tables are built that long at once.
     seq_len: usize,
@@ -64,7 +64,7 @@ impl Layout {
     pub fn new(attention_mask: Option<&Tensor>, position_ids: Option<&Tensor>) -> Result<Self> {
         let key_valid = attention_mask.map(key_validity).transpose()?;
         let packing = match position_ids {
-            Some(p) => Packing::from_position_ids(p, key_valid.as_ref())?,
+            Some(p) => Packing::from_position_ids(p, key_valid.as_ref())?.map(Arc::new),
             None => None,
         };
         Ok(Self {
@@ -160,6 +160,11 @@ impl Layout {
             cos,
             sin,
         })
+    }
+
+    /// Whether rows hold several documents (positions restarting).
+    pub fn is_packed(&self) -> bool {
+        self.packing.is_some()
     }
 
     /// The first key that any query at index `q_start` or later can see across document boundaries.
