@@ -13,6 +13,7 @@ use std::ops::Range;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var, D};
+use streambp_models::attention::EarlierKeys;
 use streambp_models::{DecoderLayer, KeyBlock, Layout, Model};
 use streambp_objectives::Objective;
 
@@ -320,6 +321,7 @@ pub fn layer_forward_streamed(
             q_start: r.start,
             k_start: k0,
             layout,
+            earlier: None,
         };
         let y = layer.forward_chunk(
             &x.narrow(1, r.start, r.len())?,
@@ -544,26 +546,25 @@ pub fn layer_backward_streamed(
         let normed = layer.norm_input(x_c.as_tensor())?;
         let (k_own, v_own) = layer.keys_values(&normed, s, layout)?;
         let q = layer.queries(&normed, s, layout)?;
-        let earlier = if k0 < s {
-            let k = Var::from_tensor(&keys.narrow(2, k0, s - k0)?)?;
-            let v = Var::from_tensor(&values.narrow(2, k0, s - k0)?)?;
-            Some((k, v))
-        } else {
-            None
-        };
-        let (k_all, v_all) = match &earlier {
-            Some((k, v)) => (
-                Tensor::cat(&[k.as_tensor(), &k_own], 2)?,
-                Tensor::cat(&[v.as_tensor(), &v_own], 2)?,
-            ),
-            None => (k_own.clone(), v_own.clone()),
+        // Keys before the chunk are constants of its graph; the attention op adds their gradients
+        // straight into `grad_keys` / `grad_values`.
+        let earlier = match k0 < s {
+            true => Some(EarlierKeys {
+                keys: keys.narrow(2, k0, s - k0)?,
+                values: values.narrow(2, k0, s - k0)?,
+                grad_keys: grad_keys.clone(),
+                grad_values: grad_values.clone(),
+                offset: k0,
+            }),
+            false => None,
         };
         let block = KeyBlock {
             q_start: s,
             k_start: k0,
             layout,
+            earlier: earlier.as_ref(),
         };
-        let attn = layer.attend(&q, &k_all, &v_all, block)?;
+        let attn = layer.attend(&q, &k_own, &v_own, block)?;
         let x1 = (x_c.as_tensor() + layer.attention_output(&attn)?)?;
         let y = (&x1 + layer.mlp_block(&x1)?)?;
         let surrogate = ((y * grad_out.narrow(1, s, len)?)?.sum_all()?
@@ -571,24 +572,9 @@ pub fn layer_backward_streamed(
             + (v_own * grad_values.narrow(2, s, len)?)?.sum_all()?)?;
         let store = surrogate.backward()?;
         grad_in.slice_set(&required(&store, x_c.as_tensor(), "layer input")?, 1, s)?;
-        if let Some((k, v)) = &earlier {
-            accumulate_slice(&grad_keys, &required(&store, k.as_tensor(), "keys")?, k0)?;
-            accumulate_slice(
-                &grad_values,
-                &required(&store, v.as_tensor(), "values")?,
-                k0,
-            )?;
-        }
         sink.absorb(&store, model.layer_parameters(index))?;
     }
     Ok(grad_in)
-}
-
-/// `dst[:, :, start..] += src` along dim 2, in place.
-fn accumulate_slice(dst: &Tensor, src: &Tensor, start: usize) -> Result<()> {
-    let sum = (dst.narrow(2, start, src.dim(2)?)? + src)?;
-    dst.slice_set(&sum, 2, start)?;
-    Ok(())
 }
 
 /// Phase 3 (checkpoint): the layer recomputed over the whole sequence with a graph and backpropagated.

@@ -17,9 +17,10 @@
 //! `streambp-bench` on `benches/configs/qwen3-small.json` in f32 at T = 1024/2048, chunk 128/256, logits
 //! chunk 100/400, the attention count refitted at T = 4096 after the attention became one op; the head
 //! and embedding phases refitted per phase on it and on `tests/planner.rs`'s model, f32 and bf16, at
-//! T = 1024..4096): a chunk's attention holds about 5 f32 copies of its `heads × c × key block` scores
-//! at once (inside the attention op's backward; none stay in the graph), a logits chunk 4 f32 copies
-//! of `c × V` (2 more in the model dtype for half precision), the embedding's backward 8 f32 (6 bf16)
+//! T = 1024..4096; the layer phase refitted on both once the mask and the earlier keys' gradients stopped
+//! taking `c × T` and `T × kv` copies, so as never to under-estimate by more than 5%): a chunk's
+//! attention holds about 4.1 f32 copies of its `heads × c × key block` scores at once (inside the attention op's backward; none stay in the graph), a logits chunk 4 f32 copies
+//! of `c × V` (4 more in the model dtype for half precision), the embedding's backward 8 f32 (6 bf16)
 //! `[b, T, d]` tensors. `tests/planner.rs` checks the model against measured peaks; the bench prints
 //! its error next to every measured stream peak, and `--predict` prints its estimate for shapes too
 //! large to run here.
@@ -100,19 +101,20 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
 
     let lc = (chunks.logits_chunk as u64).min(t);
     // The scores in the compute dtype, their softmax, its VJP and the target scatter; half precision
-    // adds the raw logits and the rounded VJP.
-    let half_logits = if half { 2 * e } else { 0 };
+    // adds the raw logits, the rounded VJP and temporaries (fitted).
+    let half_logits = if half { 4 * e } else { 0 };
     let logits = b * lc * vocab * (4 * f32b.max(e) + half_logits);
     let head_phase = checkpoints(layers + 1) + hidden + logits + vocab * d * grad_bytes;
 
     let c = (chunks.chunk as u64).min(t);
     // The attention op scores a chunk against one block of keys at a time.
-    let keys = t.min(streambp_models::attention::KEY_BLOCK as u64);
+    let keys = streambp_models::attention::KEY_BLOCK as u64;
     let kv_state = 4 * b * t * kv * e;
     let grads_io = 2 * hidden;
-    let chunk_acts = b * c * (8 * d + 4 * q + 4 * kv + 6 * ffn) * e;
-    // The attention op keeps no score-sized tensor in the graph; its backward holds about five at once.
-    let scores = 5 * b * heads * c * keys * f32b.max(e);
+    let chunk_acts = b * c * (14 * d + 7 * q + 7 * kv + 10 * ffn) * e;
+    // The attention op keeps no score-sized tensor in the graph; its backward holds about four at once
+    // for the chunk that scores the most keys.
+    let scores = 41 * b * heads * score_area(t, c, keys) * f32b.max(e) / 10;
     let layer_phase = checkpoints(layers) + kv_state + grads_io + chunk_acts + scores;
 
     // The embedding's VJP: a few `[b, T, d]` tensors in its graph, the table's gradient (model dtype;
@@ -125,6 +127,18 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
         layer_phase,
         embedding_phase,
     }
+}
+
+/// The largest `queries × keys in one block` over the query chunks of `c` in `t` tokens: a chunk sees the
+/// keys up to its end, so the candidates are the last full chunk and the (shorter) last one.
+fn score_area(t: u64, c: u64, key_block: u64) -> u64 {
+    let chunks = t.div_ceil(c);
+    let tail = t - (chunks - 1) * c;
+    let last_full = match chunks > 1 {
+        true => c * ((chunks - 1) * c).min(key_block),
+        false => 0,
+    };
+    (tail * t.min(key_block)).max(last_full)
 }
 
 /// Share of the budget the chunks are planned for: the cost model's measured error is within about

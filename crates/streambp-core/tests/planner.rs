@@ -1,6 +1,6 @@
 //! The chunk planner's cost model against peaks measured exactly by the counting allocator (the whole
-//! peak within 15%, each phase within 20%; measured -4.1% .. +5.5%), and the budget mode's promise:
-//! the chunks it plans run within the budget.
+//! peak within -8% .. +15%, each phase within -10% .. +25%: it leans to over-estimating), and the
+//! budget mode's promise: the chunks it plans run within the budget.
 //!
 //! One test function in its own binary, so no other test allocates while it measures.
 
@@ -61,7 +61,6 @@ fn measured_peak(dtype: DType, t: usize, chunks: Chunks) -> (usize, Vec<(&'stati
 fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
     // 1. The estimate against the measurement, over chunk shapes and T (f32 and bf16).
     let cfg = config();
-    let mut worst: f64 = 0.0;
     for (dtype, t, chunk, logits_chunk) in [
         (DType::F32, 1024, 64, 100),
         (DType::F32, 1024, 300, 500),
@@ -89,7 +88,13 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
             kib(est.embedding_phase),
             100.0 * error
         );
-        worst = worst.max(error.abs());
+        // The budget mode relies on it not under-estimating: a small under-estimate is absorbed by
+        // planning for 93% of the budget, an over-estimate only costs chunk size.
+        assert!(
+            (-0.08..0.15).contains(&error),
+            "cost model off by {:.1}% ({dtype:?} T={t} {chunks:?})",
+            100.0 * error
+        );
         // Each modelled phase on its own, as the budget mode relies on whichever is largest.
         for (name, phase) in [
             ("head", est.head_phase),
@@ -99,17 +104,12 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
             let measured = phases.iter().find(|(n, _)| *n == name).unwrap().1 as f64;
             let error = ((est.resident + phase) as f64 - measured) / measured;
             assert!(
-                error.abs() < 0.2,
+                (-0.1..0.25).contains(&error),
                 "{name} phase off by {:.1}% ({dtype:?} T={t} {chunks:?})",
                 100.0 * error
             );
         }
     }
-    assert!(
-        worst < 0.15,
-        "cost model off by {:.1}% on this model",
-        100.0 * worst
-    );
 
     // 2. Chunks planned for a budget run within it; a budget below the smallest plan is refused.
     let t = 2048;

@@ -7,8 +7,10 @@
 //! `heads × queries × key block` exists at any time. Built from candle ops, so it runs on every backend.
 //!
 //! Shapes (GQA without repeating K/V): q `[b, kv_heads, group·c, hd]` (already scaled), k and v
-//! `[b, kv_heads, t, hd]`, output like q. Which keys each query may read comes from a [`KeyMask`] one
-//! key block at a time, so not even the mask is ever `c × t`.
+//! `[b, kv_heads, t, hd]`, output like q. A streamed chunk's earlier keys come as [`EarlierKeys`]:
+//! read in place and their gradients added in place, so the graph holds no copy of them. Which keys
+//! each query may read comes from a [`KeyMask`] one key block at a time, so not even the mask is ever
+//! `c × t`.
 
 use std::sync::Mutex;
 
@@ -41,9 +43,33 @@ impl KeyMask for Tensor {
     }
 }
 
-/// What the forward and the backward share: the mask, the grouping and the block size.
+/// Keys and values the queries read before the op's own, computed outside the graph (for earlier
+/// query chunks): the op reads them as constants and, in its backward, adds their gradients in place
+/// into `grad_keys` / `grad_values` (`[b, kv_heads, T, hd]`) from index `offset`. No copy of them, nor
+/// of their gradients, is made for the graph.
+#[derive(Debug, Clone)]
+pub struct EarlierKeys {
+    pub keys: Tensor,
+    pub values: Tensor,
+    pub grad_keys: Tensor,
+    pub grad_values: Tensor,
+    pub offset: usize,
+}
+
+/// One block of keys: `n` keys from `start` of the earlier keys or of the op's own, at `index` among
+/// all the keys the queries read (earlier first).
+#[derive(Debug, Clone, Copy)]
+struct KeyRange {
+    earlier: bool,
+    start: usize,
+    n: usize,
+    index: usize,
+}
+
+/// What the forward and the backward share: the mask, the earlier keys, the grouping and the block size.
 struct Blocks {
     mask: Box<dyn KeyMask>,
+    earlier: Option<EarlierKeys>,
     group: usize,
     /// The softmax's dtype: f32 (f64 for f64 models), like transformers' eager attention.
     compute: DType,
@@ -51,21 +77,49 @@ struct Blocks {
 }
 
 impl Blocks {
-    /// The key ranges, in order.
-    fn ranges(&self, t: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
-        (0..t)
-            .step_by(self.key_block)
-            .map(move |start| (start, self.key_block.min(t - start)))
+    /// The key blocks, in order: the earlier keys', then the op's own `own` keys'.
+    fn ranges(&self, own: usize) -> CResult<Vec<KeyRange>> {
+        let earlier = match &self.earlier {
+            Some(e) => e.keys.dim(2)?,
+            None => 0,
+        };
+        let blocks = |len: usize, is_earlier: bool, index: usize| {
+            (0..len).step_by(self.key_block).map(move |start| KeyRange {
+                earlier: is_earlier,
+                start,
+                n: self.key_block.min(len - start),
+                index: index + start,
+            })
+        };
+        Ok(blocks(earlier, true, 0)
+            .chain(blocks(own, false, earlier))
+            .collect())
     }
 
-    /// Masked scores of all queries against keys `start..start + n`: `[b, kv_heads, group, c, n]`.
-    fn scores(&self, q: &Tensor, k: &Tensor, start: usize, n: usize) -> CResult<Tensor> {
+    /// The keys and values of block `r` (`k`, `v`: the op's own).
+    fn keys_values(&self, r: KeyRange, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Tensor)> {
+        let (k, v) = match (&self.earlier, r.earlier) {
+            (Some(e), true) => (&e.keys, &e.values),
+            _ => (k, v),
+        };
+        Ok((k.narrow(2, r.start, r.n)?, v.narrow(2, r.start, r.n)?))
+    }
+
+    /// Masked scores of all queries against the keys `k` of block `r`: `[b, kv_heads, group, c, n]`.
+    fn scores(&self, q: &Tensor, k: &Tensor, r: KeyRange) -> CResult<Tensor> {
         let (b, kv_heads, rows, _) = q.dims4()?;
-        let s = q
-            .matmul(&k.narrow(2, start, n)?.t()?)?
-            .to_dtype(self.compute)?
-            .reshape((b, kv_heads, self.group, rows / self.group, n))?;
-        match self.mask.bias(start, n, self.compute).map_err(to_candle)? {
+        let s = q.matmul(&k.t()?)?.to_dtype(self.compute)?.reshape((
+            b,
+            kv_heads,
+            self.group,
+            rows / self.group,
+            r.n,
+        ))?;
+        match self
+            .mask
+            .bias(r.index, r.n, self.compute)
+            .map_err(to_candle)?
+        {
             Some(bias) => s.broadcast_add(&bias),
             None => Ok(s),
         }
@@ -90,8 +144,9 @@ impl Blocks {
         let dtype = q.dtype();
         // (running max, running sum of exponentials, running weighted sum of values)
         let mut state: Option<(Tensor, Tensor, Tensor)> = None;
-        for (start, n) in self.ranges(k.dim(2)?) {
-            let s = self.scores(q, k, start, n)?;
+        for r in self.ranges(k.dim(2)?)? {
+            let (k, v) = self.keys_values(r, k, v)?;
+            let s = self.scores(q, &k, r)?;
             let block_max = s.max_keepdim(D::Minus1)?;
             let max = match &state {
                 Some((m, _, _)) => m.maximum(&block_max)?,
@@ -99,7 +154,7 @@ impl Blocks {
             };
             let p = s.broadcast_sub(&max)?.exp()?;
             let sum = p.sum_keepdim(D::Minus1)?;
-            let pv = self.grouped(&self.flat(&p, dtype)?.matmul(&v.narrow(2, start, n)?)?)?;
+            let pv = self.grouped(&self.flat(&p, dtype)?.matmul(&v)?)?;
             state = Some(match state {
                 None => (max, sum, pv),
                 Some((m, l, acc)) => {
@@ -199,37 +254,46 @@ impl CustomOp3 for Attention {
         let dtype = q.dtype();
         let dot = (b.grouped(&grad)? * b.grouped(&out.detach())?)?.sum_keepdim(D::Minus1)?;
         let mut grad_q: Option<Tensor> = None;
-        let (mut grad_k, mut grad_v) = (Vec::new(), Vec::new());
-        for (start, n) in b.ranges(k.dim(2)?) {
+        let (own_grad_k, own_grad_v) = (k.zeros_like()?, v.zeros_like()?);
+        for r in b.ranges(k.dim(2)?)? {
+            let (k_r, v_r) = b.keys_values(r, &k, &v)?;
             let p = b
-                .scores(&q, &k, start, n)?
+                .scores(&q, &k_r, r)?
                 .broadcast_sub(&self.normalizer.max)?
                 .broadcast_sub(&self.normalizer.log_sum)?
                 .exp()?;
-            grad_v.push(b.flat(&p, dtype)?.t()?.matmul(&grad)?);
+            let grad_v_r = b.flat(&p, dtype)?.t()?.matmul(&grad)?;
             let grad_p = grad
-                .matmul(&v.narrow(2, start, n)?.t()?)?
+                .matmul(&v_r.t()?)?
                 .to_dtype(b.compute)?
                 .reshape(p.shape())?;
             let grad_s = b.flat(&(p * grad_p.broadcast_sub(&dot)?)?, dtype)?;
-            let dq = grad_s
-                .matmul(&k.narrow(2, start, n)?)?
-                .to_dtype(b.compute)?;
+            let dq = grad_s.matmul(&k_r)?.to_dtype(b.compute)?;
             grad_q = Some(match grad_q {
                 Some(acc) => (acc + dq)?,
                 None => dq,
             });
-            grad_k.push(grad_s.t()?.matmul(&q)?);
+            let grad_k_r = grad_s.t()?.matmul(&q)?;
+            // Each block's gradient goes straight where it belongs: no per-block list to concatenate.
+            let (grad_keys, grad_values, at) = match (&b.earlier, r.earlier) {
+                (Some(e), true) => (&e.grad_keys, &e.grad_values, e.offset + r.start),
+                _ => (&own_grad_k, &own_grad_v, r.start),
+            };
+            add_at(grad_keys, &grad_k_r, at)?;
+            add_at(grad_values, &grad_v_r, at)?;
         }
         let grad_q = grad_q
             .ok_or_else(|| candle_core::Error::Msg("no keys".into()))?
             .to_dtype(dtype)?;
-        Ok((
-            Some(grad_q),
-            Some(Tensor::cat(&grad_k, 2)?),
-            Some(Tensor::cat(&grad_v, 2)?),
-        ))
+        Ok((Some(grad_q), Some(own_grad_k), Some(own_grad_v)))
     }
+}
+
+/// `dst[:, :, at..at + n] += src` (`n` = `src`'s keys), in place.
+fn add_at(dst: &Tensor, src: &Tensor, at: usize) -> CResult<()> {
+    let n = src.dim(2)?;
+    let sum = (dst.narrow(2, at, n)? + src.to_dtype(dst.dtype())?)?;
+    dst.slice_set(&sum, 2, at)
 }
 
 /// `softmax(q kᵀ + bias) v` per key/value head, differentiable in q, k and v, keys in blocks of
@@ -238,25 +302,34 @@ pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    earlier: Option<EarlierKeys>,
     mask: impl KeyMask + 'static,
     group: usize,
     compute: DType,
 ) -> Result<Tensor> {
-    attention_blocked(q, k, v, mask, group, compute, KEY_BLOCK)
+    attention_blocked(q, k, v, earlier, mask, group, compute, KEY_BLOCK)
 }
 
 /// [`attention`] with keys in blocks of `key_block` (any size gives the same result to rounding).
+#[allow(clippy::too_many_arguments)]
 pub fn attention_blocked(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    earlier: Option<EarlierKeys>,
     mask: impl KeyMask + 'static,
     group: usize,
     compute: DType,
     key_block: usize,
 ) -> Result<Tensor> {
+    let earlier = earlier.map(|e| EarlierKeys {
+        keys: e.keys.detach(),
+        values: e.values.detach(),
+        ..e
+    });
     let blocks = Blocks {
         mask: Box::new(mask),
+        earlier,
         group,
         compute,
         key_block: key_block.max(1),

@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::attention::{attention, KeyMask};
+use crate::attention::{attention, EarlierKeys, KeyMask};
 use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::error::Result;
 use crate::layout::Layout;
@@ -51,12 +51,14 @@ pub struct DecoderLayer {
 }
 
 /// Which keys a block of queries reads: queries from index `q_start`, keys at indices
-/// `k_start..k_start + K.len`, in a batch laid out as `layout` (padding, packed documents).
+/// `k_start..k_start + K.len` (the `earlier` keys first, when given, then the ones passed with the
+/// queries), in a batch laid out as `layout` (padding, packed documents).
 #[derive(Debug, Clone, Copy)]
 pub struct KeyBlock<'a> {
     pub q_start: usize,
     pub k_start: usize,
     pub layout: &'a Layout,
+    pub earlier: Option<&'a EarlierKeys>,
 }
 
 /// The mask of one query chunk: causal (and windowed) by index, padded keys and other documents' keys
@@ -213,10 +215,12 @@ impl DecoderLayer {
             layout: keys.layout.clone(),
             device: q.device().clone(),
         };
-        Ok(attention(&q, k, v, mask, group, compute)?
-            .reshape((b, heads, c, hd))?
-            .transpose(1, 2)?
-            .reshape((b, c, heads * hd))?)
+        Ok(
+            attention(&q, k, v, keys.earlier.cloned(), mask, group, compute)?
+                .reshape((b, heads, c, hd))?
+                .transpose(1, 2)?
+                .reshape((b, c, heads * hd))?,
+        )
     }
 
     /// Output projection of the attention core's result, with Gemma's post-attention norm.
@@ -271,6 +275,7 @@ impl DecoderLayer {
             q_start: 0,
             k_start: 0,
             layout,
+            earlier: None,
         };
         let attn = self.attend(&q, &k, &v, keys)?;
         let x1 = (x + self.attention_output(&attn)?)?;

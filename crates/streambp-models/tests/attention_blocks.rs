@@ -44,6 +44,7 @@ fn key_blocks_do_not_change_output_or_gradients() {
             q.as_tensor(),
             k.as_tensor(),
             v.as_tensor(),
+            None,
             bias.clone(),
             group,
             DType::F64,

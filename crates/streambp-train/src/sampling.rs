@@ -45,6 +45,7 @@ fn step(model: &Model, cache: &mut Cache, x: Tensor, start: usize) -> Result<Ten
             q_start: start,
             k_start: k0,
             layout: &layout,
+            earlier: None,
         };
         let attn = layer.attend(&q, &k.narrow(2, k0, len)?, &v.narrow(2, k0, len)?, block)?;
         let x1 = (&h + layer.attention_output(&attn)?)?;
