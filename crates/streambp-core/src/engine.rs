@@ -288,21 +288,31 @@ pub fn forward_logprobs(
     Ok(Tensor::cat(&parts, 1)?)
 }
 
-/// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk.
+/// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk into
+/// one buffer each (no list of parts to concatenate).
 fn keys_values_streamed(
     layer: &DecoderLayer,
     x: &Tensor,
     layout: &Layout,
     chunk: usize,
 ) -> Result<(Tensor, Tensor)> {
-    let (mut ks, mut vs) = (Vec::new(), Vec::new());
-    for r in chunk_ranges(x.dim(1)?, chunk) {
+    let t = x.dim(1)?;
+    let mut buffers: Option<(Tensor, Tensor)> = None;
+    for r in chunk_ranges(t, chunk) {
         let normed = layer.norm_input(&x.narrow(1, r.start, r.len())?)?;
         let (k, v) = layer.keys_values(&normed, r.start, layout)?;
-        ks.push(k);
-        vs.push(v);
+        let (keys, values) = match &buffers {
+            Some(b) => b,
+            None => {
+                let (b, heads, _, hd) = k.dims4()?;
+                let zeros = || Tensor::zeros((b, heads, t, hd), k.dtype(), k.device());
+                buffers.insert((zeros()?, zeros()?))
+            }
+        };
+        keys.slice_set(&k, 2, r.start)?;
+        values.slice_set(&v, 2, r.start)?;
     }
-    Ok((Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?))
+    buffers.ok_or_else(|| EngineError::Shape("a layer input with no tokens".into()))
 }
 
 /// One layer's output over query chunks (no graph when `layer` is detached): attention memory is
