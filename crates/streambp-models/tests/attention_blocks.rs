@@ -1,9 +1,10 @@
 //! The attention op gives the output and gradients of the composed softmax attention that autograd
 //! differentiates, whatever its key block (f64), including rows whose keys are all masked in some
-//! blocks, and rows masked entirely (padding).
+//! blocks, and rows masked entirely (padding); and the same with the first keys given as earlier keys
+//! (constants whose gradients the op adds into buffers).
 
 use candle_core::{DType, Device, Tensor, Var};
-use streambp_models::attention::attention_blocked;
+use streambp_models::attention::{attention_blocked, EarlierKeys};
 use streambp_testkit::rel_err;
 
 #[test]
@@ -79,6 +80,64 @@ fn key_blocks_do_not_change_output_or_gradients() {
     ] {
         let e = rel_err(a, b);
         assert!(e < 1e-12, "vs composed softmax: {name} {e:.2e}");
+    }
+    // The first `m` keys given as earlier keys (constants whose gradients the op adds in place into
+    // buffers from `offset`), the rest as the op's own: the same output and gradients.
+    for (m, key_block) in [(1, 2), (4, 3), (6, 11), (10, 4)] {
+        let offset = 2;
+        let grad_keys = Tensor::zeros((b, kv_heads, t + offset, hd), DType::F64, &dev).unwrap();
+        let grad_values = grad_keys.zeros_like().unwrap();
+        let earlier = EarlierKeys {
+            keys: k.as_tensor().narrow(2, 0, m).unwrap(),
+            values: v.as_tensor().narrow(2, 0, m).unwrap(),
+            grad_keys: grad_keys.clone(),
+            grad_values: grad_values.clone(),
+            offset,
+        };
+        let own = |x: &Var| x.as_tensor().narrow(2, m, t - m).unwrap();
+        let out = attention_blocked(
+            q.as_tensor(),
+            &own(&k),
+            &own(&v),
+            Some(earlier),
+            bias.clone(),
+            group,
+            DType::F64,
+            key_block,
+        )
+        .unwrap();
+        let (out, dq, dk, dv) = with_grads(out);
+        // Autograd's gradient of k and v is for their own part only (the earlier part entered as a
+        // constant); the buffers hold the earlier part's.
+        let whole_keys = |buffer: &Tensor, g: &Tensor| {
+            let earlier = buffer.narrow(2, offset, m).unwrap();
+            Tensor::cat(&[&earlier, &g.narrow(2, m, t - m).unwrap()], 2).unwrap()
+        };
+        assert_eq!(
+            grad_keys
+                .narrow(2, 0, offset)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap(),
+            0.0,
+            "nothing written before the offset"
+        );
+        for (name, a, b) in [
+            ("out", &out, &whole.0),
+            ("dq", &dq, &whole.1),
+            ("dk", &whole_keys(&grad_keys, &dk), &whole.2),
+            ("dv", &whole_keys(&grad_values, &dv), &whole.3),
+        ] {
+            let e = rel_err(a, b);
+            assert!(
+                e < 1e-12,
+                "{m} earlier keys, key block {key_block}: {name} {e:.2e}"
+            );
+        }
     }
     for key_block in [1, 3, 4, 8] {
         let blocked = run(key_block);
