@@ -161,6 +161,9 @@ def batch(gen, vocab):
     for r, n in enumerate(LENGTHS):
         mask[r, :n] = 1
     ids = ids * mask  # pad id 0 (any id works: padded keys are masked)
+    # id 0 as a real token too: Gemma3's pad_token_id, whose embedding row transformers' lookup gives no
+    # gradient (nn.Embedding's padding_idx); an ordinary token for the other families.
+    ids[0, 4] = 0
     labels = ids.clone()
     labels[mask == 0] = -100
     labels[0, :3] = -100  # a prompt that is not trained on

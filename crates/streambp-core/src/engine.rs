@@ -605,22 +605,28 @@ pub fn layer_backward_whole(
     Ok(grad_in)
 }
 
-/// Phase 4: the gradient of the embedding table from the gradient of the first layer's input.
+/// Phase 4: the gradient of the embedding table from the gradient of the first layer's input,
+/// written out (the lookup's VJP adds each position's gradient, scaled like the forward, into its
+/// token's row; the pad token's row gets none, as in transformers) rather than through a graph that
+/// would hold several `[b, T, d]` copies.
 pub fn embedding_backward(
     model: &Model,
     input_ids: &Tensor,
     grad: &Tensor,
     sink: &mut GradSink,
 ) -> Result<()> {
-    let emb = model.embed(input_ids)?;
-    let store = (emb * grad)?.sum_all()?.backward()?;
-    sink.absorb(
-        &store,
-        model
-            .parameters()
-            .iter()
-            .filter(|(n, _)| n == "model.embed_tokens.weight"),
-    )
+    let ids = input_ids.flatten_all()?;
+    let d = model.config.hidden_size;
+    let mut rows = grad.reshape((ids.dim(0)?, d))?;
+    if let Some(s) = model.embed_scale() {
+        rows = rows.affine(s, 0.0)?;
+    }
+    if let Some(pad) = model.pad_positions(&ids)? {
+        let keep = pad.ones_like()?.sub(&pad)?.to_dtype(rows.dtype())?;
+        rows = rows.broadcast_mul(&keep.unsqueeze(1)?)?;
+    }
+    let table = model.embed_tokens.zeros_like()?.index_add(&ids, &rows, 0)?;
+    sink.add("model.embed_tokens.weight", table)
 }
 
 /// `full`: one graph over the model and the loss.

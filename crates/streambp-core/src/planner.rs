@@ -11,7 +11,7 @@
 //!   inside the attention op's backward);
 //! - in the head: one logits chunk `c × V` (model dtype, an f32 copy and a few f32 temporaries) and the
 //!   gradient of the head weight;
-//! - in the embedding's backward: a few `[b, T, d]` tensors and two copies of the table's gradient.
+//! - in the embedding's backward: two `[b, T, d]` tensors and two copies of the table's gradient.
 //!
 //! The copy counts are fitted to peaks measured with the counting allocator (CPU, candle 0.11,
 //! `streambp-bench` on `benches/configs/qwen3-small.json` in f32 at T = 1024/2048, chunk 128/256, logits
@@ -20,8 +20,7 @@
 //! T = 1024..4096; the layer phase refitted on both once the mask and the earlier keys' gradients stopped
 //! taking `c × T` and `T × kv` copies, so as never to under-estimate by more than 5%): a chunk's
 //! attention holds about 4.1 f32 copies of its `heads × c × key block` scores at once (inside the attention op's backward; none stay in the graph), a logits chunk 4 f32 copies
-//! of `c × V` (4 more in the model dtype for half precision), the embedding's backward 8 f32 (6 bf16)
-//! `[b, T, d]` tensors. `tests/planner.rs` checks the model against measured peaks; the bench prints
+//! of `c × V` (4 more in the model dtype for half precision). `tests/planner.rs` checks the model against measured peaks; the bench prints
 //! its error next to every measured stream peak, and `--predict` prints its estimate for shapes too
 //! large to run here.
 
@@ -117,10 +116,11 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let scores = 41 * b * heads * score_area(t, c, keys) * f32b.max(e) / 10;
     let layer_phase = checkpoints(layers) + kv_state + grads_io + chunk_acts + scores;
 
-    // The embedding's VJP: a few `[b, T, d]` tensors in its graph, the table's gradient (model dtype;
-    // an f32 copy of it for half precision) and its sum with the accumulated one.
-    let (hidden_copies, half_table) = if half { (6, f32b) } else { (8, 0) };
-    let embedding_phase = hidden_copies * hidden + vocab * d * (e + half_table + grad_bytes);
+    // The embedding's VJP (written out): the incoming `[b, T, d]` gradient and its scaled rows, the
+    // table's gradient (model dtype; an f32 copy of it for half precision) and its sum with the
+    // accumulated one.
+    let half_table = if half { f32b } else { 0 };
+    let embedding_phase = 2 * hidden + vocab * d * (e + half_table + grad_bytes);
     Estimate {
         resident,
         head_phase,

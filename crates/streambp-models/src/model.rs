@@ -148,16 +148,38 @@ impl Model {
                 "token id {max} is out of the vocabulary (size {vocab})"
             )));
         }
-        let h =
-            self.embed_tokens
-                .index_select(&ids, 0)?
-                .reshape((b, t, self.config.hidden_size))?;
-        Ok(match self.config.embed_scale {
-            // transformers keeps the scale as an f32 buffer cast to the model dtype.
-            Some(s) if h.dtype() == DType::F64 => (h * s)?,
-            Some(s) => (h * (s as f32) as f64)?,
-            None => h,
+        let mut rows = self.embed_tokens.index_select(&ids, 0)?;
+        // transformers' `padding_idx`: the pad token's row gets no gradient from the lookup.
+        if let Some(pad) = self.pad_positions(&ids)? {
+            rows = pad
+                .unsqueeze(1)?
+                .broadcast_as(rows.shape())?
+                .where_cond(&rows.detach(), &rows)?;
+        }
+        let h = rows.reshape((b, t, self.config.hidden_size))?;
+        match self.embed_scale() {
+            Some(s) => Ok(h.affine(s, 0.0)?),
+            None => Ok(h),
+        }
+    }
+
+    /// Gemma's embedding scale as the model applies it: transformers keeps it as an f32 buffer cast
+    /// to the model dtype (f64 models get it exact).
+    pub fn embed_scale(&self) -> Option<f64> {
+        self.config.embed_scale.map(|s| match self.dtype() {
+            DType::F64 => s,
+            _ => (s as f32) as f64,
         })
+    }
+
+    /// `[n]` u8, 1 where a flat id is the config's `pad_token_id`; `None` when there is none.
+    pub fn pad_positions(&self, flat_ids: &Tensor) -> Result<Option<Tensor>> {
+        let Some(pad) = self.config.pad_token_id else {
+            return Ok(None);
+        };
+        let is_pad = flat_ids.eq(pad as f64)?;
+        let any = is_pad.max(0)?.to_scalar::<u8>()? > 0;
+        Ok(any.then_some(is_pad))
     }
 
     /// The final norm of the last layer's output.
