@@ -107,13 +107,13 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
 
     let c = (chunks.chunk as u64).min(t);
     // The attention op scores a chunk against one block of keys at a time.
-    let keys = streambp_models::attention::KEY_BLOCK as u64;
+    let key_block = streambp_models::attention::KEY_BLOCK as u64;
     let kv_state = 4 * b * t * kv * e;
     let grads_io = 2 * hidden;
     let chunk_acts = b * c * (14 * d + 7 * q + 7 * kv + 10 * ffn) * e;
     // The attention op keeps no score-sized tensor in the graph; its backward holds about four at once
     // for the chunk that scores the most keys.
-    let scores = 41 * b * heads * score_area(t, c, keys) * f32b.max(e) / 10;
+    let scores = 41 * b * heads * score_area(t, c, key_block) * f32b.max(e) / 10;
     let layer_phase = checkpoints(layers) + kv_state + grads_io + chunk_acts + scores;
 
     // The embedding's VJP (written out): the incoming `[b, T, d]` gradient and its scaled rows, the
