@@ -129,16 +129,18 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     }
 }
 
-/// The largest `queries × keys in one block` over the query chunks of `c` in `t` tokens: a chunk sees the
-/// keys up to its end, so the candidates are the last full chunk and the (shorter) last one.
+/// The largest `queries × keys in one block` over the query chunks of `c` in `t` tokens. A chunk
+/// starting at `s` reads its `s` earlier keys in blocks of `key_block` and its own keys as one more
+/// block, so its largest block is `max(min(s, key_block), len)`; the largest product is that of the
+/// last chunk or of the one before it (the last full one).
 fn score_area(t: u64, c: u64, key_block: u64) -> u64 {
     let chunks = t.div_ceil(c);
-    let tail = t - (chunks - 1) * c;
-    let last_full = match chunks > 1 {
-        true => c * ((chunks - 1) * c).min(key_block),
-        false => 0,
-    };
-    (tail * t.min(key_block)).max(last_full)
+    let area = |start: u64, len: u64| len * start.min(key_block).max(len.min(key_block));
+    let last = area((chunks - 1) * c, t - (chunks - 1) * c);
+    match chunks > 1 {
+        true => last.max(area((chunks - 2) * c, c)),
+        false => last,
+    }
 }
 
 /// Share of the budget the chunks are planned for: the cost model's measured error is within about
