@@ -296,23 +296,17 @@ fn keys_values_streamed(
     layout: &Layout,
     chunk: usize,
 ) -> Result<(Tensor, Tensor)> {
-    let t = x.dim(1)?;
-    let mut buffers: Option<(Tensor, Tensor)> = None;
+    let (b, t, _) = x.dims3()?;
+    let shape = (b, layer.shape.num_kv_heads, t, layer.shape.head_dim);
+    let keys = Tensor::zeros(shape, x.dtype(), x.device())?;
+    let values = keys.zeros_like()?;
     for r in chunk_ranges(t, chunk) {
         let normed = layer.norm_input(&x.narrow(1, r.start, r.len())?)?;
         let (k, v) = layer.keys_values(&normed, r.start, layout)?;
-        let (keys, values) = match &buffers {
-            Some(b) => b,
-            None => {
-                let (b, heads, _, hd) = k.dims4()?;
-                let zeros = || Tensor::zeros((b, heads, t, hd), k.dtype(), k.device());
-                buffers.insert((zeros()?, zeros()?))
-            }
-        };
         keys.slice_set(&k, 2, r.start)?;
         values.slice_set(&v, 2, r.start)?;
     }
-    buffers.ok_or_else(|| EngineError::Shape("a layer input with no tokens".into()))
+    Ok((keys, values))
 }
 
 /// One layer's output over query chunks (no graph when `layer` is detached): attention memory is
@@ -605,28 +599,19 @@ pub fn layer_backward_whole(
     Ok(grad_in)
 }
 
-/// Phase 4: the gradient of the embedding table from the gradient of the first layer's input,
-/// written out (the lookup's VJP adds each position's gradient, scaled like the forward, into its
-/// token's row; the pad token's row gets none, as in transformers) rather than through a graph that
-/// would hold several `[b, T, d]` copies.
+/// Phase 4: the gradient of the embedding table from the gradient of the first layer's input, by the
+/// lookup's written-out VJP ([`Model::embed_vjp`]) rather than a graph that would hold several
+/// `[b, T, d]` copies.
 pub fn embedding_backward(
     model: &Model,
     input_ids: &Tensor,
     grad: &Tensor,
     sink: &mut GradSink,
 ) -> Result<()> {
-    let ids = input_ids.flatten_all()?;
-    let d = model.config.hidden_size;
-    let mut rows = grad.reshape((ids.dim(0)?, d))?;
-    if let Some(s) = model.embed_scale() {
-        rows = rows.affine(s, 0.0)?;
-    }
-    if let Some(pad) = model.pad_positions(&ids)? {
-        let keep = pad.ones_like()?.sub(&pad)?.to_dtype(rows.dtype())?;
-        rows = rows.broadcast_mul(&keep.unsqueeze(1)?)?;
-    }
-    let table = model.embed_tokens.zeros_like()?.index_add(&ids, &rows, 0)?;
-    sink.add("model.embed_tokens.weight", table)
+    sink.add(
+        "model.embed_tokens.weight",
+        model.embed_vjp(input_ids, grad)?,
+    )
 }
 
 /// `full`: one graph over the model and the loss.
@@ -678,23 +663,14 @@ impl GradSink {
         params: impl Iterator<Item = &'a (String, Var)>,
     ) -> Result<()> {
         for (name, var) in params {
-            let Some(g) = store.get(var.as_tensor()) else {
-                continue;
-            };
-            let g = match g.dtype() {
-                DType::BF16 | DType::F16 => g.to_dtype(DType::F32)?.detach(),
-                _ => g.detach(),
-            };
-            let sum = match self.acc.remove(name) {
-                Some(prev) => (prev.to_dtype(g.dtype())? + g)?,
-                None => g,
-            };
-            self.acc.insert(name.clone(), sum);
+            if let Some(g) = store.get(var.as_tensor()) {
+                self.add(name, g.detach())?;
+            }
         }
         Ok(())
     }
 
-    /// Adds a gradient computed outside autograd (the LM head's).
+    /// Adds a gradient (computed outside autograd: the LM head's, the embedding's).
     pub fn add(&mut self, name: &str, grad: Tensor) -> Result<()> {
         let grad = match grad.dtype() {
             DType::BF16 | DType::F16 => grad.to_dtype(DType::F32)?,

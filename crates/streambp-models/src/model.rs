@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -150,11 +150,8 @@ impl Model {
         }
         let mut rows = self.embed_tokens.index_select(&ids, 0)?;
         // transformers' `padding_idx`: the pad token's row gets no gradient from the lookup.
-        if let Some(pad) = self.pad_positions(&ids)? {
-            rows = pad
-                .unsqueeze(1)?
-                .broadcast_as(rows.shape())?
-                .where_cond(&rows.detach(), &rows)?;
+        if let Some(pad) = self.pad_positions(&ids, rows.shape())? {
+            rows = pad.where_cond(&rows.detach(), &rows)?;
         }
         let h = rows.reshape((b, t, self.config.hidden_size))?;
         match self.embed_scale() {
@@ -163,23 +160,41 @@ impl Model {
         }
     }
 
+    /// The VJP of [`Model::embed`] for the table: each position's gradient (`grad`, `[b, t, d]`),
+    /// scaled like the forward, added into its token's row, none into the pad token's row. Written
+    /// out, it holds no graph of `[b, t, d]` tensors.
+    pub fn embed_vjp(&self, input_ids: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        let ids = input_ids.flatten_all()?;
+        let mut rows = grad.reshape((ids.dim(0)?, self.config.hidden_size))?;
+        if let Some(s) = self.embed_scale() {
+            rows = rows.affine(s, 0.0)?;
+        }
+        if let Some(pad) = self.pad_positions(&ids, rows.shape())? {
+            rows = pad.where_cond(&rows.zeros_like()?, &rows)?;
+        }
+        Ok(self.embed_tokens.zeros_like()?.index_add(&ids, &rows, 0)?)
+    }
+
     /// Gemma's embedding scale as the model applies it: transformers keeps it as an f32 buffer cast
     /// to the model dtype (f64 models get it exact).
-    pub fn embed_scale(&self) -> Option<f64> {
+    fn embed_scale(&self) -> Option<f64> {
         self.config.embed_scale.map(|s| match self.dtype() {
             DType::F64 => s,
             _ => (s as f32) as f64,
         })
     }
 
-    /// `[n]` u8, 1 where a flat id is the config's `pad_token_id`; `None` when there is none.
-    pub fn pad_positions(&self, flat_ids: &Tensor) -> Result<Option<Tensor>> {
+    /// u8 of `rows_shape` (`[n, d]`), 1 on the rows whose flat id is the config's `pad_token_id`;
+    /// `None` when no id is.
+    fn pad_positions(&self, flat_ids: &Tensor, rows_shape: &Shape) -> Result<Option<Tensor>> {
         let Some(pad) = self.config.pad_token_id else {
             return Ok(None);
         };
         let is_pad = flat_ids.eq(pad as f64)?;
-        let any = is_pad.max(0)?.to_scalar::<u8>()? > 0;
-        Ok(any.then_some(is_pad))
+        if is_pad.max(0)?.to_scalar::<u8>()? == 0 {
+            return Ok(None);
+        }
+        Ok(Some(is_pad.unsqueeze(1)?.broadcast_as(rows_shape)?))
     }
 
     /// The final norm of the last layer's output.
