@@ -296,23 +296,11 @@ fn add_at(dst: &Tensor, src: &Tensor, at: usize) -> CResult<()> {
     dst.slice_set(&sum, 2, at)
 }
 
-/// `softmax(q kᵀ + bias) v` per key/value head, differentiable in q, k and v, keys in blocks of
-/// [`KEY_BLOCK`] (see the module doc for shapes).
-pub fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    earlier: Option<EarlierKeys>,
-    mask: impl KeyMask + 'static,
-    group: usize,
-    compute: DType,
-) -> Result<Tensor> {
-    attention_blocked(q, k, v, earlier, mask, group, compute, KEY_BLOCK)
-}
-
-/// [`attention`] with keys in blocks of `key_block` (any size gives the same result to rounding).
+/// `softmax(q kᵀ + bias) v` per key/value head, differentiable in q, k and v (see the module doc for
+/// shapes), keys in blocks of `key_block` ([`KEY_BLOCK`] in the model; any size gives the same result
+/// to rounding).
 #[allow(clippy::too_many_arguments)]
-pub fn attention_blocked(
+pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,

@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::attention::{attention, EarlierKeys, KeyMask};
+use crate::attention::{attention, EarlierKeys, KeyMask, KEY_BLOCK};
 use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::error::Result;
 use crate::layout::Layout;
@@ -215,12 +215,19 @@ impl DecoderLayer {
             layout: keys.layout.clone(),
             device: q.device().clone(),
         };
-        Ok(
-            attention(&q, k, v, keys.earlier.cloned(), mask, group, compute)?
-                .reshape((b, heads, c, hd))?
-                .transpose(1, 2)?
-                .reshape((b, c, heads * hd))?,
-        )
+        Ok(attention(
+            &q,
+            k,
+            v,
+            keys.earlier.cloned(),
+            mask,
+            group,
+            compute,
+            KEY_BLOCK,
+        )?
+        .reshape((b, heads, c, hd))?
+        .transpose(1, 2)?
+        .reshape((b, c, heads * hd))?)
     }
 
     /// Output projection of the attention core's result, with Gemma's post-attention norm.

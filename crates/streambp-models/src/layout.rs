@@ -35,9 +35,16 @@ struct RopeCache(Arc<Mutex<Vec<RopeTables>>>);
 struct RopeTables {
     rotary: Rotary,
     dtype: DType,
-    len: usize,
     cos: Tensor,
     sin: Tensor,
+}
+
+impl RopeTables {
+    /// Tokens covered.
+    fn len(&self) -> usize {
+        let dims = self.cos.dims();
+        dims[dims.len() - 2]
+    }
 }
 
 /// Document boundaries of packed rows.
@@ -103,21 +110,16 @@ impl Layout {
             c.rotary == *rotary && c.dtype == dtype && c.cos.device().same_device(device)
         });
         let index = match found {
-            Some(i) if cache[i].len >= end => i,
-            found => {
-                let shorter = found.map_or(0, |i| cache[i].len);
-                let len = end.max(2 * shorter).max(self.seq_len);
-                let tables = self.build_rope_tables(rotary, len, dtype, device)?;
-                match found {
-                    Some(i) => {
-                        cache[i] = tables;
-                        i
-                    }
-                    None => {
-                        cache.push(tables);
-                        cache.len() - 1
-                    }
-                }
+            Some(i) if cache[i].len() >= end => i,
+            Some(i) => {
+                let longer = end.max(2 * cache[i].len()).max(self.seq_len);
+                cache[i] = self.build_rope_tables(rotary, longer, dtype, device)?;
+                i
+            }
+            None => {
+                let len = end.max(self.seq_len);
+                cache.push(self.build_rope_tables(rotary, len, dtype, device)?);
+                cache.len() - 1
             }
         };
         let t = &cache[index];
@@ -136,11 +138,8 @@ impl Layout {
         dtype: DType,
         device: &Device,
     ) -> Result<RopeTables> {
-        let (len, cos, sin) = match &self.packing {
-            None => {
-                let (cos, sin) = rotary.tables((0..len).map(|p| p as f64), len, dtype, device)?;
-                (len, cos, sin)
-            }
+        let (cos, sin) = match &self.packing {
+            None => rotary.tables((0..len).map(|p| p as f64), len, dtype, device)?,
             Some(p) => {
                 let rows = p.positions.len();
                 let t = p.positions.first().map_or(0, Vec::len);
@@ -150,13 +149,12 @@ impl Layout {
                     .flat_map(|row| row.iter().map(|&q| q as f64));
                 let (cos, sin) = rotary.tables(positions, rows * t, dtype, device)?;
                 let shape = (rows, 1, t, cos.dim(1)?);
-                (t, cos.reshape(shape)?, sin.reshape(shape)?)
+                (cos.reshape(shape)?, sin.reshape(shape)?)
             }
         };
         Ok(RopeTables {
             rotary: rotary.clone(),
             dtype,
-            len,
             cos,
             sin,
         })

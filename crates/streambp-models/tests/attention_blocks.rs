@@ -4,8 +4,23 @@
 //! (constants whose gradients the op adds into buffers).
 
 use candle_core::{DType, Device, Tensor, Var};
-use streambp_models::attention::{attention_blocked, EarlierKeys};
+use streambp_models::attention::{attention, EarlierKeys};
 use streambp_testkit::rel_err;
+
+/// An output and its gradients for q, k and v.
+type Run = (Tensor, Tensor, Tensor, Tensor);
+
+fn refs(r: &Run) -> [&Tensor; 4] {
+    [&r.0, &r.1, &r.2, &r.3]
+}
+
+/// `got` equals `want` (output, dq, dk, dv) to 1e-12 relative.
+fn assert_same(what: &str, got: [&Tensor; 4], want: [&Tensor; 4]) {
+    for ((name, a), b) in ["out", "dq", "dk", "dv"].into_iter().zip(got).zip(want) {
+        let e = rel_err(a, b);
+        assert!(e < 1e-12, "{what}: {name} {e:.2e}");
+    }
+}
 
 #[test]
 fn key_blocks_do_not_change_output_or_gradients() {
@@ -41,7 +56,7 @@ fn key_blocks_do_not_change_output_or_gradients() {
         (out, g(&q), g(&k), g(&v))
     };
     let run = |key_block: usize| {
-        let out = attention_blocked(
+        let out = attention(
             q.as_tensor(),
             k.as_tensor(),
             v.as_tensor(),
@@ -72,15 +87,7 @@ fn key_blocks_do_not_change_output_or_gradients() {
         let out = p.matmul(v.as_tensor()).unwrap();
         with_grads(out)
     };
-    for (name, a, b) in [
-        ("out", &whole.0, &composed.0),
-        ("dq", &whole.1, &composed.1),
-        ("dk", &whole.2, &composed.2),
-        ("dv", &whole.3, &composed.3),
-    ] {
-        let e = rel_err(a, b);
-        assert!(e < 1e-12, "vs composed softmax: {name} {e:.2e}");
-    }
+    assert_same("vs composed softmax", refs(&whole), refs(&composed));
     // The first `m` keys given as earlier keys (constants whose gradients the op adds in place into
     // buffers from `offset`), the rest as the op's own: the same output and gradients.
     for (m, key_block) in [(1, 2), (4, 3), (6, 11), (10, 4)] {
@@ -95,7 +102,7 @@ fn key_blocks_do_not_change_output_or_gradients() {
             offset,
         };
         let own = |x: &Var| x.as_tensor().narrow(2, m, t - m).unwrap();
-        let out = attention_blocked(
+        let out = attention(
             q.as_tensor(),
             &own(&k),
             &own(&v),
@@ -126,29 +133,23 @@ fn key_blocks_do_not_change_output_or_gradients() {
             0.0,
             "nothing written before the offset"
         );
-        for (name, a, b) in [
-            ("out", &out, &whole.0),
-            ("dq", &dq, &whole.1),
-            ("dk", &whole_keys(&grad_keys, &dk), &whole.2),
-            ("dv", &whole_keys(&grad_values, &dv), &whole.3),
-        ] {
-            let e = rel_err(a, b);
-            assert!(
-                e < 1e-12,
-                "{m} earlier keys, key block {key_block}: {name} {e:.2e}"
-            );
-        }
+        assert_same(
+            &format!("{m} earlier keys, key block {key_block}"),
+            [
+                &out,
+                &dq,
+                &whole_keys(&grad_keys, &dk),
+                &whole_keys(&grad_values, &dv),
+            ],
+            refs(&whole),
+        );
     }
     for key_block in [1, 3, 4, 8] {
         let blocked = run(key_block);
-        for (name, a, b) in [
-            ("out", &blocked.0, &whole.0),
-            ("dq", &blocked.1, &whole.1),
-            ("dk", &blocked.2, &whole.2),
-            ("dv", &blocked.3, &whole.3),
-        ] {
-            let e = rel_err(a, b);
-            assert!(e < 1e-12, "key block {key_block}: {name} {e:.2e}");
-        }
+        assert_same(
+            &format!("key block {key_block}"),
+            refs(&blocked),
+            refs(&whole),
+        );
     }
 }
