@@ -246,6 +246,15 @@ fn options(args: &Args) -> Options {
     }
 }
 
+/// The chunks of the command line at `t` tokens: `--chunk` (default T/3, the paper's timing setting)
+/// and `--logits-chunk`.
+fn given_chunks(args: &Args, t: usize) -> Chunks {
+    Chunks {
+        chunk: args.chunk.unwrap_or(t.div_ceil(3)),
+        logits_chunk: args.logits_chunk,
+    }
+}
+
 /// The planner's view of one backward of this run at `t` tokens.
 fn problem<'a>(config: &'a ModelConfig, dtype: DType, args: &Args, t: usize) -> Problem<'a> {
     Problem {
@@ -273,7 +282,7 @@ fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
         true => ("GiB", (1u64 << 30) as f64),
         false => ("MiB", (1u64 << 20) as f64),
     };
-    let gib = |b: u64| b as f64 / scale;
+    let in_unit = |b: u64| b as f64 / scale;
     println!();
     println!("Cost-model estimate of stream's peak (not a measurement):");
     println!("| T | chunk | logits chunk | weights + gradients ({unit}) | head phase | layer phase | embedding phase | peak ({unit}) |");
@@ -288,50 +297,45 @@ fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
                     continue;
                 }
             },
-            None => Chunks {
-                chunk: args.chunk.unwrap_or(t.div_ceil(3)),
-                logits_chunk: args.logits_chunk,
-            },
+            None => given_chunks(args, t),
         };
         let est = estimate(p, chunks);
         println!(
             "| {t} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
             chunks.chunk,
             chunks.logits_chunk,
-            gib(est.resident),
-            gib(est.head_phase),
-            gib(est.layer_phase),
-            gib(est.embedding_phase),
-            gib(est.peak())
+            in_unit(est.resident),
+            in_unit(est.head_phase),
+            in_unit(est.layer_phase),
+            in_unit(est.embedding_phase),
+            in_unit(est.peak())
         );
     }
     Ok(())
 }
 
 /// The longest T (multiple of `step`) whose whole peak (weights included) fits `budget`, and the
-/// peak there, plus the first T tried that did not fit.
+/// peak there, plus the first T tried that did not fit (`None` when `--t-max` stopped the search).
 fn max_t(
     model: &Model,
     args: &Args,
     mode: Mode,
     budget: u64,
-) -> anyhow::Result<(usize, usize, usize)> {
+) -> anyhow::Result<(usize, usize, Option<usize>)> {
     let vocab = model.config.vocab_size;
-    let fits = |t: usize| -> anyhow::Result<(bool, usize)> {
+    // The whole peak at `t` when it fits the budget.
+    let fits = |t: usize| -> anyhow::Result<Option<usize>> {
         // Chunks as given, else the planner's for this T and budget (when even its smallest chunks
         // are estimated not to fit, that T does not fit).
         let chunks = match args.chunk {
-            Some(chunk) => Chunks {
-                chunk,
-                logits_chunk: args.logits_chunk,
-            },
+            Some(_) => given_chunks(args, t),
             None => {
                 let problem = problem(&model.config, model.dtype(), args, t);
                 match plan_for_budget(problem, budget) {
                     Ok(chunks) => chunks,
                     Err(e) => {
                         eprintln!("  {mode} T={t}: {e}");
-                        return Ok((false, usize::MAX));
+                        return Ok(None);
                     }
                 }
             }
@@ -341,37 +345,32 @@ fn max_t(
             Ok(p) => p,
             Err(e) if is_out_of_memory(&e) => {
                 eprintln!("  {mode} T={t} ({chunks:?}): out of memory");
-                return Ok((false, usize::MAX));
+                return Ok(None);
             }
             Err(e) => return Err(e),
         };
         let total = p.peak + p.base;
+        let ok = total as u64 <= budget;
+        let verdict = if ok { "fits" } else { "over" };
         eprintln!(
-            "  {mode} T={t} ({chunks:?}): {:.1} MiB {}",
-            mib(total),
-            if total as u64 <= budget {
-                "fits"
-            } else {
-                "over"
-            }
+            "  {mode} T={t} ({chunks:?}): {:.1} MiB {verdict}",
+            mib(total)
         );
-        Ok((total as u64 <= budget, total))
+        Ok(ok.then_some(total))
     };
     let step = args.t_step;
-    let (ok, mut best_peak) = fits(step)?;
-    if !ok {
-        return Ok((0, 0, step));
-    }
+    let Some(mut best_peak) = fits(step)? else {
+        return Ok((0, 0, Some(step)));
+    };
     let (mut lo, mut hi) = (step, 2 * step);
     loop {
         if args.t_max.is_some_and(|cap| hi > cap) {
-            // Bounded by the cap, not by memory: report the cap as the T above.
-            return Ok((lo, best_peak, usize::MAX));
+            // Bounded by the cap, not by memory.
+            return Ok((lo, best_peak, None));
         }
-        let (ok, peak) = fits(hi)?;
-        if !ok {
+        let Some(peak) = fits(hi)? else {
             break;
-        }
+        };
         best_peak = peak;
         lo = hi;
         hi *= 2;
@@ -379,15 +378,15 @@ fn max_t(
     // lo fits, hi does not.
     while hi - lo > step {
         let mid = (lo + hi) / 2 / step * step;
-        let (ok, peak) = fits(mid)?;
-        if ok {
-            lo = mid;
-            best_peak = peak;
-        } else {
-            hi = mid;
+        match fits(mid)? {
+            Some(peak) => {
+                lo = mid;
+                best_peak = peak;
+            }
+            None => hi = mid,
         }
     }
-    Ok((lo, best_peak, hi))
+    Ok((lo, best_peak, Some(hi)))
 }
 
 /// One JSON line of results.
@@ -399,6 +398,15 @@ fn point_json(args: &Args, p: &Point, c: &Chunks) -> serde_json::Value {
         "optimizer_step": p.optimizer.map(|(b, s)| serde_json::json!({"peak_bytes": b, "seconds": s})),
         "phases": p.phases.iter().map(|(n, b, s)| serde_json::json!({"phase": n, "peak_bytes": b, "seconds": s})).collect::<Vec<_>>(),
     })
+}
+
+/// Appends one JSON line to `--json`'s file, if any, flushed so that a run cut off keeps it.
+fn write_json(file: &mut Option<std::fs::File>, line: &serde_json::Value) -> anyhow::Result<()> {
+    if let Some(file) = file {
+        writeln!(file, "{line}")?;
+        file.flush()?;
+    }
+    Ok(())
 }
 
 /// An accelerator that runs out of memory answers with an error, which the bench reports as a result.
@@ -460,10 +468,7 @@ fn main() -> anyhow::Result<()> {
         println!("|---|---|---|---|");
         for &mode in &args.modes {
             let (t, peak, over) = max_t(&model, &args, mode, budget)?;
-            let over = match over {
-                usize::MAX => "none tried (--t-max)".to_string(),
-                over => over.to_string(),
-            };
+            let over = over.map_or("none tried (--t-max)".to_string(), |t| t.to_string());
             println!("| {mode} | {t} | {:.1} | {over} |", mib(peak));
         }
         return Ok(());
@@ -479,10 +484,7 @@ fn main() -> anyhow::Result<()> {
     let mut points = Vec::new();
     let mut out_of_memory = Vec::new();
     for &t in &args.seq_lens {
-        let chunks = Chunks {
-            chunk: args.chunk.unwrap_or(t.div_ceil(3)),
-            logits_chunk: args.logits_chunk,
-        };
+        let chunks = given_chunks(&args, t);
         let work = workload(&args.objective, vocab, t, args.group, model.device())?;
         for &mode in &args.modes {
             let p = match run(
@@ -498,13 +500,11 @@ fn main() -> anyhow::Result<()> {
                 Err(e) if is_out_of_memory(&e) => {
                     eprintln!("T={t} {mode}: out of memory");
                     out_of_memory.push((t, mode));
-                    if let Some(file) = &mut json {
-                        let line = serde_json::json!({
-                            "objective": args.objective, "t": t, "mode": mode.to_string(),
-                            "out_of_memory": true,
-                        });
-                        writeln!(file, "{line}")?;
-                    }
+                    let line = serde_json::json!({
+                        "objective": args.objective, "t": t, "mode": mode.to_string(),
+                        "out_of_memory": true,
+                    });
+                    write_json(&mut json, &line)?;
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -520,10 +520,7 @@ fn main() -> anyhow::Result<()> {
                     mib(peak)
                 );
             }
-            if let Some(file) = &mut json {
-                writeln!(file, "{}", point_json(&args, &p, &chunks))?;
-                file.flush()?;
-            }
+            write_json(&mut json, &point_json(&args, &p, &chunks))?;
             points.push((p, chunks));
         }
     }
