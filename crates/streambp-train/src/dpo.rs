@@ -112,11 +112,7 @@ fn preference_accuracy(
 }
 
 pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
-    if cfg.packing {
-        return Err(TrainError::Usage(
-            "--packing applies to sft only (as in TRL)".into(),
-        ));
-    }
+    cfg.reject_packing()?;
     let setup = Setup::new(cfg)?;
     let reference = match &cfg.ref_model {
         Some(spec) => streambp_models::load_model(

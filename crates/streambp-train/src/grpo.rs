@@ -121,11 +121,7 @@ fn rollout(
 }
 
 pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
-    if cfg.packing {
-        return Err(TrainError::Usage(
-            "--packing applies to sft only (as in TRL)".into(),
-        ));
-    }
+    cfg.reject_packing()?;
     let setup = Setup::new(cfg)?;
     let builtin = cfg.data.is_none();
     let data = setup

@@ -108,6 +108,16 @@ impl TrainConfig {
         )?)
     }
 
+    /// Refuses `--packing` for the objectives that score whole sequences (DPO, GRPO), as TRL does.
+    pub fn reject_packing(&self) -> Result<()> {
+        match self.packing {
+            true => Err(TrainError::Usage(
+                "--packing applies to sft only (as in TRL)".into(),
+            )),
+            false => Ok(()),
+        }
+    }
+
     fn options(&self) -> Options {
         Options {
             offload_checkpoints: self.offload_checkpoints,
