@@ -147,9 +147,9 @@ struct RawConfig {
 impl ModelConfig {
     /// Reads and validates `config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        let text = std::fs::read_to_string(path).map_err(|error| ModelError::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         })?;
         Self::from_json_str(&text, path)
     }

@@ -42,31 +42,53 @@ pub fn parse_dtype(spec: &str) -> Result<DType> {
     }
 }
 
-/// Byte sizes such as `512MiB`, `8GiB`, `1.5GB` or a plain number of bytes.
+/// The units [`parse_bytes`] reads (case-insensitive), with their sizes.
+const UNITS: [(&str, f64); 14] = [
+    ("", 1.0),
+    ("b", 1.0),
+    ("kb", 1e3),
+    ("mb", 1e6),
+    ("gb", 1e9),
+    ("tb", 1e12),
+    ("kib", 1024.0),
+    ("mib", 1048576.0),
+    ("gib", 1073741824.0),
+    ("tib", 1099511627776.0),
+    ("k", 1024.0),
+    ("m", 1048576.0),
+    ("g", 1073741824.0),
+    ("t", 1099511627776.0),
+];
+
+/// Byte sizes such as `512MiB`, `8GiB`, `1.5GB`, `1TiB` or a plain number of bytes (`K`, `M`, `G`, `T`
+/// alone are binary units).
 pub fn parse_bytes(spec: &str) -> Result<u64> {
     let s = spec.trim();
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let value: f64 = num
-        .parse()
-        .map_err(|_| ModelError::Input(format!("bad size {spec:?}")))?;
-    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "kb" => 1e3,
-        "mb" => 1e6,
-        "gb" => 1e9,
-        "kib" | "k" => 1024.0,
-        "mib" | "m" => 1024.0 * 1024.0,
-        "gib" | "g" => 1024.0 * 1024.0 * 1024.0,
-        other => {
-            return Err(ModelError::Input(format!(
-                "unknown size unit {other:?} in {spec:?}"
-            )))
-        }
-    };
-    Ok((value * scale) as u64)
+    let value: f64 = num.parse().map_err(|_| {
+        ModelError::Input(format!(
+            "bad size {spec:?}: expected a number and a unit, like 8GiB"
+        ))
+    })?;
+    let unit = unit.trim().to_ascii_lowercase();
+    let (_, scale) = UNITS
+        .iter()
+        .find(|(name, _)| *name == unit)
+        .ok_or_else(|| {
+            ModelError::Input(format!(
+                "unknown size unit {unit:?} in {spec:?} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            ))
+        })?;
+    let bytes = value * scale;
+    if !(bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(ModelError::Input(format!(
+            "size {spec:?} is out of range (at least 1 byte)"
+        )));
+    }
+    Ok(bytes as u64)
 }
 
 /// `parse_bytes` for clap.

@@ -6,12 +6,14 @@ use std::path::PathBuf;
 /// Anything that can go wrong building or running a model.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
+
+    #[error("cannot write {path}: {reason}")]
+    Write { path: PathBuf, reason: String },
 
     #[error("{path}: invalid config: {reason}")]
     Config { path: PathBuf, reason: String },

@@ -37,13 +37,24 @@ pub fn resolve_model_dir(spec: &str) -> Result<PathBuf> {
     if let Some(dir) = cached_model_dir(&Cache::from_env(), spec) {
         return Ok(dir);
     }
+    // `models/x` may be a mistyped local path as well as a hub id: say both where it was looked for.
+    let not_local = match std::env::current_dir() {
+        Ok(cwd) => format!("no directory {spec} under {}", cwd.display()),
+        Err(_) => format!("no directory {spec}"),
+    };
     if offline() {
         return Err(ModelError::Hub(format!(
-            "{spec} is not complete in the hub cache ({}) and HF_HUB_OFFLINE is set",
+            "{not_local}, and as a hub id it is not complete in the hub cache ({}) while \
+             HF_HUB_OFFLINE is set",
             Cache::from_env().path().display()
         )));
     }
-    download(spec)
+    download(spec).map_err(|e| {
+        ModelError::Hub(format!(
+            "{not_local}, and as a hub id it could not be fetched: {}",
+            e.to_string().trim_start_matches("hub: ")
+        ))
+    })
 }
 
 fn offline() -> bool {
@@ -73,9 +84,9 @@ fn download(id: &str) -> Result<PathBuf> {
     let config = repo.get("config.json").map_err(hub)?;
     match repo.get("model.safetensors.index.json") {
         Ok(index) => {
-            let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
+            let text = std::fs::read_to_string(&index).map_err(|error| ModelError::Io {
                 path: index.clone(),
-                source,
+                error,
             })?;
             let value: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| ModelError::Hub(format!("{}: {e}", index.display())))?;

@@ -23,15 +23,15 @@ pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<Model> {
     let files = weight_files(dir)?;
     let mut maps = Vec::with_capacity(files.len());
     for path in &files {
-        let file = File::open(path).map_err(|source| ModelError::Io {
+        let file = File::open(path).map_err(|error| ModelError::Io {
             path: path.clone(),
-            source,
+            error,
         })?;
         // SAFETY: the file is only read; a checkpoint rewritten while we load it is the user's race,
         // as with every mmap-based loader (transformers' included).
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ModelError::Io {
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|error| ModelError::Io {
             path: path.clone(),
-            source,
+            error,
         })?;
         maps.push(mmap);
     }
@@ -78,9 +78,9 @@ pub fn load_model(dir: &Path, dtype: DType, device: &Device) -> Result<Model> {
 pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join(INDEX_FILE);
     if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
+        let text = std::fs::read_to_string(&index).map_err(|error| ModelError::Io {
             path: index.clone(),
-            source,
+            error,
         })?;
         let bad = |reason: String| ModelError::Config {
             path: index.clone(),
@@ -155,19 +155,26 @@ fn find_tensor<'a>(
 }
 
 /// Writes `tensors` as a safetensors file atomically: to a temporary file in the same directory, then
-/// renamed over `path`, so an interrupted write never leaves a truncated file behind.
+/// renamed over `path`, so an interrupted write never leaves a truncated file behind. A failure names
+/// `path` and removes the temporary file.
 pub fn save_safetensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
     let file_name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "tensors.safetensors".into());
     let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
-    let io = |source, p: &Path| ModelError::Io {
-        path: p.to_path_buf(),
-        source,
-    };
-    candle_core::safetensors::save(tensors, &tmp)?;
-    std::fs::rename(&tmp, path).map_err(|e| io(e, path))?;
-    Ok(())
+    let written = candle_core::safetensors::save(tensors, &tmp)
+        .map_err(|e| e.to_string())
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| e.to_string()));
+    written.map_err(|reason| {
+        let _ = std::fs::remove_file(&tmp);
+        ModelError::Write {
+            path: path.to_path_buf(),
+            reason,
+        }
+    })
 }

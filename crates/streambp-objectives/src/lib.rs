@@ -21,7 +21,7 @@ mod targets;
 pub use dpo::Dpo;
 pub use grpo::{Grpo, GrpoBatch, GrpoLossType};
 pub use sft::Sft;
-pub use targets::TokenTargets;
+pub use targets::{TokenTargets, IGNORE_INDEX};
 
 /// Errors of objective construction and evaluation.
 #[derive(Debug, thiserror::Error)]

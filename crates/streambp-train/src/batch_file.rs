@@ -121,7 +121,7 @@ pub fn load_batch(
         .and_then(|o| o.as_str())
         .ok_or_else(|| fail("no \"objective\" field (sft, dpo or grpo)".into()))?;
     let named = |e: TrainError| match e {
-        TrainError::Usage(reason) => fail(reason),
+        TrainError::Data { reason, .. } => fail(reason),
         TrainError::Objective(o) => fail(o.to_string()),
         other => other,
     };
@@ -157,9 +157,10 @@ fn prepare_dpo(
     let (pc, tc) = check_rectangular("chosen_input_ids", &file.chosen_input_ids)?;
     let (pr, tr) = check_rectangular("rejected_input_ids", &file.rejected_input_ids)?;
     if pc != pr {
-        return Err(TrainError::Usage(format!(
-            "{pc} chosen rows but {pr} rejected rows: pairs must match"
-        )));
+        return Err(TrainError::data(
+            "batch",
+            format!("{pc} chosen rows but {pr} rejected rows: pairs must match"),
+        ));
     }
     check_same_shape("chosen_labels", &file.chosen_labels, pc, tc)?;
     check_same_shape("rejected_labels", &file.rejected_labels, pr, tr)?;
@@ -215,8 +216,9 @@ fn prepare_dpo(
             (sums[..pc].to_vec(), sums[pc..].to_vec())
         }
         _ => {
-            return Err(TrainError::Usage(
-                "give both ref_chosen_logps and ref_rejected_logps, or neither".into(),
+            return Err(TrainError::data(
+                "batch",
+                "give both ref_chosen_logps and ref_rejected_logps, or neither",
             ))
         }
     };
@@ -253,9 +255,10 @@ fn prepare_grpo(
             check_right_padded(m)?;
             for (row, (c, m)) in file.completion_mask.iter().zip(m).enumerate() {
                 if c.iter().zip(m).any(|(&c, &m)| c != 0 && m == 0) {
-                    return Err(TrainError::Usage(format!(
-                        "completion_mask row {row} marks a padded position"
-                    )));
+                    return Err(TrainError::data(
+                        "batch",
+                        format!("completion_mask row {row} marks a padded position"),
+                    ));
                 }
             }
             Some(m.clone())
@@ -389,15 +392,18 @@ pub fn check_rectangular(what: &str, rows: &[Vec<i64>]) -> Result<(usize, usize)
     let t = rows
         .first()
         .map(Vec::len)
-        .ok_or_else(|| TrainError::Usage(format!("{what} has no rows")))?;
+        .ok_or_else(|| TrainError::data("batch", format!("{what} has no rows")))?;
     if t == 0 {
-        return Err(TrainError::Usage(format!("{what} row 0 is empty")));
+        return Err(TrainError::data("batch", format!("{what} row 0 is empty")));
     }
     if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| r.len() != t) {
-        return Err(TrainError::Usage(format!(
-            "{what} is ragged: row {i} has {} entries, row 0 has {t} (pad rows to one length)",
-            r.len()
-        )));
+        return Err(TrainError::data(
+            "batch",
+            format!(
+                "{what} is ragged: row {i} has {} entries, row 0 has {t} (pad rows to one length)",
+                r.len()
+            ),
+        ));
     }
     Ok((rows.len(), t))
 }
@@ -405,10 +411,10 @@ pub fn check_rectangular(what: &str, rows: &[Vec<i64>]) -> Result<(usize, usize)
 pub fn check_same_shape(what: &str, rows: &[Vec<i64>], b: usize, t: usize) -> Result<()> {
     let shape = check_rectangular(what, rows)?;
     if shape != (b, t) {
-        return Err(TrainError::Usage(format!(
-            "{what} is {}x{} but input_ids is {b}x{t}",
-            shape.0, shape.1
-        )));
+        return Err(TrainError::data(
+            "batch",
+            format!("{what} is {}x{} but input_ids is {b}x{t}", shape.0, shape.1),
+        ));
     }
     Ok(())
 }
@@ -420,7 +426,7 @@ pub fn check_vocab(ids: &[Vec<i64>], vocab_size: usize) -> Result<()> {
             .enumerate()
             .find(|(_, &id)| id < 0 || id as usize >= vocab_size)
         {
-            return Err(TrainError::Usage(format!(
+            return Err(TrainError::data("batch", format!(
                 "token id {id} at row {row}, position {pos} is outside the vocabulary (size {vocab_size})"
             )));
         }
@@ -432,20 +438,23 @@ pub fn check_vocab(ids: &[Vec<i64>], vocab_size: usize) -> Result<()> {
 pub fn check_right_padded(mask: &[Vec<i64>]) -> Result<()> {
     for (row, r) in mask.iter().enumerate() {
         if let Some(v) = r.iter().find(|&&v| v != 0 && v != 1) {
-            return Err(TrainError::Usage(format!(
-                "attention_mask row {row} holds {v}; expected 0 or 1"
-            )));
+            return Err(TrainError::data(
+                "batch",
+                format!("attention_mask row {row} holds {v}; expected 0 or 1"),
+            ));
         }
         let first_pad = r.iter().position(|&v| v == 0).unwrap_or(r.len());
         if r[first_pad..].iter().any(|&v| v != 0) {
-            return Err(TrainError::Usage(format!(
-                "attention_mask row {row} is not right-padded (a 1 follows a 0)"
-            )));
+            return Err(TrainError::data(
+                "batch",
+                format!("attention_mask row {row} is not right-padded (a 1 follows a 0)"),
+            ));
         }
         if first_pad == 0 {
-            return Err(TrainError::Usage(format!(
-                "attention_mask row {row} has no real token"
-            )));
+            return Err(TrainError::data(
+                "batch",
+                format!("attention_mask row {row} has no real token"),
+            ));
         }
     }
     Ok(())

@@ -26,12 +26,12 @@ impl ChatTemplate {
             .trim_blocks(true)
             .lstrip_blocks(true)
             .build()
-            .map_err(|e| TrainError::Usage(e.to_string()))?;
+            .map_err(|e| TrainError::Tokenizer(e.to_string()))?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_template_owned("chat", source)
-            .map_err(|e| TrainError::Usage(format!("chat template does not parse: {e}")))?;
+            .map_err(|e| TrainError::Tokenizer(format!("chat template does not parse: {e}")))?;
         Ok(Self {
             env,
             bos_token,
@@ -53,7 +53,7 @@ impl ChatTemplate {
         };
         let file = dir.join("chat_template.jinja");
         let source = if file.exists() {
-            Some(std::fs::read_to_string(&file)?)
+            Some(std::fs::read_to_string(&file).map_err(TrainError::io("read", &file))?)
         } else {
             match config.get("chat_template") {
                 Some(serde_json::Value::String(s)) => Some(s.clone()),
@@ -80,7 +80,7 @@ impl ChatTemplate {
         let template = self
             .env
             .get_template("chat")
-            .map_err(|e| TrainError::Usage(e.to_string()))?;
+            .map_err(|e| TrainError::Tokenizer(e.to_string()))?;
         template
             .render(minijinja::context! {
                 messages => Value::from(minijinja::value::Serde(messages)),
@@ -88,7 +88,7 @@ impl ChatTemplate {
                 bos_token => self.bos_token.clone(),
                 eos_token => self.eos_token.clone(),
             })
-            .map_err(|e| TrainError::Usage(format!("chat template: {e}")))
+            .map_err(|e| TrainError::Tokenizer(format!("chat template: {e}")))
     }
 
     /// `(prompt, completion)` texts of a conversation split before its reply: the prompt rendered with
@@ -103,7 +103,7 @@ impl ChatTemplate {
         let full = self.render(&serde_json::Value::from(all), false)?;
         match full.strip_prefix(&prompt_text) {
             Some(completion) => Ok((prompt_text, completion.to_string())),
-            None => Err(TrainError::Usage(
+            None => Err(TrainError::Tokenizer(
                 "the chat template renders the prompt differently inside the full conversation; \
                  cannot tell the reply's tokens apart"
                     .into(),

@@ -1,22 +1,34 @@
 //! HF-loadable checkpoints, written atomically: everything goes into a temporary directory next to the
 //! target, which is renamed into place only when complete, so an interrupted run never leaves a
-//! half-written checkpoint (and a previous one is replaced only by a complete one).
+//! half-written checkpoint (and a previous one is replaced only by a complete one). A save that fails
+//! removes its temporary directory; one that is killed leaves it for the next run's
+//! [`crate::output::clean_interrupted_saves`].
+//!
+//! A resumable checkpoint also records the run that wrote it ([`RunRecord`]), so that `--resume` can
+//! refuse a run that would continue differently (other data, batch size, model) and warn about settings
+//! that only change the course from there on.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use streambp_models::Model;
 
+use crate::output::{OLD_MARK, TMP_MARK};
 use crate::{Result, TrainError};
 
 /// Optimizer moments of a resumable checkpoint.
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-/// Step, epoch and data position of a resumable checkpoint.
+/// Step, epoch, data position and run record of a resumable checkpoint.
 pub const STATE_FILE: &str = "trainer_state.json";
 
+/// The settings of a run that decide how it continues, under the flag names a user types (and
+/// `recipe`, `data` for the job and the training examples themselves).
+pub type RunRecord = BTreeMap<String, serde_json::Value>;
+
 /// Where a run stood when its checkpoint was written: enough to continue it exactly.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TrainerState {
     /// Optimizer steps taken.
     pub step: usize,
@@ -25,29 +37,102 @@ pub struct TrainerState {
     /// Position in the current epoch's order.
     pub cursor: usize,
     pub seed: u64,
+    /// The run's settings (absent in checkpoints of older versions: then nothing is compared).
+    #[serde(default)]
+    pub run: RunRecord,
 }
 
 impl TrainerState {
     pub fn read(dir: &Path) -> Result<Self> {
         let path = dir.join(STATE_FILE);
         let text = std::fs::read_to_string(&path).map_err(|e| {
-            TrainError::Usage(format!(
-                "{} is not a resumable checkpoint ({}: {e})",
-                dir.display(),
-                STATE_FILE
+            TrainError::Checkpoint(format!(
+                "{} is not a resumable checkpoint ({STATE_FILE}: {e})",
+                dir.display()
             ))
         })?;
         serde_json::from_str(&text)
-            .map_err(|e| TrainError::Usage(format!("{}: {e}", path.display())))
+            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))
     }
+}
+
+/// Settings that must be equal to resume: the job, the weights' origin, the examples and how many make
+/// a step, and GRPO's group shape. Every other recorded setting only warns when it changed.
+const MUST_MATCH: &[&str] = &[
+    "recipe",
+    "--model",
+    "data",
+    "--batch-size",
+    "--grad-accum",
+    "--group-size",
+    "--num-iterations",
+];
+
+/// Compares the checkpoint's run with the one resuming it: refuses when a setting of [`MUST_MATCH`]
+/// differs (naming each), warns for every other difference.
+pub fn check_resume(checkpoint: &Path, saved: &RunRecord, given: &RunRecord) -> Result<()> {
+    let mut refused = Vec::new();
+    for (key, now) in given {
+        let Some(before) = saved.get(key) else {
+            continue;
+        };
+        if before == now {
+            continue;
+        }
+        if MUST_MATCH.contains(&key.as_str()) {
+            refused.push(format!(
+                "{key}: {before} in the checkpoint's run, {now} now"
+            ));
+        } else {
+            tracing::warn!(
+                setting = key.as_str(),
+                checkpoint = %before,
+                now = %now,
+                "resuming with a setting changed: the run continues differently from here"
+            );
+        }
+    }
+    if refused.is_empty() {
+        return Ok(());
+    }
+    Err(TrainError::Checkpoint(format!(
+        "cannot resume from {}: {}. Resume with the settings it was trained with (the data's \
+         examples depend on --data, --max-length, --overflow, --packing and the tokenizer)",
+        checkpoint.display(),
+        refused.join("; ")
+    )))
+}
+
+/// A stable 64-bit FNV-1a digest of `value` (the same on every run and machine of one endianness), to
+/// tell whether two runs train on the same examples.
+pub fn fingerprint(value: &impl Hash) -> String {
+    struct Fnv(u64);
+    impl Hasher for Fnv {
+        fn finish(&self) -> u64 {
+            self.0
+        }
+        fn write(&mut self, bytes: &[u8]) {
+            for &b in bytes {
+                self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+            }
+        }
+    }
+    let mut h = Fnv(0xcbf2_9ce4_8422_2325);
+    value.hash(&mut h);
+    format!("{:016x}", h.finish())
+}
+
+/// The record of a run's training data: how many items and their [`fingerprint`].
+pub fn data_identity<T: Hash>(items: &[T]) -> serde_json::Value {
+    format!("{} items, fingerprint {}", items.len(), fingerprint(&items)).into()
 }
 
 /// Copies `config.json` with its dtype set to the one the weights are saved in, so that
 /// `from_pretrained(..., dtype="auto")` loads them as they are.
 fn write_config(src: &Path, dtype: DType, dst: &Path) -> Result<()> {
-    let text = std::fs::read_to_string(src)?;
+    let text = std::fs::read_to_string(src).map_err(TrainError::io("read", src))?;
     let mut config: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| TrainError::Usage(format!("{}: not valid JSON: {e}", src.display())))?;
+        .map_err(|e| TrainError::data(src.display(), format!("not valid JSON: {e}")))?;
     let name = match dtype {
         DType::BF16 => "bfloat16",
         DType::F16 => "float16",
@@ -62,65 +147,110 @@ fn write_config(src: &Path, dtype: DType, dst: &Path) -> Result<()> {
         }
     }
     let pretty = serde_json::to_string_pretty(&config)
-        .map_err(|e| TrainError::Usage(format!("config.json: {e}")))?;
-    std::fs::write(dst, pretty)?;
-    Ok(())
+        .map_err(|e| TrainError::Internal(format!("config.json: {e}")))?;
+    std::fs::write(dst, pretty).map_err(TrainError::io("write", dst))
 }
 
-/// Writes `model` (weights under their HF names, tied embeddings once), its `config.json` and the
-/// tokenizer files into `dir`.
-pub fn save_checkpoint(
-    model: &Model,
-    config_json: &Path,
-    tokenizer_files: &[PathBuf],
-    extra: &[(&str, String)],
-    optimizer: Option<&HashMap<String, Tensor>>,
-    dir: &Path,
-) -> Result<()> {
+/// What a checkpoint directory holds.
+pub struct CheckpointFiles<'a> {
+    pub model: &'a Model,
+    /// The model's `config.json`, copied with the saved dtype.
+    pub config_json: &'a Path,
+    pub tokenizer_files: &'a [PathBuf],
+    /// Further text files: `(name, contents)`.
+    pub extra: &'a [(&'a str, String)],
+    /// Optimizer state, for a resumable checkpoint.
+    pub optimizer: Option<&'a HashMap<String, Tensor>>,
+}
+
+/// Writes a checkpoint into `dir` atomically (weights under their HF names, tied embeddings once).
+pub fn save_checkpoint(files: &CheckpointFiles, dir: &Path) -> Result<()> {
     let parent = dir.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent)?;
+    std::fs::create_dir_all(parent).map_err(TrainError::io("create", parent))?;
     let name = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "checkpoint".into());
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp)?;
+    let pid = std::process::id();
+    let tmp = parent.join(format!(".{name}{TMP_MARK}{pid}"));
+    let written = write_into(files, &tmp).and_then(|()| replace(&tmp, dir, parent, &name, pid));
+    if written.is_err() && tmp.exists() {
+        // Disk full or a failed copy: leave no half-written directory behind.
+        let _ = std::fs::remove_dir_all(&tmp);
     }
-    std::fs::create_dir_all(&tmp)?;
+    written.map_err(|e| match e {
+        TrainError::Io {
+            action,
+            path,
+            error,
+        } if path.starts_with(&tmp) => TrainError::Io {
+            action,
+            path: dir.join(path.strip_prefix(&tmp).unwrap_or(&path)),
+            error,
+        },
+        other => other,
+    })
+}
+
+/// Writes every file of the checkpoint into the (new, empty) directory `tmp`.
+fn write_into(files: &CheckpointFiles, tmp: &Path) -> Result<()> {
+    if tmp.exists() {
+        std::fs::remove_dir_all(tmp).map_err(TrainError::io("remove", tmp))?;
+    }
+    std::fs::create_dir_all(tmp).map_err(TrainError::io("create", tmp))?;
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
-    for (n, v) in model.parameters() {
+    for (n, v) in files.model.parameters() {
         tensors.insert(n.clone(), v.as_tensor().detach().to_device(&Device::Cpu)?);
     }
-    candle_core::safetensors::save(&tensors, tmp.join("model.safetensors"))?;
-    write_config(config_json, model.dtype(), &tmp.join("config.json"))?;
-    for f in tokenizer_files {
+    save_tensors(&tensors, &tmp.join("model.safetensors"))?;
+    write_config(
+        files.config_json,
+        files.model.dtype(),
+        &tmp.join("config.json"),
+    )?;
+    for f in files.tokenizer_files {
         if let Some(n) = f.file_name() {
-            std::fs::copy(f, tmp.join(n))?;
+            std::fs::copy(f, tmp.join(n)).map_err(TrainError::io("copy", f))?;
         }
     }
-    for (file, text) in extra {
-        std::fs::write(tmp.join(file), text)?;
+    for (file, text) in files.extra {
+        let path = tmp.join(file);
+        std::fs::write(&path, text).map_err(TrainError::io("write", &path))?;
     }
-    if let Some(state) = optimizer {
+    if let Some(state) = files.optimizer {
         let cpu: HashMap<String, Tensor> = state
             .iter()
             .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
             .collect::<Result<_>>()?;
-        candle_core::safetensors::save(&cpu, tmp.join(OPTIMIZER_FILE))?;
-    }
-    if dir.exists() {
-        let old = parent.join(format!(".{name}.old-{}", std::process::id()));
-        std::fs::rename(dir, &old)?;
-        std::fs::rename(&tmp, dir)?;
-        std::fs::remove_dir_all(&old)?;
-    } else {
-        std::fs::rename(&tmp, dir).map_err(|e| {
-            TrainError::Usage(format!(
-                "cannot move checkpoint into {}: {e}",
-                dir.display()
-            ))
-        })?;
+        save_tensors(&cpu, &tmp.join(OPTIMIZER_FILE))?;
     }
     Ok(())
+}
+
+/// Puts the complete `tmp` in the place of `dir`, moving an older `dir` aside until then.
+fn replace(tmp: &Path, dir: &Path, parent: &Path, name: &str, pid: u32) -> Result<()> {
+    if dir.exists() {
+        let old = parent.join(format!(".{name}{OLD_MARK}{pid}"));
+        std::fs::rename(dir, &old).map_err(TrainError::io("move aside", dir))?;
+        std::fs::rename(tmp, dir).map_err(TrainError::io("write", dir))?;
+        std::fs::remove_dir_all(&old).map_err(TrainError::io("remove", &old))?;
+    } else {
+        std::fs::rename(tmp, dir).map_err(TrainError::io("write", dir))?;
+    }
+    Ok(())
+}
+
+/// safetensors' writer, with a failure reported as a write of `path`.
+fn save_tensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    candle_core::safetensors::save(tensors, path).map_err(|e| {
+        let error = match e {
+            candle_core::Error::Io(io) => io,
+            other => std::io::Error::other(other.to_string()),
+        };
+        TrainError::Io {
+            action: "write",
+            path: path.to_path_buf(),
+            error,
+        }
+    })
 }

@@ -8,11 +8,14 @@ use crate::{Result, TrainError};
 
 /// The flags a config file stands for, in file order: `(flag, value)` (no value for a `true` switch).
 pub fn flags_from_toml(path: &Path) -> Result<Vec<(String, Option<String>)>> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| TrainError::Usage(format!("cannot read {}: {e}", path.display())))?;
+    let bad = |reason: String| TrainError::ConfigFile {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read: {e}")))?;
     let table: toml::Table = text
         .parse()
-        .map_err(|e| TrainError::Usage(format!("{}: not valid TOML: {e}", path.display())))?;
+        .map_err(|e| bad(format!("not valid TOML: {e}")))?;
     let mut flags = Vec::new();
     for (key, value) in table {
         let flag = format!("--{}", key.replace('_', "-"));
@@ -23,9 +26,8 @@ pub fn flags_from_toml(path: &Path) -> Result<Vec<(String, Option<String>)>> {
             toml::Value::Integer(i) => flags.push((flag, Some(i.to_string()))),
             toml::Value::Float(f) => flags.push((flag, Some(f.to_string()))),
             other => {
-                return Err(TrainError::Usage(format!(
-                    "{}: {key} = {other} is not a flag value (use a string, number or boolean)",
-                    path.display()
+                return Err(bad(format!(
+                    "{key} = {other} is not a flag value (use a string, number or boolean)"
                 )))
             }
         }
@@ -46,7 +48,7 @@ pub fn expand_config(args: Vec<String>) -> Result<Vec<String>> {
         Some(p) => (p.to_string(), 1),
         None => match args.get(pos + 1) {
             Some(p) => (p.clone(), 2),
-            None => return Err(TrainError::Usage("--config needs a file".into())),
+            None => return Err(TrainError::flag("--config", "", "needs a file")),
         },
     };
     let typed: Vec<String> = args[..pos]

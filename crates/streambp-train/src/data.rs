@@ -4,12 +4,14 @@
 
 use std::path::Path;
 
+use streambp_objectives::IGNORE_INDEX;
+
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
 
-/// One tokenized training example: ids, HF-aligned labels (-100 where there is no loss), and each
+/// One tokenized training example: ids, HF-aligned labels ([`IGNORE_INDEX`] where there is no loss), and each
 /// token's position in its document (`0..n` for one document; restarting at 0 in a packed example).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Hash)]
 pub struct Example {
     pub input_ids: Vec<u32>,
     pub labels: Vec<i64>,
@@ -29,7 +31,7 @@ impl Example {
 
     /// A prompt and its completion, with the loss on the completion only.
     pub fn from_pair(prompt: Vec<u32>, completion: Vec<u32>) -> Self {
-        let mut labels: Vec<i64> = vec![-100; prompt.len()];
+        let mut labels: Vec<i64> = vec![IGNORE_INDEX; prompt.len()];
         labels.extend(completion.iter().map(|&t| t as i64));
         let mut ids = prompt;
         ids.extend(completion);
@@ -45,7 +47,11 @@ impl Example {
 
     /// Tokens with a loss (the first token is never predicted).
     pub fn targets(&self) -> usize {
-        self.labels.iter().skip(1).filter(|&&l| l != -100).count()
+        self.labels
+            .iter()
+            .skip(1)
+            .filter(|&&l| l != IGNORE_INDEX)
+            .count()
     }
 }
 
@@ -84,7 +90,7 @@ pub fn pack(examples: Vec<Example>, max_length: usize) -> Vec<Example> {
             for i in members {
                 let e = examples[i].take().expect("each example is packed once");
                 row.input_ids.extend(&e.input_ids);
-                row.labels.push(-100);
+                row.labels.push(IGNORE_INDEX);
                 row.labels.extend(&e.labels[1.min(e.labels.len())..]);
                 row.position_ids.extend(e.position_ids);
             }
@@ -111,40 +117,64 @@ impl std::str::FromStr for Overflow {
     }
 }
 
-/// The prompt/completion text pairs of a JSONL file (`text` rows have an empty prompt).
-pub fn read_jsonl(path: &Path) -> Result<Vec<serde_json::Map<String, serde_json::Value>>> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| TrainError::Usage(format!("cannot read {}: {e}", path.display())))?;
+/// A JSONL file's rows (JSON objects) with their line numbers; blank lines are skipped. A line that is
+/// not UTF-8, not JSON or not an object is an error naming the file and line.
+pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, Row)>> {
+    let bytes = std::fs::read(path).map_err(TrainError::io("read", path))?;
     let mut rows = Vec::new();
-    for (i, line) in text.lines().enumerate() {
+    for (i, line) in bytes.split(|&b| b == b'\n').enumerate() {
+        let at = || format!("{} line {}", path.display(), i + 1);
+        let line = std::str::from_utf8(line).map_err(|e| {
+            TrainError::data(
+                at(),
+                format!("not valid UTF-8 (at byte {} of the line)", e.valid_up_to()),
+            )
+        })?;
         if line.trim().is_empty() {
             continue;
         }
-        let value: serde_json::Value = serde_json::from_str(line).map_err(|e| {
-            TrainError::Usage(format!(
-                "{} line {}: not valid JSON: {e}",
-                path.display(),
-                i + 1
-            ))
-        })?;
-        match value {
-            serde_json::Value::Object(o) => rows.push(o),
-            _ => {
-                return Err(TrainError::Usage(format!(
-                    "{} line {}: expected a JSON object",
-                    path.display(),
-                    i + 1
-                )))
-            }
+        match serde_json::from_str(line) {
+            Ok(serde_json::Value::Object(o)) => rows.push((i + 1, o)),
+            Ok(_) => return Err(TrainError::data(at(), "expected a JSON object")),
+            Err(e) => return Err(TrainError::data(at(), format!("not valid JSON: {e}"))),
         }
     }
     if rows.is_empty() {
-        return Err(TrainError::Usage(format!(
-            "{} holds no examples",
-            path.display()
-        )));
+        return Err(TrainError::data(path.display(), "holds no examples"));
     }
     Ok(rows)
+}
+
+/// One data row: its columns by name.
+pub type Row = serde_json::Map<String, serde_json::Value>;
+
+/// Counts the examples whose text the tokenizer could not spell (their tokens became the unknown
+/// token), and warns once with the first such line when there are any.
+#[derive(Default)]
+pub struct UnknownText {
+    count: usize,
+    first: Option<String>,
+}
+
+impl UnknownText {
+    /// Notes `ids`, the tokens of the example at `location`.
+    pub fn note(&mut self, tok: &TextTokenizer, ids: &[u32], location: &str) {
+        if tok.has_unknown(ids) {
+            self.count += 1;
+            self.first.get_or_insert_with(|| location.to_string());
+        }
+    }
+
+    /// Warns about what was noted.
+    pub fn report(&self) {
+        if let Some(first) = &self.first {
+            tracing::warn!(
+                examples = self.count,
+                first = first.as_str(),
+                "text outside the tokenizer's vocabulary was encoded as its unknown token"
+            );
+        }
+    }
 }
 
 /// A field of a data row: plain text, or a conversation (a list of `{role, content}` messages).
@@ -153,21 +183,16 @@ pub enum Text {
     Messages(Vec<serde_json::Value>),
 }
 
-/// The field `key` of `row`, if present.
-pub fn text_field(
-    row: &serde_json::Map<String, serde_json::Value>,
-    key: &str,
-    path: &Path,
-    line: usize,
-) -> Result<Option<Text>> {
+/// The field `key` of the row at `location`, if present.
+pub fn text_field(row: &Row, key: &str, location: &str) -> Result<Option<Text>> {
     match row.get(key) {
         None => Ok(None),
         Some(serde_json::Value::String(s)) => Ok(Some(Text::Plain(s.clone()))),
         Some(serde_json::Value::Array(m)) => Ok(Some(Text::Messages(m.clone()))),
-        Some(_) => Err(TrainError::Usage(format!(
-            "{} line {line}: {key:?} must be a string or a list of messages",
-            path.display()
-        ))),
+        Some(_) => Err(TrainError::data(
+            location,
+            format!("{key:?} must be a string or a list of messages"),
+        )),
     }
 }
 
@@ -187,16 +212,18 @@ pub fn encode_pair(
             Ok((tok.encode(&p)?, completion))
         }
         (Text::Messages(p), Text::Messages(c)) => {
+            let in_context = |e: TrainError| TrainError::data(where_, e.to_string());
             let (p, c) = tok
                 .chat_template()
-                .map_err(|e| TrainError::Usage(format!("{where_}: {e}")))?
+                .map_err(in_context)?
                 .split(&p, &c)
-                .map_err(|e| TrainError::Usage(format!("{where_}: {e}")))?;
+                .map_err(in_context)?;
             Ok((tok.encode(&p)?, tok.encode(&c)?))
         }
-        _ => Err(TrainError::Usage(format!(
-            "{where_}: prompt and completion must both be strings or both be messages"
-        ))),
+        _ => Err(TrainError::data(
+            where_,
+            "prompt and completion must both be strings or both be messages",
+        )),
     }
 }
 
@@ -212,10 +239,10 @@ pub fn load_sft(
     let rows = read_jsonl(path)?;
     let mut out = Vec::with_capacity(rows.len());
     let (mut truncated, mut skipped, mut final_turn_only) = (0usize, 0usize, 0usize);
-    for (i, row) in rows.iter().enumerate() {
-        let line = i + 1;
+    let mut unknown = UnknownText::default();
+    for (line, row) in &rows {
         let where_ = format!("{} line {line}", path.display());
-        let field = |k: &str| text_field(row, k, path, line);
+        let field = |k: &str| text_field(row, k, &where_);
         let mut example = match (
             field("messages")?,
             field("prompt")?,
@@ -237,11 +264,13 @@ pub fn load_sft(
                 Example::from_pair(p, c)
             }
             _ => {
-                return Err(TrainError::Usage(format!(
-                    "{where_}: expected \"messages\", \"prompt\" and \"completion\", or \"text\""
-                )))
+                return Err(TrainError::data(
+                    &where_,
+                    "expected \"messages\", \"prompt\" and \"completion\", or \"text\"",
+                ))
             }
         };
+        unknown.note(tokenizer, &example.input_ids, &where_);
         if example.input_ids.len() > max_length {
             match overflow {
                 Overflow::Skip => {
@@ -260,6 +289,7 @@ pub fn load_sft(
         }
         out.push(example);
     }
+    unknown.report();
     if final_turn_only > 0 {
         tracing::warn!(
             final_turn_only,
@@ -282,10 +312,10 @@ pub fn load_sft(
         );
     }
     if out.is_empty() {
-        return Err(TrainError::Usage(format!(
-            "{}: no example left to train on (max length {max_length})",
-            path.display()
-        )));
+        return Err(TrainError::data(
+            path.display(),
+            format!("no example left to train on (--max-length {max_length})"),
+        ));
     }
     Ok(out)
 }
@@ -303,27 +333,33 @@ fn encode_conversation(
         .iter()
         .any(|m| role(m).as_deref() == Some("assistant"))
     {
-        return Err(TrainError::Usage(format!(
-            "{where_}: the conversation has no assistant message to train on"
-        )));
+        return Err(TrainError::data(
+            where_,
+            "the conversation has no assistant message to train on",
+        ));
     }
-    let in_context = |e: TrainError| TrainError::Usage(format!("{where_}: {e}"));
+    let in_context = |e: TrainError| TrainError::data(where_, e.to_string());
     let chat = tok.chat_template().map_err(in_context)?;
     if let Some(segments) = chat.assistant_segments(messages).map_err(in_context)? {
         let (mut ids, mut labels) = (Vec::new(), Vec::new());
         for (text, trained) in segments {
             let piece = tok.encode(&text)?;
-            labels.extend(piece.iter().map(|&t| if trained { t as i64 } else { -100 }));
+            labels.extend(
+                piece
+                    .iter()
+                    .map(|&t| if trained { t as i64 } else { IGNORE_INDEX }),
+            );
             ids.extend(piece);
         }
         return Ok((Example::new(ids, labels), true));
     }
     let n = messages.len();
     if role(&messages[n - 1]).as_deref() != Some("assistant") {
-        return Err(TrainError::Usage(format!(
-            "{where_}: the chat template cannot mark every assistant turn, and the conversation \
-             does not end with one"
-        )));
+        return Err(TrainError::data(
+            where_,
+            "the chat template cannot mark every assistant turn, and the conversation does not end \
+             with one",
+        ));
     }
     let pair = encode_pair(
         tok,
@@ -360,7 +396,7 @@ pub fn collate(examples: &[&Example], pad_id: u32) -> Collated {
         row.resize(t, pad_id as i64);
         ids.push(row);
         let mut l = e.labels.clone();
-        l.resize(t, -100);
+        l.resize(t, IGNORE_INDEX);
         labels.push(l);
         let mut m = vec![1i64; n];
         m.resize(t, 0);

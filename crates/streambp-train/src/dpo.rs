@@ -9,53 +9,89 @@ use streambp_models::Model;
 use streambp_objectives::{Dpo, TokenTargets};
 
 use crate::batch_file::to_u32_tensor;
-use crate::data::{collate, encode_pair, read_jsonl, text_field, Collated, Example, Text};
-use crate::recipe::{Setup, StepAccumulator, Summary, TrainConfig, Trainer};
+use crate::checkpoint::data_identity;
+use crate::config::{Recipe, TrainConfig};
+use crate::data::{
+    collate, encode_pair, read_jsonl, text_field, Collated, Example, Overflow, Text, UnknownText,
+};
+use crate::recipe::{Setup, StepAccumulator, Summary, Trainer};
 use crate::sft::{eval_accuracy, eval_rows};
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
 
 /// A tokenized preference pair.
+#[derive(Hash)]
 pub struct Pair {
     pub chosen: Example,
     pub rejected: Example,
 }
 
 /// Pairs from TRL's `prompt` + `chosen` + `rejected` JSONL: strings (EOS ends each completion) or
-/// conversations rendered with the chat template.
-pub fn load_pairs(path: &Path, tok: &TextTokenizer, max_length: usize) -> Result<Vec<Pair>> {
+/// conversations rendered with the chat template. A pair longer than `max_length` is skipped or, as
+/// TRL's default `keep_start` truncation does, cut to its first `max_length` tokens per side (and
+/// skipped when a side has no completion token left).
+pub fn load_pairs(
+    path: &Path,
+    tok: &TextTokenizer,
+    max_length: usize,
+    overflow: Overflow,
+) -> Result<Vec<Pair>> {
     let rows = read_jsonl(path)?;
     let mut pairs = Vec::with_capacity(rows.len());
-    let mut skipped = 0;
-    for (i, row) in rows.iter().enumerate() {
-        let line = i + 1;
+    let (mut truncated, mut skipped) = (0usize, 0usize);
+    let mut unknown = UnknownText::default();
+    for (line, row) in &rows {
         let where_ = format!("{} line {line}", path.display());
         let field = |k: &str| -> Result<Text> {
-            text_field(row, k, path, line)?.ok_or_else(|| {
-                TrainError::Usage(format!(
-                    "{where_}: expected fields \"prompt\", \"chosen\" and \"rejected\" (no {k:?})"
-                ))
+            text_field(row, k, &where_)?.ok_or_else(|| {
+                TrainError::data(
+                    &where_,
+                    format!("expected fields \"prompt\", \"chosen\" and \"rejected\" (no {k:?})"),
+                )
             })
         };
         let side = |reply: &str| -> Result<Example> {
             let (prompt, completion) = encode_pair(tok, field("prompt")?, field(reply)?, &where_)?;
             Ok(Example::from_pair(prompt, completion))
         };
-        let (chosen, rejected) = (side("chosen")?, side("rejected")?);
+        let (mut chosen, mut rejected) = (side("chosen")?, side("rejected")?);
+        unknown.note(tok, &chosen.input_ids, &where_);
+        unknown.note(tok, &rejected.input_ids, &where_);
         if chosen.input_ids.len() > max_length || rejected.input_ids.len() > max_length {
-            skipped += 1;
-            continue;
+            if overflow == Overflow::Skip {
+                skipped += 1;
+                continue;
+            }
+            chosen.truncate(max_length);
+            rejected.truncate(max_length);
+            if chosen.targets() == 0 || rejected.targets() == 0 {
+                skipped += 1;
+                continue;
+            }
+            truncated += 1;
         }
         pairs.push(Pair { chosen, rejected });
     }
+    unknown.report();
+    if truncated > 0 {
+        tracing::warn!(
+            truncated,
+            max_length,
+            "pairs truncated to the maximum length"
+        );
+    }
     if skipped > 0 {
-        tracing::warn!(skipped, max_length, "pairs over the maximum length skipped");
+        tracing::warn!(
+            skipped,
+            max_length,
+            "pairs skipped (over the maximum length, or no completion left after truncation)"
+        );
     }
     if pairs.is_empty() {
-        return Err(TrainError::Usage(format!(
-            "{}: no pair to train on",
-            path.display()
-        )));
+        return Err(TrainError::data(
+            path.display(),
+            format!("no pair left to train on (--max-length {max_length})"),
+        ));
     }
     Ok(pairs)
 }
@@ -112,36 +148,24 @@ fn preference_accuracy(
 }
 
 pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
-    cfg.reject_packing()?;
-    let setup = Setup::new(cfg)?;
+    let setup = Setup::new(cfg, Recipe::Dpo)?;
     let reference = match &cfg.ref_model {
-        Some(spec) => streambp_models::load_model(
-            &streambp_models::resolve_model_dir(spec)?,
-            setup.dtype,
-            &setup.device,
-        )?,
+        Some(spec) => setup.load_reference(spec)?,
         // TRL's default reference: the policy as it starts (a copy, since the policy is updated in place).
         None => setup.model.frozen_copy()?,
     };
-    let data = setup
-        .data_path(&cfg.data, "dpo.jsonl")
-        .expect("built-in data when none is given");
-    let pairs = load_pairs(&data, &setup.tokenizer, cfg.max_length)?;
-    let builtin_eval = cfg.data.is_none();
-    let eval_pairs = match builtin_eval {
-        true => Some(load_pairs(
-            &setup.data_path(&None, "dpo_test.jsonl").expect("built-in"),
+    let data = setup.data_path(&cfg.data, "dpo.jsonl")?;
+    let pairs = load_pairs(&data, &setup.tokenizer, cfg.max_length, cfg.overflow)?;
+    let eval_pairs = match cfg.data {
+        None => Some(load_pairs(
+            &setup.data_path(&None, "dpo_test.jsonl")?,
             &setup.tokenizer,
             cfg.max_length,
+            cfg.overflow,
         )?),
-        false => None,
+        Some(_) => None,
     };
-    let eval_path = cfg.eval_data.clone().or_else(|| {
-        builtin_eval
-            .then(|| setup.data_path(&None, "test.jsonl"))
-            .flatten()
-    });
-    let eval = eval_path.as_deref().map(eval_rows).transpose()?;
+    let eval = setup.eval_path(cfg).as_deref().map(eval_rows).transpose()?;
     let held_out = |setup: &Setup| -> Result<Vec<(String, f64)>> {
         let mut m = eval_accuracy(setup, &eval)?;
         if let Some(p) = &eval_pairs {
@@ -155,7 +179,10 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
     tracing::info!(pairs = pairs.len(), data = %data.display(), beta = cfg.beta, "dpo");
     let before = held_out(&setup)?;
 
-    let mut trainer = Trainer::new(cfg, &setup, pairs.len())?;
+    cfg.check_data_size(pairs.len(), "pairs", &data)?;
+    let mut run = cfg.record(Recipe::Dpo);
+    run.insert("data".into(), data_identity(&pairs));
+    let mut trainer = Trainer::new(cfg, &setup, pairs.len(), run)?;
     let model = &setup.model;
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step();

@@ -14,7 +14,7 @@ use streambp_models::{load_model, resolve_model_dir, save_safetensors};
 
 use crate::batch_file::load_batch;
 use crate::device::{parse_device, parse_dtype};
-use crate::Result;
+use crate::{Result, TrainError};
 
 /// Default chunk sizes when neither explicit sizes nor a budget are given.
 pub const DEFAULT_CHUNK: usize = 512;
@@ -74,7 +74,43 @@ pub struct GradReport {
     pub metrics: serde_json::Map<String, serde_json::Value>,
 }
 
+impl GradArgs {
+    /// Checks the flags before anything is loaded: chunks of at least 1, an output file whose directory
+    /// exists.
+    pub fn validate(&self) -> Result<()> {
+        for (flag, value) in [
+            ("--chunk", self.chunk),
+            ("--logits-chunk", self.logits_chunk),
+        ] {
+            if value == Some(0) {
+                return Err(TrainError::flag(flag, 0, "must be at least 1"));
+            }
+        }
+        let out = &self.out;
+        if out.is_dir() {
+            return Err(TrainError::flag(
+                "--out",
+                out.display(),
+                "is a directory; expected a file",
+            ));
+        }
+        let dir = match out.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => std::path::Path::new("."),
+        };
+        if !dir.is_dir() {
+            return Err(TrainError::flag(
+                "--out",
+                out.display(),
+                format!("its directory {} does not exist", dir.display()),
+            ));
+        }
+        Ok(())
+    }
+}
+
 pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
+    args.validate()?;
     let device = parse_device(&args.device)?;
     let dtype = parse_dtype(&args.dtype)?;
     let dir = resolve_model_dir(&args.model)?;

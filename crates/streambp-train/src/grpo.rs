@@ -5,30 +5,20 @@
 use std::path::Path;
 
 use candle_core::Tensor;
-use serde_json::{Map, Value};
+use serde_json::Value;
 use streambp_core::{forward_logprobs, Batch};
 use streambp_models::init::NormalRng;
-use streambp_objectives::{Grpo, GrpoBatch, GrpoLossType};
+use streambp_objectives::{Grpo, GrpoBatch};
 
 use crate::batch_file::{align_to_inputs, next_token_targets, to_u32_tensor};
-use crate::data::read_jsonl;
-use crate::recipe::{Setup, StepAccumulator, Summary, TrainConfig, Trainer};
+use crate::checkpoint::{data_identity, RunRecord};
+use crate::config::{GrpoConfig, Recipe, TrainConfig};
+use crate::data::{read_jsonl, Overflow, Row, UnknownText};
+use crate::recipe::{Setup, StepAccumulator, Summary, Trainer};
 use crate::rewards::{group_advantages, parse_reward, Reward};
-use crate::sampling::{sample_group, SamplingConfig};
+use crate::sampling::sample_group;
 use crate::sft::{eval_accuracy, eval_rows};
 use crate::{Result, TrainError};
-
-/// GRPO's settings beyond the shared ones.
-#[derive(Debug, Clone)]
-pub struct GrpoConfig {
-    pub group_size: usize,
-    pub sampling: SamplingConfig,
-    /// `exact:COLUMN` / `format:REGEX`, summed.
-    pub rewards: Vec<String>,
-    pub loss_type: String,
-    pub epsilon: f64,
-    pub num_iterations: usize,
-}
 
 /// One group of rollouts as a right-padded GRPO batch.
 struct Rollouts {
@@ -40,35 +30,87 @@ struct Rollouts {
     lengths: Vec<usize>,
 }
 
-fn prompt_rows(path: &Path) -> Result<Vec<Map<String, Value>>> {
-    let rows = read_jsonl(path)?;
-    for (i, r) in rows.iter().enumerate() {
-        if !matches!(r.get("prompt"), Some(Value::String(_))) {
-            return Err(TrainError::Usage(format!(
-                "{} line {}: GRPO data needs a \"prompt\" string",
-                path.display(),
-                i + 1
-            )));
-        }
-    }
-    Ok(rows)
+/// A prompt to sample from: its tokens (cut to fit `--max-length` with the completion) and its data row,
+/// which the rewards read.
+#[derive(Hash)]
+struct Prompt {
+    ids: Vec<u32>,
+    row: Row,
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The prompts of a GRPO data file: rows with a `prompt` string and every column a reward reads. A
+/// prompt that leaves no room for `max_new_tokens` within `max_length` is skipped or cut from the left
+/// (TRL keeps a prompt's end).
+fn load_prompts(
+    path: &Path,
+    setup: &Setup,
+    cfg: &TrainConfig,
+    g: &GrpoConfig,
+    rewards: &[Box<dyn Reward>],
+) -> Result<Vec<Prompt>> {
+    let room = cfg.max_length - g.sampling.max_new_tokens;
+    let (mut truncated, mut skipped) = (0usize, 0usize);
+    let mut unknown = UnknownText::default();
+    let mut prompts = Vec::new();
+    for (line, row) in read_jsonl(path)? {
+        let where_ = format!("{} line {line}", path.display());
+        let Some(Value::String(text)) = row.get("prompt") else {
+            return Err(TrainError::data(
+                where_,
+                "GRPO data needs a \"prompt\" string",
+            ));
+        };
+        for column in rewards.iter().filter_map(|r| r.column()) {
+            if !row.contains_key(column) {
+                return Err(TrainError::data(
+                    where_,
+                    format!("no {column:?} column, which the reward exact:{column} reads"),
+                ));
+            }
+        }
+        let mut ids = setup.tokenizer.encode(text)?;
+        unknown.note(&setup.tokenizer, &ids, &where_);
+        if ids.len() > room {
+            if cfg.overflow == Overflow::Skip {
+                skipped += 1;
+                continue;
+            }
+            ids.drain(..ids.len() - room);
+            truncated += 1;
+        }
+        prompts.push(Prompt { ids, row });
+    }
+    unknown.report();
+    if truncated + skipped > 0 {
+        tracing::warn!(
+            truncated,
+            skipped,
+            room,
+            "prompts longer than --max-length minus --max-new-tokens"
+        );
+    }
+    if prompts.is_empty() {
+        return Err(TrainError::data(
+            path.display(),
+            "no prompt left to train on",
+        ));
+    }
+    Ok(prompts)
+}
+
 fn rollout(
     setup: &Setup,
-    row: &Map<String, Value>,
+    prompt: &Prompt,
     rewards: &[Box<dyn Reward>],
     g: &GrpoConfig,
     rng: &mut NormalRng,
     reward_totals: &mut [f64],
 ) -> Result<Rollouts> {
     let tok = &setup.tokenizer;
-    let prompt = row["prompt"].as_str().unwrap_or_default();
-    let prompt_ids = tok.encode(prompt)?;
+    let (prompt_ids, row) = (&prompt.ids, &prompt.row);
     let completions = sample_group(
         &setup.model,
-        &prompt_ids,
+        prompt_ids,
         g.group_size,
         tok.eos_id,
         &g.sampling,
@@ -121,19 +163,16 @@ fn rollout(
 }
 
 pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
-    cfg.reject_packing()?;
-    let setup = Setup::new(cfg)?;
+    g.validate(cfg)?;
     let builtin = cfg.data.is_none();
-    let data = setup
-        .data_path(&cfg.data, "train.jsonl")
-        .expect("built-in data");
-    let rows = prompt_rows(&data)?;
     let reward_specs: Vec<String> = match (g.rewards.is_empty(), builtin) {
         (false, _) => g.rewards.clone(),
         (true, true) => vec!["exact:completion".into(), "format:[0-9]+".into()],
         (true, false) => {
-            return Err(TrainError::Usage(
-                "GRPO needs at least one --reward (exact:COLUMN or format:REGEX)".into(),
+            return Err(TrainError::flag(
+                "--reward",
+                "(none)",
+                "GRPO needs at least one --reward (exact:COLUMN or format:REGEX)",
             ))
         }
     };
@@ -141,36 +180,47 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         .iter()
         .map(|s| parse_reward(s))
         .collect::<Result<Vec<_>>>()?;
-    let loss_type: GrpoLossType = g.loss_type.parse()?;
+    let setup = Setup::new(cfg, Recipe::Grpo)?;
+    let data = setup.data_path(&cfg.data, "train.jsonl")?;
+    let prompts = load_prompts(&data, &setup, cfg, g, &rewards)?;
     let reference = (cfg.beta != 0.0)
         .then(|| setup.model.frozen_copy())
         .transpose()?;
-    let eval_path = cfg.eval_data.clone().or_else(|| {
-        builtin
-            .then(|| setup.data_path(&None, "test.jsonl"))
-            .flatten()
-    });
-    let eval = eval_path.as_deref().map(eval_rows).transpose()?;
+    let eval = setup.eval_path(cfg).as_deref().map(eval_rows).transpose()?;
     let before = eval_accuracy(&setup, &eval)?;
-    tracing::info!(prompts = rows.len(), group = g.group_size, rewards = ?reward_specs, "grpo");
+    tracing::info!(prompts = prompts.len(), group = g.group_size, rewards = ?reward_specs, "grpo");
 
-    let mut trainer = Trainer::new(cfg, &setup, rows.len())?;
+    cfg.check_data_size(prompts.len(), "prompts", &data)?;
+    let mut run = cfg.record(Recipe::Grpo);
+    run.insert("data".into(), data_identity(&prompts));
+    g.record(&reward_specs, &mut run);
+    let mut trainer = Trainer::new(cfg, &setup, prompts.len(), run)?;
+    if trainer.start_step % g.num_iterations != 0 {
+        tracing::warn!(
+            step = trainer.start_step,
+            num_iterations = g.num_iterations,
+            "resumed between the iterations of one batch of rollouts: new rollouts are drawn, so the \
+             run differs from an uninterrupted one until the next batch"
+        );
+    }
     let model = &setup.model;
-    let mut rng = NormalRng::new(cfg.seed ^ 0x5eed);
     let mut pending: Vec<(Rollouts, Option<Vec<Vec<f64>>>)> = Vec::new();
     // Mean reward of each batch of rollouts, for the summary.
     let mut reward_history: Vec<f64> = Vec::new();
-    let mut iteration = 0;
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step();
         let mut acc = StepAccumulator::default();
-        if iteration == 0 {
-            // New rollouts: batch_size prompts, a group each.
+        if step % g.num_iterations == 0 || pending.is_empty() {
+            // New rollouts: batch_size × grad_accum prompts, a group each, sampled from a generator
+            // seeded by the step, so a resumed run draws what the uninterrupted one drew.
             pending.clear();
+            let mut rng = NormalRng::new(
+                cfg.seed ^ 0x5eed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            );
             let mut totals = vec![0.0; rewards.len()];
-            let picked = trainer.data.take(cfg.batch_size);
+            let picked = trainer.data.take(cfg.examples_per_step()?);
             for &i in &picked {
-                let r = rollout(&setup, &rows[i], &rewards, g, &mut rng, &mut totals)?;
+                let r = rollout(&setup, &prompts[i], &rewards, g, &mut rng, &mut totals)?;
                 let old = if g.num_iterations > 1 {
                     Some(per_position_logps(model, &r, cfg)?)
                 } else {
@@ -198,7 +248,6 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 lengths.iter().sum::<usize>() as f64 / lengths.len() as f64,
             );
         }
-        iteration = (iteration + 1) % g.num_iterations.max(1);
 
         let groups = pending.len() as f64;
         for (r, old) in &pending {
@@ -218,7 +267,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                     beta: cfg.beta,
                     epsilon_low: g.epsilon,
                     epsilon_high: g.epsilon,
-                    loss_type,
+                    loss_type: g.loss_type,
                     max_completion_length: Some(g.sampling.max_new_tokens + 1),
                 },
                 model.config.vocab_size,
@@ -275,4 +324,23 @@ fn per_position_logps(
     let ids = to_u32_tensor(&r.input_ids, model.device())?;
     let mask = to_u32_tensor(&r.attention_mask, model.device())?;
     logps_of(model, &ids, &mask, &r.input_ids, cfg)
+}
+
+impl GrpoConfig {
+    /// GRPO's settings in a checkpoint's run record.
+    fn record(&self, rewards: &[String], run: &mut RunRecord) {
+        let s = &self.sampling;
+        for (flag, value) in [
+            ("--group-size", self.group_size.into()),
+            ("--num-iterations", self.num_iterations.into()),
+            ("--temperature", s.temperature.into()),
+            ("--top-p", s.top_p.into()),
+            ("--max-new-tokens", s.max_new_tokens.into()),
+            ("--loss-type", format!("{:?}", self.loss_type).into()),
+            ("--epsilon", self.epsilon.into()),
+            ("--reward", rewards.into()),
+        ] {
+            run.insert(flag.into(), value);
+        }
+    }
 }

@@ -1,9 +1,12 @@
 //! The streambp trainer as a library: batch files, the `grad` command, and (soon) the training loops
 //! the CLI runs.
 
+use std::path::{Path, PathBuf};
+
 pub mod batch_file;
 pub mod chat;
 pub mod checkpoint;
+pub mod config;
 pub mod config_file;
 pub mod data;
 pub mod device;
@@ -12,19 +15,60 @@ pub mod generate;
 pub mod grad;
 pub mod grpo;
 pub mod optim;
+pub mod output;
 pub mod recipe;
 pub mod rewards;
 pub mod sampling;
 pub mod sft;
 pub mod tokenizer;
 
-/// Typed errors of the trainer library.
+/// Typed errors of the trainer library: each variant says what went wrong and names the flag, file,
+/// line or path a user has to fix.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
+    /// A flag (or the configuration field it fills) outside its allowed range, or one that does not
+    /// apply to this run.
+    #[error("{flag} {value}: {expected}")]
+    Flag {
+        flag: String,
+        value: String,
+        expected: String,
+    },
+    /// A data file, or one of its rows: `location` is the file, with its line where there is one.
+    #[error("{location}: {reason}")]
+    Data { location: String, reason: String },
+    /// A batch file of the `grad` command.
     #[error("{path}: {reason}")]
     BatchFile { path: String, reason: String },
+    /// A file or directory that could not be read, written or created.
+    #[error("cannot {action} {}: {error}", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        error: std::io::Error,
+    },
+    /// A checkpoint that cannot be resumed from, or does not belong to the run resuming it.
     #[error("{0}")]
-    Usage(String),
+    Checkpoint(String),
+    /// A tokenizer or chat template that cannot do what the data asks.
+    #[error("{0}")]
+    Tokenizer(String),
+    /// A `--config` TOML file that does not hold flags.
+    #[error("{path}: {reason}")]
+    ConfigFile { path: PathBuf, reason: String },
+    /// A reference model that does not fit the policy it scores.
+    #[error("{0}")]
+    Reference(String),
+    /// The loss of a step is not a number; the step was not applied.
+    #[error("loss is {loss} at step {step}; stopped without updating. Last good checkpoint: {last_good}")]
+    NonFiniteLoss {
+        loss: f64,
+        step: usize,
+        last_good: String,
+    },
+    /// A broken invariant of the trainer itself (a bug, not the input).
+    #[error("internal error: {0}")]
+    Internal(String),
     #[error(transparent)]
     Engine(#[from] streambp_core::EngineError),
     #[error(transparent)]
@@ -33,8 +77,42 @@ pub enum TrainError {
     Objective(#[from] streambp_objectives::ObjectiveError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
-    #[error(transparent)]
-    Io(#[from] std::io::Error),
+}
+
+impl TrainError {
+    /// A flag outside its range.
+    pub fn flag(flag: &str, value: impl std::fmt::Display, expected: impl Into<String>) -> Self {
+        Self::Flag {
+            flag: flag.to_string(),
+            value: value.to_string(),
+            expected: expected.into(),
+        }
+    }
+
+    /// A data problem at `location` (a file, with its line).
+    pub fn data(location: impl std::fmt::Display, reason: impl Into<String>) -> Self {
+        Self::Data {
+            location: location.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    /// An I/O error on `path`, saying what was being done.
+    pub fn io<'a>(
+        action: &'static str,
+        path: &'a Path,
+    ) -> impl FnOnce(std::io::Error) -> Self + 'a {
+        move |error| Self::Io {
+            action,
+            path: path.to_path_buf(),
+            error,
+        }
+    }
+
+    /// Whether the error is in how the command was called (exit status 2, like a flag clap rejects).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, Self::Flag { .. } | Self::ConfigFile { .. })
+    }
 }
 
 pub type Result<T> = std::result::Result<T, TrainError>;

@@ -6,14 +6,17 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use streambp_core::memory::CountingAllocator;
 use streambp_core::Mode;
+use streambp_objectives::GrpoLossType;
+use streambp_train::config::{Defaults, GrpoConfig, Recipe, TrainConfig};
 use streambp_train::data::Overflow;
 use streambp_train::dpo::run_dpo;
 use streambp_train::grad::{run_grad, GradArgs};
-use streambp_train::grpo::{run_grpo, GrpoConfig};
+use streambp_train::grpo::run_grpo;
 use streambp_train::optim::Schedule;
-use streambp_train::recipe::{BuiltinModel, Summary, TrainConfig};
+use streambp_train::recipe::Summary;
 use streambp_train::sampling::SamplingConfig;
 use streambp_train::sft::run_sft;
+use streambp_train::TrainError;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -70,24 +73,27 @@ struct TrainArgs {
     /// Prompt/completion JSONL scored by exact-match accuracy of greedy answers before and after.
     #[arg(long)]
     eval_data: Option<PathBuf>,
-    /// Where metrics.jsonl and checkpoints go.
-    #[arg(long, default_value = "runs/sft")]
-    output_dir: PathBuf,
-    /// Optimizer steps [default: --epochs over the data; built-in task: 600; dpo: 300].
+    /// Where metrics.jsonl and checkpoints go [default: runs/sft, runs/dpo or runs/grpo].
+    #[arg(long)]
+    output_dir: Option<PathBuf>,
+    /// Optimizer steps [default: --epochs over the data; built-in task: sft 600, dpo 300, grpo 60].
     #[arg(long)]
     max_steps: Option<usize>,
-    #[arg(long, default_value_t = 1.0)]
+    /// Passes over the data when --max-steps is not given (above 0).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     epochs: f64,
-    /// Sequences per micro-batch [default: 8; built-in task: 64; dpo: 32 pairs].
+    /// Sequences per micro-batch (dpo: pairs, grpo: prompts) [default: 8; built-in task: sft 64, dpo
+    /// 32, grpo 8].
     #[arg(long)]
     batch_size: Option<usize>,
     /// Micro-batches per optimizer step (the loss is normalised over all their target tokens).
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
-    /// Peak learning rate [default: 2e-5; built-in task: 5e-3; dpo 2e-4; grpo 2e-3].
-    #[arg(long)]
+    /// Peak learning rate, above 0 [default: 2e-5; built-in task: sft 5e-3, dpo 2e-4, grpo 2e-3].
+    #[arg(long, allow_negative_numbers = true)]
     lr: Option<f64>,
-    #[arg(long, default_value_t = 0.0)]
+    /// AdamW's decoupled weight decay (at least 0; not on biases and norms).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     weight_decay: f64,
     /// Warmup steps [default: 0; built-in task: 20].
     #[arg(long)]
@@ -96,7 +102,7 @@ struct TrainArgs {
     #[arg(long, default_value = "cosine")]
     schedule: Schedule,
     /// Global gradient-norm clip (0: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     max_grad_norm: f64,
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -140,13 +146,13 @@ struct TrainArgs {
     /// position); give the same flags as that run.
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// DPO β [default: 0.1]; GRPO's KL weight β [default: 0, as in TRL].
-    #[arg(long)]
+    /// DPO β, above 0 [default: 0.1]; GRPO's KL weight β, at least 0 [default: 0, as in TRL].
+    #[arg(long, allow_negative_numbers = true)]
     beta: Option<f64>,
     /// DPO: add this weight times the chosen completions' mean token NLL to the loss (TRL's
     /// loss_type=["sigmoid", "sft"] with loss_weights=[1, W]; RPO) [default: 0, plain DPO; built-in
     /// task: 1].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     sft_weight: Option<f64>,
     /// DPO reference model [default: a frozen copy of the initial policy].
     #[arg(long)]
@@ -158,24 +164,27 @@ struct TrainArgs {
 
 #[derive(clap::Args)]
 struct GrpoArgs {
-    /// Completions sampled per prompt.
+    /// Completions sampled per prompt (at least 2).
     #[arg(long, default_value_t = 8)]
     group_size: usize,
-    #[arg(long, default_value_t = 1.0)]
+    /// Sampling temperature (above 0).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     temperature: f64,
-    #[arg(long, default_value_t = 1.0)]
+    /// Nucleus sampling: the smallest set of tokens with this much probability, in (0, 1].
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f64,
-    #[arg(long, default_value_t = 256)]
-    max_new_tokens: usize,
+    /// Longest completion, below --max-length [default: 256; built-in task: 5].
+    #[arg(long)]
+    max_new_tokens: Option<usize>,
     /// Reward functions, summed: exact:COLUMN (completion equals the row's COLUMN) or format:REGEX
     /// (the whole completion matches). Repeat the flag for several.
     #[arg(long = "reward")]
     rewards: Vec<String>,
     /// grpo, bnpo or dr_grpo.
     #[arg(long, default_value = "grpo")]
-    loss_type: String,
-    /// Clipping ε of the probability ratio.
-    #[arg(long, default_value_t = 0.2)]
+    loss_type: GrpoLossType,
+    /// Clipping ε of the probability ratio (above 0).
+    #[arg(long, default_value_t = 0.2, allow_negative_numbers = true)]
     epsilon: f64,
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first).
     #[arg(long, default_value_t = 1)]
@@ -183,43 +192,88 @@ struct GrpoArgs {
 }
 
 impl TrainArgs {
-    fn into_config(self) -> TrainConfig {
-        let builtin = self.model.is_none() && self.data.is_none();
-        let pick = |given: Option<usize>, default: usize, builtin_default: usize| {
-            given.unwrap_or(if builtin { builtin_default } else { default })
+    /// The run configuration of `recipe`: the flags given, the recipe's defaults for the rest (those of
+    /// the built-in task when neither --model nor --data is given). A flag the recipe does not use is
+    /// refused rather than ignored.
+    fn into_config(self, recipe: Recipe) -> Result<TrainConfig, TrainError> {
+        let only_for = |flag: &str, given: bool, recipes: &[Recipe], which: &str| match given
+            && !recipes.contains(&recipe)
+        {
+            true => Err(TrainError::flag(
+                flag,
+                "",
+                format!("applies to {which} only, not {}", recipe.name()),
+            )),
+            false => Ok(()),
         };
-        TrainConfig {
-            builtin_model: BuiltinModel::Random,
-            max_steps: self.max_steps.or(builtin.then_some(600)),
+        only_for(
+            "--beta",
+            self.beta.is_some(),
+            &[Recipe::Dpo, Recipe::Grpo],
+            "dpo and grpo",
+        )?;
+        only_for(
+            "--sft-weight",
+            self.sft_weight.is_some(),
+            &[Recipe::Dpo],
+            "dpo",
+        )?;
+        only_for(
+            "--ref-model",
+            self.ref_model.is_some(),
+            &[Recipe::Dpo],
+            "dpo",
+        )?;
+        let d = Defaults::of(recipe, self.model.is_none() && self.data.is_none());
+        Ok(TrainConfig {
+            builtin_model: d.builtin_model,
+            max_steps: self.max_steps.or(d.max_steps),
             epochs: self.epochs,
-            batch_size: pick(self.batch_size, 8, 64),
-            grad_accum: self.grad_accum.max(1),
-            lr: self.lr.unwrap_or(if builtin { 5e-3 } else { 2e-5 }),
+            batch_size: self.batch_size.unwrap_or(d.batch_size),
+            grad_accum: self.grad_accum,
+            lr: self.lr.unwrap_or(d.lr),
             weight_decay: self.weight_decay,
-            warmup_steps: pick(self.warmup_steps, 0, 20),
+            warmup_steps: self.warmup_steps.unwrap_or(d.warmup_steps),
             schedule: self.schedule,
             max_grad_norm: self.max_grad_norm,
             seed: self.seed,
-            max_length: pick(self.max_length, 2048, 16),
+            max_length: self.max_length.unwrap_or(d.max_length),
             overflow: self.overflow,
             packing: self.packing,
             mode: self.mode,
-            chunk: pick(self.chunk, 512, 8),
-            logits_chunk: pick(self.logits_chunk, 128, 8),
+            chunk: self.chunk.unwrap_or(d.chunk),
+            logits_chunk: self.logits_chunk.unwrap_or(d.logits_chunk),
             memory_budget: self.memory_budget,
             offload_checkpoints: self.offload_checkpoints,
             dtype: self.dtype,
             device: self.device,
             save_every: self.save_every,
             resume: self.resume,
-            beta: self.beta.unwrap_or(0.1),
-            sft_weight: self.sft_weight.unwrap_or(0.0),
+            beta: self.beta.unwrap_or(d.beta),
+            sft_weight: self.sft_weight.unwrap_or(d.sft_weight),
             ref_model: self.ref_model,
             progress: !self.no_progress,
             model: self.model,
             data: self.data,
             eval_data: self.eval_data,
-            output_dir: self.output_dir,
+            output_dir: self.output_dir.unwrap_or_else(|| d.output_dir.into()),
+        })
+    }
+}
+
+impl GrpoArgs {
+    fn into_config(self, builtin_default: usize) -> GrpoConfig {
+        GrpoConfig {
+            group_size: self.group_size,
+            sampling: SamplingConfig {
+                temperature: self.temperature,
+                top_p: self.top_p,
+                max_new_tokens: self.max_new_tokens.unwrap_or(builtin_default),
+            },
+            rewards: self.rewards,
+            loss_type: self.loss_type,
+            epsilon: self.epsilon,
+            num_iterations: self.num_iterations,
         }
     }
 }
@@ -257,10 +311,32 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             // One readable line with the whole cause chain; no backtrace for user errors.
-            eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
+            eprintln!("error: {}", one_line(&e));
+            let usage = e.chain().any(|cause| {
+                cause
+                    .downcast_ref::<TrainError>()
+                    .is_some_and(TrainError::is_usage)
+            });
+            // As clap does for a bad flag: 2 for how the command was called, 1 for what went wrong.
+            std::process::ExitCode::from(if usage { 2 } else { 1 })
         }
     }
+}
+
+/// The error and its causes joined by ": ", leaving out a cause whose text the line already ends with
+/// (errors that print their source themselves).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !line.ends_with(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+    }
+    line
 }
 
 fn run() -> anyhow::Result<()> {
@@ -270,63 +346,23 @@ fn run() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = streambp_train::config_file::expand_config(std::env::args().collect())?;
     match Cli::parse_from(args).command {
         Command::Sft(args) => {
-            report("sft", &run_sft(&args.into_config()).context("sft failed")?);
+            let cfg = args.into_config(Recipe::Sft)?;
+            report("sft", &run_sft(&cfg).context("sft failed")?);
         }
-        Command::Dpo(mut args) => {
-            if args.output_dir == std::path::Path::new("runs/sft") {
-                args.output_dir = "runs/dpo".into();
-            }
-            // The built-in task: refine the shipped SFT checkpoint (88.5% held-out accuracy) with
-            // TRL's sigmoid + SFT loss, which keeps the correct answers likely.
-            let builtin = args.model.is_none() && args.data.is_none();
-            if builtin {
-                args.max_steps = args.max_steps.or(Some(300));
-                args.batch_size = args.batch_size.or(Some(32));
-                args.lr = args.lr.or(Some(2e-4));
-                args.sft_weight = args.sft_weight.or(Some(1.0));
-            }
-            let mut cfg = args.into_config();
-            if builtin {
-                cfg.builtin_model = BuiltinModel::Sft;
-            }
+        Command::Dpo(args) => {
+            let cfg = args.into_config(Recipe::Dpo)?;
             report("dpo", &run_dpo(&cfg).context("dpo failed")?);
         }
-        Command::Grpo { mut train, grpo } => {
+        Command::Grpo { train, grpo } => {
             let builtin = train.model.is_none() && train.data.is_none();
-            if train.output_dir == std::path::Path::new("runs/sft") {
-                train.output_dir = "runs/grpo".into();
-            }
-            train.beta = Some(train.beta.unwrap_or(0.0));
-            // The built-in task: 8 prompts per step, short answers, a quicker learning rate.
-            if builtin {
-                train.batch_size = train.batch_size.or(Some(8));
-                train.max_steps = train.max_steps.or(Some(60));
-                train.lr = train.lr.or(Some(2e-3));
-            }
-            let g = GrpoConfig {
-                group_size: grpo.group_size,
-                sampling: SamplingConfig {
-                    temperature: grpo.temperature,
-                    top_p: grpo.top_p,
-                    max_new_tokens: if builtin {
-                        grpo.max_new_tokens.min(5)
-                    } else {
-                        grpo.max_new_tokens
-                    },
-                },
-                rewards: grpo.rewards,
-                loss_type: grpo.loss_type,
-                epsilon: grpo.epsilon,
-                num_iterations: grpo.num_iterations.max(1),
-            };
-            report(
-                "grpo",
-                &run_grpo(&train.into_config(), &g).context("grpo failed")?,
-            );
+            let cfg = train.into_config(Recipe::Grpo)?;
+            let g = grpo.into_config(Defaults::of(Recipe::Grpo, builtin).max_new_tokens);
+            report("grpo", &run_grpo(&cfg, &g).context("grpo failed")?);
         }
         Command::Grad(args) => {
             let report = run_grad(&args).context("grad failed")?;

@@ -78,7 +78,7 @@ impl AdamW {
     /// One update with `grads` (same names and order as the parameters) at learning rate `lr`.
     pub fn apply(&mut self, grads: &[(String, Tensor)], lr: f64) -> Result<()> {
         if grads.len() != self.slots.len() {
-            return Err(TrainError::Usage(format!(
+            return Err(TrainError::Internal(format!(
                 "{} gradients for {} parameters",
                 grads.len(),
                 self.slots.len()
@@ -90,7 +90,7 @@ impl AdamW {
         let bc2 = 1.0 - c.beta2.powi(self.step as i32);
         for (slot, (name, g)) in self.slots.iter_mut().zip(grads) {
             if *name != slot.name {
-                return Err(TrainError::Usage(format!(
+                return Err(TrainError::Internal(format!(
                     "gradient {name} where {} was expected",
                     slot.name
                 )));
@@ -133,12 +133,12 @@ impl AdamW {
         for slot in &mut self.slots {
             for (suffix, dst) in [("m", &mut slot.m), ("v", &mut slot.v)] {
                 let key = format!("{}.{suffix}", slot.name);
-                let t = state
-                    .get(&key)
-                    .ok_or_else(|| TrainError::Usage(format!("optimizer state has no {key}")))?;
+                let t = state.get(&key).ok_or_else(|| {
+                    TrainError::Checkpoint(format!("the optimizer state has no {key}"))
+                })?;
                 if t.dims() != dst.dims() {
-                    return Err(TrainError::Usage(format!(
-                        "optimizer state {key} has shape {:?}, expected {:?}",
+                    return Err(TrainError::Checkpoint(format!(
+                        "the optimizer state's {key} has shape {:?}, expected {:?}",
                         t.dims(),
                         dst.dims()
                     )));

@@ -7,123 +7,20 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use streambp_core::{
-    backward_with, plan_for_budget, Batch, Chunks, Gradients, Mode, Options, Problem,
-};
+use streambp_core::{backward_with, plan_for_budget, Batch, Chunks, Gradients, Options, Problem};
 use streambp_models::{load_model, resolve_model_dir, Model, ModelConfig};
 use streambp_objectives::Objective;
 
-use crate::checkpoint::{save_checkpoint, TrainerState, OPTIMIZER_FILE, STATE_FILE};
-use crate::data::Overflow;
+use crate::checkpoint::{
+    check_resume, save_checkpoint, CheckpointFiles, RunRecord, TrainerState, OPTIMIZER_FILE,
+    STATE_FILE,
+};
+use crate::config::{BuiltinModel, Recipe, TrainConfig};
 use crate::device::{parse_device, parse_dtype};
-use crate::optim::{clip_grad_norm, learning_rate, AdamW, AdamWConfig, Schedule};
+use crate::optim::{clip_grad_norm, learning_rate, AdamW, AdamWConfig};
+use crate::output::{OutputDir, TMP_MARK};
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
-
-/// Everything a run is configured by (the CLI flags mirror these).
-#[derive(Debug, Clone)]
-pub struct TrainConfig {
-    /// Model directory or hub id; `None`: the built-in tiny model (see `builtin_model`).
-    pub model: Option<String>,
-    /// What the built-in model starts from when `model` is `None`.
-    pub builtin_model: BuiltinModel,
-    /// Training JSONL; `None`: the built-in arithmetic task.
-    pub data: Option<PathBuf>,
-    /// JSONL scored before and after (prompt/completion: exact-match accuracy of greedy answers).
-    pub eval_data: Option<PathBuf>,
-    pub output_dir: PathBuf,
-    /// Optimizer steps; `None`: `epochs` passes over the data.
-    pub max_steps: Option<usize>,
-    pub epochs: f64,
-    /// Examples (SFT) or pairs (DPO) per micro-batch.
-    pub batch_size: usize,
-    pub grad_accum: usize,
-    pub lr: f64,
-    pub weight_decay: f64,
-    pub warmup_steps: usize,
-    pub schedule: Schedule,
-    pub max_grad_norm: f64,
-    pub seed: u64,
-    pub max_length: usize,
-    pub overflow: Overflow,
-    /// SFT: pack whole examples into rows of up to `max_length` tokens (documents kept apart).
-    pub packing: bool,
-    pub mode: Mode,
-    pub chunk: usize,
-    pub logits_chunk: usize,
-    /// Pick chunk sizes per micro-batch so the backward's estimated peak fits this many bytes
-    /// (overrides `chunk` and `logits_chunk`).
-    pub memory_budget: Option<u64>,
-    /// Keep layer checkpoints in host memory during the backward.
-    pub offload_checkpoints: bool,
-    pub dtype: String,
-    pub device: String,
-    pub save_every: usize,
-    /// Continue from this checkpoint (weights, optimizer, schedule, data position).
-    pub resume: Option<PathBuf>,
-    /// DPO: β, and the reference model (default: a frozen copy of the initial policy).
-    pub beta: f64,
-    /// DPO: weight of the chosen completions' mean token NLL added to the loss (0: plain DPO).
-    pub sft_weight: f64,
-    pub ref_model: Option<String>,
-    pub progress: bool,
-}
-
-impl TrainConfig {
-    /// The chunk sizes for a micro-batch `input_ids`: as given, or the largest the memory budget
-    /// allows for its shape.
-    pub fn chunks_for(&self, model: &Model, input_ids: &Tensor) -> Result<Chunks> {
-        let Some(budget) = self.memory_budget else {
-            return Ok(Chunks {
-                chunk: self.chunk,
-                logits_chunk: self.logits_chunk,
-            });
-        };
-        let (batch, seq_len) = input_ids.dims2()?;
-        let problem = Problem {
-            config: &model.config,
-            batch,
-            seq_len,
-            dtype: model.dtype(),
-            offloaded: self.options().offloads_from(model.device()),
-        };
-        Ok(plan_for_budget(problem, budget)?)
-    }
-
-    /// The engine's backward of `objective` on `batch` as this run is configured.
-    pub fn backward(
-        &self,
-        model: &Model,
-        batch: Batch,
-        objective: &dyn Objective,
-    ) -> Result<Gradients> {
-        let chunks = self.chunks_for(model, batch.input_ids)?;
-        Ok(backward_with(
-            model,
-            batch,
-            objective,
-            self.mode,
-            chunks,
-            self.options(),
-        )?)
-    }
-
-    /// Refuses `--packing` for the objectives that score whole sequences (DPO, GRPO), as TRL does.
-    pub fn reject_packing(&self) -> Result<()> {
-        match self.packing {
-            true => Err(TrainError::Usage(
-                "--packing applies to sft only (as in TRL)".into(),
-            )),
-            false => Ok(()),
-        }
-    }
-
-    fn options(&self) -> Options {
-        Options {
-            offload_checkpoints: self.offload_checkpoints,
-        }
-    }
-}
 
 /// The built-in task: files shipped in the repo, embedded so the binary works from anywhere.
 mod builtin {
@@ -169,24 +66,17 @@ mod builtin {
 /// Writes the built-in task's files into `dir` (the shipped SFT checkpoint into `dir/sft-model`) and
 /// returns it.
 pub fn materialize_builtin(dir: &Path) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir.join(builtin::SFT_MODEL_DIR))?;
-    for (name, text) in builtin::FILES {
-        std::fs::write(dir.join(name), text)?;
-    }
     let sft = dir.join(builtin::SFT_MODEL_DIR);
-    std::fs::write(sft.join("config.json"), builtin::FILES[0].1)?;
-    std::fs::write(sft.join("model.safetensors"), builtin::SFT_WEIGHTS)?;
+    std::fs::create_dir_all(&sft).map_err(TrainError::io("create", &sft))?;
+    let write = |path: PathBuf, bytes: &[u8]| {
+        std::fs::write(&path, bytes).map_err(TrainError::io("write", &path))
+    };
+    for (name, text) in builtin::FILES {
+        write(dir.join(name), text.as_bytes())?;
+    }
+    write(sft.join("config.json"), builtin::FILES[0].1.as_bytes())?;
+    write(sft.join("model.safetensors"), builtin::SFT_WEIGHTS)?;
     Ok(dir.to_path_buf())
-}
-
-/// The model a run starts from when no `--model` is given.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BuiltinModel {
-    /// The built-in config, randomly initialised (`sft`).
-    Random,
-    /// The shipped SFT checkpoint of the arithmetic task (`dpo`: preference tuning refines a model
-    /// that already answers).
-    Sft,
 }
 
 /// What a finished run reports.
@@ -202,7 +92,7 @@ pub struct Summary {
     pub seconds: f64,
 }
 
-/// The model, tokenizer and data paths of a run.
+/// The model, tokenizer, output directory and data paths of a run.
 pub struct Setup {
     pub device: Device,
     pub dtype: DType,
@@ -212,13 +102,17 @@ pub struct Setup {
     pub tokenizer: TextTokenizer,
     /// The built-in task's directory, when the run uses any part of it.
     pub builtin: Option<PathBuf>,
+    /// The checked output directory, locked while the run lives.
+    pub output: OutputDir,
 }
 
 impl Setup {
-    pub fn new(cfg: &TrainConfig) -> Result<Self> {
+    /// Validates `cfg` for `recipe`, prepares the output directory, then loads the model and tokenizer.
+    pub fn new(cfg: &TrainConfig, recipe: Recipe) -> Result<Self> {
+        cfg.validate(recipe)?;
         let device = parse_device(&cfg.device)?;
         let dtype = parse_dtype(&cfg.dtype)?;
-        std::fs::create_dir_all(&cfg.output_dir)?;
+        let output = OutputDir::prepare(&cfg.output_dir)?;
         let builtin = if cfg.model.is_none() || cfg.data.is_none() {
             Some(materialize_builtin(&cfg.output_dir.join("builtin-task"))?)
         } else {
@@ -243,16 +137,28 @@ impl Setup {
                 (model, dir.clone())
             }
             (None, None, None) => {
-                unreachable!("the built-in task is written when no model is given")
+                return Err(TrainError::Internal(
+                    "no model given and no built-in task written".into(),
+                ))
             }
         };
         let tokenizer = TextTokenizer::from_dir(&model_dir)?;
         if tokenizer.vocab_size() > model.config.vocab_size {
-            return Err(TrainError::Usage(format!(
-                "the tokenizer has {} tokens but the model only {}",
+            return Err(TrainError::Tokenizer(format!(
+                "{}: the tokenizer has {} tokens but the model only {}",
+                model_dir.display(),
                 tokenizer.vocab_size(),
                 model.config.vocab_size
             )));
+        }
+        let positions = model.config.max_position_embeddings;
+        if cfg.max_length > positions {
+            tracing::warn!(
+                max_length = cfg.max_length,
+                max_position_embeddings = positions,
+                "--max-length is above the model's max_position_embeddings: longer sequences than it \
+                 was trained for"
+            );
         }
         tracing::info!(
             model = %model_dir.display(),
@@ -266,14 +172,146 @@ impl Setup {
             model_dir,
             tokenizer,
             builtin,
+            output,
         })
     }
 
     /// `given`, or the built-in task's `file`.
-    pub fn data_path(&self, given: &Option<PathBuf>, file: &str) -> Option<PathBuf> {
-        given
-            .clone()
-            .or_else(|| self.builtin.as_ref().map(|d| d.join(file)))
+    pub fn data_path(&self, given: &Option<PathBuf>, file: &str) -> Result<PathBuf> {
+        match (given, &self.builtin) {
+            (Some(path), _) => Ok(path.clone()),
+            (None, Some(dir)) => Ok(dir.join(file)),
+            (None, None) => Err(TrainError::Internal(format!(
+                "no data given and no built-in {file}"
+            ))),
+        }
+    }
+
+    /// The held-out prompt/completion file: `--eval-data`, or the built-in task's test split when the
+    /// run trains on the built-in data.
+    pub fn eval_path(&self, cfg: &TrainConfig) -> Option<PathBuf> {
+        match (&cfg.eval_data, &cfg.data, &self.builtin) {
+            (Some(path), _, _) => Some(path.clone()),
+            (None, None, Some(dir)) => Some(dir.join("test.jsonl")),
+            _ => None,
+        }
+    }
+
+    /// A reference model (DPO's `--ref-model`), checked to fit the policy: the same vocabulary, the
+    /// same tokenizer where it ships one. Other architectures are allowed (TRL allows any model that
+    /// shares the tokenizer), with a warning.
+    pub fn load_reference(&self, spec: &str) -> Result<Model> {
+        let dir = resolve_model_dir(spec)?;
+        let reference = load_model(&dir, self.dtype, &self.device)?;
+        let (policy, other) = (&self.model.config, &reference.config);
+        if other.vocab_size != policy.vocab_size {
+            return Err(TrainError::Reference(format!(
+                "--ref-model {spec}: its vocabulary has {} tokens, the policy's {}; the reference must \
+                 score the policy's token ids",
+                other.vocab_size, policy.vocab_size
+            )));
+        }
+        if dir.join("tokenizer.json").is_file() {
+            let theirs = TextTokenizer::from_dir(&dir)?;
+            if !theirs.same_vocabulary(&self.tokenizer) {
+                return Err(TrainError::Reference(format!(
+                    "--ref-model {spec}: its tokenizer maps tokens to other ids than the policy's"
+                )));
+            }
+        }
+        if (other.family, other.hidden_size, other.num_layers())
+            != (policy.family, policy.hidden_size, policy.num_layers())
+        {
+            tracing::warn!(
+                reference = spec,
+                "the reference model's architecture differs from the policy's (allowed: it shares \
+                 the vocabulary)"
+            );
+        }
+        Ok(reference)
+    }
+}
+
+impl TrainConfig {
+    /// The chunk sizes for a micro-batch `input_ids`: as given, or the largest the memory budget
+    /// allows for its shape.
+    pub fn chunks_for(&self, model: &Model, input_ids: &Tensor) -> Result<Chunks> {
+        let Some(budget) = self.memory_budget else {
+            return Ok(self.chunks());
+        };
+        let (batch, seq_len) = input_ids.dims2()?;
+        let problem = Problem {
+            config: &model.config,
+            batch,
+            seq_len,
+            dtype: model.dtype(),
+            offloaded: self.options().offloads_from(model.device()),
+        };
+        Ok(plan_for_budget(problem, budget)?)
+    }
+
+    /// The engine's backward of `objective` on `batch` as this run is configured.
+    pub fn backward(
+        &self,
+        model: &Model,
+        batch: Batch,
+        objective: &dyn Objective,
+    ) -> Result<Gradients> {
+        let chunks = self.chunks_for(model, batch.input_ids)?;
+        Ok(backward_with(
+            model,
+            batch,
+            objective,
+            self.mode,
+            chunks,
+            self.options(),
+        )?)
+    }
+
+    fn options(&self) -> Options {
+        Options {
+            offload_checkpoints: self.offload_checkpoints,
+        }
+    }
+
+    /// The settings of this run that a checkpoint records, under their flag names.
+    pub fn record(&self, recipe: Recipe) -> RunRecord {
+        let model = match (&self.model, self.builtin_model) {
+            (Some(spec), _) => spec.clone(),
+            (None, BuiltinModel::Random) => "built-in (random)".into(),
+            (None, BuiltinModel::Sft) => "built-in (sft)".into(),
+        };
+        let data = match &self.data {
+            Some(p) => p.display().to_string(),
+            None => "built-in".into(),
+        };
+        let lower = |x: &dyn std::fmt::Debug| format!("{x:?}").to_lowercase();
+        let mut run = RunRecord::new();
+        let mut put = |k: &str, v: serde_json::Value| {
+            run.insert(k.to_string(), v);
+        };
+        put("recipe", recipe.name().into());
+        put("--model", model.into());
+        put("--data", data.into());
+        put("--batch-size", self.batch_size.into());
+        put("--grad-accum", self.grad_accum.into());
+        put("--max-steps", self.max_steps.into());
+        put("--epochs", self.epochs.into());
+        put("--lr", self.lr.into());
+        put("--weight-decay", self.weight_decay.into());
+        put("--warmup-steps", self.warmup_steps.into());
+        put("--schedule", lower(&self.schedule).into());
+        put("--max-grad-norm", self.max_grad_norm.into());
+        put("--seed", self.seed.into());
+        put("--dtype", self.dtype.clone().into());
+        if recipe != Recipe::Sft {
+            put("--beta", self.beta.into());
+        }
+        if recipe == Recipe::Dpo {
+            put("--sft-weight", self.sft_weight.into());
+            put("--ref-model", self.ref_model.clone().into());
+        }
+        run
     }
 }
 
@@ -298,14 +336,21 @@ pub struct DataOrder {
 }
 
 impl DataOrder {
-    pub fn new(len: usize, seed: u64, epoch: u64, cursor: usize) -> Self {
-        Self {
+    /// The order of `len` examples at `cursor` in epoch `epoch` (a cursor past the end is an error: the
+    /// data is not the one the position was saved with).
+    pub fn new(len: usize, seed: u64, epoch: u64, cursor: usize) -> Result<Self> {
+        if len == 0 || cursor > len {
+            return Err(TrainError::Checkpoint(format!(
+                "data position {cursor} does not fit data of {len} examples"
+            )));
+        }
+        Ok(Self {
             len,
             seed,
             order: shuffled(len, seed.wrapping_add(epoch)),
             epoch,
             cursor,
-        }
+        })
     }
 
     /// The next `n` example indices.
@@ -341,7 +386,9 @@ pub struct Trainer {
     pub max_steps: usize,
     pub start_step: usize,
     pub data: DataOrder,
-    metrics: std::fs::File,
+    /// The run's settings, written into every resumable checkpoint.
+    run: RunRecord,
+    metrics: MetricsLog,
     bar: indicatif::ProgressBar,
     started: Instant,
     step_started: Instant,
@@ -351,8 +398,9 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// `examples`: data set size; `per_step`: examples per optimizer step.
-    pub fn new(cfg: &TrainConfig, setup: &Setup, examples: usize) -> Result<Self> {
+    /// `examples`: data set size; `run`: the run's settings with its data's fingerprint (compared with
+    /// a resumed checkpoint's).
+    pub fn new(cfg: &TrainConfig, setup: &Setup, examples: usize, run: RunRecord) -> Result<Self> {
         let mut optimizer = AdamW::new(
             setup.model.parameters(),
             AdamWConfig {
@@ -361,7 +409,7 @@ impl Trainer {
                 ..Default::default()
             },
         )?;
-        let per_step = cfg.batch_size * cfg.grad_accum;
+        let per_step = cfg.examples_per_step()?;
         let max_steps = cfg
             .max_steps
             .unwrap_or(((examples as f64 * cfg.epochs) / per_step as f64).ceil() as usize)
@@ -369,17 +417,19 @@ impl Trainer {
         let (start_step, epoch, cursor) = match &cfg.resume {
             Some(dir) => {
                 let state = TrainerState::read(dir)?;
-                if state.seed != cfg.seed {
-                    tracing::warn!(
-                        saved = state.seed,
-                        given = cfg.seed,
-                        "resuming with a different seed"
-                    );
+                check_resume(dir, &state.run, &run)?;
+                if state.step >= max_steps {
+                    return Err(TrainError::Checkpoint(format!(
+                        "{} is at step {}, and the run ends at step {max_steps}: nothing left to \
+                         train (raise --max-steps)",
+                        dir.display(),
+                        state.step
+                    )));
                 }
                 let path = dir.join(OPTIMIZER_FILE);
                 let moments =
                     candle_core::safetensors::load(&path, &setup.device).map_err(|e| {
-                        TrainError::Usage(format!("cannot read {}: {e}", path.display()))
+                        TrainError::Checkpoint(format!("cannot read {}: {e}", path.display()))
                     })?;
                 optimizer.load_state(&moments, state.step)?;
                 tracing::info!(step = state.step, dir = %dir.display(), "resumed");
@@ -387,19 +437,15 @@ impl Trainer {
             }
             None => (0, 0, 0),
         };
-        let metrics = std::fs::OpenOptions::new()
-            .create(true)
-            .write(true)
-            .append(cfg.resume.is_some())
-            .truncate(cfg.resume.is_none())
-            .open(cfg.output_dir.join("metrics.jsonl"))?;
+        let metrics = MetricsLog::open(&cfg.output_dir, start_step)?;
         let bar = progress_bar(max_steps, cfg.progress);
         bar.set_position(start_step as u64);
         Ok(Self {
             optimizer,
             max_steps,
             start_step,
-            data: DataOrder::new(examples, cfg.seed, epoch, cursor),
+            data: DataOrder::new(examples, cfg.seed, epoch, cursor)?,
+            run,
             metrics,
             bar,
             started: Instant::now(),
@@ -433,14 +479,15 @@ impl Trainer {
         } = report;
         if !loss.is_finite() {
             self.bar.abandon();
-            return Err(TrainError::Usage(format!(
-                "loss is {loss} at step {}; stopped without updating. Last good checkpoint: {}",
-                step + 1,
-                self.last_good
+            return Err(TrainError::NonFiniteLoss {
+                loss,
+                step: step + 1,
+                last_good: self
+                    .last_good
                     .as_ref()
                     .map(|p| p.display().to_string())
-                    .unwrap_or_else(|| "none yet".into())
-            )));
+                    .unwrap_or_else(|| "none yet".into()),
+            });
         }
         let grad_norm = clip_grad_norm(&mut grads, cfg.max_grad_norm)?;
         let lr = learning_rate(cfg.schedule, cfg.lr, step, cfg.warmup_steps, self.max_steps);
@@ -458,29 +505,35 @@ impl Trainer {
         for (k, v) in &metrics {
             record[k] = serde_json::json!(v);
         }
-        writeln!(self.metrics, "{record}")?;
+        self.metrics.write(&record)?;
         self.bar.set_message(format!(
             "loss {loss:.4} lr {lr:.2e} {:.0} tok/s peak {:.0} MiB",
             tokens as f64 / seconds,
             peak_bytes as f64 / (1 << 20) as f64
         ));
         self.bar.inc(1);
-        if cfg.save_every > 0 && (step + 1) % cfg.save_every == 0 && step + 1 < self.max_steps {
+        if cfg.save_every > 0
+            && (step + 1).is_multiple_of(cfg.save_every)
+            && step + 1 < self.max_steps
+        {
             let dir = cfg.output_dir.join(format!("checkpoint-{}", step + 1));
             let state = TrainerState {
                 step: step + 1,
                 epoch: self.data.epoch,
                 cursor: self.data.cursor,
                 seed: cfg.seed,
+                run: self.run.clone(),
             };
             let state = serde_json::to_string_pretty(&state)
-                .map_err(|e| TrainError::Usage(e.to_string()))?;
+                .map_err(|e| TrainError::Internal(format!("trainer state: {e}")))?;
             save_checkpoint(
-                &setup.model,
-                &setup.model_dir.join("config.json"),
-                &setup.tokenizer.files,
-                &[(STATE_FILE, state)],
-                Some(&self.optimizer.state()),
+                &CheckpointFiles {
+                    model: &setup.model,
+                    config_json: &setup.model_dir.join("config.json"),
+                    tokenizer_files: &setup.tokenizer.files,
+                    extra: &[(STATE_FILE, state)],
+                    optimizer: Some(&self.optimizer.state()),
+                },
                 &dir,
             )?;
             self.last_good = Some(dir);
@@ -500,11 +553,13 @@ impl Trainer {
         self.bar.finish();
         let dir = cfg.output_dir.join("final");
         save_checkpoint(
-            &setup.model,
-            &setup.model_dir.join("config.json"),
-            &setup.tokenizer.files,
-            &[],
-            None,
+            &CheckpointFiles {
+                model: &setup.model,
+                config_json: &setup.model_dir.join("config.json"),
+                tokenizer_files: &setup.tokenizer.files,
+                extra: &[],
+                optimizer: None,
+            },
             &dir,
         )?;
         let seconds = self.started.elapsed().as_secs_f64();
@@ -517,6 +572,45 @@ impl Trainer {
             output_dir: dir,
             seconds,
         })
+    }
+}
+
+/// `metrics.jsonl`: one JSON line per step. A resumed run first drops the rows after the step it
+/// resumes from (an older checkpoint's later steps are trained again), so every step appears once.
+struct MetricsLog {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl MetricsLog {
+    fn open(dir: &Path, start_step: usize) -> Result<Self> {
+        let path = dir.join("metrics.jsonl");
+        let kept = match (start_step, std::fs::read_to_string(&path)) {
+            (0, _) | (_, Err(_)) => String::new(),
+            (_, Ok(text)) => text
+                .lines()
+                .filter(|line| {
+                    serde_json::from_str::<serde_json::Value>(line)
+                        .ok()
+                        .and_then(|v| v["step"].as_u64())
+                        .is_some_and(|s| s as usize <= start_step)
+                })
+                .map(|line| format!("{line}\n"))
+                .collect(),
+        };
+        // Rewritten whole, through a temporary file and a rename, so a kill here loses no rows.
+        let tmp = dir.join(format!(".metrics.jsonl{TMP_MARK}{}", std::process::id()));
+        std::fs::write(&tmp, kept).map_err(TrainError::io("write", &tmp))?;
+        std::fs::rename(&tmp, &path).map_err(TrainError::io("write", &path))?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(TrainError::io("open", &path))?;
+        Ok(Self { path, file })
+    }
+
+    fn write(&mut self, record: &serde_json::Value) -> Result<()> {
+        writeln!(self.file, "{record}").map_err(TrainError::io("write", &self.path))
     }
 }
 
@@ -571,7 +665,7 @@ impl StepAccumulator {
         Ok(StepReport {
             loss: self.loss,
             grads: self.grads.ok_or_else(|| {
-                TrainError::Usage("an optimizer step without a micro-batch".into())
+                TrainError::Internal("an optimizer step without a micro-batch".into())
             })?,
             tokens: self.tokens,
             peak_bytes: self.peak,

@@ -10,6 +10,10 @@ use crate::{Result, TrainError};
 pub trait Reward {
     fn name(&self) -> &str;
     fn score(&self, completion: &str, row: &Map<String, Value>) -> f64;
+    /// The data column the reward reads, which every row must have (checked when the data loads).
+    fn column(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// 1 when the completion equals the row's `column` (both trimmed), else 0.
@@ -30,6 +34,10 @@ impl Reward for ExactAnswer {
             _ => return 0.0,
         };
         (completion.trim() == expected) as u8 as f64
+    }
+
+    fn column(&self) -> Option<&str> {
+        Some(&self.column)
     }
 }
 
@@ -58,16 +66,23 @@ pub fn parse_reward(spec: &str) -> Result<Box<dyn Reward>> {
         })),
         Some(("format", pattern)) => {
             let anchored = format!("^(?:{pattern})$");
-            let regex = regex::Regex::new(&anchored)
-                .map_err(|e| TrainError::Usage(format!("bad format reward {pattern:?}: {e}")))?;
+            let regex = regex::Regex::new(&anchored).map_err(|e| {
+                TrainError::flag(
+                    "--reward",
+                    spec,
+                    format!("not a valid regular expression: {e}"),
+                )
+            })?;
             Ok(Box::new(FormatRegex {
                 name: "reward/format".into(),
                 regex,
             }))
         }
-        _ => Err(TrainError::Usage(format!(
-            "unknown reward {spec:?} (use exact:COLUMN or format:REGEX)"
-        ))),
+        _ => Err(TrainError::flag(
+            "--reward",
+            spec,
+            "unknown reward (use exact:COLUMN or format:REGEX)",
+        )),
     }
 }
 

@@ -8,9 +8,11 @@ use streambp_models::Model;
 use streambp_objectives::Sft;
 
 use crate::batch_file::to_u32_tensor;
+use crate::checkpoint::data_identity;
+use crate::config::{Recipe, TrainConfig};
 use crate::data::{collate, load_sft, pack, read_jsonl, Collated};
 use crate::generate::greedy;
-use crate::recipe::{Setup, StepAccumulator, Summary, TrainConfig, Trainer};
+use crate::recipe::{Setup, StepAccumulator, Summary, Trainer};
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
 
@@ -32,16 +34,14 @@ pub fn accuracy(model: &Model, tok: &TextTokenizer, rows: &[(String, String)]) -
 pub fn eval_rows(path: &Path) -> Result<Vec<(String, String)>> {
     read_jsonl(path)?
         .iter()
-        .enumerate()
-        .map(|(i, r)| {
+        .map(|(line, r)| {
             let field = |k: &str| r.get(k).and_then(|v| v.as_str()).map(String::from);
             match (field("prompt"), field("completion")) {
                 (Some(p), Some(c)) => Ok((p, c)),
-                _ => Err(TrainError::Usage(format!(
-                    "{} line {}: eval data needs \"prompt\" and \"completion\" strings",
-                    path.display(),
-                    i + 1
-                ))),
+                _ => Err(TrainError::data(
+                    format!("{} line {line}", path.display()),
+                    "eval data needs \"prompt\" and \"completion\" strings",
+                )),
             }
         })
         .collect()
@@ -62,10 +62,8 @@ pub fn eval_accuracy(
 }
 
 pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
-    let setup = Setup::new(cfg)?;
-    let data = setup
-        .data_path(&cfg.data, "train.jsonl")
-        .expect("built-in data when none is given");
+    let setup = Setup::new(cfg, Recipe::Sft)?;
+    let data = setup.data_path(&cfg.data, "train.jsonl")?;
     let mut examples = load_sft(&data, &setup.tokenizer, cfg.max_length, cfg.overflow)?;
     if cfg.packing {
         let before = examples.len();
@@ -77,13 +75,7 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
             "packed"
         );
     }
-    let eval_path = cfg.eval_data.clone().or_else(|| {
-        cfg.data
-            .is_none()
-            .then(|| setup.data_path(&None, "test.jsonl"))
-            .flatten()
-    });
-    let eval = eval_path.as_deref().map(eval_rows).transpose()?;
+    let eval = setup.eval_path(cfg).as_deref().map(eval_rows).transpose()?;
     tracing::info!(examples = examples.len(), data = %data.display(), "sft");
     let before = match cfg.resume {
         Some(_) => Vec::new(),
@@ -93,7 +85,10 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
         tracing::info!(metric = k.as_str(), value = v, "held-out before training");
     }
 
-    let mut trainer = Trainer::new(cfg, &setup, examples.len())?;
+    cfg.check_data_size(examples.len(), "examples", &data)?;
+    let mut run = cfg.record(Recipe::Sft);
+    run.insert("data".into(), data_identity(&examples));
+    let mut trainer = Trainer::new(cfg, &setup, examples.len(), run)?;
     let model = &setup.model;
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step();

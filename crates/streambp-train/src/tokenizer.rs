@@ -8,6 +8,8 @@ pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     pub eos_id: u32,
     pub pad_id: u32,
+    /// What text outside the vocabulary becomes (none for byte-level BPE, which has no such text).
+    pub unk_id: Option<u32>,
     /// The files to copy into checkpoints.
     pub files: Vec<PathBuf>,
     /// The chat template, when the model has one.
@@ -27,12 +29,12 @@ impl TextTokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| {
-            TrainError::Usage(format!("cannot load tokenizer {}: {e}", path.display()))
+            TrainError::Tokenizer(format!("cannot load tokenizer {}: {e}", path.display()))
         })?;
         let config_path = dir.join("tokenizer_config.json");
         let config: serde_json::Value = match std::fs::read_to_string(&config_path) {
             Ok(text) => serde_json::from_str(&text).map_err(|e| {
-                TrainError::Usage(format!("{}: not valid JSON: {e}", config_path.display()))
+                TrainError::Tokenizer(format!("{}: not valid JSON: {e}", config_path.display()))
             })?,
             Err(_) => serde_json::Value::Null,
         };
@@ -43,12 +45,13 @@ impl TextTokenizer {
                 .and_then(|t| inner.token_to_id(&t))
         };
         let eos_id = id_of("eos_token").ok_or_else(|| {
-            TrainError::Usage(format!(
+            TrainError::Tokenizer(format!(
                 "{}: no eos_token that the tokenizer knows; it is needed to end completions",
                 config_path.display()
             ))
         })?;
         let pad_id = id_of("pad_token").unwrap_or(eos_id);
+        let unk_id = unknown_token(&inner).and_then(|t| inner.token_to_id(&t));
         let chat = crate::chat::ChatTemplate::from_dir(dir, &config)?;
         let mut files = vec![path];
         for name in [
@@ -64,6 +67,7 @@ impl TextTokenizer {
             inner,
             eos_id,
             pad_id,
+            unk_id,
             files,
             chat,
         })
@@ -74,7 +78,7 @@ impl TextTokenizer {
         Ok(self
             .inner
             .encode(text, false)
-            .map_err(|e| TrainError::Usage(format!("tokenizer: {e}")))?
+            .map_err(|e| TrainError::Tokenizer(format!("tokenizer: {e}")))?
             .get_ids()
             .to_vec())
     }
@@ -82,13 +86,13 @@ impl TextTokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner
             .decode(ids, true)
-            .map_err(|e| TrainError::Usage(format!("tokenizer: {e}")))
+            .map_err(|e| TrainError::Tokenizer(format!("tokenizer: {e}")))
     }
 
     /// The chat template, or an error saying conversational data needs one.
     pub fn chat_template(&self) -> Result<&crate::chat::ChatTemplate> {
         self.chat.as_ref().ok_or_else(|| {
-            TrainError::Usage(
+            TrainError::Tokenizer(
                 "conversational data (messages) needs a chat template, and this tokenizer has none \
                  (no chat_template in tokenizer_config.json, no chat_template.jinja)"
                     .into(),
@@ -98,5 +102,27 @@ impl TextTokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// Whether `other` maps every token to the same id.
+    pub fn same_vocabulary(&self, other: &TextTokenizer) -> bool {
+        self.inner.get_vocab(true) == other.inner.get_vocab(true)
+    }
+
+    /// Whether `ids` hold the unknown token (text the vocabulary cannot spell).
+    pub fn has_unknown(&self, ids: &[u32]) -> bool {
+        self.unk_id.is_some_and(|unk| ids.contains(&unk))
+    }
+}
+
+/// The unknown token of the tokenizer's model, where it has one.
+fn unknown_token(tokenizer: &tokenizers::Tokenizer) -> Option<String> {
+    use tokenizers::models::ModelWrapper;
+    match tokenizer.get_model() {
+        ModelWrapper::BPE(m) => m.unk_token.clone(),
+        ModelWrapper::WordPiece(m) => Some(m.unk_token.clone()),
+        ModelWrapper::WordLevel(m) => Some(m.unk_token.clone()),
+        // Unigram keeps its unknown id private; its byte fallback rarely needs one.
+        ModelWrapper::Unigram(_) => None,
     }
 }

@@ -9,10 +9,11 @@ use candle_core::{DType, Device};
 use streambp_core::Mode;
 use streambp_models::init::NormalRng;
 use streambp_models::load_model;
+use streambp_train::config::GrpoConfig;
+use streambp_train::config::{BuiltinModel, TrainConfig};
 use streambp_train::data::Overflow;
-use streambp_train::grpo::{run_grpo, GrpoConfig};
+use streambp_train::grpo::run_grpo;
 use streambp_train::optim::Schedule;
-use streambp_train::recipe::{BuiltinModel, TrainConfig};
 use streambp_train::rewards::{group_advantages, parse_reward};
 use streambp_train::sampling::{sample_group, SamplingConfig};
 
@@ -61,15 +62,14 @@ fn rewards_and_advantages_follow_trl() {
     assert_eq!(group_advantages(&[1.0, 1.0, 1.0]), vec![0.0, 0.0, 0.0]);
 }
 
-#[test]
-fn short_grpo_run_raises_the_reward() {
-    let dir = tempfile::tempdir().unwrap();
+/// A short GRPO run on the built-in task: 4 prompts a step, groups of 8, two steps per batch of rollouts.
+fn short_run(out: &std::path::Path) -> (TrainConfig, GrpoConfig) {
     let cfg = TrainConfig {
         builtin_model: BuiltinModel::Random,
         model: None,
         data: None,
         eval_data: None,
-        output_dir: dir.path().to_path_buf(),
+        output_dir: out.to_path_buf(),
         max_steps: Some(12),
         epochs: 1.0,
         batch_size: 4,
@@ -105,16 +105,27 @@ fn short_grpo_run_raises_the_reward() {
             max_new_tokens: 5,
         },
         rewards: Vec::new(),
-        loss_type: "grpo".into(),
+        loss_type: streambp_objectives::GrpoLossType::Grpo,
         epsilon: 0.2,
         num_iterations: 2,
     };
-    run_grpo(&cfg, &g).unwrap();
-    let rewards: Vec<f64> = std::fs::read_to_string(dir.path().join("metrics.jsonl"))
+    (cfg, g)
+}
+
+fn metric(out: &std::path::Path, name: &str) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["reward"].as_f64())
-        .collect();
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()[name].as_f64())
+        .collect()
+}
+
+#[test]
+fn short_grpo_run_raises_the_reward() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, g) = short_run(dir.path());
+    run_grpo(&cfg, &g).unwrap();
+    let rewards = metric(dir.path(), "reward");
     assert_eq!(
         rewards.len(),
         6,
@@ -122,4 +133,24 @@ fn short_grpo_run_raises_the_reward() {
     );
     let (first, last) = (rewards[0] + rewards[1], rewards[4] + rewards[5]);
     assert!(last > first, "reward should rise: {rewards:?}");
+}
+
+/// Rollouts are drawn from a generator seeded by the step, so a run resumed from a checkpoint samples
+/// what the uninterrupted run sampled: the same rewards and losses, to the last bit.
+#[test]
+fn resumed_grpo_run_draws_the_same_rollouts() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (mut cfg, g) = short_run(a.path());
+    cfg.max_steps = Some(6);
+    cfg.save_every = 2;
+    run_grpo(&cfg, &g).unwrap();
+    cfg.output_dir = b.path().to_path_buf();
+    cfg.resume = Some(a.path().join("checkpoint-2"));
+    run_grpo(&cfg, &g).unwrap();
+    for name in ["loss", "reward"] {
+        let whole = metric(a.path(), name);
+        let resumed = metric(b.path(), name);
+        assert_eq!(whole[whole.len() - resumed.len()..], resumed[..], "{name}");
+    }
+    assert_eq!(metric(b.path(), "loss").len(), 4, "steps 3..=6");
 }

@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use streambp_core::Mode;
+use streambp_train::config::{BuiltinModel, TrainConfig};
 use streambp_train::data::Overflow;
 use streambp_train::optim::Schedule;
-use streambp_train::recipe::{BuiltinModel, TrainConfig};
 use streambp_train::sft::run_sft;
 
 fn config(out: &Path) -> TrainConfig {
@@ -157,6 +157,8 @@ fn run_on(data: &str) -> String {
     let mut cfg = config(&dir.path().join("out"));
     cfg.data = Some(path);
     cfg.max_steps = Some(1);
+    cfg.batch_size = 1;
+    cfg.grad_accum = 1;
     match run_sft(&cfg) {
         Ok(_) => String::new(),
         Err(e) => e.to_string(),
@@ -210,6 +212,29 @@ fn overlong_examples_are_skipped_or_truncated() {
     let full = streambp_train::data::load_sft(&path, &tok, 64, Overflow::Truncate).unwrap();
     assert_eq!(full[0].labels[..6], [-100; 6]);
     assert_eq!(*full[0].input_ids.last().unwrap(), tok.eos_id);
+
+    // DPO pairs: cut to their first tokens per side (TRL's keep_start) or skipped; a pair whose
+    // completion would be cut away entirely is skipped either way.
+    use streambp_train::dpo::load_pairs;
+    std::fs::write(
+        &path,
+        "{\"prompt\": \"12+34=\", \"chosen\": \"46\", \"rejected\": \"47\"}\n",
+    )
+    .unwrap();
+    let cut = load_pairs(&path, &tok, 8, Overflow::Truncate).unwrap();
+    assert_eq!(cut[0].chosen.input_ids.len(), 8);
+    assert_eq!(cut[0].rejected.input_ids.len(), 8);
+    assert_eq!(cut[0].chosen.targets(), 2);
+    let skip = load_pairs(&path, &tok, 8, Overflow::Skip).err().unwrap();
+    assert!(skip.to_string().contains("no pair left"), "{skip}");
+    let nothing_left = load_pairs(&path, &tok, 6, Overflow::Truncate)
+        .err()
+        .unwrap();
+    assert!(
+        nothing_left.to_string().contains("no pair left"),
+        "{nothing_left}"
+    );
+    assert_eq!(load_pairs(&path, &tok, 9, Overflow::Skip).unwrap().len(), 1);
 }
 
 /// A run stopped after a checkpoint and resumed from it follows the uninterrupted run's loss curve:

@@ -1,0 +1,426 @@
+//! What a run is configured by, validated in one place before anything is loaded: every numeric flag
+//! against its range (each error names the flag and the range), and the settings TRL or transformers
+//! refuse. The built-in task's defaults live here too, one table per recipe.
+
+use std::path::{Path, PathBuf};
+
+use streambp_core::{Chunks, Mode};
+use streambp_models::ModelError;
+use streambp_objectives::GrpoLossType;
+
+use crate::data::Overflow;
+use crate::optim::Schedule;
+use crate::sampling::SamplingConfig;
+use crate::{Result, TrainError};
+
+/// The training jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recipe {
+    Sft,
+    Dpo,
+    Grpo,
+}
+
+impl Recipe {
+    pub fn name(self) -> &'static str {
+        match self {
+            Recipe::Sft => "sft",
+            Recipe::Dpo => "dpo",
+            Recipe::Grpo => "grpo",
+        }
+    }
+}
+
+/// Everything a run is configured by (the CLI flags mirror these).
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    /// Model directory or hub id; `None`: the built-in tiny model (see `builtin_model`).
+    pub model: Option<String>,
+    /// What the built-in model starts from when `model` is `None`.
+    pub builtin_model: BuiltinModel,
+    /// Training JSONL; `None`: the built-in arithmetic task.
+    pub data: Option<PathBuf>,
+    /// JSONL scored before and after (prompt/completion: exact-match accuracy of greedy answers).
+    pub eval_data: Option<PathBuf>,
+    pub output_dir: PathBuf,
+    /// Optimizer steps; `None`: `epochs` passes over the data.
+    pub max_steps: Option<usize>,
+    pub epochs: f64,
+    /// Examples (SFT), pairs (DPO) or prompts (GRPO) per micro-batch.
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub warmup_steps: usize,
+    pub schedule: Schedule,
+    pub max_grad_norm: f64,
+    pub seed: u64,
+    pub max_length: usize,
+    pub overflow: Overflow,
+    /// SFT: pack whole examples into rows of up to `max_length` tokens (documents kept apart).
+    pub packing: bool,
+    pub mode: Mode,
+    pub chunk: usize,
+    pub logits_chunk: usize,
+    /// Pick chunk sizes per micro-batch so the backward's estimated peak fits this many bytes
+    /// (overrides `chunk` and `logits_chunk`).
+    pub memory_budget: Option<u64>,
+    /// Keep layer checkpoints in host memory during the backward.
+    pub offload_checkpoints: bool,
+    pub dtype: String,
+    pub device: String,
+    pub save_every: usize,
+    /// Continue from this checkpoint (weights, optimizer, schedule, data position).
+    pub resume: Option<PathBuf>,
+    /// DPO: β, and the reference model (default: a frozen copy of the initial policy). GRPO: the KL
+    /// weight β.
+    pub beta: f64,
+    /// DPO: weight of the chosen completions' mean token NLL added to the loss (0: plain DPO).
+    pub sft_weight: f64,
+    pub ref_model: Option<String>,
+    pub progress: bool,
+}
+
+/// GRPO's settings beyond the shared ones.
+#[derive(Debug, Clone)]
+pub struct GrpoConfig {
+    pub group_size: usize,
+    pub sampling: SamplingConfig,
+    /// `exact:COLUMN` / `format:REGEX`, summed.
+    pub rewards: Vec<String>,
+    pub loss_type: GrpoLossType,
+    pub epsilon: f64,
+    pub num_iterations: usize,
+}
+
+/// The model a run starts from when no `--model` is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BuiltinModel {
+    /// The built-in config, randomly initialised (`sft`, `grpo`).
+    Random,
+    /// The shipped SFT checkpoint of the arithmetic task (`dpo`: preference tuning refines a model
+    /// that already answers).
+    Sft,
+}
+
+/// The defaults of one recipe, on the built-in task or on the user's own model and data: the one place
+/// they are written down (the CLI fills every flag left out from here).
+#[derive(Debug, Clone, Copy)]
+pub struct Defaults {
+    pub output_dir: &'static str,
+    pub builtin_model: BuiltinModel,
+    pub max_steps: Option<usize>,
+    pub batch_size: usize,
+    pub lr: f64,
+    pub warmup_steps: usize,
+    pub max_length: usize,
+    pub chunk: usize,
+    pub logits_chunk: usize,
+    pub beta: f64,
+    pub sft_weight: f64,
+    pub max_new_tokens: usize,
+}
+
+impl Defaults {
+    /// The defaults of `recipe`; `builtin`: the run uses the built-in task (no `--model`, no `--data`).
+    pub fn of(recipe: Recipe, builtin: bool) -> Self {
+        let own = Defaults {
+            output_dir: "runs/sft",
+            builtin_model: BuiltinModel::Random,
+            max_steps: None,
+            batch_size: 8,
+            lr: 2e-5,
+            warmup_steps: 0,
+            max_length: 2048,
+            chunk: 512,
+            logits_chunk: 128,
+            beta: 0.1,
+            sft_weight: 0.0,
+            max_new_tokens: 256,
+        };
+        // The built-in task: 16-token sums, tiny chunks so the streamed backward really streams.
+        let task = Defaults {
+            max_length: 16,
+            chunk: 8,
+            logits_chunk: 8,
+            ..own
+        };
+        match (recipe, builtin) {
+            (Recipe::Sft, false) => own,
+            (Recipe::Sft, true) => Defaults {
+                max_steps: Some(600),
+                batch_size: 64,
+                lr: 5e-3,
+                warmup_steps: 20,
+                ..task
+            },
+            (Recipe::Dpo, false) => Defaults {
+                output_dir: "runs/dpo",
+                ..own
+            },
+            // Refines the shipped SFT checkpoint with TRL's sigmoid + SFT loss, which keeps the correct
+            // answers likely.
+            (Recipe::Dpo, true) => Defaults {
+                output_dir: "runs/dpo",
+                builtin_model: BuiltinModel::Sft,
+                max_steps: Some(300),
+                batch_size: 32,
+                lr: 2e-4,
+                sft_weight: 1.0,
+                ..task
+            },
+            // GRPO's KL weight is 0 by default, as in TRL.
+            (Recipe::Grpo, false) => Defaults {
+                output_dir: "runs/grpo",
+                beta: 0.0,
+                ..own
+            },
+            // 8 prompts a step, answers of at most 5 tokens, a quicker learning rate.
+            (Recipe::Grpo, true) => Defaults {
+                output_dir: "runs/grpo",
+                beta: 0.0,
+                max_steps: Some(60),
+                batch_size: 8,
+                lr: 2e-3,
+                max_new_tokens: 5,
+                ..task
+            },
+        }
+    }
+}
+
+/// `Err` naming `flag`, its value and the allowed range unless `ok`.
+fn require(ok: bool, flag: &str, value: impl std::fmt::Display, expected: &str) -> Result<()> {
+    match ok {
+        true => Ok(()),
+        false => Err(TrainError::flag(flag, value, expected)),
+    }
+}
+
+/// A file a flag names must exist before the run starts.
+fn require_file(flag: &str, path: &Option<PathBuf>) -> Result<()> {
+    match path {
+        Some(p) if !p.is_file() => Err(TrainError::flag(
+            flag,
+            p.display(),
+            match p.is_dir() {
+                true => "is a directory; expected a file",
+                false => "no such file",
+            },
+        )),
+        _ => Ok(()),
+    }
+}
+
+impl TrainConfig {
+    /// Checks every setting of a `recipe` run against its range before anything is loaded.
+    pub fn validate(&self, recipe: Recipe) -> Result<()> {
+        require(
+            self.batch_size >= 1,
+            "--batch-size",
+            self.batch_size,
+            "must be at least 1",
+        )?;
+        require(
+            self.grad_accum >= 1,
+            "--grad-accum",
+            self.grad_accum,
+            "must be at least 1",
+        )?;
+        self.examples_per_step()?;
+        if let Some(steps) = self.max_steps {
+            require(steps >= 1, "--max-steps", steps, "must be at least 1")?;
+        }
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        let non_negative = |x: f64| x.is_finite() && x >= 0.0;
+        require(
+            positive(self.epochs),
+            "--epochs",
+            self.epochs,
+            "must be a number above 0",
+        )?;
+        require(
+            positive(self.lr),
+            "--lr",
+            self.lr,
+            "must be a number above 0",
+        )?;
+        require(
+            non_negative(self.weight_decay),
+            "--weight-decay",
+            self.weight_decay,
+            "must be a number at least 0",
+        )?;
+        require(
+            non_negative(self.max_grad_norm),
+            "--max-grad-norm",
+            self.max_grad_norm,
+            "must be a number at least 0 (0 turns clipping off)",
+        )?;
+        require(
+            self.max_length >= 2,
+            "--max-length",
+            self.max_length,
+            "must be at least 2 (a token to predict and one before it)",
+        )?;
+        require(self.chunk >= 1, "--chunk", self.chunk, "must be at least 1")?;
+        require(
+            self.logits_chunk >= 1,
+            "--logits-chunk",
+            self.logits_chunk,
+            "must be at least 1",
+        )?;
+        if let Some(budget) = self.memory_budget {
+            require(
+                budget >= 1,
+                "--memory-budget",
+                budget,
+                "must be above 0 bytes",
+            )?;
+        }
+        match recipe {
+            Recipe::Dpo => require(
+                positive(self.beta),
+                "--beta",
+                self.beta,
+                "must be a number above 0",
+            )?,
+            _ => require(
+                non_negative(self.beta),
+                "--beta",
+                self.beta,
+                "must be a number at least 0",
+            )?,
+        }
+        require(
+            non_negative(self.sft_weight),
+            "--sft-weight",
+            self.sft_weight,
+            "must be a number at least 0",
+        )?;
+        if recipe != Recipe::Sft {
+            require(
+                !self.packing,
+                "--packing",
+                "",
+                "applies to sft only (as in TRL)",
+            )?;
+        }
+        if let Some(max_steps) = self.max_steps {
+            if self.warmup_steps >= max_steps {
+                tracing::warn!(
+                    warmup_steps = self.warmup_steps,
+                    max_steps,
+                    "the warmup lasts the whole run: the learning rate never reaches --lr"
+                );
+            }
+        }
+        let reason = |e: ModelError| match e {
+            ModelError::Input(reason) => reason,
+            other => other.to_string(),
+        };
+        crate::device::parse_dtype(&self.dtype)
+            .map_err(|e| TrainError::flag("--dtype", &self.dtype, reason(e)))?;
+        crate::device::parse_device(&self.device)
+            .map_err(|e| TrainError::flag("--device", &self.device, reason(e)))?;
+        require_file("--data", &self.data)?;
+        require_file("--eval-data", &self.eval_data)?;
+        if let Some(dir) = &self.resume {
+            let state = dir.join(crate::checkpoint::STATE_FILE);
+            require(
+                state.is_file(),
+                "--resume",
+                dir.display(),
+                &format!(
+                    "is not a resumable checkpoint (no {}); give a checkpoint-N directory",
+                    crate::checkpoint::STATE_FILE
+                ),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Examples an optimizer step consumes (`--batch-size` × `--grad-accum`).
+    pub fn examples_per_step(&self) -> Result<usize> {
+        self.batch_size.checked_mul(self.grad_accum).ok_or_else(|| {
+            TrainError::flag(
+                "--batch-size × --grad-accum",
+                format!("{} × {}", self.batch_size, self.grad_accum),
+                "is too large to count",
+            )
+        })
+    }
+
+    /// Refuses a step that would need more examples than the data holds (the batch would repeat
+    /// examples within one step).
+    pub fn check_data_size(&self, examples: usize, what: &str, data: &Path) -> Result<()> {
+        let per_step = self.examples_per_step()?;
+        require(
+            per_step <= examples,
+            "--batch-size × --grad-accum",
+            format!("{} × {} = {per_step}", self.batch_size, self.grad_accum),
+            &format!(
+                "is more than the {examples} {what} of {} (a step would repeat {what}); \
+                 lower --batch-size or --grad-accum",
+                data.display()
+            ),
+        )
+    }
+
+    /// The chunk sizes as given (a memory budget replaces them per micro-batch).
+    pub fn chunks(&self) -> Chunks {
+        Chunks {
+            chunk: self.chunk,
+            logits_chunk: self.logits_chunk,
+        }
+    }
+}
+
+impl GrpoConfig {
+    /// Checks GRPO's settings against their ranges (TRL refuses groups of one: their advantages are
+    /// always zero) and parses the reward specs.
+    pub fn validate(&self, train: &TrainConfig) -> Result<()> {
+        require(
+            self.group_size >= 2,
+            "--group-size",
+            self.group_size,
+            "must be at least 2 (advantages compare completions within a group, as in TRL)",
+        )?;
+        let t = self.sampling.temperature;
+        require(
+            t.is_finite() && t > 0.0,
+            "--temperature",
+            t,
+            "must be a number above 0 (a group of greedy completions is all alike)",
+        )?;
+        let p = self.sampling.top_p;
+        require(p > 0.0 && p <= 1.0, "--top-p", p, "must be in (0, 1]")?;
+        let new = self.sampling.max_new_tokens;
+        require(new >= 1, "--max-new-tokens", new, "must be at least 1")?;
+        require(
+            new < train.max_length,
+            "--max-new-tokens",
+            new,
+            &format!(
+                "must be below --max-length ({}), which bounds prompt + completion",
+                train.max_length
+            ),
+        )?;
+        require(
+            self.num_iterations >= 1,
+            "--num-iterations",
+            self.num_iterations,
+            "must be at least 1",
+        )?;
+        require(
+            self.epsilon.is_finite() && self.epsilon > 0.0,
+            "--epsilon",
+            self.epsilon,
+            "must be a number above 0",
+        )?;
+        for spec in &self.rewards {
+            crate::rewards::parse_reward(spec)?;
+        }
+        Ok(())
+    }
+}

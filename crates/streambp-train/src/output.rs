@@ -1,0 +1,164 @@
+//! The output directory of a run, checked before anything trains: it must be a writable directory whose
+//! `final` can be written, and one run uses it at a time (a lock file). Saves that an earlier run did
+//! not finish (killed, disk full) leave hidden temporary directories; they are removed here, and a
+//! checkpoint caught between its two renames is put back.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use crate::{Result, TrainError};
+
+/// Prefixes of the hidden directories a save works in: `.NAME.tmp-PID` (being written) and
+/// `.NAME.old-PID` (the checkpoint it replaces, until the new one is in place).
+pub const TMP_MARK: &str = ".tmp-";
+pub const OLD_MARK: &str = ".old-";
+
+/// A checked output directory, locked for this run while the value lives.
+#[derive(Debug)]
+pub struct OutputDir {
+    pub path: PathBuf,
+    /// Held open: the lock is released when the run ends, however it ends (a killed run leaves the
+    /// file, unlocked).
+    lock: File,
+}
+
+impl Drop for OutputDir {
+    /// Removes the lock file, leaving the directory as the run's outputs alone.
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.path.join(LOCK_FILE));
+        let _ = self.lock.unlock();
+    }
+}
+
+/// The lock file of a run's output directory.
+const LOCK_FILE: &str = ".lock";
+
+impl OutputDir {
+    /// Creates `path` if needed, checks that it and its `final` can be written, takes its lock and
+    /// cleans what interrupted saves left.
+    pub fn prepare(path: &Path) -> Result<Self> {
+        if path.exists() && !path.is_dir() {
+            return Err(TrainError::flag(
+                "--output-dir",
+                path.display(),
+                "exists and is not a directory",
+            ));
+        }
+        std::fs::create_dir_all(path)
+            .map_err(TrainError::io("create the output directory", path))?;
+        let final_dir = path.join("final");
+        if final_dir.exists() && !final_dir.is_dir() {
+            return Err(TrainError::flag(
+                "--output-dir",
+                path.display(),
+                format!(
+                    "{} exists and is not a directory; the final checkpoint goes there",
+                    final_dir.display()
+                ),
+            ));
+        }
+        let probe = path.join(format!(".write-test-{}", std::process::id()));
+        File::create(&probe).map_err(TrainError::io("write into the output directory", path))?;
+        std::fs::remove_file(&probe).map_err(TrainError::io("remove", &probe))?;
+        let lock_path = path.join(LOCK_FILE);
+        let lock = File::create(&lock_path).map_err(TrainError::io("create", &lock_path))?;
+        lock.try_lock().map_err(|_| {
+            TrainError::flag(
+                "--output-dir",
+                path.display(),
+                format!(
+                    "is in use by another run (it holds {}); give another --output-dir",
+                    lock_path.display()
+                ),
+            )
+        })?;
+        clean_interrupted_saves(path)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            lock,
+        })
+    }
+}
+
+/// The checkpoint name a save's hidden directory belongs to (`.checkpoint-5.tmp-123` → `checkpoint-5`).
+fn save_target<'a>(name: &'a str, mark: &str) -> Option<&'a str> {
+    let (head, pid) = name.strip_prefix('.')?.rsplit_once(mark)?;
+    pid.chars().all(|c| c.is_ascii_digit()).then_some(head)
+}
+
+/// Removes every `.NAME.tmp-PID` in `dir`, and puts `.NAME.old-PID` back as `NAME` where the save that
+/// was replacing it died before its new copy was in place (else removes it). Only call this holding the
+/// directory's lock: then no other save is running there.
+pub fn clean_interrupted_saves(dir: &Path) -> Result<()> {
+    let entries = std::fs::read_dir(dir).map_err(TrainError::io("list", dir))?;
+    for entry in entries {
+        let entry = entry.map_err(TrainError::io("list", dir))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let path = entry.path();
+        if save_target(&name, TMP_MARK).is_some() {
+            tracing::info!(path = %path.display(), "removing an interrupted save");
+            remove(&path)?;
+        } else if let Some(target) = save_target(&name, OLD_MARK) {
+            let target = dir.join(target);
+            if target.exists() {
+                remove(&path)?;
+            } else {
+                tracing::info!(path = %target.display(), "restoring a checkpoint an interrupted save had moved aside");
+                std::fs::rename(&path, &target).map_err(TrainError::io("restore", &target))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn remove(path: &Path) -> Result<()> {
+    let removed = match path.is_dir() {
+        true => std::fs::remove_dir_all(path),
+        false => std::fs::remove_file(path),
+    };
+    removed.map_err(TrainError::io("remove", path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn save_targets_are_read_from_hidden_names() {
+        assert_eq!(
+            save_target(".checkpoint-5.tmp-123", TMP_MARK),
+            Some("checkpoint-5")
+        );
+        assert_eq!(save_target(".final.old-9", OLD_MARK), Some("final"));
+        assert_eq!(save_target("checkpoint-5", TMP_MARK), None);
+        assert_eq!(save_target(".x.tmp-12a", TMP_MARK), None);
+    }
+
+    /// A half-written save is removed; a checkpoint moved aside by a save that died before its new copy
+    /// was in place is put back; one whose new copy made it is dropped.
+    #[test]
+    fn interrupted_saves_are_cleaned_and_moved_checkpoints_restored() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        for sub in [
+            ".checkpoint-4.tmp-77",
+            ".checkpoint-3.old-77",
+            ".final.old-78",
+            "final",
+        ] {
+            std::fs::create_dir_all(d.join(sub)).unwrap();
+            std::fs::write(d.join(sub).join("model.safetensors"), sub).unwrap();
+        }
+        clean_interrupted_saves(d).unwrap();
+        let mut names: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["checkpoint-3", "final"]);
+        let restored = std::fs::read_to_string(d.join("checkpoint-3/model.safetensors")).unwrap();
+        assert_eq!(restored, ".checkpoint-3.old-77");
+        let kept = std::fs::read_to_string(d.join("final/model.safetensors")).unwrap();
+        assert_eq!(kept, "final");
+    }
+}

@@ -1,0 +1,282 @@
+//! Bad input through the command line, one row per case: the exit status and a fragment of the message
+//! a user sees. 2 is how the command was called (a flag out of range, or one that does not apply), 1 is
+//! what went wrong with the files it was given. No row may panic, print an OS error twice, or exit 0
+//! having trained nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// One bad input: the arguments (`{dir}` is a fresh directory of the row, `{fixtures}` the test
+/// fixtures), the expected exit status and a fragment of stderr.
+struct Case {
+    args: &'static str,
+    status: i32,
+    fragment: &'static str,
+}
+
+const fn case(args: &'static str, status: i32, fragment: &'static str) -> Case {
+    Case {
+        args,
+        status,
+        fragment,
+    }
+}
+
+/// Every row runs with `--output-dir {dir}/out --no-progress` added (after the subcommand), and on the
+/// built-in task unless it says otherwise; `{dir}` holds `prompts.jsonl`, `small.jsonl`, `latin1.jsonl`,
+/// `a_file` and a finished 2-step run in `run/` with `run/checkpoint-1` (see `prepare`).
+const CASES: &[Case] = &[
+    // Sizes of a step.
+    case("sft --batch-size 0", 2, "--batch-size 0: must be at least 1"),
+    case("dpo --batch-size 0", 2, "--batch-size 0: must be at least 1"),
+    case("grpo --batch-size 0", 2, "--batch-size 0: must be at least 1"),
+    case("sft --grad-accum 0", 2, "--grad-accum 0: must be at least 1"),
+    case("dpo --grad-accum 0", 2, "--grad-accum 0: must be at least 1"),
+    case(
+        "sft --batch-size 18446744073709551615 --grad-accum 2",
+        2,
+        "is too large to count",
+    ),
+    case("sft --batch-size 200 --data {dir}/small.jsonl", 2, "is more than the 5 examples"),
+    case("sft --batch-size 100000000", 2, "is more than the 9800 examples"),
+    case("dpo --batch-size 20000", 2, "is more than the 9800 pairs"),
+    case("grpo --batch-size 9000 --grad-accum 2", 2, "is more than the 9800 prompts"),
+    // Length of a run.
+    case("sft --max-steps 0", 2, "--max-steps 0: must be at least 1"),
+    case("sft --epochs 0", 2, "--epochs 0: must be a number above 0"),
+    case("sft --epochs -1", 2, "--epochs -1: must be a number above 0"),
+    case("sft --epochs nan", 2, "--epochs NaN: must be a number above 0"),
+    case("sft --epochs inf", 2, "--epochs inf: must be a number above 0"),
+    // Optimizer.
+    case("sft --lr=-1", 2, "--lr -1: must be a number above 0"),
+    case("sft --lr 0", 2, "--lr 0: must be a number above 0"),
+    case("sft --lr nan", 2, "--lr NaN: must be a number above 0"),
+    case("sft --lr inf", 2, "--lr inf: must be a number above 0"),
+    case("sft --weight-decay nan", 2, "--weight-decay NaN: must be a number at least 0"),
+    case("sft --weight-decay -0.1", 2, "--weight-decay -0.1"),
+    case("sft --max-grad-norm -1", 2, "--max-grad-norm -1"),
+    case("sft --schedule step", 2, "expected cosine, linear or constant"),
+    // Lengths and chunks.
+    case("sft --max-length 1", 2, "--max-length 1: must be at least 2"),
+    case("sft --chunk 0", 2, "--chunk 0: must be at least 1"),
+    case("sft --logits-chunk 0", 2, "--logits-chunk 0: must be at least 1"),
+    case("sft --memory-budget 0", 2, "out of range"),
+    case("sft --memory-budget 5XB", 2, "units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"),
+    case("sft --overflow cut", 2, "expected truncate or skip"),
+    case("sft --mode fast", 2, "expected stream, checkpoint or full"),
+    case("sft --dtype f16", 2, "--dtype f16: unknown dtype"),
+    case("sft --device tpu", 2, "--device tpu: unknown device"),
+    // Flags that do not apply.
+    case("sft --beta 0.1", 2, "--beta : applies to dpo and grpo only, not sft"),
+    case("sft --ref-model x/y", 2, "--ref-model : applies to dpo only, not sft"),
+    case("grpo --sft-weight 1", 2, "--sft-weight : applies to dpo only, not grpo"),
+    case("dpo --packing", 2, "--packing : applies to sft only"),
+    case("grpo --packing", 2, "--packing : applies to sft only"),
+    case("dpo --beta 0", 2, "--beta 0: must be a number above 0"),
+    case("dpo --beta nan", 2, "--beta NaN"),
+    case("grpo --beta -1", 2, "--beta -1: must be a number at least 0"),
+    case("dpo --sft-weight -1", 2, "--sft-weight -1"),
+    // GRPO.
+    case("grpo --group-size 1", 2, "--group-size 1: must be at least 2"),
+    case("grpo --group-size 0", 2, "--group-size 0: must be at least 2"),
+    case("grpo --temperature nan", 2, "--temperature NaN: must be a number above 0"),
+    case("grpo --temperature -1", 2, "--temperature -1"),
+    case("grpo --temperature 0", 2, "--temperature 0"),
+    case("grpo --top-p 0", 2, "--top-p 0: must be in (0, 1]"),
+    case("grpo --top-p 2", 2, "--top-p 2: must be in (0, 1]"),
+    case("grpo --num-iterations 0", 2, "--num-iterations 0: must be at least 1"),
+    case("grpo --max-new-tokens 0", 2, "--max-new-tokens 0: must be at least 1"),
+    case("grpo --max-new-tokens 16", 2, "must be below --max-length (16)"),
+    case("grpo --epsilon 0", 2, "--epsilon 0: must be a number above 0"),
+    case("grpo --loss-type ppo", 2, "ppo"),
+    case("grpo --reward length:3", 2, "--reward length:3: unknown reward"),
+    case("grpo --reward format:(", 2, "not a valid regular expression"),
+    case("grpo --data {dir}/prompts.jsonl", 2, "GRPO needs at least one --reward"),
+    case(
+        "grpo --reward exact:answer --max-steps 1",
+        1,
+        "line 1: no \"answer\" column, which the reward exact:answer reads",
+    ),
+    case(
+        "grpo --max-length 6 --overflow skip --max-steps 1",
+        1,
+        "no prompt left to train on",
+    ),
+    // Files.
+    case("sft --data {dir}/missing.jsonl", 2, "--data {dir}/missing.jsonl: no such file"),
+    case("sft --data {dir}", 2, "is a directory; expected a file"),
+    case("sft --eval-data {dir}/missing.jsonl", 2, "--eval-data"),
+    case("sft --data {dir}/latin1.jsonl --max-steps 1", 1, "latin1.jsonl line 2: not valid UTF-8"),
+    case("sft --config {dir}/missing.toml", 2, "missing.toml: cannot read"),
+    case("sft --model models/x --max-steps 1", 1, "no directory models/x under"),
+    case("sft --model {dir}/a_file", 1, "is a file; --model takes a model directory"),
+    case(
+        "dpo --ref-model {fixtures}/qwen3 --max-steps 1",
+        1,
+        "--ref-model {fixtures}/qwen3: its vocabulary has 96 tokens, the policy's 16",
+    ),
+    // Output directory.
+    case("sft --output-dir {dir}/a_file", 2, "exists and is not a directory"),
+    case(
+        "sft --output-dir {dir}/a_file/sub",
+        1,
+        "cannot create the output directory {dir}/a_file/sub",
+    ),
+    case("sft --output-dir {dir}/final_is_file", 2, "final exists and is not a directory"),
+    case("sft --output-dir {dir}/locked", 2, "is in use by another run"),
+    // Resuming.
+    case("sft --resume {dir}/missing", 2, "is not a resumable checkpoint"),
+    case("sft --resume {dir}/run/final", 2, "is not a resumable checkpoint"),
+    case(
+        "sft --resume {dir}/run/checkpoint-1 --max-steps 1 --batch-size 4",
+        1,
+        "nothing left to train (raise --max-steps)",
+    ),
+    case(
+        "sft --resume {dir}/run/checkpoint-1 --max-steps 2 --batch-size 4 --data {dir}/small.jsonl",
+        1,
+        "cannot resume from {dir}/run/checkpoint-1: data: \"9800 items, fingerprint",
+    ),
+    case(
+        "sft --resume {dir}/run/checkpoint-1 --max-steps 2 --batch-size 8",
+        1,
+        "--batch-size: 4 in the checkpoint's run, 8 now",
+    ),
+    case(
+        "sft --resume {dir}/run/checkpoint-1 --max-steps 2 --batch-size 4 --max-length 8",
+        1,
+        "\" in the checkpoint's run, \"9800 items, fingerprint",
+    ),
+    case(
+        "dpo --resume {dir}/run/checkpoint-1 --max-steps 2 --batch-size 4",
+        1,
+        "recipe: \"sft\" in the checkpoint's run, \"dpo\" now",
+    ),
+    // grad.
+    case(
+        "grad --model {fixtures}/qwen3 --batch {fixtures}/qwen3-batch.json --out {dir}/no/g.safetensors",
+        2,
+        "its directory {dir}/no does not exist",
+    ),
+    case(
+        "grad --model {fixtures}/qwen3 --batch {fixtures}/qwen3-batch.json --out {dir} --chunk 0",
+        2,
+        "--chunk 0: must be at least 1",
+    ),
+];
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn train(dir: &Path, args: &[String]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_streambp-train"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .env("HF_HUB_OFFLINE", "1")
+        .env("HF_HOME", dir.join("hf-home"))
+        .output()
+        .expect("the trainer runs");
+    let text =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// The files the rows read.
+fn prepare(dir: &Path) {
+    std::fs::write(dir.join("prompts.jsonl"), "{\"prompt\": \"1+2=\"}\n").unwrap();
+    let small: String = (0..5)
+        .map(|i| {
+            format!(
+                "{{\"prompt\": \"{i}+1=\", \"completion\": \"{}\"}}\n",
+                i + 1
+            )
+        })
+        .collect();
+    std::fs::write(dir.join("small.jsonl"), small).unwrap();
+    let mut latin1 = b"{\"text\": \"1+1=2\"}\n{\"text\": \"caf".to_vec();
+    latin1.extend([0xe9, b'"', b'}', b'\n']);
+    std::fs::write(dir.join("latin1.jsonl"), latin1).unwrap();
+    std::fs::write(dir.join("a_file"), "not a directory").unwrap();
+    std::fs::create_dir_all(dir.join("final_is_file")).unwrap();
+    std::fs::write(dir.join("final_is_file/final"), "").unwrap();
+    let args: Vec<String> =
+        "sft --max-steps 2 --save-every 1 --batch-size 4 --no-progress --output-dir"
+            .split(' ')
+            .map(String::from)
+            .chain([dir.join("run").display().to_string()])
+            .collect();
+    let (status, text) = train(dir, &args);
+    assert_eq!(status, 0, "{text}");
+}
+
+#[test]
+fn every_bad_input_is_a_clear_error_and_nothing_panics() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path();
+    prepare(dir);
+    // Another run holds this directory's lock.
+    std::fs::create_dir_all(dir.join("locked")).unwrap();
+    let held = std::fs::File::create(dir.join("locked/.lock")).unwrap();
+    held.try_lock().unwrap();
+
+    let fill = |s: &str| {
+        s.replace("{dir}", &dir.display().to_string())
+            .replace("{fixtures}", &fixtures().display().to_string())
+    };
+    let mut failures = Vec::new();
+    for (i, row) in CASES.iter().enumerate() {
+        let mut args: Vec<String> = fill(row.args).split(' ').map(String::from).collect();
+        if args[0] != "grad" {
+            let out = dir.join(format!("out-{i}")).display().to_string();
+            let mut extra = vec!["--no-progress".to_string()];
+            if !row.args.contains("--output-dir") {
+                extra.extend(["--output-dir".into(), out]);
+            }
+            args.splice(1..1, extra);
+        }
+        let (status, text) = train(dir, &args);
+        let fragment = fill(row.fragment);
+        let problems = [
+            (status != row.status).then(|| format!("exit {status}, expected {}", row.status)),
+            (!text.contains(&fragment)).then(|| format!("no {fragment:?}")),
+            text.contains("panicked").then(|| "panicked".to_string()),
+            (text.matches("os error").count() > 1).then(|| "an OS error printed twice".into()),
+        ];
+        for p in problems.into_iter().flatten() {
+            failures.push(format!("{}: {p}\n{text}", row.args));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n---\n"));
+    drop(held);
+}
+
+/// The warnings that let a run go on: text the tokenizer cannot spell, a length beyond the model's
+/// positions, a warmup that outlasts the run.
+#[test]
+fn questionable_settings_warn_and_train() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path();
+    std::fs::write(
+        dir.join("accents.jsonl"),
+        "{\"prompt\": \"1+1=\", \"completion\": \"2\"}\n{\"prompt\": \"é+1=\", \"completion\": \"2\"}\n",
+    )
+    .unwrap();
+    let args = format!(
+        "sft --no-progress --max-steps 2 --warmup-steps 5 --batch-size 2 --max-length 100 --data {} \
+         --output-dir {}",
+        dir.join("accents.jsonl").display(),
+        dir.join("out").display()
+    );
+    let args: Vec<String> = args.split(' ').map(String::from).collect();
+    let (status, text) = train(dir, &args);
+    assert_eq!(status, 0, "{text}");
+    for warning in [
+        "outside the tokenizer's vocabulary",
+        "accents.jsonl line 2",
+        "above the model's max_position_embeddings",
+        "the warmup lasts the whole run",
+    ] {
+        assert!(text.contains(warning), "no {warning:?} in\n{text}");
+    }
+}
