@@ -148,6 +148,11 @@ const CASES: &[Case] = &[
         "\" in the checkpoint's run, \"9800 items, fingerprint",
     ),
     case(
+        "sft --resume {dir}/run/checkpoint-1 --model {fixtures}/qwen3 --max-steps 2 --batch-size 4",
+        1,
+        "--model: \"built-in (random)\" in the checkpoint's run",
+    ),
+    case(
         "dpo --resume {dir}/run/checkpoint-1 --max-steps 2 --batch-size 4",
         1,
         "recipe: \"sft\" in the checkpoint's run, \"dpo\" now",
