@@ -12,9 +12,7 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use streambp_core::memory::{CountingAllocator, Meter};
-use streambp_core::{
-    backward_with, estimate, plan_for_budget, Batch, Chunks, Mode, Options, Problem,
-};
+use streambp_core::{backward_with, estimate, Batch, ChunkPolicy, Chunks, Mode, Options, Problem};
 use streambp_models::device::{parse_budget, parse_device, parse_dtype};
 use streambp_models::{Model, ModelConfig};
 use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
@@ -246,6 +244,15 @@ fn options(args: &Args) -> Options {
     }
 }
 
+/// How the chunks at `t` tokens are chosen: `--chunk` when given, else the planner's for
+/// `--max-t-budget`, else T/3 (the paper's timing setting).
+fn chunk_policy(args: &Args, t: usize) -> ChunkPolicy {
+    match (args.chunk, args.max_t_budget) {
+        (None, Some(budget)) => ChunkPolicy::Budget(budget),
+        _ => ChunkPolicy::Fixed(given_chunks(args, t)),
+    }
+}
+
 /// The chunks of the command line at `t` tokens: `--chunk` (default T/3, the paper's timing setting)
 /// and `--logits-chunk`.
 fn given_chunks(args: &Args, t: usize) -> Chunks {
@@ -289,15 +296,12 @@ fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|---|---|");
     for &t in &args.seq_lens {
         let p = problem(cfg, dtype, args, t);
-        let chunks = match args.max_t_budget {
-            Some(budget) => match plan_for_budget(p, budget) {
-                Ok(chunks) => chunks,
-                Err(e) => {
-                    println!("| {t} | - | - | - | - | - | - | {e} |");
-                    continue;
-                }
-            },
-            None => given_chunks(args, t),
+        let chunks = match chunk_policy(args, t).chunks_for(p) {
+            Ok(chunks) => chunks,
+            Err(e) => {
+                println!("| {t} | - | - | - | - | - | - | {e} |");
+                continue;
+            }
         };
         let est = estimate(p, chunks);
         println!(
@@ -327,17 +331,12 @@ fn max_t(
     let fits = |t: usize| -> anyhow::Result<Option<usize>> {
         // Chunks as given, else the planner's for this T and budget (when even its smallest chunks
         // are estimated not to fit, that T does not fit).
-        let chunks = match args.chunk {
-            Some(_) => given_chunks(args, t),
-            None => {
-                let problem = problem(&model.config, model.dtype(), args, t);
-                match plan_for_budget(problem, budget) {
-                    Ok(chunks) => chunks,
-                    Err(e) => {
-                        eprintln!("  {mode} T={t}: {e}");
-                        return Ok(None);
-                    }
-                }
+        let problem = problem(&model.config, model.dtype(), args, t);
+        let chunks = match chunk_policy(args, t).chunks_for(problem) {
+            Ok(chunks) => chunks,
+            Err(e) => {
+                eprintln!("  {mode} T={t}: {e}");
+                return Ok(None);
             }
         };
         let work = workload(&args.objective, vocab, t, args.group, model.device())?;

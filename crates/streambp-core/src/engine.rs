@@ -1,12 +1,18 @@
 //! The backward engine: StreamBP and its two baselines on the same model code.
 //!
-//! Phases, in the order they run (each a plain function below, in the spirit of llm.c):
-//! 1. [`forward_checkpoints`]: the model once without a graph, keeping each layer's input.
-//! 2. [`head_backward`]: final norm, LM head and objective, streamed over logits chunks.
-//! 3. [`layer_backward_streamed`] (or [`layer_backward_whole`] for `checkpoint`), top layer first.
-//! 4. [`embedding_backward`].
+//! Phases, in the order they run (each a plain function below, in the spirit of llm.c), and the
+//! buffers they pass on:
+//! 1. `forward_checkpoints`: the model once without a graph, keeping each layer's input (`L + 1`
+//!    tensors `[b, T, d]`, in host memory when offloaded).
+//! 2. `head_backward`: final norm, LM head and objective, streamed over logits chunks; yields the
+//!    loss, the target log-probs and the gradient of the last layer's output.
+//! 3. `layer_backward_streamed` (or `layer_backward_whole` for `checkpoint`), top layer first: each
+//!    turns the gradient of its output into that of its input.
+//! 4. `embedding_backward`: the gradient of the first layer's input into the embedding table.
 //!
-//! `full` builds one graph over everything and calls `backward()` once.
+//! Parameter gradients go into a `GradSink` as they are produced, found by role through the model's
+//! accessors (head, final norm, embedding, layer `i`): the engine knows no checkpoint name and no
+//! family. `full` builds one graph over everything and calls `backward()` once.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -166,7 +172,7 @@ pub fn backward_with(
         return Err(EngineError::Plan("chunk sizes must be at least 1".into()));
     }
     let layout = batch.layout()?;
-    let mut sink = GradSink::new(model);
+    let mut sink = GradSink::new();
     let mut peaks = PhaseLog::start_on(model.device());
 
     let (loss, logp) = match mode {
@@ -195,11 +201,9 @@ pub fn backward_with(
             let (loss, logp, mut grad) =
                 head_backward(model, &last, objective, logits_chunk, &mut sink)?;
             drop(last);
-            // The final norm and an untied head are done; the (tied) embedding still gets the
-            // embedding phase's gradient.
-            sink.seal(model.parameters().iter().filter(|(n, _)| {
-                n != "model.embed_tokens.weight" && !n.starts_with("model.layers.")
-            }))?;
+            // The final norm and an untied head are done; a tied head still gets the embedding
+            // phase's gradient.
+            sink.seal(model.output_parameters())?;
             peaks.record("head");
             for (index, layer) in model.layers.iter().enumerate().rev() {
                 let x = inputs
@@ -219,7 +223,7 @@ pub fn backward_with(
                     )?,
                     _ => layer_backward_whole(layer, &x, &grad, &layout, &mut sink, model, index)?,
                 };
-                sink.seal(model.layer_parameters(index))?;
+                sink.seal(model.layer_parameters(index).iter())?;
             }
             peaks.record("layers");
             embedding_backward(model, batch.input_ids, &grad, &mut sink)?;
@@ -239,7 +243,7 @@ pub fn backward_with(
 
 /// Phase 1: the model without a graph, each layer over query chunks; returns the input of every layer
 /// (in host memory with `offload`) and the last layer's output (`L + 1` tensors of `[batch, T, d]`).
-pub fn forward_checkpoints(
+fn forward_checkpoints(
     detached: &Model,
     input_ids: &Tensor,
     layout: &Layout,
@@ -311,7 +315,7 @@ fn keys_values_streamed(
 
 /// One layer's output over query chunks (no graph when `layer` is detached): attention memory is
 /// `chunk × T` per head instead of `T × T`.
-pub fn layer_forward_streamed(
+fn layer_forward_streamed(
     layer: &DecoderLayer,
     x: &Tensor,
     layout: &Layout,
@@ -385,7 +389,7 @@ fn chunk_ranges(t: usize, size: usize) -> Vec<Range<usize>> {
 /// `dlogits = g ⊙ (onehot(target) − softmax)`, `dH = dlogits·W`, `dW += dlogitsᵀ·H`. Separable objectives
 /// give `g` chunk by chunk; others need all of `logp` first, so a forward-only pass computes it and the
 /// loss before the backward pass. The final norm is backpropagated through autograd (`c × d` only).
-pub fn head_backward(
+fn head_backward(
     model: &Model,
     last: &Tensor,
     objective: &dyn Objective,
@@ -412,11 +416,7 @@ pub fn head_backward(
         Some(loss_and_grad(objective, &logp, 0..t)?)
     };
 
-    let head_name = if model.config.tie_word_embeddings {
-        "model.embed_tokens.weight"
-    } else {
-        "lm_head.weight"
-    };
+    let head_name = &model.head_parameter().0;
     let grad_last = last.zeros_like()?;
     let mut logp_parts = Vec::with_capacity(ranges.len());
     let mut loss = 0.0;
@@ -442,13 +442,7 @@ pub fn head_backward(
             1,
             r.start,
         )?;
-        sink.absorb(
-            &store,
-            model
-                .parameters()
-                .iter()
-                .filter(|(n, _)| n == "model.norm.weight"),
-        )?;
+        sink.absorb(&store, std::iter::once(model.final_norm_parameter()))?;
         logp_parts.push(out.logp);
     }
     if let Some((l, _)) = whole {
@@ -458,22 +452,22 @@ pub fn head_backward(
 }
 
 /// What one LM-head chunk yields.
-pub struct HeadChunk {
+struct HeadChunk {
     /// `[b, c]` target log-probs.
-    pub logp: Tensor,
+    logp: Tensor,
     /// `[b, c, d]` gradient of the normed hidden states.
-    pub grad_hidden: Tensor,
+    grad_hidden: Tensor,
     /// `[V, d]` this chunk's share of the head weight's gradient.
-    pub grad_weight: Tensor,
+    grad_weight: Tensor,
 }
 
 /// The LM head's forward and explicit VJP on one chunk of normed hidden states `h` (`[b, c, d]`,
 /// detached). `grad_of` maps the chunk's `logp` to `dLoss/dlogp`.
 ///
 /// With `z` the (soft-capped) logits in f32/f64 and `p = softmax(z)`, `d logp / dz = onehot − p`; a
-/// soft-cap `z = cap·tanh(l / cap)` adds the factor `1 − (z / cap)²`. Writing it out avoids autograd's
-/// `[V, d]` zero-fill and strided transpose-add per chunk.
-pub fn head_chunk(
+/// soft-cap (the model's [`Model::soft_cap`]) adds its slope as a factor. Writing it out avoids
+/// autograd's `[V, d]` zero-fill and strided transpose-add per chunk.
+fn head_chunk(
     detached: &Model,
     h: &Tensor,
     targets: &Tensor,
@@ -489,12 +483,9 @@ pub fn head_chunk(
     } else {
         DType::F32
     };
-    let mut z = h2.matmul(&weight.t()?)?;
-    let cap = detached.config.final_logit_softcap;
-    if let Some(cap) = cap {
-        z = ((z / cap)?.tanh()? * cap)?;
-    }
-    let z = z.to_dtype(compute)?;
+    let z = detached
+        .soft_cap(&h2.matmul(&weight.t()?)?)?
+        .to_dtype(compute)?;
     let lse = z.log_sum_exp(D::Minus1)?;
     let idx = targets.reshape((n, 1))?.contiguous()?;
     let logp = (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
@@ -503,8 +494,7 @@ pub fn head_chunk(
     let mut dz = p
         .broadcast_mul(&g.neg()?)?
         .scatter_add(&idx, &g, D::Minus1)?;
-    if let Some(cap) = cap {
-        let slope = (1.0 - (&z / cap)?.sqr()?)?;
+    if let Some(slope) = detached.soft_cap_slope(&z)? {
         dz = (dz * slope)?;
     }
     let dz = dz.to_dtype(dtype)?;
@@ -526,7 +516,7 @@ pub fn head_chunk(
 /// key/value gradient of `[s, e)` through the chunk's own k/v projections. Its backward yields the
 /// chunk's input gradient complete. Queries never score keys they cannot see (future, outside the window).
 #[allow(clippy::too_many_arguments)]
-pub fn layer_backward_streamed(
+fn layer_backward_streamed(
     layer: &DecoderLayer,
     x: &Tensor,
     grad_out: &Tensor,
@@ -539,6 +529,12 @@ pub fn layer_backward_streamed(
     let t = x.dim(1)?;
     let ranges = chunk_ranges(t, chunk);
     let (keys, values) = keys_values_streamed(&layer.detached(), x, layout, chunk)?;
+    // The gradients of the layer's keys and values, filled from the last chunk backwards. Two writers:
+    // each chunk's graph pushes its queries' gradient into the keys/values of *earlier* chunks through
+    // the attention op's backward, which adds it in place into these buffers
+    // (`streambp_models::attention`: `EarlierKeys::grad_keys` / `grad_values`, its `add_at`); a
+    // chunk's *own* keys/values get theirs from its graph, and the buffers' `[s, e)` part, complete by
+    // then, is fed into that graph by the surrogate below.
     let grad_keys = keys.zeros_like()?;
     let grad_values = values.zeros_like()?;
     let grad_in = x.zeros_like()?;
@@ -569,20 +565,19 @@ pub fn layer_backward_streamed(
             earlier: earlier.as_ref(),
         };
         let attn = layer.attend(&q, &k_own, &v_own, block)?;
-        let x1 = (x_c.as_tensor() + layer.attention_output(&attn)?)?;
-        let y = (&x1 + layer.mlp_block(&x1)?)?;
+        let y = layer.after_attention(x_c.as_tensor(), &attn)?;
         let surrogate = ((y * grad_out.narrow(1, s, len)?)?.sum_all()?
             + (k_own * grad_keys.narrow(2, s, len)?)?.sum_all()?
             + (v_own * grad_values.narrow(2, s, len)?)?.sum_all()?)?;
         let store = surrogate.backward()?;
         grad_in.slice_set(&required(&store, x_c.as_tensor(), "layer input")?, 1, s)?;
-        sink.absorb(&store, model.layer_parameters(index))?;
+        sink.absorb(&store, model.layer_parameters(index).iter())?;
     }
     Ok(grad_in)
 }
 
 /// Phase 3 (checkpoint): the layer recomputed over the whole sequence with a graph and backpropagated.
-pub fn layer_backward_whole(
+fn layer_backward_whole(
     layer: &DecoderLayer,
     x: &Tensor,
     grad_out: &Tensor,
@@ -595,21 +590,21 @@ pub fn layer_backward_whole(
     let y = layer.forward(x.as_tensor(), layout)?;
     let store = (y * grad_out)?.sum_all()?.backward()?;
     let grad_in = required(&store, x.as_tensor(), "layer input")?;
-    sink.absorb(&store, model.layer_parameters(index))?;
+    sink.absorb(&store, model.layer_parameters(index).iter())?;
     Ok(grad_in)
 }
 
 /// Phase 4: the gradient of the embedding table from the gradient of the first layer's input, by the
 /// lookup's written-out VJP ([`Model::embed_vjp`]) rather than a graph that would hold several
 /// `[b, T, d]` copies.
-pub fn embedding_backward(
+fn embedding_backward(
     model: &Model,
     input_ids: &Tensor,
     grad: &Tensor,
     sink: &mut GradSink,
 ) -> Result<()> {
     sink.add(
-        "model.embed_tokens.weight",
+        &model.embedding_parameter().0,
         model.embed_vjp(input_ids, grad)?,
     )
 }
@@ -645,19 +640,19 @@ fn required(store: &GradStore, t: &Tensor, what: &str) -> Result<Tensor> {
 
 /// Accumulates parameter gradients across chunks and phases, detached (so no chunk's graph stays
 /// alive) and in f32 for half-precision models (so chunking does not add rounding).
-pub struct GradSink {
+struct GradSink {
     acc: HashMap<String, Tensor>,
 }
 
 impl GradSink {
-    pub fn new(_model: &Model) -> Self {
+    fn new() -> Self {
         Self {
             acc: HashMap::new(),
         }
     }
 
     /// Adds the gradients `store` holds for `params`.
-    pub fn absorb<'a>(
+    fn absorb<'a>(
         &mut self,
         store: &GradStore,
         params: impl Iterator<Item = &'a (String, Var)>,
@@ -671,7 +666,7 @@ impl GradSink {
     }
 
     /// Adds a gradient (computed outside autograd: the LM head's, the embedding's).
-    pub fn add(&mut self, name: &str, grad: Tensor) -> Result<()> {
+    fn add(&mut self, name: &str, grad: Tensor) -> Result<()> {
         let grad = match grad.dtype() {
             DType::BF16 | DType::F16 => grad.to_dtype(DType::F32)?,
             _ => grad,
@@ -687,7 +682,7 @@ impl GradSink {
     /// Rounds the gradients of `params` to their parameters' dtype once nothing more will be added to
     /// them (a layer after its backward): the result is the same as rounding at the end, and a bf16
     /// model then holds 2 bytes per finished gradient instead of 4.
-    pub fn seal<'a>(&mut self, params: impl Iterator<Item = &'a (String, Var)>) -> Result<()> {
+    fn seal<'a>(&mut self, params: impl Iterator<Item = &'a (String, Var)>) -> Result<()> {
         for (name, var) in params {
             if let Some(g) = self.acc.get_mut(name) {
                 if g.dtype() != var.dtype() {
@@ -700,7 +695,7 @@ impl GradSink {
 
     /// Every parameter's gradient in the model's order and dtype; a parameter that received none is an
     /// error (a dropped gradient must never read as zero).
-    pub fn finish(mut self, model: &Model) -> Result<Vec<(String, Tensor)>> {
+    fn finish(mut self, model: &Model) -> Result<Vec<(String, Tensor)>> {
         model
             .parameters()
             .iter()

@@ -22,4 +22,4 @@ pub use engine::{
     Options,
 };
 pub use error::{EngineError, Result};
-pub use planner::{estimate, plan_for_budget, Estimate, Problem};
+pub use planner::{estimate, plan_for_budget, ChunkPolicy, Estimate, Problem};

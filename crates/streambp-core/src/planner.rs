@@ -14,7 +14,7 @@
 //! - in the embedding's backward: two `[b, T, d]` tensors and two copies of the table's gradient.
 //!
 //! The copy counts are fitted to peaks measured with the counting allocator (CPU, candle 0.11,
-//! `streambp-bench` on `benches/configs/qwen3-small.json` in f32 at T = 1024/2048, chunk 128/256, logits
+//! `streambp-bench` on the bench's small model config in f32 at T = 1024/2048, chunk 128/256, logits
 //! chunk 100/400, the attention count refitted at T = 4096 after the attention became one op; the head
 //! and embedding phases refitted per phase on it and on `tests/planner.rs`'s model, f32 and bf16, at
 //! T = 1024..4096; the layer phase refitted on both once the mask and the earlier keys' gradients stopped
@@ -41,6 +41,42 @@ pub struct Problem<'a> {
     /// accelerator (see [`crate::Options::offloads_from`]). The device then holds the last layer's output
     /// during the head and one layer's input at a time during the layers.
     pub offloaded: bool,
+}
+
+impl<'a> Problem<'a> {
+    /// The problem of a backward of `model` on a `[batch, seq_len]` batch with `options`.
+    pub fn of(
+        model: &'a streambp_models::Model,
+        batch: usize,
+        seq_len: usize,
+        options: crate::Options,
+    ) -> Self {
+        Self {
+            config: &model.config,
+            batch,
+            seq_len,
+            dtype: model.dtype(),
+            offloaded: options.offloads_from(model.device()),
+        }
+    }
+}
+
+/// How a run sets its chunk sizes: the same for every batch, or the largest a memory budget allows for
+/// each batch's shape. The trainer, the `grad` command and the bench all choose through this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkPolicy {
+    Fixed(Chunks),
+    Budget(u64),
+}
+
+impl ChunkPolicy {
+    /// The chunks for `problem`.
+    pub fn chunks_for(&self, problem: Problem) -> Result<Chunks> {
+        match *self {
+            ChunkPolicy::Fixed(chunks) => Ok(chunks),
+            ChunkPolicy::Budget(budget) => plan_for_budget(problem, budget),
+        }
+    }
 }
 
 /// Estimated peak bytes of the phases of a streamed backward: what stays allocated throughout (weights

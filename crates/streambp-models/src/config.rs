@@ -24,6 +24,89 @@ pub enum Family {
     Gemma3,
 }
 
+/// What a family fixes that its `config.json` does not say (or only says by default): one row per
+/// family, read wherever a family difference matters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FamilyTraits {
+    /// q, k and v carry a bias whatever `attention_bias` says, and the output projection none (Qwen2).
+    pub qkv_bias_always: bool,
+    /// Per-head RMSNorm on q and k before rope.
+    pub qk_norm: bool,
+    /// Norms after attention and around the MLP (Gemma's `pre/post_feedforward_layernorm`).
+    pub sandwich_norms: bool,
+    pub norm_style: NormStyle,
+    /// Embeddings multiplied by `sqrt(hidden_size)`.
+    pub scaled_embeddings: bool,
+    /// The MLP activation when the config names none.
+    pub default_activation: &'static str,
+    /// `rope_theta` when the config gives none.
+    pub default_rope_theta: f64,
+    /// The rotary base of sliding-window layers, when they have their own (Gemma3's local rope).
+    pub local_rope_theta: Option<f64>,
+    /// `tie_word_embeddings` when the config does not say.
+    pub ties_embeddings: bool,
+    /// The attention scale is `query_pre_attn_scalar^-½` (required) instead of `head_dim^-½`.
+    pub query_pre_attn_scalar: bool,
+    /// Which layers use a sliding window when the config has no `layer_types`.
+    pub sliding_layers: SlidingLayers,
+}
+
+/// Where a family's legacy configs put sliding-window layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlidingLayers {
+    /// None.
+    Never,
+    /// Every layer but each `sliding_window_pattern`-th (default given) is sliding (Gemma3).
+    AllButEveryNth { default_pattern: usize },
+    /// With `use_sliding_window`, the layers from `max_window_layers` on (Qwen2/Qwen3).
+    FromMaxWindowLayers,
+}
+
+impl Family {
+    /// The family's row of the traits table.
+    pub fn traits(self) -> FamilyTraits {
+        let llama_like = FamilyTraits {
+            qkv_bias_always: false,
+            qk_norm: false,
+            sandwich_norms: false,
+            norm_style: NormStyle::CastThenScale,
+            scaled_embeddings: false,
+            default_activation: "silu",
+            default_rope_theta: 10_000.0,
+            local_rope_theta: None,
+            ties_embeddings: false,
+            query_pre_attn_scalar: false,
+            sliding_layers: SlidingLayers::Never,
+        };
+        match self {
+            Family::Llama => llama_like,
+            Family::Qwen2 => FamilyTraits {
+                qkv_bias_always: true,
+                sliding_layers: SlidingLayers::FromMaxWindowLayers,
+                ..llama_like
+            },
+            Family::Qwen3 => FamilyTraits {
+                qk_norm: true,
+                sliding_layers: SlidingLayers::FromMaxWindowLayers,
+                ..llama_like
+            },
+            Family::Gemma3 => FamilyTraits {
+                qkv_bias_always: false,
+                qk_norm: true,
+                sandwich_norms: true,
+                norm_style: NormStyle::OnePlusWeightInF32,
+                scaled_embeddings: true,
+                default_activation: "gelu_pytorch_tanh",
+                default_rope_theta: 1_000_000.0,
+                local_rope_theta: Some(10_000.0),
+                ties_embeddings: true,
+                query_pre_attn_scalar: true,
+                sliding_layers: SlidingLayers::AllButEveryNth { default_pattern: 6 },
+            },
+        }
+    }
+}
+
 /// How an RMSNorm applies its weight, which is where the families differ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NormStyle {
@@ -107,6 +190,34 @@ pub struct ModelConfig {
     /// from the lookup (it still gets one through a tied LM head).
     pub pad_token_id: Option<u32>,
     pub layers: Vec<LayerKind>,
+}
+
+/// The token embedding table's name in a checkpoint.
+pub const EMBED_TOKENS: &str = "model.embed_tokens.weight";
+/// The final norm's weight.
+pub const FINAL_NORM: &str = "model.norm.weight";
+/// The untied LM head.
+pub const LM_HEAD: &str = "lm_head.weight";
+
+/// The names (under `model.layers.{i}.`, before `.weight`) of a layer's norms after its attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerNormNames {
+    /// Gemma: the norm of the attention output before the residual.
+    pub post_attention: Option<&'static str>,
+    /// The norm in front of the MLP.
+    pub pre_mlp: &'static str,
+    /// Gemma: the norm of the MLP output before the residual.
+    pub post_mlp: Option<&'static str>,
+}
+
+impl LayerNormNames {
+    /// The names in the order checkpoints list them.
+    pub fn in_checkpoint_order(self) -> impl Iterator<Item = &'static str> {
+        self.post_attention
+            .into_iter()
+            .chain([self.pre_mlp])
+            .chain(self.post_mlp)
+    }
 }
 
 /// The raw fields of a config.json that matter to us; everything optional, validated afterwards.
@@ -212,15 +323,29 @@ impl ModelConfig {
         self.num_heads / self.num_kv_heads
     }
 
+    /// The names of a layer's norms after its attention: the one in front of the MLP, and the
+    /// sandwich norms where the family has them. Derived here once, for the shapes and the model.
+    pub fn layer_norm_names(&self) -> LayerNormNames {
+        match self.sandwich_norms {
+            true => LayerNormNames {
+                post_attention: Some("post_attention_layernorm"),
+                pre_mlp: "pre_feedforward_layernorm",
+                post_mlp: Some("post_feedforward_layernorm"),
+            },
+            false => LayerNormNames {
+                post_attention: None,
+                pre_mlp: "post_attention_layernorm",
+                post_mlp: None,
+            },
+        }
+    }
+
     /// HF names and shapes of every parameter, in checkpoint order. With tied embeddings there is no
     /// `lm_head.weight`.
     pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let (d, f, hd) = (self.hidden_size, self.intermediate_size, self.head_dim);
         let (q, kv) = (self.num_heads * hd, self.num_kv_heads * hd);
-        let mut out = vec![(
-            "model.embed_tokens.weight".to_string(),
-            vec![self.vocab_size, d],
-        )];
+        let mut out = vec![(EMBED_TOKENS.to_string(), vec![self.vocab_size, d])];
         for i in 0..self.num_layers() {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             out.push((p("input_layernorm.weight"), vec![d]));
@@ -242,10 +367,8 @@ impl ModelConfig {
                 out.push((p("self_attn.q_norm.weight"), vec![hd]));
                 out.push((p("self_attn.k_norm.weight"), vec![hd]));
             }
-            out.push((p("post_attention_layernorm.weight"), vec![d]));
-            if self.sandwich_norms {
-                out.push((p("pre_feedforward_layernorm.weight"), vec![d]));
-                out.push((p("post_feedforward_layernorm.weight"), vec![d]));
+            for norm in self.layer_norm_names().in_checkpoint_order() {
+                out.push((p(&format!("{norm}.weight")), vec![d]));
             }
             for (name, shape) in [
                 ("gate_proj", vec![f, d]),
@@ -259,9 +382,9 @@ impl ModelConfig {
                 }
             }
         }
-        out.push(("model.norm.weight".to_string(), vec![d]));
+        out.push((FINAL_NORM.to_string(), vec![d]));
         if !self.tie_word_embeddings {
-            out.push(("lm_head.weight".to_string(), vec![self.vocab_size, d]));
+            out.push((LM_HEAD.to_string(), vec![self.vocab_size, d]));
         }
         out
     }
@@ -295,12 +418,12 @@ fn build(family: Family, raw: RawConfig, path: &Path) -> Result<ModelConfig> {
     if head_dim % 2 != 0 {
         return Err(err(format!("head_dim {head_dim} must be even for rope")));
     }
-    let gemma = family == Family::Gemma3;
+    let traits = family.traits();
     let activation_name = raw
         .hidden_activation
         .clone()
         .or(raw.hidden_act.clone())
-        .unwrap_or_else(|| if gemma { "gelu_pytorch_tanh" } else { "silu" }.into());
+        .unwrap_or_else(|| traits.default_activation.into());
     let activation = match activation_name.as_str() {
         "silu" | "swish" => Activation::Silu,
         "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Activation::GeluTanh,
@@ -308,8 +431,8 @@ fn build(family: Family, raw: RawConfig, path: &Path) -> Result<ModelConfig> {
         other => return Err(err(format!("unsupported activation {other:?}"))),
     };
 
-    let (global_rope, local_rope) = rope_configs(family, &raw).map_err(&err)?;
-    let layer_types = layer_types(family, &raw, num_layers).map_err(&err)?;
+    let (global_rope, local_rope) = rope_configs(traits, &raw).map_err(&err)?;
+    let layer_types = layer_types(traits, &raw, num_layers).map_err(&err)?;
     let window = raw.sliding_window;
     let layers = layer_types
         .iter()
@@ -329,9 +452,9 @@ fn build(family: Family, raw: RawConfig, path: &Path) -> Result<ModelConfig> {
         .collect::<Result<Vec<_>>>()?;
 
     let attention_bias = raw.attention_bias.unwrap_or(false);
-    let attn_scale = match (gemma, raw.query_pre_attn_scalar) {
+    let attn_scale = match (traits.query_pre_attn_scalar, raw.query_pre_attn_scalar) {
         (true, Some(s)) => s.powf(-0.5),
-        (true, None) => return Err(err("gemma3 config without query_pre_attn_scalar".into())),
+        (true, None) => return Err(err("no query_pre_attn_scalar (its attention scale)".into())),
         _ => (head_dim as f64).powf(-0.5),
     };
     let vocab_size = need(raw.vocab_size, "vocab_size")?;
@@ -344,20 +467,17 @@ fn build(family: Family, raw: RawConfig, path: &Path) -> Result<ModelConfig> {
         num_kv_heads,
         head_dim,
         rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
-        // transformers' defaults: Gemma ties, Qwen2 / Llama configs say so explicitly, Qwen3 does not tie.
-        tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma),
-        qkv_bias: family == Family::Qwen2 || attention_bias,
-        o_bias: family != Family::Qwen2 && attention_bias,
+        tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(traits.ties_embeddings),
+        qkv_bias: traits.qkv_bias_always || attention_bias,
+        o_bias: !traits.qkv_bias_always && attention_bias,
         mlp_bias: raw.mlp_bias.unwrap_or(false),
         activation,
-        norm_style: if gemma {
-            NormStyle::OnePlusWeightInF32
-        } else {
-            NormStyle::CastThenScale
-        },
-        qk_norm: matches!(family, Family::Qwen3 | Family::Gemma3),
-        sandwich_norms: gemma,
-        embed_scale: gemma.then(|| (hidden_size as f64).sqrt()),
+        norm_style: traits.norm_style,
+        qk_norm: traits.qk_norm,
+        sandwich_norms: traits.sandwich_norms,
+        embed_scale: traits
+            .scaled_embeddings
+            .then(|| (hidden_size as f64).sqrt()),
         attn_scale,
         final_logit_softcap: raw.final_logit_softcapping,
         max_position_embeddings: raw.max_position_embeddings.unwrap_or(usize::MAX),
@@ -371,7 +491,7 @@ fn build(family: Family, raw: RawConfig, path: &Path) -> Result<ModelConfig> {
 
 /// The per-layer attention types, from `layer_types` or the legacy fields.
 fn layer_types(
-    family: Family,
+    traits: FamilyTraits,
     raw: &RawConfig,
     num_layers: usize,
 ) -> std::result::Result<Vec<String>, String> {
@@ -384,49 +504,36 @@ fn layer_types(
         }
         return Ok(types.clone());
     }
-    let full = "full_attention".to_string();
-    let sliding = "sliding_attention".to_string();
-    Ok(match family {
-        Family::Gemma3 => {
+    let sliding = |i: usize| match traits.sliding_layers {
+        SlidingLayers::Never => false,
+        SlidingLayers::AllButEveryNth { default_pattern } => {
             let pattern = raw
                 .sliding_window_pattern
                 .or(raw.sliding_window_pattern_private)
-                .unwrap_or(6);
-            (0..num_layers)
-                .map(|i| {
-                    if (i + 1) % pattern.max(1) != 0 {
-                        sliding.clone()
-                    } else {
-                        full.clone()
-                    }
-                })
-                .collect()
+                .unwrap_or(default_pattern);
+            !(i + 1).is_multiple_of(pattern.max(1))
         }
-        Family::Qwen2 | Family::Qwen3 if raw.use_sliding_window == Some(true) => {
-            let first = raw.max_window_layers.unwrap_or(num_layers);
-            (0..num_layers)
-                .map(|i| {
-                    if i >= first {
-                        sliding.clone()
-                    } else {
-                        full.clone()
-                    }
-                })
-                .collect()
+        SlidingLayers::FromMaxWindowLayers => {
+            raw.use_sliding_window == Some(true) && i >= raw.max_window_layers.unwrap_or(num_layers)
         }
-        _ => vec![full; num_layers],
-    })
+    };
+    Ok((0..num_layers)
+        .map(|i| match sliding(i) {
+            true => "sliding_attention".to_string(),
+            false => "full_attention".to_string(),
+        })
+        .collect())
 }
 
-/// The rotary configs of full-attention layers and (Gemma3) sliding layers.
+/// The rotary configs of full-attention layers and of sliding layers where they have their own.
 fn rope_configs(
-    family: Family,
+    traits: FamilyTraits,
     raw: &RawConfig,
 ) -> std::result::Result<(RopeConfig, Option<RopeConfig>), String> {
-    let default_theta = if family == Family::Gemma3 {
-        1_000_000.0
-    } else {
-        10_000.0
+    let default_theta = traits.default_rope_theta;
+    let plain = |theta: f64| RopeConfig {
+        theta,
+        scaling: RopeScaling::None,
     };
     if let Some(params) = &raw.rope_parameters {
         // New style: either one dict, or one per layer type (Gemma3).
@@ -441,14 +548,8 @@ fn rope_configs(
         let global = parse_rope(params, raw.rope_theta.unwrap_or(default_theta))?;
         let local = raw
             .rope_local_base_freq
-            .map(|theta| RopeConfig {
-                theta,
-                scaling: RopeScaling::None,
-            })
-            .or((family == Family::Gemma3).then_some(RopeConfig {
-                theta: 10_000.0,
-                scaling: RopeScaling::None,
-            }));
+            .or(traits.local_rope_theta)
+            .map(plain);
         return Ok((global, local));
     }
     let theta = raw.rope_theta.unwrap_or(default_theta);
@@ -456,10 +557,9 @@ fn rope_configs(
         None | Some(Value::Null) => RopeScaling::None,
         Some(v) => parse_scaling(v)?,
     };
-    let local = (family == Family::Gemma3).then(|| RopeConfig {
-        theta: raw.rope_local_base_freq.unwrap_or(10_000.0),
-        scaling: RopeScaling::None,
-    });
+    let local = traits
+        .local_rope_theta
+        .map(|theta| plain(raw.rope_local_base_freq.unwrap_or(theta)));
     Ok((RopeConfig { theta, scaling }, local))
 }
 

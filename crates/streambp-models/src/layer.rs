@@ -257,6 +257,14 @@ impl DecoderLayer {
         }
     }
 
+    /// The rest of the layer once its attention core has given `attn` for the input `x`: the output
+    /// projection into the residual stream, then the MLP block into it. The layer's residual structure,
+    /// written once for every caller (whole sequences, chunks, the streamed backward, sampling).
+    pub fn after_attention(&self, x: &Tensor, attn: &Tensor) -> Result<Tensor> {
+        let x1 = (x + self.attention_output(attn)?)?;
+        Ok((&x1 + self.mlp_block(&x1)?)?)
+    }
+
     /// The layer output for the input chunk `x_c` at positions `q_start..`, given keys/values for
     /// positions `keys.k_start..` (computed by the caller, typically once for the whole sequence).
     pub fn forward_chunk(
@@ -269,8 +277,7 @@ impl DecoderLayer {
         let normed = self.norm_input(x_c)?;
         let q = self.queries(&normed, keys.q_start, keys.layout)?;
         let attn = self.attend(&q, k, v, keys)?;
-        let x1 = (x_c + self.attention_output(&attn)?)?;
-        Ok((&x1 + self.mlp_block(&x1)?)?)
+        self.after_attention(x_c, &attn)
     }
 
     /// The layer over a whole sequence `[b, t, d]` laid out as `layout`.
@@ -285,8 +292,7 @@ impl DecoderLayer {
             earlier: None,
         };
         let attn = self.attend(&q, &k, &v, keys)?;
-        let x1 = (x + self.attention_output(&attn)?)?;
-        Ok((&x1 + self.mlp_block(&x1)?)?)
+        self.after_attention(x, &attn)
     }
 
     /// The same layer with every weight cut from the graph: runs without recording anything.

@@ -5,10 +5,11 @@
 //! view of the same storage that records nothing: the no-grad path, at no copy.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, EMBED_TOKENS, FINAL_NORM, LM_HEAD};
 use crate::error::{ModelError, Result};
 use crate::layer::DecoderLayer;
 use crate::layout::Layout;
@@ -26,6 +27,54 @@ pub struct Model {
     /// `[vocab, hidden]`; the embedding itself when the embeddings are tied.
     pub lm_head: Tensor,
     params: Vec<(String, Var)>,
+    roles: Roles,
+}
+
+/// Where each role's parameters sit in `params` (which is in checkpoint order), so an engine can ask
+/// for "the head" or "layer 3" without knowing any checkpoint name.
+#[derive(Debug, Clone)]
+struct Roles {
+    embedding: usize,
+    final_norm: usize,
+    /// The untied head; with tied embeddings the embedding serves.
+    head: usize,
+    layers: Vec<Range<usize>>,
+}
+
+impl Roles {
+    fn of(params: &[(String, Var)], layers: usize) -> Result<Self> {
+        let find = |name: &str| {
+            params
+                .iter()
+                .position(|(n, _)| n == name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: name.into(),
+                    files: "the model's parameters".into(),
+                })
+        };
+        let embedding = find(EMBED_TOKENS)?;
+        let layers = (0..layers)
+            .map(|i| {
+                let prefix = format!("model.layers.{i}.");
+                let inside = |k: &usize| params[*k].0.starts_with(&prefix);
+                match (0..params.len()).find(inside) {
+                    Some(start) => {
+                        start
+                            ..(start..params.len())
+                                .find(|k| !inside(k))
+                                .unwrap_or(params.len())
+                    }
+                    None => 0..0,
+                }
+            })
+            .collect();
+        Ok(Self {
+            embedding,
+            final_norm: find(FINAL_NORM)?,
+            head: find(LM_HEAD).unwrap_or(embedding),
+            layers,
+        })
+    }
 }
 
 impl Model {
@@ -70,15 +119,8 @@ impl Model {
             .enumerate()
             .map(|(i, kind)| {
                 let p = |s: &str| format!("model.layers.{i}.{s}");
-                let (pre_mlp, post_attn, post_mlp) = if config.sandwich_norms {
-                    (
-                        norm(&p("pre_feedforward_layernorm.weight")),
-                        Some(norm(&p("post_attention_layernorm.weight"))),
-                        Some(norm(&p("post_feedforward_layernorm.weight"))),
-                    )
-                } else {
-                    (norm(&p("post_attention_layernorm.weight")), None, None)
-                };
+                let norms = config.layer_norm_names();
+                let layer_norm = |name: &str| norm(&p(&format!("{name}.weight")));
                 DecoderLayer {
                     kind: *kind,
                     shape,
@@ -91,28 +133,30 @@ impl Model {
                     o_proj: linear(&p("self_attn.o_proj")),
                     q_norm: config.qk_norm.then(|| norm(&p("self_attn.q_norm.weight"))),
                     k_norm: config.qk_norm.then(|| norm(&p("self_attn.k_norm.weight"))),
-                    post_attn_norm: post_attn,
-                    pre_mlp_norm: pre_mlp,
-                    post_mlp_norm: post_mlp,
+                    post_attn_norm: norms.post_attention.map(layer_norm),
+                    pre_mlp_norm: layer_norm(norms.pre_mlp),
+                    post_mlp_norm: norms.post_mlp.map(layer_norm),
                     gate_proj: linear(&p("mlp.gate_proj")),
                     up_proj: linear(&p("mlp.up_proj")),
                     down_proj: linear(&p("mlp.down_proj")),
                 }
             })
             .collect();
-        let embed_tokens = get("model.embed_tokens.weight");
+        let embed_tokens = get(EMBED_TOKENS);
         let lm_head = if config.tie_word_embeddings {
             embed_tokens.clone()
         } else {
-            get("lm_head.weight")
+            get(LM_HEAD)
         };
+        let roles = Roles::of(&params, config.num_layers())?;
         Ok(Self {
-            norm: norm("model.norm.weight"),
+            norm: norm(FINAL_NORM),
             config,
             embed_tokens,
             layers,
             lm_head,
             params,
+            roles,
         })
     }
 
@@ -122,11 +166,38 @@ impl Model {
     }
 
     /// The parameters of decoder layer `index`.
-    pub fn layer_parameters(&self, index: usize) -> impl Iterator<Item = &(String, Var)> {
-        let prefix = format!("model.layers.{index}.");
-        self.params
-            .iter()
-            .filter(move |(name, _)| name.starts_with(&prefix))
+    pub fn layer_parameters(&self, index: usize) -> &[(String, Var)] {
+        match self.roles.layers.get(index) {
+            Some(range) => &self.params[range.clone()],
+            None => &[],
+        }
+    }
+
+    /// The token embedding table.
+    pub fn embedding_parameter(&self) -> &(String, Var) {
+        &self.params[self.roles.embedding]
+    }
+
+    /// The LM head's weight: its own, or the embedding table when they are tied.
+    pub fn head_parameter(&self) -> &(String, Var) {
+        &self.params[self.roles.head]
+    }
+
+    /// Whether the LM head is the embedding table (its gradient then also gets the embedding's).
+    pub fn head_is_embedding(&self) -> bool {
+        self.roles.head == self.roles.embedding
+    }
+
+    /// The final norm's weight.
+    pub fn final_norm_parameter(&self) -> &(String, Var) {
+        &self.params[self.roles.final_norm]
+    }
+
+    /// The parameters whose gradients are complete once the LM head's backward is done: the final
+    /// norm, and the head unless it is the embedding table.
+    pub fn output_parameters(&self) -> impl Iterator<Item = &(String, Var)> {
+        let head = (!self.head_is_embedding()).then(|| self.head_parameter());
+        std::iter::once(self.final_norm_parameter()).chain(head)
     }
 
     pub fn dtype(&self) -> DType {
@@ -204,11 +275,24 @@ impl Model {
 
     /// Logits `[.., vocab]` of final-normed hidden states, soft-capped where the config says so.
     pub fn logits(&self, normed: &Tensor) -> Result<Tensor> {
-        let logits = Linear::new(self.lm_head.clone(), None).forward(normed)?;
+        self.soft_cap(&Linear::new(self.lm_head.clone(), None).forward(normed)?)
+    }
+
+    /// The final soft-cap of raw logits `l` where the config has one (Gemma): `cap·tanh(l / cap)`.
+    pub fn soft_cap(&self, logits: &Tensor) -> Result<Tensor> {
         Ok(match self.config.final_logit_softcap {
             Some(cap) => ((logits / cap)?.tanh()? * cap)?,
-            None => logits,
+            None => logits.clone(),
         })
+    }
+
+    /// The soft-cap's derivative at the capped logits `z`, `1 − (z / cap)²`; `None` without a cap
+    /// (the derivative is 1). For a backward written out by hand.
+    pub fn soft_cap_slope(&self, capped: &Tensor) -> Result<Option<Tensor>> {
+        self.config
+            .final_logit_softcap
+            .map(|cap| Ok((1.0 - (capped / cap)?.sqr()?)?))
+            .transpose()
     }
 
     /// Final-normed hidden states `[b, t, d]`. `attention_mask` is `[b, t]` (any integer dtype,

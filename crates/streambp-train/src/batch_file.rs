@@ -1,21 +1,18 @@
 //! Batch files of the `grad` command: one JSON object holding a whole batch in HF conventions.
 //!
 //! SFT: `{"objective":"sft","input_ids":[[..]],"labels":[[..]],"attention_mask":[[..]]}`; labels are
-//! aligned with input_ids (shifted inside), -100 is ignored, rows are right-padded, the attention mask
+//! aligned with input_ids (shifted inside), -100 (`IGNORE_INDEX`) is ignored, rows are right-padded, the attention mask
 //! is optional (all ones when absent). DPO and GRPO: see docs/grad.md.
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde::Deserialize;
-use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
+use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft, IGNORE_INDEX};
 
+use crate::batch::{padded, to_u32_tensor};
+use crate::logprobs::{sequence_logps, token_logps, Scorer};
 use crate::{Result, TrainError};
-
-/// Computes target log-probs `[batch, T]` (logits coordinates) of a reference model for
-/// `(input_ids, attention_mask, targets)`, when a batch file does not carry them.
-pub type ReferenceLogprobs<'a> =
-    dyn FnMut(&Tensor, Option<&Tensor>, &Tensor) -> Result<Tensor> + 'a;
 
 /// A batch ready for the engine.
 pub struct PreparedBatch {
@@ -100,7 +97,7 @@ pub fn load_batch(
     path: &Path,
     vocab_size: usize,
     device: &Device,
-    reference: &mut ReferenceLogprobs,
+    reference: &mut Scorer,
 ) -> Result<PreparedBatch> {
     let name = path.display().to_string();
     let fail = |reason: String| TrainError::BatchFile {
@@ -152,7 +149,7 @@ fn prepare_dpo(
     file: DpoFile,
     vocab_size: usize,
     device: &Device,
-    reference: &mut ReferenceLogprobs,
+    reference: &mut Scorer,
 ) -> Result<PreparedBatch> {
     let (pc, tc) = check_rectangular("chosen_input_ids", &file.chosen_input_ids)?;
     let (pr, tr) = check_rectangular("rejected_input_ids", &file.rejected_input_ids)?;
@@ -177,14 +174,7 @@ fn prepare_dpo(
     check_same_shape("rejected_attention_mask", &rejected_mask, pr, tr)?;
     let t = tc.max(tr);
     let pad = |rows: &[Vec<i64>], fill: i64| -> Vec<Vec<i64>> {
-        rows.iter()
-            .map(|r| {
-                r.iter()
-                    .copied()
-                    .chain(std::iter::repeat_n(fill, t - r.len()))
-                    .collect()
-            })
-            .collect()
+        rows.iter().map(|r| padded(r, t, fill)).collect()
     };
     let ids = [
         pad(&file.chosen_input_ids, 0),
@@ -194,8 +184,8 @@ fn prepare_dpo(
     let mask = [pad(&chosen_mask, 0), pad(&rejected_mask, 0)].concat();
     let labels = masked_labels(
         &[
-            pad(&file.chosen_labels, -100),
-            pad(&file.rejected_labels, -100),
+            pad(&file.chosen_labels, IGNORE_INDEX),
+            pad(&file.rejected_labels, IGNORE_INDEX),
         ]
         .concat(),
         &mask,
@@ -209,10 +199,7 @@ fn prepare_dpo(
         (None, None) => {
             let targets =
                 streambp_objectives::TokenTargets::from_labels(&labels, vocab_size, device)?;
-            let logp = reference(&input_ids, Some(&attention_mask), &targets.ids)?;
-            let sums = (logp.to_dtype(DType::F64)? * &targets.mask)?
-                .sum(1)?
-                .to_vec1::<f64>()?;
+            let sums = sequence_logps(reference, &input_ids, Some(&attention_mask), &targets)?;
             (sums[..pc].to_vec(), sums[pc..].to_vec())
         }
         _ => {
@@ -244,7 +231,7 @@ fn prepare_grpo(
     file: GrpoFile,
     vocab_size: usize,
     device: &Device,
-    reference: &mut ReferenceLogprobs,
+    reference: &mut Scorer,
 ) -> Result<PreparedBatch> {
     let (b, t) = check_rectangular("input_ids", &file.input_ids)?;
     check_vocab(&file.input_ids, vocab_size)?;
@@ -271,11 +258,12 @@ fn prepare_grpo(
         .map(|m| to_u32_tensor(m, device))
         .transpose()?;
     let ref_logps = match (&file.ref_logps, file.beta != 0.0) {
-        (None, true) => {
-            let targets = to_u32_tensor(&next_token_targets(&file.input_ids), device)?;
-            let logp = reference(&input_ids, attention_mask.as_ref(), &targets)?;
-            Some(align_to_inputs(&logp)?)
-        }
+        (None, true) => Some(token_logps(
+            reference,
+            &input_ids,
+            attention_mask.as_ref(),
+            &file.input_ids,
+        )?),
         (given, _) => given.clone(),
     };
     let grpo = Grpo::new(
@@ -306,36 +294,7 @@ fn prepare_grpo(
     })
 }
 
-/// Targets that score every token of `rows` from the logits before it (logits position `t` scores
-/// `rows[t + 1]`; the last position scores nothing and gets id 0).
-pub fn next_token_targets(rows: &[Vec<i64>]) -> Vec<Vec<i64>> {
-    rows.iter()
-        .map(|r| {
-            r.iter()
-                .skip(1)
-                .copied()
-                .chain(std::iter::once(0))
-                .collect()
-        })
-        .collect()
-}
-
-/// Log-probs of [`next_token_targets`] (`[B, T]`, logits coordinates) moved onto the tokens they score:
-/// position `t` holds `log p(input_ids[t])`, 0 at position 0.
-pub fn align_to_inputs(logp: &Tensor) -> Result<Vec<Vec<f64>>> {
-    Ok(logp
-        .to_dtype(DType::F64)?
-        .to_vec2::<f64>()?
-        .iter()
-        .map(|r| {
-            std::iter::once(0.0)
-                .chain(r[..r.len() - 1].iter().copied())
-                .collect()
-        })
-        .collect())
-}
-
-/// Labels with padded positions set to -100.
+/// Labels with padded positions set to [`IGNORE_INDEX`].
 fn masked_labels(labels: &[Vec<i64>], mask: &[Vec<i64>]) -> Vec<Vec<i64>> {
     labels
         .iter()
@@ -343,7 +302,7 @@ fn masked_labels(labels: &[Vec<i64>], mask: &[Vec<i64>]) -> Vec<Vec<i64>> {
         .map(|(l, m)| {
             l.iter()
                 .zip(m)
-                .map(|(&l, &m)| if m == 0 { -100 } else { l })
+                .map(|(&l, &m)| if m == 0 { IGNORE_INDEX } else { l })
                 .collect()
         })
         .collect()
@@ -458,10 +417,4 @@ pub fn check_right_padded(mask: &[Vec<i64>]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-pub fn to_u32_tensor(rows: &[Vec<i64>], device: &Device) -> Result<Tensor> {
-    let (b, t) = (rows.len(), rows[0].len());
-    let flat: Vec<u32> = rows.iter().flatten().map(|&v| v as u32).collect();
-    Ok(Tensor::from_vec(flat, (b, t), device)?.to_dtype(DType::U32)?)
 }

@@ -3,19 +3,16 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Tensor};
-use streambp_core::{forward_logprobs, Batch};
 use streambp_models::Model;
 use streambp_objectives::{Dpo, TokenTargets};
 
-use crate::batch_file::to_u32_tensor;
+use crate::batch::{collate, Collated};
 use crate::checkpoint::data_identity;
 use crate::config::{Recipe, TrainConfig};
-use crate::data::{
-    collate, encode_pair, read_jsonl, text_field, Collated, Example, Overflow, Text, UnknownText,
-};
+use crate::data::{encode_pair, read_jsonl, text_field, Example, Overflow, Text, UnknownText};
+use crate::eval::{eval_accuracy, eval_rows};
+use crate::logprobs::sequence_logps;
 use crate::recipe::{Setup, StepAccumulator, Summary, Trainer};
-use crate::sft::{eval_accuracy, eval_rows};
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
 
@@ -106,22 +103,6 @@ fn stack(pairs: &[&Pair], pad: u32) -> Collated {
     collate(&rows, pad)
 }
 
-/// Summed target log-probs of each row under `model` (no graph).
-fn sequence_logps(
-    model: &Model,
-    ids: &Tensor,
-    mask: &Tensor,
-    targets: &TokenTargets,
-    cfg: &TrainConfig,
-) -> Result<Vec<f64>> {
-    let chunks = cfg.chunks_for(model, ids)?;
-    let batch = Batch::new(ids, Some(mask));
-    let logp = forward_logprobs(model, batch, &targets.ids, chunks)?;
-    Ok((logp.to_dtype(DType::F64)? * &targets.mask)?
-        .sum(1)?
-        .to_vec1::<f64>()?)
-}
-
 /// Fraction of pairs whose implicit reward margin `(π_c − ρ_c) − (π_r − ρ_r)` is positive.
 fn preference_accuracy(
     setup: &Setup,
@@ -129,16 +110,18 @@ fn preference_accuracy(
     pairs: &[Pair],
     cfg: &TrainConfig,
 ) -> Result<f64> {
+    let mut policy_scores = cfg.scorer(&setup.model);
+    let mut reference_scores = cfg.scorer(reference);
     let mut wins = 0;
     for group in pairs.chunks(32) {
         let refs: Vec<&Pair> = group.iter().collect();
         let c = stack(&refs, setup.tokenizer.pad_id);
-        let ids = to_u32_tensor(&c.input_ids, &setup.device)?;
-        let mask = to_u32_tensor(&c.attention_mask, &setup.device)?;
+        let t = c.tensors(&setup.device)?;
         let targets =
             TokenTargets::from_labels(&c.labels, setup.model.config.vocab_size, &setup.device)?;
-        let policy = sequence_logps(&setup.model, &ids, &mask, &targets, cfg)?;
-        let reference = sequence_logps(reference, &ids, &mask, &targets, cfg)?;
+        let mask = Some(&t.attention_mask);
+        let policy = sequence_logps(&mut policy_scores, &t.input_ids, mask, &targets)?;
+        let reference = sequence_logps(&mut reference_scores, &t.input_ids, mask, &targets)?;
         let n = group.len();
         wins += (0..n)
             .filter(|&i| (policy[i] - reference[i]) - (policy[n + i] - reference[n + i]) > 0.0)
@@ -147,6 +130,8 @@ fn preference_accuracy(
     Ok(wins as f64 / pairs.len() as f64)
 }
 
+/// Trains `cfg`'s model on preference pairs against a frozen reference (the built-in pairs by
+/// default, from the shipped SFT checkpoint).
 pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
     let setup = Setup::new(cfg, Recipe::Dpo)?;
     let reference = match &cfg.ref_model {
@@ -184,25 +169,24 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
     run.insert("data".into(), data_identity(&pairs));
     let mut trainer = Trainer::new(cfg, &setup, pairs.len(), run)?;
     let model = &setup.model;
+    let mut reference_scores = cfg.scorer(&reference);
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step();
-        let picked = trainer.data.take(cfg.batch_size * cfg.grad_accum);
+        let picked = trainer.data.take(cfg.examples_per_step()?);
         let micro_batches = picked.len().div_ceil(cfg.batch_size) as f64;
         let mut acc = StepAccumulator::default();
         for micro in picked.chunks(cfg.batch_size) {
             let group: Vec<&Pair> = micro.iter().map(|&i| &pairs[i]).collect();
             let c = stack(&group, setup.tokenizer.pad_id);
-            let tokens = c
-                .attention_mask
-                .iter()
-                .flatten()
-                .filter(|&&m| m == 1)
-                .count();
-            let ids = to_u32_tensor(&c.input_ids, &setup.device)?;
-            let mask = to_u32_tensor(&c.attention_mask, &setup.device)?;
+            let t = c.tensors(&setup.device)?;
             let targets =
                 TokenTargets::from_labels(&c.labels, model.config.vocab_size, &setup.device)?;
-            let ref_logps = sequence_logps(&reference, &ids, &mask, &targets, cfg)?;
+            let ref_logps = sequence_logps(
+                &mut reference_scores,
+                &t.input_ids,
+                Some(&t.attention_mask),
+                &targets,
+            )?;
             let n = group.len();
             let dpo = Dpo::new(
                 &c.labels,
@@ -213,10 +197,9 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
                 &setup.device,
             )?
             .with_sft_weight(cfg.sft_weight)?;
-            let batch = Batch::new(&ids, Some(&mask));
             // Micro-batches of equal size: the step's loss is the mean of their means.
-            let out = cfg.backward(model, batch, &dpo)?;
-            acc.add(out, tokens, 1.0 / micro_batches)?;
+            let out = cfg.backward(model, t.batch(), &dpo)?;
+            acc.add(out, c.tokens(), 1.0 / micro_batches)?;
         }
         trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
     }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use serde::Serialize;
 use streambp_core::{
-    backward_with, forward_logprobs, plan_for_budget, Batch, Chunks, Mode, Options, Problem,
+    backward_with, forward_logprobs, Batch, ChunkPolicy, Chunks, Mode, Options, Problem,
 };
 use streambp_models::{load_model, resolve_model_dir, save_safetensors};
 
@@ -142,22 +142,12 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     let options = Options {
         offload_checkpoints: args.offload_checkpoints,
     };
-    let chunks = match (args.chunk, args.logits_chunk, args.memory_budget) {
-        (None, None, Some(budget)) => {
-            let problem = Problem {
-                config: &model.config,
-                batch: b,
-                seq_len: t,
-                dtype,
-                offloaded: options.offloads_from(&device),
-            };
-            plan_for_budget(problem, budget)?
-        }
-        (chunk, logits_chunk, _) => Chunks {
-            chunk: chunk.unwrap_or(DEFAULT_CHUNK),
-            logits_chunk: logits_chunk.unwrap_or(DEFAULT_LOGITS_CHUNK),
-        },
+    // A budget picks the chunks unless they are given.
+    let policy = match (args.chunk, args.logits_chunk, args.memory_budget) {
+        (None, None, Some(budget)) => ChunkPolicy::Budget(budget),
+        _ => ChunkPolicy::Fixed(reference_chunks),
     };
+    let chunks = policy.chunks_for(Problem::of(&model, b, t, options))?;
     tracing::info!(?chunks, mode = %args.mode, batch = b, seq_len = t, "backward");
     let start = Instant::now();
     let out = backward_with(

@@ -4,30 +4,33 @@
 
 use std::path::Path;
 
-use candle_core::Tensor;
 use serde_json::Value;
-use streambp_core::{forward_logprobs, Batch};
 use streambp_models::init::NormalRng;
 use streambp_objectives::{Grpo, GrpoBatch};
 
-use crate::batch_file::{align_to_inputs, next_token_targets, to_u32_tensor};
+use crate::batch::{collate, Collated};
 use crate::checkpoint::{data_identity, RunRecord};
 use crate::config::{GrpoConfig, Recipe, TrainConfig};
-use crate::data::{read_jsonl, Overflow, Row, UnknownText};
+use crate::data::{read_jsonl, Example, Overflow, Row, UnknownText};
+use crate::eval::{eval_accuracy, eval_rows};
+use crate::logprobs::token_logps;
 use crate::recipe::{Setup, StepAccumulator, Summary, Trainer};
 use crate::rewards::{group_advantages, parse_reward, Reward};
 use crate::sampling::sample_group;
-use crate::sft::{eval_accuracy, eval_rows};
 use crate::{Result, TrainError};
 
-/// One group of rollouts as a right-padded GRPO batch.
+/// One group of rollouts: the completions of one prompt, collated into right-padded rows (the loss on
+/// the completions), with their rewards and group-relative advantages.
 struct Rollouts {
-    input_ids: Vec<Vec<i64>>,
-    attention_mask: Vec<Vec<i64>>,
+    rows: Collated,
+    /// 1 on completion tokens (the labels that are targets).
     completion_mask: Vec<Vec<i64>>,
     advantages: Vec<f64>,
     rewards: Vec<f64>,
     lengths: Vec<usize>,
+    /// Per-token log-probs of the policy that sampled them, kept for the later iterations on these
+    /// rollouts (`--num-iterations` > 1).
+    old_logps: Option<Vec<Vec<f64>>>,
 }
 
 /// A prompt to sample from: its tokens (cut to fit `--max-length` with the completion) and its data row,
@@ -98,6 +101,8 @@ fn load_prompts(
     Ok(prompts)
 }
 
+/// Samples a group of completions of `prompt`, scores them (adding each reward's scores to
+/// `reward_totals`) and collates them.
 fn rollout(
     setup: &Setup,
     prompt: &Prompt,
@@ -107,61 +112,93 @@ fn rollout(
     reward_totals: &mut [f64],
 ) -> Result<Rollouts> {
     let tok = &setup.tokenizer;
-    let (prompt_ids, row) = (&prompt.ids, &prompt.row);
     let completions = sample_group(
         &setup.model,
-        prompt_ids,
+        &prompt.ids,
         g.group_size,
         tok.eos_id,
         &g.sampling,
         rng,
     )?;
     let mut scores = Vec::with_capacity(completions.len());
-    for c in &completions {
-        let text = tok.decode(c)?;
+    let mut examples = Vec::with_capacity(completions.len());
+    for c in completions {
+        let text = tok.decode(&c)?;
         let mut total = 0.0;
         for (k, r) in rewards.iter().enumerate() {
-            let s = r.score(&text, row);
+            let s = r.score(&text, &prompt.row);
             reward_totals[k] += s;
             total += s;
         }
         scores.push(total);
-    }
-    let mut rows: Vec<Vec<i64>> = Vec::new();
-    let mut masks = Vec::new();
-    let mut lengths = Vec::new();
-    for c in &completions {
-        let mut ids: Vec<i64> = prompt_ids.iter().map(|&t| t as i64).collect();
-        let mut comp: Vec<i64> = c.iter().map(|&t| t as i64).collect();
-        if c.len() < g.sampling.max_new_tokens {
-            comp.push(tok.eos_id as i64); // it stopped on EOS, which is part of what it chose
+        let mut completion = c;
+        if completion.len() < g.sampling.max_new_tokens {
+            completion.push(tok.eos_id); // it stopped on EOS, which is part of what it chose
         }
-        lengths.push(comp.len());
-        let mut mask = vec![0i64; ids.len()];
-        mask.extend(std::iter::repeat_n(1, comp.len()));
-        ids.extend(comp);
-        rows.push(ids);
-        masks.push(mask);
+        examples.push(Example::from_pair(prompt.ids.clone(), completion));
     }
-    let t = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let attention_mask = rows
-        .iter()
-        .map(|r| (0..t).map(|i| (i < r.len()) as i64).collect())
-        .collect();
-    for (r, m) in rows.iter_mut().zip(masks.iter_mut()) {
-        r.resize(t, tok.pad_id as i64);
-        m.resize(t, 0);
-    }
+    let rows = collate(&examples.iter().collect::<Vec<_>>(), tok.pad_id);
     Ok(Rollouts {
-        input_ids: rows,
-        attention_mask,
-        completion_mask: masks,
+        completion_mask: rows.target_mask(),
+        lengths: examples
+            .iter()
+            .map(|e| e.input_ids.len() - prompt.ids.len())
+            .collect(),
+        rows,
         advantages: group_advantages(&scores),
         rewards: scores,
-        lengths,
+        old_logps: None,
     })
 }
 
+/// New rollouts for a step: `batch_size × grad_accum` prompts, a group each, sampled from a generator
+/// seeded by the step (so a resumed run draws what the uninterrupted one drew). Their reward metrics
+/// go into `acc`; with several iterations per batch, the sampling policy's log-probs are kept.
+#[allow(clippy::too_many_arguments)]
+fn draw_rollouts(
+    setup: &Setup,
+    cfg: &TrainConfig,
+    g: &GrpoConfig,
+    prompts: &[Prompt],
+    picked: &[usize],
+    rewards: &[Box<dyn Reward>],
+    step: usize,
+    acc: &mut StepAccumulator,
+) -> Result<Vec<Rollouts>> {
+    let seed = cfg.seed ^ 0x5eed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut rng = NormalRng::new(seed);
+    let mut totals = vec![0.0; rewards.len()];
+    let mut policy_scores = cfg.scorer(&setup.model);
+    let mut batch = Vec::with_capacity(picked.len());
+    for &i in picked {
+        let mut r = rollout(setup, &prompts[i], rewards, g, &mut rng, &mut totals)?;
+        if g.num_iterations > 1 {
+            let t = r.rows.tensors(&setup.device)?;
+            let ids = &r.rows.input_ids;
+            r.old_logps = Some(token_logps(
+                &mut policy_scores,
+                &t.input_ids,
+                Some(&t.attention_mask),
+                ids,
+            )?);
+        }
+        batch.push(r);
+    }
+    let completions = (picked.len() * g.group_size) as f64;
+    for (r, total) in rewards.iter().zip(&totals) {
+        acc.add_metric(r.name(), total / completions);
+    }
+    let all: Vec<f64> = batch.iter().flat_map(|r| r.rewards.clone()).collect();
+    acc.add_metric("reward", all.iter().sum::<f64>() / all.len() as f64);
+    let lengths: Vec<usize> = batch.iter().flat_map(|r| r.lengths.clone()).collect();
+    acc.add_metric(
+        "completion_length",
+        lengths.iter().sum::<usize>() as f64 / lengths.len() as f64,
+    );
+    Ok(batch)
+}
+
+/// Trains `cfg`'s model with GRPO on its prompts (the built-in arithmetic prompts by default).
 pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     g.validate(cfg)?;
     let builtin = cfg.data.is_none();
@@ -204,65 +241,32 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         );
     }
     let model = &setup.model;
-    let mut pending: Vec<(Rollouts, Option<Vec<Vec<f64>>>)> = Vec::new();
+    let mut reference_scores = reference.as_ref().map(|m| cfg.scorer(m));
+    let mut pending: Vec<Rollouts> = Vec::new();
     // Mean reward of each batch of rollouts, for the summary.
     let mut reward_history: Vec<f64> = Vec::new();
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step();
         let mut acc = StepAccumulator::default();
-        if step % g.num_iterations == 0 || pending.is_empty() {
-            // New rollouts: batch_size × grad_accum prompts, a group each, sampled from a generator
-            // seeded by the step, so a resumed run draws what the uninterrupted one drew.
-            pending.clear();
-            let mut rng = NormalRng::new(
-                cfg.seed ^ 0x5eed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
-            );
-            let mut totals = vec![0.0; rewards.len()];
+        if step.is_multiple_of(g.num_iterations) || pending.is_empty() {
             let picked = trainer.data.take(cfg.examples_per_step()?);
-            for &i in &picked {
-                let r = rollout(&setup, &prompts[i], &rewards, g, &mut rng, &mut totals)?;
-                let old = if g.num_iterations > 1 {
-                    Some(per_position_logps(model, &r, cfg)?)
-                } else {
-                    None
-                };
-                pending.push((r, old));
-            }
-            let n = (picked.len() * g.group_size) as f64;
-            for (r, total) in rewards.iter().zip(&totals) {
-                acc.add_metric(r.name(), total / n);
-            }
-            let all: Vec<f64> = pending
-                .iter()
-                .flat_map(|(r, _)| r.rewards.clone())
-                .collect();
-            let mean_reward = all.iter().sum::<f64>() / all.len() as f64;
-            reward_history.push(mean_reward);
-            acc.add_metric("reward", mean_reward);
-            let lengths: Vec<usize> = pending
-                .iter()
-                .flat_map(|(r, _)| r.lengths.clone())
-                .collect();
-            acc.add_metric(
-                "completion_length",
-                lengths.iter().sum::<usize>() as f64 / lengths.len() as f64,
-            );
+            pending = draw_rollouts(&setup, cfg, g, &prompts, &picked, &rewards, step, &mut acc)?;
+            reward_history.extend(acc.metric("reward"));
         }
-
         let groups = pending.len() as f64;
-        for (r, old) in &pending {
-            let ids = to_u32_tensor(&r.input_ids, &setup.device)?;
-            let mask = to_u32_tensor(&r.attention_mask, &setup.device)?;
-            let ref_logps = match &reference {
-                Some(m) => Some(logps_of(m, &ids, &mask, &r.input_ids, cfg)?),
+        for r in &pending {
+            let t = r.rows.tensors(&setup.device)?;
+            let mask = Some(&t.attention_mask);
+            let ref_logps = match &mut reference_scores {
+                Some(score) => Some(token_logps(score, &t.input_ids, mask, &r.rows.input_ids)?),
                 None => None,
             };
             let objective = Grpo::new(
                 &GrpoBatch {
-                    input_ids: &r.input_ids,
+                    input_ids: &r.rows.input_ids,
                     completion_mask: &r.completion_mask,
                     advantages: &r.advantages,
-                    old_logps: old.as_deref(),
+                    old_logps: r.old_logps.as_deref(),
                     ref_logps: ref_logps.as_deref(),
                     beta: cfg.beta,
                     epsilon_low: g.epsilon,
@@ -273,16 +277,9 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 model.config.vocab_size,
                 &setup.device,
             )?;
-            let batch = Batch::new(&ids, Some(&mask));
-            let out = cfg.backward(model, batch, &objective)?;
-            let tokens = r
-                .attention_mask
-                .iter()
-                .flatten()
-                .filter(|&&m| m == 1)
-                .count();
             // Each group's loss is a mean over its sequences; the step averages the groups.
-            acc.add(out, tokens, 1.0 / groups)?;
+            let out = cfg.backward(model, t.batch(), &objective)?;
+            acc.add(out, r.rows.tokens(), 1.0 / groups)?;
         }
         trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
     }
@@ -300,30 +297,6 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         after.push(("reward".into(), last_reward));
         Ok(after)
     })
-}
-
-/// Per-position log-probs aligned with input_ids (position t: log p(ids[t]); 0 at t = 0), no graph.
-fn logps_of(
-    model: &streambp_models::Model,
-    ids: &Tensor,
-    mask: &Tensor,
-    rows: &[Vec<i64>],
-    cfg: &TrainConfig,
-) -> Result<Vec<Vec<f64>>> {
-    let targets = to_u32_tensor(&next_token_targets(rows), ids.device())?;
-    let chunks = cfg.chunks_for(model, ids)?;
-    let batch = Batch::new(ids, Some(mask));
-    align_to_inputs(&forward_logprobs(model, batch, &targets, chunks)?)
-}
-
-fn per_position_logps(
-    model: &streambp_models::Model,
-    r: &Rollouts,
-    cfg: &TrainConfig,
-) -> Result<Vec<Vec<f64>>> {
-    let ids = to_u32_tensor(&r.input_ids, model.device())?;
-    let mask = to_u32_tensor(&r.attention_mask, model.device())?;
-    logps_of(model, &ids, &mask, &r.input_ids, cfg)
 }
 
 impl GrpoConfig {

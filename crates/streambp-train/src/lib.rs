@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod batch;
 pub mod batch_file;
 pub mod chat;
 pub mod checkpoint;
@@ -11,9 +12,11 @@ pub mod config_file;
 pub mod data;
 pub mod device;
 pub mod dpo;
+pub mod eval;
 pub mod generate;
 pub mod grad;
 pub mod grpo;
+pub mod logprobs;
 pub mod optim;
 pub mod output;
 pub mod recipe;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use streambp_core::{backward_with, plan_for_budget, Batch, Chunks, Gradients, Options, Problem};
+use streambp_core::{backward_with, Batch, ChunkPolicy, Chunks, Gradients, Options, Problem};
 use streambp_models::{load_model, resolve_model_dir, Model, ModelConfig};
 use streambp_objectives::Objective;
 
@@ -236,18 +236,12 @@ impl TrainConfig {
     /// The chunk sizes for a micro-batch `input_ids`: as given, or the largest the memory budget
     /// allows for its shape.
     pub fn chunks_for(&self, model: &Model, input_ids: &Tensor) -> Result<Chunks> {
-        let Some(budget) = self.memory_budget else {
-            return Ok(self.chunks());
+        let policy = match self.memory_budget {
+            Some(budget) => ChunkPolicy::Budget(budget),
+            None => ChunkPolicy::Fixed(self.chunks()),
         };
         let (batch, seq_len) = input_ids.dims2()?;
-        let problem = Problem {
-            config: &model.config,
-            batch,
-            seq_len,
-            dtype: model.dtype(),
-            offloaded: self.options().offloads_from(model.device()),
-        };
-        Ok(plan_for_budget(problem, budget)?)
+        Ok(policy.chunks_for(Problem::of(model, batch, seq_len, self.options()))?)
     }
 
     /// The engine's backward of `objective` on `batch` as this run is configured.
@@ -266,6 +260,14 @@ impl TrainConfig {
             chunks,
             self.options(),
         )?)
+    }
+
+    /// Log-probs under a frozen `model`, streamed with this run's chunks.
+    pub fn scorer<'a>(
+        &'a self,
+        model: &'a Model,
+    ) -> impl FnMut(&Tensor, Option<&Tensor>, &Tensor) -> Result<Tensor> + 'a {
+        crate::logprobs::scorer(model, move |ids| self.chunks_for(model, ids))
     }
 
     fn options(&self) -> Options {
@@ -651,6 +653,14 @@ impl StepAccumulator {
                 .collect::<Result<Vec<_>>>()?,
         });
         Ok(())
+    }
+
+    /// The value of a metric of the step so far.
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        self.metrics
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| *v)
     }
 
     /// Adds to a metric of the step (created at 0).

@@ -48,8 +48,7 @@ fn step(model: &Model, cache: &mut Cache, x: Tensor, start: usize) -> Result<Ten
             earlier: None,
         };
         let attn = layer.attend(&q, &k.narrow(2, k0, len)?, &v.narrow(2, k0, len)?, block)?;
-        let x1 = (&h + layer.attention_output(&attn)?)?;
-        h = (&x1 + layer.mlp_block(&x1)?)?;
+        h = layer.after_attention(&h, &attn)?;
         cache.keys[i] = Some(k);
         cache.values[i] = Some(v);
     }

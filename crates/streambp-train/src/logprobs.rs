@@ -1,0 +1,86 @@
+//! Log-probabilities under a frozen model, the one way every caller gets them: DPO's reference
+//! (summed per sequence), GRPO's reference and old policy (per token), and the `grad` command's batch
+//! files when they carry no reference log-probs.
+
+use candle_core::{DType, Tensor};
+use streambp_core::{forward_logprobs, Batch, Chunks};
+use streambp_models::Model;
+use streambp_objectives::TokenTargets;
+
+use crate::batch::to_u32_tensor;
+use crate::Result;
+
+/// Target log-probs `[batch, T]` (logits coordinates: position `t` scores `targets[t]`) of some frozen
+/// model for `(input_ids, attention_mask, targets)`.
+pub type Scorer<'a> = dyn FnMut(&Tensor, Option<&Tensor>, &Tensor) -> Result<Tensor> + 'a;
+
+/// A [`Scorer`] that runs `model` streamed like the backward, with the chunks `chunks` picks for each
+/// batch.
+pub fn scorer<'a>(
+    model: &'a Model,
+    mut chunks: impl FnMut(&Tensor) -> Result<Chunks> + 'a,
+) -> impl FnMut(&Tensor, Option<&Tensor>, &Tensor) -> Result<Tensor> + 'a {
+    move |ids, mask, targets| {
+        let chunks = chunks(ids)?;
+        Ok(forward_logprobs(
+            model,
+            Batch::new(ids, mask),
+            targets,
+            chunks,
+        )?)
+    }
+}
+
+/// The summed log-prob of each row's target tokens (DPO's sequence log-probs).
+pub fn sequence_logps(
+    score: &mut Scorer,
+    ids: &Tensor,
+    mask: Option<&Tensor>,
+    targets: &TokenTargets,
+) -> Result<Vec<f64>> {
+    let logp = score(ids, mask, &targets.ids)?;
+    Ok((logp.to_dtype(DType::F64)? * &targets.mask)?
+        .sum(1)?
+        .to_vec1::<f64>()?)
+}
+
+/// `log p(input_ids[t] | input_ids[..t])` for every token of `rows` (GRPO's per-token log-probs),
+/// aligned with the inputs: 0 at position 0, which nothing predicts.
+pub fn token_logps(
+    score: &mut Scorer,
+    ids: &Tensor,
+    mask: Option<&Tensor>,
+    rows: &[Vec<i64>],
+) -> Result<Vec<Vec<f64>>> {
+    let targets = to_u32_tensor(&next_token_targets(rows), ids.device())?;
+    align_to_inputs(&score(ids, mask, &targets)?)
+}
+
+/// Targets that score every token of `rows` from the logits before it (logits position `t` scores
+/// `rows[t + 1]`; the last position scores nothing and gets id 0).
+fn next_token_targets(rows: &[Vec<i64>]) -> Vec<Vec<i64>> {
+    rows.iter()
+        .map(|r| {
+            r.iter()
+                .skip(1)
+                .copied()
+                .chain(std::iter::once(0))
+                .collect()
+        })
+        .collect()
+}
+
+/// Log-probs of [`next_token_targets`] (`[B, T]`, logits coordinates) moved onto the tokens they score:
+/// position `t` holds `log p(input_ids[t])`, 0 at position 0.
+fn align_to_inputs(logp: &Tensor) -> Result<Vec<Vec<f64>>> {
+    Ok(logp
+        .to_dtype(DType::F64)?
+        .to_vec2::<f64>()?
+        .iter()
+        .map(|r| {
+            std::iter::once(0.0)
+                .chain(r[..r.len() - 1].iter().copied())
+                .collect()
+        })
+        .collect())
+}
