@@ -19,6 +19,7 @@ pub mod grpo;
 pub mod logprobs;
 pub mod optim;
 pub mod output;
+pub mod plots;
 pub mod recipe;
 pub mod rewards;
 pub mod sampling;

@@ -564,6 +564,11 @@ impl Trainer {
             },
             &dir,
         )?;
+        // The run is saved; a chart that cannot be drawn costs nothing but the chart.
+        let plots = cfg.output_dir.join("plots");
+        if let Err(e) = crate::plots::plot_metrics(&cfg.output_dir.join("metrics.jsonl"), &plots) {
+            tracing::warn!(error = %e, "no metrics plot");
+        }
         let seconds = self.started.elapsed().as_secs_f64();
         Ok(Summary {
             steps: self.max_steps,

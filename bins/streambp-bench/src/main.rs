@@ -17,8 +17,7 @@ use streambp_models::device::{parse_budget, parse_device, parse_dtype};
 use streambp_models::{Model, ModelConfig};
 use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
 use streambp_train::optim::{AdamW, AdamWConfig};
-
-mod plot;
+use streambp_train::plots::{draw, Chart, Series};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -569,48 +568,36 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(dir) = &args.plot {
         std::fs::create_dir_all(dir)?;
-        let colours = [
-            (Mode::Stream, "#1f77b4"),
-            (Mode::Checkpoint, "#ff7f0e"),
-            (Mode::Full, "#2ca02c"),
-        ];
-        let series = |value: &dyn Fn(&Point) -> f64| -> Vec<plot::Series> {
-            colours
-                .iter()
-                .filter(|(m, _)| args.modes.contains(m))
-                .map(|(m, c)| plot::Series {
-                    label: match m {
-                        Mode::Stream => "stream",
-                        Mode::Checkpoint => "checkpoint",
-                        Mode::Full => "full",
-                    },
-                    colour: c,
+        let series = |value: &dyn Fn(&Point) -> f64| -> Vec<Series> {
+            [Mode::Stream, Mode::Checkpoint, Mode::Full]
+                .into_iter()
+                .filter(|m| args.modes.contains(m))
+                .map(|m| Series {
+                    label: m.to_string(),
                     points: points
                         .iter()
-                        .filter(|(p, _)| p.mode == *m)
+                        .filter(|(p, _)| p.mode == m)
                         .map(|(p, _)| (p.t as f64, value(p)))
                         .collect(),
                 })
                 .collect()
         };
         let title = format!("{} backward, {}", args.objective, args.config.display());
-        std::fs::write(
-            dir.join("memory.svg"),
-            plot::line_chart(
-                &title,
-                "sequence length T",
-                "activation peak (MiB)",
-                &series(&|p| mib(p.peak)),
-            ),
+        let chart = |y_label: &str, value: &dyn Fn(&Point) -> f64| Chart {
+            title: title.clone(),
+            x_label: "sequence length T".into(),
+            y_label: y_label.into(),
+            series: series(value),
+        };
+        draw(
+            &dir.join("memory.svg"),
+            &[chart("activation peak (MiB)", &|p| mib(p.peak))],
+            1,
         )?;
-        std::fs::write(
-            dir.join("time.svg"),
-            plot::line_chart(
-                &title,
-                "sequence length T",
-                "seconds per backward",
-                &series(&|p| p.seconds),
-            ),
+        draw(
+            &dir.join("time.svg"),
+            &[chart("seconds per backward", &|p| p.seconds)],
+            1,
         )?;
     }
     Ok(())

@@ -1,25 +1,17 @@
-//! `streambp-train`: the command line.
+//! The command line's flags: one struct per job, each turned into the library's run configuration with
+//! the recipe's defaults (`streambp_train::config::Defaults`) for what is left out.
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
-use streambp_core::memory::CountingAllocator;
 use streambp_core::Mode;
 use streambp_objectives::GrpoLossType;
 use streambp_train::config::{Defaults, GrpoConfig, Recipe, TrainConfig};
 use streambp_train::data::Overflow;
-use streambp_train::dpo::run_dpo;
-use streambp_train::grad::{run_grad, GradArgs};
-use streambp_train::grpo::run_grpo;
+use streambp_train::grad::GradArgs;
 use streambp_train::optim::Schedule;
-use streambp_train::recipe::Summary;
 use streambp_train::sampling::SamplingConfig;
-use streambp_train::sft::run_sft;
 use streambp_train::TrainError;
-
-#[global_allocator]
-static ALLOC: CountingAllocator = CountingAllocator;
 
 #[derive(Parser)]
 #[command(
@@ -27,13 +19,13 @@ static ALLOC: CountingAllocator = CountingAllocator;
     version,
     about = "Exact long-sequence training with StreamBP"
 )]
-struct Cli {
+pub struct Cli {
     #[command(subcommand)]
-    command: Command,
+    pub command: Command,
 }
 
 #[derive(Subcommand)]
-enum Command {
+pub enum Command {
     /// Supervised fine-tuning. With no arguments: a tiny Qwen3-shaped model learns two-digit addition
     /// (shipped in the repo) on the CPU in a minute or two, with held-out accuracy before and after.
     Sft(TrainArgs),
@@ -56,7 +48,7 @@ enum Command {
 }
 
 #[derive(clap::Args)]
-struct TrainArgs {
+pub struct TrainArgs {
     /// A TOML file whose keys mirror these flags (max_steps = 100, lr = 1e-5, …); flags typed on the
     /// command line override it.
     #[arg(long, value_name = "FILE.toml")]
@@ -64,12 +56,12 @@ struct TrainArgs {
     /// Model directory (HF format) or hub id [default: the built-in tiny model: random init for sft and
     /// grpo, the shipped SFT checkpoint of the task for dpo].
     #[arg(long)]
-    model: Option<String>,
+    pub model: Option<String>,
     /// Training data, JSONL in TRL's formats: sft messages, prompt/completion or text; dpo
     /// prompt/chosen/rejected; grpo prompt (other columns go to the rewards) [default: the built-in
     /// arithmetic task].
     #[arg(long)]
-    data: Option<PathBuf>,
+    pub data: Option<PathBuf>,
     /// Prompt/completion JSONL scored by exact-match accuracy of greedy answers before and after.
     #[arg(long)]
     eval_data: Option<PathBuf>,
@@ -163,7 +155,7 @@ struct TrainArgs {
 }
 
 #[derive(clap::Args)]
-struct GrpoArgs {
+pub struct GrpoArgs {
     /// Completions sampled per prompt (at least 2).
     #[arg(long, default_value_t = 8)]
     group_size: usize,
@@ -195,7 +187,7 @@ impl TrainArgs {
     /// The run configuration of `recipe`: the flags given, the recipe's defaults for the rest (those of
     /// the built-in task when neither --model nor --data is given). A flag the recipe does not use is
     /// refused rather than ignored.
-    fn into_config(self, recipe: Recipe) -> Result<TrainConfig, TrainError> {
+    pub fn into_config(self, recipe: Recipe) -> Result<TrainConfig, TrainError> {
         let only_for = |flag: &str, given: bool, recipes: &[Recipe], which: &str| match given
             && !recipes.contains(&recipe)
         {
@@ -262,7 +254,7 @@ impl TrainArgs {
 }
 
 impl GrpoArgs {
-    fn into_config(self, builtin_default: usize) -> GrpoConfig {
+    pub fn into_config(self, builtin_default: usize) -> GrpoConfig {
         GrpoConfig {
             group_size: self.group_size,
             sampling: SamplingConfig {
@@ -276,98 +268,4 @@ impl GrpoArgs {
             num_iterations: self.num_iterations,
         }
     }
-}
-
-/// The final summary of a run.
-fn report(recipe: &str, summary: &Summary) {
-    println!(
-        "{recipe}: {} steps in {:.1} s, loss {:.4} -> {:.4}",
-        summary.steps, summary.seconds, summary.first_loss, summary.last_loss
-    );
-    for (name, before) in &summary.before {
-        if let Some((_, after)) = summary.after.iter().find(|(n, _)| n == name) {
-            if name.contains("accuracy") {
-                // Before training the DPO policy is its own reference: every pair ties.
-                let ties = if name == "preference_accuracy" && *before == 0.0 {
-                    " (ties: the policy starts as its own reference)"
-                } else {
-                    ""
-                };
-                println!(
-                    "held-out {name}: {:.1}%{ties} -> {:.1}%",
-                    100.0 * before,
-                    100.0 * after
-                );
-            } else {
-                println!("training {name} (first -> last rollouts): {before:.3} -> {after:.3}");
-            }
-        }
-    }
-    println!("checkpoint: {}", summary.output_dir.display());
-}
-
-fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            // One readable line with the whole cause chain; no backtrace for user errors.
-            eprintln!("error: {}", one_line(&e));
-            let usage = e.chain().any(|cause| {
-                cause
-                    .downcast_ref::<TrainError>()
-                    .is_some_and(TrainError::is_usage)
-            });
-            // As clap does for a bad flag: 2 for how the command was called, 1 for what went wrong.
-            std::process::ExitCode::from(if usage { 2 } else { 1 })
-        }
-    }
-}
-
-/// The error and its causes joined by ": ", leaving out a cause whose text the line already ends with
-/// (errors that print their source themselves).
-fn one_line(e: &anyhow::Error) -> String {
-    let mut line = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if !line.ends_with(&text) {
-            if !line.is_empty() {
-                line.push_str(": ");
-            }
-            line.push_str(&text);
-        }
-    }
-    line
-}
-
-fn run() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
-    let args = streambp_train::config_file::expand_config(std::env::args().collect())?;
-    match Cli::parse_from(args).command {
-        Command::Sft(args) => {
-            let cfg = args.into_config(Recipe::Sft)?;
-            report("sft", &run_sft(&cfg).context("sft failed")?);
-        }
-        Command::Dpo(args) => {
-            let cfg = args.into_config(Recipe::Dpo)?;
-            report("dpo", &run_dpo(&cfg).context("dpo failed")?);
-        }
-        Command::Grpo { train, grpo } => {
-            let builtin = train.model.is_none() && train.data.is_none();
-            let cfg = train.into_config(Recipe::Grpo)?;
-            let g = grpo.into_config(Defaults::of(Recipe::Grpo, builtin).max_new_tokens);
-            report("grpo", &run_grpo(&cfg, &g).context("grpo failed")?);
-        }
-        Command::Grad(args) => {
-            let report = run_grad(&args).context("grad failed")?;
-            println!("{}", serde_json::to_string(&report)?);
-        }
-    }
-    Ok(())
 }

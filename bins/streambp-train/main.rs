@@ -1,0 +1,113 @@
+//! `streambp-train`: the command line.
+
+mod args;
+
+use anyhow::Context;
+use clap::Parser;
+use streambp_core::memory::CountingAllocator;
+use streambp_train::config::{Defaults, Recipe};
+use streambp_train::dpo::run_dpo;
+use streambp_train::grad::run_grad;
+use streambp_train::grpo::run_grpo;
+use streambp_train::recipe::Summary;
+use streambp_train::sft::run_sft;
+use streambp_train::TrainError;
+
+use args::{Cli, Command};
+
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
+
+/// The final summary of a run.
+fn report(recipe: &str, summary: &Summary) {
+    println!(
+        "{recipe}: {} steps in {:.1} s, loss {:.4} -> {:.4}",
+        summary.steps, summary.seconds, summary.first_loss, summary.last_loss
+    );
+    for (name, before) in &summary.before {
+        if let Some((_, after)) = summary.after.iter().find(|(n, _)| n == name) {
+            if name.contains("accuracy") {
+                // Before training the DPO policy is its own reference: every pair ties.
+                let ties = if name == "preference_accuracy" && *before == 0.0 {
+                    " (ties: the policy starts as its own reference)"
+                } else {
+                    ""
+                };
+                println!(
+                    "held-out {name}: {:.1}%{ties} -> {:.1}%",
+                    100.0 * before,
+                    100.0 * after
+                );
+            } else {
+                println!("training {name} (first -> last rollouts): {before:.3} -> {after:.3}");
+            }
+        }
+    }
+    println!("checkpoint: {}", summary.output_dir.display());
+}
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One readable line with the whole cause chain; no backtrace for user errors.
+            eprintln!("error: {}", one_line(&e));
+            let usage = e.chain().any(|cause| {
+                cause
+                    .downcast_ref::<TrainError>()
+                    .is_some_and(TrainError::is_usage)
+            });
+            // As clap does for a bad flag: 2 for how the command was called, 1 for what went wrong.
+            std::process::ExitCode::from(if usage { 2 } else { 1 })
+        }
+    }
+}
+
+/// The error and its causes joined by ": ", leaving out a cause whose text the line already ends with
+/// (errors that print their source themselves).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !line.ends_with(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+    }
+    line
+}
+
+fn run() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let args = streambp_train::config_file::expand_config(std::env::args().collect())?;
+    match Cli::parse_from(args).command {
+        Command::Sft(args) => {
+            let cfg = args.into_config(Recipe::Sft)?;
+            report("sft", &run_sft(&cfg).context("sft failed")?);
+        }
+        Command::Dpo(args) => {
+            let cfg = args.into_config(Recipe::Dpo)?;
+            report("dpo", &run_dpo(&cfg).context("dpo failed")?);
+        }
+        Command::Grpo { train, grpo } => {
+            let builtin = train.model.is_none() && train.data.is_none();
+            let cfg = train.into_config(Recipe::Grpo)?;
+            let g = grpo.into_config(Defaults::of(Recipe::Grpo, builtin).max_new_tokens);
+            report("grpo", &run_grpo(&cfg, &g).context("grpo failed")?);
+        }
+        Command::Grad(args) => {
+            let report = run_grad(&args).context("grad failed")?;
+            println!("{}", serde_json::to_string(&report)?);
+        }
+    }
+    Ok(())
+}

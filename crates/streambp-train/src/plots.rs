@@ -1,0 +1,164 @@
+//! Line charts as SVG, drawn with plotters: the bench's memory and time charts, and the metrics of a
+//! training run (`<output-dir>/plots/metrics.svg`, one panel per metric against the step).
+
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::{Result, TrainError};
+
+/// One line of a chart.
+#[derive(Debug, Clone)]
+pub struct Series {
+    pub label: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+/// One chart: a title, axis labels and its lines.
+#[derive(Debug, Clone)]
+pub struct Chart {
+    pub title: String,
+    pub x_label: String,
+    pub y_label: String,
+    pub series: Vec<Series>,
+}
+
+/// Draws `charts` into the SVG file `path`, in a grid of `columns` panels of 640 × 400 points.
+pub fn draw(path: &Path, charts: &[Chart], columns: usize) -> Result<()> {
+    let failed = |e: String| TrainError::Io {
+        action: "draw",
+        path: path.to_path_buf(),
+        error: std::io::Error::other(e),
+    };
+    let columns = columns.clamp(1, charts.len().max(1));
+    let rows = charts.len().div_ceil(columns).max(1);
+    let size = (640 * columns as u32, 400 * rows as u32);
+    let root = SVGBackend::new(path, size).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| failed(e.to_string()))?;
+    for (chart, area) in charts.iter().zip(root.split_evenly((rows, columns))) {
+        draw_one(&area, chart).map_err(failed)?;
+    }
+    root.present().map_err(|e| failed(e.to_string()))
+}
+
+fn draw_one<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    chart: &Chart,
+) -> std::result::Result<(), String> {
+    let points = chart.series.iter().flat_map(|s| s.points.iter());
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for &(x, y) in points.filter(|(x, y)| x.is_finite() && y.is_finite()) {
+        (x0, x1, y0, y1) = (x0.min(x), x1.max(x), y0.min(y), y1.max(y));
+    }
+    if x0 > x1 {
+        (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
+    }
+    // Axes from zero where the data is positive (memory, time), a margin otherwise.
+    let y0 = if y0 >= 0.0 {
+        0.0
+    } else {
+        y0 - 0.05 * (y1 - y0).abs()
+    };
+    let y1 = y1 + 0.05 * (y1 - y0).abs().max(1e-12);
+    let x1 = if x1 > x0 { x1 } else { x0 + 1.0 };
+    let mut ctx = ChartBuilder::on(area)
+        .caption(&chart.title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(x0.min(0.0)..x1, y0..y1)
+        .map_err(|e| e.to_string())?;
+    ctx.configure_mesh()
+        .x_desc(chart.x_label.as_str())
+        .y_desc(chart.y_label.as_str())
+        .draw()
+        .map_err(|e| e.to_string())?;
+    for (i, s) in chart.series.iter().enumerate() {
+        let (r, g, b) = COLOURS[i % COLOURS.len()];
+        let colour = RGBColor(r, g, b);
+        let line = s
+            .points
+            .iter()
+            .copied()
+            .filter(|(x, y)| x.is_finite() && y.is_finite());
+        ctx.draw_series(LineSeries::new(line.clone(), colour.stroke_width(2)))
+            .map_err(|e| e.to_string())?
+            .label(s.label.as_str())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], colour.stroke_width(2)));
+        ctx.draw_series(line.map(|p| Circle::new(p, 3, colour.filled())))
+            .map_err(|e| e.to_string())?;
+    }
+    if chart.series.len() > 1 {
+        ctx.configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Line colours, in order (matplotlib's first five: readable on white and told apart).
+const COLOURS: [(u8, u8, u8); 5] = [
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+];
+
+/// Columns of metrics.jsonl that are bookkeeping rather than something to watch.
+const NOT_PLOTTED: [&str; 3] = ["step", "epoch", "seconds"];
+
+/// Plots every numeric metric of a run's `metrics.jsonl` against the step into `dir/metrics.svg`
+/// (loss first, then in the order the rows name them; peak memory in MiB).
+pub fn plot_metrics(metrics_jsonl: &Path, dir: &Path) -> Result<()> {
+    let text =
+        std::fs::read_to_string(metrics_jsonl).map_err(TrainError::io("read", metrics_jsonl))?;
+    let mut panels: Vec<Series> = Vec::new();
+    for line in text.lines() {
+        let Ok(serde_json::Value::Object(row)) = serde_json::from_str(line) else {
+            continue;
+        };
+        let Some(step) = row.get("step").and_then(|s| s.as_f64()) else {
+            continue;
+        };
+        for (name, value) in &row {
+            let Some(mut v) = value.as_f64() else {
+                continue;
+            };
+            if NOT_PLOTTED.contains(&name.as_str()) {
+                continue;
+            }
+            let label = match name.as_str() {
+                "peak_bytes" => {
+                    v /= (1u64 << 20) as f64;
+                    "peak MiB".to_string()
+                }
+                other => other.to_string(),
+            };
+            match panels.iter_mut().find(|p| p.label == label) {
+                Some(p) => p.points.push((step, v)),
+                None => panels.push(Series {
+                    label,
+                    points: vec![(step, v)],
+                }),
+            }
+        }
+    }
+    panels.sort_by_key(|p| p.label != "loss");
+    let charts: Vec<Chart> = panels
+        .into_iter()
+        .map(|s| Chart {
+            title: s.label.clone(),
+            x_label: "step".into(),
+            y_label: s.label.clone(),
+            series: vec![s],
+        })
+        .collect();
+    if charts.is_empty() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(TrainError::io("create", dir))?;
+    draw(&dir.join("metrics.svg"), &charts, 3)
+}
