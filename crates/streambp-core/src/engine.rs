@@ -130,6 +130,7 @@ impl<'a> Batch<'a> {
 /// The result of one backward.
 #[derive(Debug)]
 pub struct Gradients {
+    /// The objective's loss on the batch.
     pub loss: f64,
     /// Every trainable parameter's gradient under its HF name, in the model's dtype.
     pub grads: Vec<(String, Tensor)>,
@@ -137,7 +138,8 @@ pub struct Gradients {
     pub logp: Tensor,
     /// The objective's metrics (DPO rewards, GRPO clip ratio and KL, …).
     pub metrics: Vec<(String, f64)>,
-    /// Peak host bytes (with the counting allocator) and seconds of each phase.
+    /// Peak bytes (the host's with the counting allocator, or the CUDA memory pool's) and seconds of
+    /// each phase.
     pub phases: PhaseLog,
 }
 

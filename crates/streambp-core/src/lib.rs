@@ -1,6 +1,20 @@
 //! StreamBP for candle: the exact streamed backward of a decoder LM, with plain full backprop and
 //! per-layer gradient checkpointing on the same model code as baselines, a chunk planner, and exact
-//! host-memory accounting.
+//! memory accounting (host heap or CUDA pool).
+//!
+//! - [`backward`] / [`backward_with`]: the loss and every parameter's gradient ([`Gradients`]) of a
+//!   [`Batch`] for an objective, in a [`Mode`] (`Stream`, `Checkpoint`, `Full`) with [`Chunks`] sizes
+//!   and [`Options`] (checkpoint offloading); [`forward_logprobs`]: target log-probs without a graph
+//!   (reference models, GRPO's old policy); [`target_logprobs`]: the differentiable
+//!   `log softmax(logits)[target]` of one logits chunk.
+//! - [`planner`]: the cost model of the streamed backward's peak ([`estimate`], [`Estimate`],
+//!   [`Problem`]) and the chunks that fit a memory budget ([`plan_for_budget`], [`ChunkPolicy`]).
+//! - [`memory`]: the counting allocator, per-device meters and the per-phase peak log.
+//!
+//! The engine knows no model family and no checkpoint name: it drives any
+//! [`streambp_models::Model`] through its layers and parameter roles, and any
+//! [`streambp_objectives::Objective`] through its target log-probs. It holds no optimizer, data or
+//! training loop (those are `streambp-train`'s).
 //!
 //! ```no_run
 //! # use streambp_core::{backward, Batch, Chunks, Mode};
@@ -11,6 +25,8 @@
 //! println!("loss {} over {} parameters", out.loss, out.grads.len());
 //! # Ok(()) }
 //! ```
+
+#![warn(missing_docs)]
 
 pub mod engine;
 pub mod error;

@@ -163,6 +163,8 @@ mod cuda_pool {
     }
 
     impl PoolMeter {
+        /// The meter of `device`'s current pool; None when candle does not allocate from it (no
+        /// stream-ordered allocation) or the pool cannot be read.
         pub fn new(device: &candle_core::CudaDevice) -> Option<Self> {
             let context = device.cuda_stream().context().clone();
             // Without stream-ordered allocation cudarc uses cuMemAlloc, which the pool never sees.
@@ -190,16 +192,19 @@ mod cuda_pool {
             Some(value as usize)
         }
 
+        /// Bytes in use in the pool now.
         pub fn current(&self) -> Option<usize> {
             self.read(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
         }
 
+        /// The most bytes in use since the last [`PoolMeter::reset_peak`].
         pub fn peak(&self) -> Option<usize> {
             let high = self.read(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?;
             let floor = self.floor.load(std::sync::atomic::Ordering::Relaxed);
             Some(high.max(floor).max(self.current()?))
         }
 
+        /// Starts a new peak measurement from the current level.
         pub fn reset_peak(&self) {
             if self.context.bind_to_thread().is_err() {
                 return;
@@ -224,15 +229,19 @@ mod cuda_pool {
 /// What one phase of a backward cost.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Phase {
+    /// `full` in [`crate::Mode::Full`]; otherwise `forward`, `head`, `layers`, then `embedding`.
     pub name: &'static str,
-    /// Peak live heap bytes during the phase (None without the counting allocator).
+    /// Peak live bytes during the phase, as the device's [`Meter`] reads them (None on the host
+    /// without the counting allocator).
     pub peak_bytes: Option<usize>,
+    /// Wall-clock seconds of the phase, the device synchronised at its end.
     pub seconds: f64,
 }
 
 /// Peak bytes and seconds of each phase of a backward, in order.
 #[derive(Debug, Clone)]
 pub struct PhaseLog {
+    /// The phases recorded so far, in the order they ran.
     pub phases: Vec<Phase>,
     started: std::time::Instant,
     meter: Meter,

@@ -33,9 +33,13 @@ use crate::error::{EngineError, Result};
 /// Shape of one backward problem.
 #[derive(Debug, Clone, Copy)]
 pub struct Problem<'a> {
+    /// The model's architecture (sizes, layer count, vocabulary).
     pub config: &'a ModelConfig,
+    /// Rows in the batch.
     pub batch: usize,
+    /// Tokens per row (`T`).
     pub seq_len: usize,
+    /// The model's parameter and activation dtype.
     pub dtype: DType,
     /// The layer checkpoints live outside the memory being planned: offloaded to the host from an
     /// accelerator (see [`crate::Options::offloads_from`]). The device then holds the last layer's output
@@ -65,7 +69,9 @@ impl<'a> Problem<'a> {
 /// each batch's shape. The trainer, the `grad` command and the bench all choose through this.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChunkPolicy {
+    /// These chunk sizes for every batch.
     Fixed(Chunks),
+    /// The largest chunks whose estimated peak fits this many bytes ([`plan_for_budget`]).
     Budget(u64),
 }
 
@@ -83,13 +89,18 @@ impl ChunkPolicy {
 /// and gradients) and each phase's own peak above it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Estimate {
+    /// Bytes held throughout: parameters, gradient accumulators and the rope tables.
     pub resident: u64,
+    /// Peak bytes above `resident` during the LM head's backward.
     pub head_phase: u64,
+    /// Peak bytes above `resident` during the layers' backward.
     pub layer_phase: u64,
+    /// Peak bytes above `resident` during the embedding's backward.
     pub embedding_phase: u64,
 }
 
 impl Estimate {
+    /// The estimated peak of the whole backward, in bytes: `resident` plus the largest phase.
     pub fn peak(&self) -> u64 {
         self.resident
             + self

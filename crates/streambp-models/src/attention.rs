@@ -49,10 +49,15 @@ impl KeyMask for Tensor {
 /// of their gradients, is made for the graph.
 #[derive(Debug, Clone)]
 pub struct EarlierKeys {
+    /// `[b, kv_heads, n, hd]`: the earlier keys, rope applied.
     pub keys: Tensor,
+    /// `[b, kv_heads, n, hd]`: their values.
     pub values: Tensor,
+    /// `[b, kv_heads, T, hd]`: the whole sequence's key gradient, added into in place.
     pub grad_keys: Tensor,
+    /// `[b, kv_heads, T, hd]`: the whole sequence's value gradient, added into in place.
     pub grad_values: Tensor,
+    /// Index in `grad_keys` / `grad_values` of the first earlier key.
     pub offset: usize,
 }
 

@@ -18,9 +18,13 @@ use crate::error::{ModelError, Result};
 /// The model families this crate implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
+    /// Qwen2 and Qwen2.5 (`model_type` `qwen2`).
     Qwen2,
+    /// Qwen3 (`qwen3`).
     Qwen3,
+    /// Llama, Llama-3.x included (`llama`).
     Llama,
+    /// Gemma3's text model (`gemma3_text`, or the text part of a multimodal `gemma3`).
     Gemma3,
 }
 
@@ -34,6 +38,7 @@ pub struct FamilyTraits {
     pub qk_norm: bool,
     /// Norms after attention and around the MLP (Gemma's `pre/post_feedforward_layernorm`).
     pub sandwich_norms: bool,
+    /// How the family's RMSNorms apply their weight.
     pub norm_style: NormStyle,
     /// Embeddings multiplied by `sqrt(hidden_size)`.
     pub scaled_embeddings: bool,
@@ -57,7 +62,10 @@ pub enum SlidingLayers {
     /// None.
     Never,
     /// Every layer but each `sliding_window_pattern`-th (default given) is sliding (Gemma3).
-    AllButEveryNth { default_pattern: usize },
+    AllButEveryNth {
+        /// The pattern when the config has no `sliding_window_pattern`.
+        default_pattern: usize,
+    },
     /// With `use_sliding_window`, the layers from `max_window_layers` on (Qwen2/Qwen3).
     FromMaxWindowLayers,
 }
@@ -119,6 +127,7 @@ pub enum NormStyle {
 /// The MLP's gate activation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
+    /// SiLU (`silu`, `swish`): Llama and Qwen.
     Silu,
     /// `gelu_pytorch_tanh`: the tanh approximation.
     GeluTanh,
@@ -129,14 +138,23 @@ pub enum Activation {
 /// How rotary inverse frequencies are rescaled.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RopeScaling {
+    /// The plain `theta^(-2i/head_dim)` frequencies.
     None,
+    /// Every frequency divided by `factor` (`rope_type` `linear`).
     Linear {
+        /// The divisor of every frequency.
         factor: f64,
     },
+    /// Llama 3.1's scaling (`rope_type` `llama3`): low frequencies divided by `factor`, high ones kept,
+    /// those between interpolated, as transformers computes it.
     Llama3 {
+        /// The divisor of the low frequencies.
         factor: f64,
+        /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are scaled.
         low_freq_factor: f64,
+        /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are kept.
         high_freq_factor: f64,
+        /// The context length the model was pre-trained at, in tokens.
         original_max_position_embeddings: f64,
     },
 }
@@ -144,7 +162,9 @@ pub enum RopeScaling {
 /// Rotary embedding parameters of one kind of layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RopeConfig {
+    /// The rotary base (`rope_theta`).
     pub theta: f64,
+    /// How the frequencies are rescaled for long contexts.
     pub scaling: RopeScaling,
 }
 
@@ -153,27 +173,40 @@ pub struct RopeConfig {
 pub struct LayerKind {
     /// `Some(w)`: query `i` sees keys `j` with `i - w < j <= i`.
     pub sliding_window: Option<usize>,
+    /// The rotary table of the layer (Gemma3's sliding layers have their own base).
     pub rope: RopeConfig,
 }
 
 /// Everything the blocks need to know about a model, family differences included.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
+    /// Which family's checkpoint this is (from `model_type`).
     pub family: Family,
+    /// Rows of the embedding table and of the LM head (`V`).
     pub vocab_size: usize,
+    /// Width of the residual stream (`d`).
     pub hidden_size: usize,
+    /// Width of the MLP's gate and up projections.
     pub intermediate_size: usize,
+    /// Query heads per layer.
     pub num_heads: usize,
+    /// Key/value heads per layer (fewer than `num_heads` with grouped-query attention).
     pub num_kv_heads: usize,
+    /// Width of one head (`hidden_size / num_heads` when the config gives none).
     pub head_dim: usize,
+    /// The epsilon of every RMSNorm (1e-6 when the config gives none).
     pub rms_norm_eps: f64,
+    /// The LM head is the embedding table (no `lm_head.weight` in the checkpoint).
     pub tie_word_embeddings: bool,
     /// Bias on the q, k, v projections.
     pub qkv_bias: bool,
     /// Bias on the attention output projection.
     pub o_bias: bool,
+    /// Bias on the MLP's three projections.
     pub mlp_bias: bool,
+    /// The MLP's gate activation.
     pub activation: Activation,
+    /// How every RMSNorm applies its weight.
     pub norm_style: NormStyle,
     /// Per-head RMSNorm on q and k before rope (Qwen3, Gemma3).
     pub qk_norm: bool,
@@ -184,11 +217,15 @@ pub struct ModelConfig {
     /// Multiplies q·k (head_dim^-½, or Gemma's query_pre_attn_scalar^-½). Gemma3 configs carry an
     /// `attn_logit_softcapping`, but transformers' Gemma3 attention never applies it, so neither do we.
     pub attn_scale: f64,
+    /// `Some(cap)`: logits become `cap·tanh(logits / cap)` (Gemma's `final_logit_softcapping`).
     pub final_logit_softcap: Option<f64>,
+    /// The longest context the model was trained for, in tokens (`usize::MAX` when the config gives
+    /// none); the trainer warns above it, nothing here enforces it.
     pub max_position_embeddings: usize,
     /// transformers builds the embedding with `padding_idx = pad_token_id`: that row gets no gradient
     /// from the lookup (it still gets one through a tied LM head).
     pub pad_token_id: Option<u32>,
+    /// One entry per decoder layer, in order: its attention span and rotary table.
     pub layers: Vec<LayerKind>,
 }
 

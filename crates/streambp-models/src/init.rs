@@ -14,6 +14,7 @@ use crate::model::Model;
 pub struct NormalRng(u64);
 
 impl NormalRng {
+    /// A generator whose stream is fixed by `seed`.
     pub fn new(seed: u64) -> Self {
         Self(seed)
     }

@@ -18,25 +18,40 @@ use crate::rope::{apply_rope, Rotary};
 /// Head counts and score transforms of the attention core.
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
+    /// Query heads.
     pub num_heads: usize,
+    /// Key/value heads (each shared by `num_heads / num_kv_heads` query heads).
     pub num_kv_heads: usize,
+    /// Width of one head.
     pub head_dim: usize,
+    /// The factor on q·k ([`ModelConfig::attn_scale`]), applied to q.
     pub scale: f64,
 }
 
 /// The weights of one decoder layer.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
+    /// The layer's attention span (sliding window or not) and rotary parameters.
     pub kind: LayerKind,
+    /// Head counts and the q·k scale.
     pub shape: AttentionShape,
+    /// The MLP's gate activation.
     pub activation: Activation,
+    /// Inverse frequencies of the layer's rotary embedding.
     pub rotary: Rotary,
+    /// The norm in front of attention (`input_layernorm`).
     pub input_norm: RmsNorm,
+    /// `[heads·hd, d]`.
     pub q_proj: Linear,
+    /// `[kv_heads·hd, d]`.
     pub k_proj: Linear,
+    /// `[kv_heads·hd, d]`.
     pub v_proj: Linear,
+    /// `[d, heads·hd]`: attention output back into the residual stream.
     pub o_proj: Linear,
+    /// Qwen3/Gemma3: per-head RMSNorm of q before rope.
     pub q_norm: Option<RmsNorm>,
+    /// Qwen3/Gemma3: per-head RMSNorm of k before rope.
     pub k_norm: Option<RmsNorm>,
     /// Gemma: norm of the attention output before the residual.
     pub post_attn_norm: Option<RmsNorm>,
@@ -45,8 +60,11 @@ pub struct DecoderLayer {
     pub pre_mlp_norm: RmsNorm,
     /// Gemma: norm of the MLP output before the residual.
     pub post_mlp_norm: Option<RmsNorm>,
+    /// `[ffn, d]`: the activated branch of the gated MLP.
     pub gate_proj: Linear,
+    /// `[ffn, d]`: the linear branch, multiplied by the activated gate.
     pub up_proj: Linear,
+    /// `[d, ffn]`: back into the residual stream.
     pub down_proj: Linear,
 }
 
@@ -55,9 +73,14 @@ pub struct DecoderLayer {
 /// queries), in a batch laid out as `layout` (padding, packed documents).
 #[derive(Debug, Clone, Copy)]
 pub struct KeyBlock<'a> {
+    /// Sequence index of the first query.
     pub q_start: usize,
+    /// Sequence index of the first key (the first earlier key when there are any).
     pub k_start: usize,
+    /// The batch's padding and document boundaries.
     pub layout: &'a Layout,
+    /// Keys before the ones passed with the queries, read as constants of the graph (streamed
+    /// backward); `None` when the passed keys are all the block reads.
     pub earlier: Option<&'a EarlierKeys>,
 }
 

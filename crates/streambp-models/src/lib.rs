@@ -4,6 +4,17 @@
 //! One set of blocks serves all four families; their differences are data in [`ModelConfig`].
 //! Every op used records a correct backward in candle (no fused softmax / rms_norm / rope), so the same
 //! code runs the plain full backward, gradient checkpointing and the streamed backward.
+//!
+//! Main exports: [`ModelConfig`] (read from `config.json`); [`Model`], its parameters named as in the
+//! checkpoint and found by role (embedding, layer `i`, final norm, head); [`DecoderLayer`] with the
+//! pieces an engine calls per chunk (queries, keys/values, [`attention`]'s blockwise op, the rest of
+//! the layer) and [`KeyBlock`] saying which keys a query chunk reads; [`Layout`] for padding and packed
+//! documents; [`load_model`], [`save_safetensors`] and [`resolve_model_dir`] for directories and hub
+//! ids; [`device`] for the `--device`, `--dtype` and byte-size flags; [`init`] for random models.
+//!
+//! It knows no backward schedule (that is `streambp-core`'s), no objective, optimizer or training data.
+
+#![warn(missing_docs)]
 
 pub mod attention;
 pub mod config;

@@ -4,18 +4,22 @@ use candle_core::Tensor;
 
 use crate::error::{ModelError, Result};
 
+/// A projection's weight and optional bias, applied as `x Wᵀ + b`.
 #[derive(Debug, Clone)]
 pub struct Linear {
     /// `[out, in]`, as stored by transformers.
     pub weight: Tensor,
+    /// `[out]`, where the layer has one.
     pub bias: Option<Tensor>,
 }
 
 impl Linear {
+    /// A projection with these weights.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
         Self { weight, bias }
     }
 
+    /// `x Wᵀ + b` for `x` `[.., in]`: `[.., out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let Some((inner, lead)) = dims.split_last() else {
@@ -34,6 +38,7 @@ impl Linear {
         Ok(y.reshape(out_shape)?)
     }
 
+    /// The same projection with its weights cut from the graph.
     pub fn detached(&self) -> Self {
         Self {
             weight: self.weight.detach(),

@@ -20,9 +20,13 @@ use crate::rope::Rotary;
 /// A decoder-only language model of one of the supported families.
 #[derive(Debug, Clone)]
 pub struct Model {
+    /// The architecture the weights were built for.
     pub config: ModelConfig,
+    /// `[vocab, hidden]`: the token embedding table.
     pub embed_tokens: Tensor,
+    /// The decoder layers, first to last.
     pub layers: Vec<DecoderLayer>,
+    /// The final norm, in front of the LM head.
     pub norm: RmsNorm,
     /// `[vocab, hidden]`; the embedding itself when the embeddings are tied.
     pub lm_head: Tensor,
@@ -200,10 +204,12 @@ impl Model {
         std::iter::once(self.final_norm_parameter()).chain(head)
     }
 
+    /// The dtype of the parameters (and of the activations).
     pub fn dtype(&self) -> DType {
         self.embed_tokens.dtype()
     }
 
+    /// The device the parameters live on.
     pub fn device(&self) -> &Device {
         self.embed_tokens.device()
     }

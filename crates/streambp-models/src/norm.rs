@@ -9,16 +9,21 @@ use crate::error::Result;
 /// An RMSNorm over the last dimension.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
+    /// `[dim]`: the per-feature scale (applied as `w` or `1 + w`, per `style`).
     pub weight: Tensor,
+    /// Added to the mean square before the square root.
     pub eps: f64,
+    /// How the weight is applied.
     pub style: NormStyle,
 }
 
 impl RmsNorm {
+    /// A norm with these parts.
     pub fn new(weight: Tensor, eps: f64, style: NormStyle) -> Self {
         Self { weight, eps, style }
     }
 
+    /// `x / rms(x)` over the last dimension, scaled by the weight; same shape and dtype as `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
         let compute = if dtype == DType::F64 {

@@ -13,6 +13,7 @@ use candle_core::{Device, Tensor};
 
 use crate::{Objective, ObjectiveError, Result, TokenTargets};
 
+/// The DPO (optionally RPO) objective of one batch of preference pairs.
 #[derive(Debug, Clone)]
 pub struct Dpo {
     targets: TokenTargets,

@@ -16,8 +16,11 @@ use crate::{Objective, ObjectiveError, Result};
 /// How GRPO reduces per-token losses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GrpoLossType {
+    /// `grpo`: mean over each sequence's completion tokens, then mean over the sequences.
     Grpo,
+    /// `bnpo`: mean over all completion tokens of the batch.
     Bnpo,
+    /// `dr_grpo`: sum over all completion tokens / (`G` · `max_completion_length`).
     DrGrpo,
 }
 
@@ -38,18 +41,31 @@ impl std::str::FromStr for GrpoLossType {
 /// A GRPO batch: `G` sequences (prompt + completion), right-padded.
 #[derive(Debug, Clone)]
 pub struct GrpoBatch<'a> {
+    /// `[G][T]` token ids, prompt then completion, right-padded.
     pub input_ids: &'a [Vec<i64>],
+    /// `[G][T]`, 1 = completion token (the positions the loss covers); 0 at position 0.
     pub completion_mask: &'a [Vec<i64>],
+    /// `[G]`: one advantage per sequence.
     pub advantages: &'a [f64],
+    /// `[G][T]` log-probs of `input_ids[t]` under the policy that sampled them (`π_old`), aligned with
+    /// `input_ids`, read at completion positions; `None`: the current policy, detached.
     pub old_logps: Option<&'a [Vec<f64>]>,
+    /// `[G][T]` log-probs under the reference model (`ρ`), aligned like `old_logps`; required when
+    /// `beta` is not 0, unused when it is.
     pub ref_logps: Option<&'a [Vec<f64>]>,
+    /// Weight of the KL penalty to the reference (≥ 0; 0 skips the reference).
     pub beta: f64,
+    /// The ratio is clipped below at `1 − epsilon_low`.
     pub epsilon_low: f64,
+    /// The ratio is clipped above at `1 + epsilon_high`.
     pub epsilon_high: f64,
+    /// How per-token losses are reduced to the batch's loss.
     pub loss_type: GrpoLossType,
+    /// The generation's completion-length limit, in tokens; required by `dr_grpo`.
     pub max_completion_length: Option<usize>,
 }
 
+/// The GRPO objective of one batch, built from a [`GrpoBatch`].
 #[derive(Debug, Clone)]
 pub struct Grpo {
     /// `[G, T]` in logits coordinates (position `t` scores `input_ids[t + 1]`).
@@ -80,6 +96,8 @@ fn shift<T: Copy + Default>(rows: &[Vec<T>]) -> Vec<T> {
 }
 
 impl Grpo {
+    /// Checks `batch` (shapes, ids inside `vocab_size`, masks, finite values, the parameters its loss
+    /// type needs) and moves it to `device` in logits coordinates.
     pub fn new(batch: &GrpoBatch, vocab_size: usize, device: &Device) -> Result<Self> {
         let bad = |m: String| ObjectiveError::Batch(m);
         let g = batch.input_ids.len();

@@ -8,6 +8,14 @@
 //!
 //! Objectives that are sums over positions ([`Objective::separable`]) get their loss chunk by chunk;
 //! the others (DPO's sequence-level sigmoid) get all of `logp` at once after a first pass.
+//!
+//! Exports: the [`Objective`] trait; [`Sft`], [`Dpo`] and [`Grpo`] (built from a [`GrpoBatch`], reduced
+//! per [`GrpoLossType`]); [`TokenTargets`] and [`IGNORE_INDEX`] for HF-style labels; [`ObjectiveError`].
+//!
+//! The crate knows no model and no engine: it sees target ids and their log-probs, never logits,
+//! hidden states or parameters, and it does not decide how positions are chunked.
+
+#![warn(missing_docs)]
 
 use std::ops::Range;
 
@@ -26,12 +34,16 @@ pub use targets::{TokenTargets, IGNORE_INDEX};
 /// Errors of objective construction and evaluation.
 #[derive(Debug, thiserror::Error)]
 pub enum ObjectiveError {
+    /// Inputs the objective cannot be built from: ragged or empty rows, ids outside the vocabulary,
+    /// a row with no target, non-finite or out-of-range values, an unknown loss type.
     #[error("invalid batch: {0}")]
     Batch(String),
+    /// From a candle tensor op.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
 
+/// `Result` with [`ObjectiveError`].
 pub type Result<T> = std::result::Result<T, ObjectiveError>;
 
 /// A loss over target log-probabilities.

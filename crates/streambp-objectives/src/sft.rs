@@ -11,6 +11,7 @@ use crate::{Objective, ObjectiveError, Result, TokenTargets};
 
 pub use crate::targets::IGNORE_INDEX;
 
+/// The SFT cross-entropy objective of one batch.
 #[derive(Debug, Clone)]
 pub struct Sft {
     targets: TokenTargets,

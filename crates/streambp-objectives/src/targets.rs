@@ -19,6 +19,8 @@ pub struct TokenTargets {
 }
 
 impl TokenTargets {
+    /// From HF-style labels `[batch][T]` aligned with input_ids; errors on empty or ragged rows or on
+    /// a label outside `vocab_size`.
     pub fn from_labels(labels: &[Vec<i64>], vocab_size: usize, device: &Device) -> Result<Self> {
         let b = labels.len();
         let t = labels.first().map(Vec::len).unwrap_or(0);
@@ -68,6 +70,7 @@ impl TokenTargets {
             .collect()
     }
 
+    /// Target tokens in the batch.
     pub fn total(&self) -> usize {
         self.counts.iter().sum()
     }

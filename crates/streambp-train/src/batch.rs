@@ -10,8 +10,11 @@ use crate::Result;
 
 /// A right-padded micro-batch.
 pub struct Collated {
+    /// `[batch][T]` token ids, padded with the pad id.
     pub input_ids: Vec<Vec<i64>>,
+    /// `[batch][T]` HF-aligned labels, padded with [`IGNORE_INDEX`].
     pub labels: Vec<Vec<i64>>,
+    /// `[batch][T]`, 1 = real token, 0 = padding.
     pub attention_mask: Vec<Vec<i64>>,
     /// Positions inside each document; padding continues the last document's count.
     pub position_ids: Vec<Vec<i64>>,
@@ -82,7 +85,9 @@ impl Collated {
 
 /// A collated micro-batch as `[batch, T]` u32 tensors.
 pub struct BatchTensors {
+    /// Token ids.
     pub input_ids: Tensor,
+    /// 1 = real token, 0 = padding.
     pub attention_mask: Tensor,
     /// Positions restarting at each packed document (counting `0..T` in unpacked rows, which the
     /// engine treats as no packing).

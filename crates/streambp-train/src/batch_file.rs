@@ -22,6 +22,7 @@ pub struct PreparedBatch {
     pub attention_mask: Option<Tensor>,
     /// `[batch, T]` u32 positions restarting at 0 at each packed document, when given.
     pub position_ids: Option<Tensor>,
+    /// The batch's objective (SFT, DPO or GRPO), its targets `[batch, T]` like `input_ids`.
     pub objective: Box<dyn Objective>,
     /// Real (unpadded) tokens in the batch.
     pub tokens: usize,
@@ -367,6 +368,7 @@ pub fn check_rectangular(what: &str, rows: &[Vec<i64>]) -> Result<(usize, usize)
     Ok((rows.len(), t))
 }
 
+/// `rows` is rectangular and `b × t`, like input_ids; `what` names it in the error.
 pub fn check_same_shape(what: &str, rows: &[Vec<i64>], b: usize, t: usize) -> Result<()> {
     let shape = check_rectangular(what, rows)?;
     if shape != (b, t) {
@@ -378,6 +380,7 @@ pub fn check_same_shape(what: &str, rows: &[Vec<i64>], b: usize, t: usize) -> Re
     Ok(())
 }
 
+/// Every id is in `0..vocab_size`.
 pub fn check_vocab(ids: &[Vec<i64>], vocab_size: usize) -> Result<()> {
     for (row, r) in ids.iter().enumerate() {
         if let Some((pos, id)) = r

@@ -8,6 +8,7 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 
 use crate::{Result, TrainError};
 
+/// A compiled chat template with the special tokens it may print.
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
@@ -19,6 +20,8 @@ fn raise_exception(message: String) -> std::result::Result<Value, Error> {
 }
 
 impl ChatTemplate {
+    /// Compiles the Jinja `source` as transformers does (trim_blocks, lstrip_blocks, Python string
+    /// methods); errors when it does not parse.
     pub fn new(source: String, bos_token: String, eos_token: String) -> Result<Self> {
         let mut env = Environment::new();
         // transformers compiles templates with trim_blocks and lstrip_blocks.

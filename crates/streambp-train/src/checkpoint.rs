@@ -36,6 +36,7 @@ pub struct TrainerState {
     pub epoch: u64,
     /// Position in the current epoch's order.
     pub cursor: usize,
+    /// The run's `--seed`, which the data order is drawn from.
     pub seed: u64,
     /// The run's settings (absent in checkpoints of older versions: then nothing is compared).
     #[serde(default)]
@@ -43,6 +44,8 @@ pub struct TrainerState {
 }
 
 impl TrainerState {
+    /// The state of the checkpoint in `dir`; an error saying it is not resumable when the state file
+    /// is missing or unreadable.
     pub fn read(dir: &Path) -> Result<Self> {
         let path = dir.join(STATE_FILE);
         let text = std::fs::read_to_string(&path).map_err(|e| {
@@ -68,8 +71,9 @@ const MUST_MATCH: &[&str] = &[
     "--num-iterations",
 ];
 
-/// Compares the checkpoint's run with the one resuming it: refuses when a setting of [`MUST_MATCH`]
-/// differs (naming each), warns for every other difference.
+/// Compares the checkpoint's run with the one resuming it: refuses when a setting that must match
+/// (the recipe, `--model`, the data, `--batch-size`, `--grad-accum`, `--group-size`,
+/// `--num-iterations`) differs, naming each; warns for every other difference.
 pub fn check_resume(checkpoint: &Path, saved: &RunRecord, given: &RunRecord) -> Result<()> {
     let mut refused = Vec::new();
     for (key, now) in given {
@@ -153,9 +157,11 @@ fn write_config(src: &Path, dtype: DType, dst: &Path) -> Result<()> {
 
 /// What a checkpoint directory holds.
 pub struct CheckpointFiles<'a> {
+    /// The model whose parameters are saved, in its own dtype.
     pub model: &'a Model,
     /// The model's `config.json`, copied with the saved dtype.
     pub config_json: &'a Path,
+    /// Tokenizer files copied as they are (`tokenizer.json`, `tokenizer_config.json`…).
     pub tokenizer_files: &'a [PathBuf],
     /// Further text files: `(name, contents)`.
     pub extra: &'a [(&'a str, String)],

@@ -16,12 +16,16 @@ use crate::{Result, TrainError};
 /// The training jobs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Recipe {
+    /// Supervised fine-tuning (`sft.rs`).
     Sft,
+    /// Direct preference optimisation (`dpo.rs`).
     Dpo,
+    /// Group relative policy optimisation (`grpo.rs`).
     Grpo,
 }
 
 impl Recipe {
+    /// The subcommand's name: `sft`, `dpo` or `grpo`.
     pub fn name(self) -> &'static str {
         match self {
             Recipe::Sft => "sft",
@@ -42,54 +46,77 @@ pub struct TrainConfig {
     pub data: Option<PathBuf>,
     /// JSONL scored before and after (prompt/completion: exact-match accuracy of greedy answers).
     pub eval_data: Option<PathBuf>,
+    /// Where `metrics.jsonl`, the plots and the checkpoints go.
     pub output_dir: PathBuf,
     /// Optimizer steps; `None`: `epochs` passes over the data.
     pub max_steps: Option<usize>,
+    /// Passes over the data when `max_steps` is `None` (above 0; fractions allowed).
     pub epochs: f64,
     /// Examples (SFT), pairs (DPO) or prompts (GRPO) per micro-batch.
     pub batch_size: usize,
+    /// Micro-batches per optimizer step (the loss is normalised over all their target tokens).
     pub grad_accum: usize,
+    /// Peak learning rate.
     pub lr: f64,
+    /// AdamW's decoupled weight decay (not on biases and norms).
     pub weight_decay: f64,
+    /// Steps of linear warmup to `lr`.
     pub warmup_steps: usize,
+    /// How the learning rate decays from `lr` after warmup.
     pub schedule: Schedule,
+    /// Global gradient-norm clip (0: off).
     pub max_grad_norm: f64,
+    /// Seeds the data order, the built-in model's random init and GRPO's sampling.
     pub seed: u64,
+    /// Longest sequence in tokens (GRPO: prompt + completion).
     pub max_length: usize,
+    /// What to do with examples longer than `max_length`.
     pub overflow: Overflow,
     /// SFT: pack whole examples into rows of up to `max_length` tokens (documents kept apart).
     pub packing: bool,
+    /// How the backward is computed (stream, checkpoint or full).
     pub mode: Mode,
+    /// Query chunk of the streamed backward, in tokens.
     pub chunk: usize,
+    /// Positions per LM-head chunk.
     pub logits_chunk: usize,
     /// Pick chunk sizes per micro-batch so the backward's estimated peak fits this many bytes
     /// (overrides `chunk` and `logits_chunk`).
     pub memory_budget: Option<u64>,
     /// Keep layer checkpoints in host memory during the backward.
     pub offload_checkpoints: bool,
+    /// `f32`, `bf16` or `f64`, parsed by [`crate::device::parse_dtype`].
     pub dtype: String,
+    /// `cpu`, `cuda` or `cuda:N`, parsed by [`crate::device::parse_device`].
     pub device: String,
+    /// Save a checkpoint every this many steps (0: only at the end).
     pub save_every: usize,
     /// Continue from this checkpoint (weights, optimizer, schedule, data position).
     pub resume: Option<PathBuf>,
-    /// DPO: β, and the reference model (default: a frozen copy of the initial policy). GRPO: the KL
-    /// weight β.
+    /// DPO: β (above 0). GRPO: the KL weight β (0: no reference model).
     pub beta: f64,
     /// DPO: weight of the chosen completions' mean token NLL added to the loss (0: plain DPO).
     pub sft_weight: f64,
+    /// DPO: the reference model's directory or hub id; `None`: a frozen copy of the initial policy.
     pub ref_model: Option<String>,
+    /// Show the progress bar.
     pub progress: bool,
 }
 
 /// GRPO's settings beyond the shared ones.
 #[derive(Debug, Clone)]
 pub struct GrpoConfig {
+    /// Completions sampled per prompt (at least 2).
     pub group_size: usize,
+    /// Temperature, top-p and the longest completion.
     pub sampling: SamplingConfig,
     /// `exact:COLUMN` / `format:REGEX`, summed.
     pub rewards: Vec<String>,
+    /// How per-token losses are reduced.
     pub loss_type: GrpoLossType,
+    /// Clipping ε of the probability ratio, on both sides.
     pub epsilon: f64,
+    /// Optimizer steps per batch of rollouts (old log-probs fixed before the first).
     pub num_iterations: usize,
 }
 
@@ -107,17 +134,29 @@ pub enum BuiltinModel {
 /// they are written down (the CLI fills every flag left out from here).
 #[derive(Debug, Clone, Copy)]
 pub struct Defaults {
+    /// `--output-dir`.
     pub output_dir: &'static str,
+    /// The model without `--model`.
     pub builtin_model: BuiltinModel,
+    /// `--max-steps` (`None`: `--epochs` over the data).
     pub max_steps: Option<usize>,
+    /// `--batch-size`.
     pub batch_size: usize,
+    /// `--lr`.
     pub lr: f64,
+    /// `--warmup-steps`.
     pub warmup_steps: usize,
+    /// `--max-length`, in tokens.
     pub max_length: usize,
+    /// `--chunk`, in tokens.
     pub chunk: usize,
+    /// `--logits-chunk`, in tokens.
     pub logits_chunk: usize,
+    /// `--beta`.
     pub beta: f64,
+    /// `--sft-weight` (DPO).
     pub sft_weight: f64,
+    /// `--max-new-tokens` (GRPO).
     pub max_new_tokens: usize,
 }
 

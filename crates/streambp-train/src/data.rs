@@ -13,8 +13,11 @@ use crate::{Result, TrainError};
 /// token's position in its document (`0..n` for one document; restarting at 0 in a packed example).
 #[derive(Debug, Clone, PartialEq, Hash)]
 pub struct Example {
+    /// The token ids.
     pub input_ids: Vec<u32>,
+    /// One per token, aligned with `input_ids` (shifted by the objective).
     pub labels: Vec<i64>,
+    /// One per token: its position inside its document.
     pub position_ids: Vec<u32>,
 }
 
@@ -102,7 +105,9 @@ pub fn pack(examples: Vec<Example>, max_length: usize) -> Vec<Example> {
 /// What to do with examples longer than the limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Overflow {
+    /// Keep the first `max_length` tokens.
     Truncate,
+    /// Drop the example.
     Skip,
 }
 
@@ -179,7 +184,9 @@ impl UnknownText {
 
 /// A field of a data row: plain text, or a conversation (a list of `{role, content}` messages).
 pub enum Text {
+    /// A string, tokenized as it is.
     Plain(String),
+    /// A list of `{role, content}` messages, rendered with the chat template.
     Messages(Vec<serde_json::Value>),
 }
 

@@ -19,7 +19,9 @@ use crate::{Result, TrainError};
 /// A tokenized preference pair.
 #[derive(Hash)]
 pub struct Pair {
+    /// Prompt + preferred completion, the loss on the completion.
     pub chosen: Example,
+    /// Prompt + dispreferred completion, the loss on the completion.
     pub rejected: Example,
 }
 

@@ -16,8 +16,9 @@ use crate::batch_file::load_batch;
 use crate::device::{parse_device, parse_dtype};
 use crate::{Result, TrainError};
 
-/// Default chunk sizes when neither explicit sizes nor a budget are given.
+/// Default chunk sizes when neither explicit sizes nor a budget are given: the query chunk, in tokens.
 pub const DEFAULT_CHUNK: usize = 512;
+/// The default LM-head chunk, in positions (see [`DEFAULT_CHUNK`]).
 pub const DEFAULT_LOGITS_CHUNK: usize = 128;
 
 /// The flags of `grad`.
@@ -62,13 +63,19 @@ pub struct GradArgs {
 /// The one JSON line `grad` prints.
 #[derive(Debug, Clone, Serialize)]
 pub struct GradReport {
+    /// The objective's loss on the batch.
     pub loss: f64,
+    /// `stream`, `checkpoint` or `full`.
     pub mode: String,
     /// Peak host heap bytes during the backward (null on CUDA or without the counting allocator).
     pub peak_bytes: Option<usize>,
+    /// Wall-clock seconds of the backward (loading and writing not included).
     pub seconds: f64,
+    /// Real (unpadded) tokens in the batch.
     pub tokens: usize,
+    /// The query chunk used, in tokens (given, default or planned from the budget).
     pub chunk: usize,
+    /// The LM-head chunk used, in positions.
     pub logits_chunk: usize,
     /// The objective's metrics (DPO rewards and accuracy, GRPO clip ratio and KL).
     pub metrics: serde_json::Map<String, serde_json::Value>,
@@ -109,6 +116,8 @@ impl GradArgs {
     }
 }
 
+/// Runs `grad`: loads the model (and reference), reads the batch file, runs one backward and writes
+/// every gradient under its HF name, plus the loss as `loss`, to `--out`; returns the line to print.
 pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     args.validate()?;
     let device = parse_device(&args.device)?;

@@ -1,5 +1,22 @@
-//! The streambp trainer as a library: batch files, the `grad` command, and (soon) the training loops
-//! the CLI runs.
+//! The streambp trainer as a library: the training loops, the `grad` command and the pieces they share,
+//! everything the `streambp-train` CLI runs.
+//!
+//! - Recipes: [`sft::run_sft`], [`dpo::run_dpo`] and [`grpo::run_grpo`], each one loop over
+//!   [`recipe`] ([`recipe::Setup`], [`recipe::Trainer`], [`recipe::StepAccumulator`]), configured by
+//!   [`config::TrainConfig`] / [`config::GrpoConfig`] (defaults in [`config::Defaults`], `--config`
+//!   files in [`config_file`]).
+//! - Data: [`data`] (TRL-style JSONL, packing), [`tokenizer`] and [`chat`] templates, [`batch`]
+//!   (collation into engine tensors), [`logprobs`] (frozen-model log-probs), [`sampling`] and
+//!   [`rewards`] (GRPO rollouts), [`generate`] and [`eval`] (held-out accuracy).
+//! - Runs: [`optim`] (AdamW, clipping, schedules), [`checkpoint`] (atomic, resumable saves),
+//!   [`output`] (the locked output directory), [`plots`] (SVG charts).
+//! - [`grad::run_grad`]: one backward on a [`batch_file`], every gradient written under its HF name.
+//! - [`TrainError`]: every error names the flag, file, line or path to fix.
+//!
+//! The backward is `streambp-core`'s, the model code `streambp-models`' and the loss formulas
+//! `streambp-objectives`'; this crate knows no model family and runs no backward of its own.
+
+#![warn(missing_docs)]
 
 use std::path::{Path, PathBuf};
 
@@ -34,21 +51,37 @@ pub enum TrainError {
     /// apply to this run.
     #[error("{flag} {value}: {expected}")]
     Flag {
+        /// The flag as typed, e.g. `--lr`.
         flag: String,
+        /// The value given.
         value: String,
+        /// The allowed range or the reason it does not apply.
         expected: String,
     },
     /// A data file, or one of its rows: `location` is the file, with its line where there is one.
     #[error("{location}: {reason}")]
-    Data { location: String, reason: String },
+    Data {
+        /// `file` or `file:line`.
+        location: String,
+        /// What is wrong there.
+        reason: String,
+    },
     /// A batch file of the `grad` command.
     #[error("{path}: {reason}")]
-    BatchFile { path: String, reason: String },
+    BatchFile {
+        /// The batch file.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A file or directory that could not be read, written or created.
     #[error("cannot {action} {}: {error}", path.display())]
     Io {
+        /// What was being done: `read`, `write`, `create`, `remove`…
         action: &'static str,
+        /// The file or directory.
         path: PathBuf,
+        /// The operating system's error.
         error: std::io::Error,
     },
     /// A checkpoint that cannot be resumed from, or does not belong to the run resuming it.
@@ -59,26 +92,38 @@ pub enum TrainError {
     Tokenizer(String),
     /// A `--config` TOML file that does not hold flags.
     #[error("{path}: {reason}")]
-    ConfigFile { path: PathBuf, reason: String },
+    ConfigFile {
+        /// The TOML file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A reference model that does not fit the policy it scores.
     #[error("{0}")]
     Reference(String),
     /// The loss of a step is not a number; the step was not applied.
     #[error("loss is {loss} at step {step}; stopped without updating. Last good checkpoint: {last_good}")]
     NonFiniteLoss {
+        /// The loss (NaN or infinite).
         loss: f64,
+        /// The step, counted from 1.
         step: usize,
+        /// The newest checkpoint this run saved, or `none yet`.
         last_good: String,
     },
     /// A broken invariant of the trainer itself (a bug, not the input).
     #[error("internal error: {0}")]
     Internal(String),
+    /// From the backward engine or its chunk planner.
     #[error(transparent)]
     Engine(#[from] streambp_core::EngineError),
+    /// From loading, resolving or running a model.
     #[error(transparent)]
     Model(#[from] streambp_models::ModelError),
+    /// From building or evaluating an objective.
     #[error(transparent)]
     Objective(#[from] streambp_objectives::ObjectiveError),
+    /// From a candle tensor op.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
@@ -119,4 +164,5 @@ impl TrainError {
     }
 }
 
+/// `Result` with [`TrainError`].
 pub type Result<T> = std::result::Result<T, TrainError>;

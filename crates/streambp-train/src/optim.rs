@@ -5,12 +5,20 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::{Result, TrainError};
 
+/// AdamW's hyperparameters (defaults: torch's, with no weight decay).
 #[derive(Debug, Clone, Copy)]
 pub struct AdamWConfig {
+    /// The peak learning rate, for reference: [`AdamW::apply`] takes each step's rate as an argument
+    /// and does not read this.
     pub lr: f64,
+    /// Decay of the first-moment average.
     pub beta1: f64,
+    /// Decay of the second-moment average.
     pub beta2: f64,
+    /// Added to the root of the second moment in the denominator.
     pub eps: f64,
+    /// Decoupled weight decay per unit learning rate (`p ← p·(1 − lr·wd)`), on parameters that
+    /// [`decays`] selects.
     pub weight_decay: f64,
 }
 
@@ -39,9 +47,12 @@ struct Slot {
     decay: bool,
 }
 
+/// AdamW over a model's parameters: one pair of moments per parameter, updated in place.
 pub struct AdamW {
+    /// The hyperparameters.
     pub config: AdamWConfig,
     slots: Vec<Slot>,
+    /// Updates applied so far (for the bias correction).
     pub step: usize,
 }
 
@@ -54,6 +65,8 @@ fn state_dtype(dtype: DType) -> DType {
 }
 
 impl AdamW {
+    /// An optimizer for `params` (name and variable, in the order gradients will come) with zeroed
+    /// moments in f32 (f64 for f64 parameters).
     pub fn new(params: &[(String, Var)], config: AdamWConfig) -> Result<Self> {
         let slots = params
             .iter()
@@ -174,8 +187,11 @@ pub fn clip_grad_norm(grads: &mut [(String, Tensor)], max_norm: f64) -> Result<f
 /// Learning-rate schedules (transformers' `get_*_schedule_with_warmup`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Schedule {
+    /// Half a cosine from the peak to 0 at the last step.
     Cosine,
+    /// A straight line from the peak to 0 at the last step.
     Linear,
+    /// The peak rate until the end.
     Constant,
 }
 

@@ -11,11 +11,13 @@ use crate::{Result, TrainError};
 /// Prefixes of the hidden directories a save works in: `.NAME.tmp-PID` (being written) and
 /// `.NAME.old-PID` (the checkpoint it replaces, until the new one is in place).
 pub const TMP_MARK: &str = ".tmp-";
+/// See [`TMP_MARK`]: the marker of a replaced checkpoint kept aside during a save.
 pub const OLD_MARK: &str = ".old-";
 
 /// A checked output directory, locked for this run while the value lives.
 #[derive(Debug)]
 pub struct OutputDir {
+    /// The directory, as given.
     pub path: PathBuf,
     /// Held open: the lock is released when the run ends, however it ends (a killed run leaves the
     /// file, unlocked).

@@ -10,16 +10,22 @@ use crate::{Result, TrainError};
 /// One line of a chart.
 #[derive(Debug, Clone)]
 pub struct Series {
+    /// The legend's text.
     pub label: String,
+    /// `(x, y)` in drawing order; non-finite points are left out.
     pub points: Vec<(f64, f64)>,
 }
 
 /// One chart: a title, axis labels and its lines.
 #[derive(Debug, Clone)]
 pub struct Chart {
+    /// Shown above the panel.
     pub title: String,
+    /// The horizontal axis's description.
     pub x_label: String,
+    /// The vertical axis's description.
     pub y_label: String,
+    /// The lines, each in its own colour.
     pub series: Vec<Series>,
 }
 

@@ -1,6 +1,6 @@
 //! What every training recipe shares: the run configuration, setup (model, tokenizer, built-in task), the
 //! seeded data order, and the optimizer step with clipping, schedule, metrics, progress bar, checkpoints
-//! and resume. The recipes (`sft.rs`, `dpo.rs`) are each one readable loop over these.
+//! and resume. The recipes (`sft.rs`, `dpo.rs`, `grpo.rs`) are each one readable loop over these.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -82,23 +82,33 @@ pub fn materialize_builtin(dir: &Path) -> Result<PathBuf> {
 /// What a finished run reports.
 #[derive(Debug, Clone)]
 pub struct Summary {
+    /// The step the run ended at (resumed steps included).
     pub steps: usize,
+    /// The loss of the first step this process took (after a resume, the first step after it).
     pub first_loss: f64,
+    /// The loss of the last step.
     pub last_loss: f64,
     /// Held-out metric before and after (exact-match accuracy; DPO: also preference accuracy).
     pub before: Vec<(String, f64)>,
+    /// The held-out metrics of the trained model, named like `before`.
     pub after: Vec<(String, f64)>,
+    /// The final checkpoint's directory (`<output-dir>/final`).
     pub output_dir: PathBuf,
+    /// Wall-clock seconds from the trainer's start to the end of the run.
     pub seconds: f64,
 }
 
 /// The model, tokenizer, output directory and data paths of a run.
 pub struct Setup {
+    /// The device the model and batches live on (`--device`).
     pub device: Device,
+    /// The model's dtype (`--dtype`).
     pub dtype: DType,
+    /// The policy being trained, updated in place.
     pub model: Model,
     /// Where the model's config.json came from (copied into checkpoints).
     pub model_dir: PathBuf,
+    /// The model's tokenizer (the built-in task's for the built-in model).
     pub tokenizer: TextTokenizer,
     /// The built-in task's directory, when the run uses any part of it.
     pub builtin: Option<PathBuf>,
@@ -333,7 +343,9 @@ pub struct DataOrder {
     len: usize,
     seed: u64,
     order: Vec<usize>,
+    /// Passes over the data begun, counted from 0.
     pub epoch: u64,
+    /// Position of the next example in the current epoch's order.
     pub cursor: usize,
 }
 
@@ -373,9 +385,13 @@ impl DataOrder {
 
 /// What one optimizer step measured.
 pub struct StepReport {
+    /// The step's loss: the micro-batches' losses, weighted as they were added.
     pub loss: f64,
+    /// The step's gradient of every parameter, summed over its micro-batches, not yet clipped.
     pub grads: Vec<(String, Tensor)>,
+    /// Real (unpadded) tokens of the step.
     pub tokens: usize,
+    /// The highest backward peak of the step's micro-batches, in bytes (0 when not measured).
     pub peak_bytes: usize,
     /// Objective metrics (DPO rewards …), averaged over the step's micro-batches.
     pub metrics: Vec<(String, f64)>,
@@ -384,9 +400,13 @@ pub struct StepReport {
 /// The optimizer step and its bookkeeping: clipping, schedule, AdamW, metrics.jsonl, progress bar,
 /// periodic atomic checkpoints with resumable state.
 pub struct Trainer {
+    /// AdamW over the policy's parameters.
     pub optimizer: AdamW,
+    /// The step the run ends at: `--max-steps`, or `--epochs` over the data.
     pub max_steps: usize,
+    /// The first step to take: 0, or the resumed checkpoint's step.
     pub start_step: usize,
+    /// Which examples come next.
     pub data: DataOrder,
     /// The run's settings, written into every resumable checkpoint.
     run: RunRecord,
@@ -394,7 +414,9 @@ pub struct Trainer {
     bar: indicatif::ProgressBar,
     started: Instant,
     step_started: Instant,
+    /// The loss of the first step this process took (NaN before it).
     pub first_loss: f64,
+    /// The loss of the latest step.
     pub last_loss: f64,
     last_good: Option<PathBuf>,
 }
@@ -676,6 +698,7 @@ impl StepAccumulator {
         }
     }
 
+    /// The step's report; an internal error when no micro-batch was added.
     pub fn into_report(self) -> Result<StepReport> {
         Ok(StepReport {
             loss: self.loss,

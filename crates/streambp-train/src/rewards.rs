@@ -8,7 +8,9 @@ use crate::{Result, TrainError};
 
 /// Scores one completion of a data row (the row carries the prompt and any extra columns).
 pub trait Reward {
+    /// The metric its mean per completion is logged under (e.g. `reward/exact_answer`).
     fn name(&self) -> &str;
+    /// The reward of `completion` (decoded text) for the data row it answers.
     fn score(&self, completion: &str, row: &Map<String, Value>) -> f64;
     /// The data column the reward reads, which every row must have (checked when the data loads).
     fn column(&self) -> Option<&str> {

@@ -7,10 +7,14 @@ use streambp_models::{KeyBlock, Layout, Model};
 
 use crate::Result;
 
+/// How completions are sampled.
 #[derive(Debug, Clone, Copy)]
 pub struct SamplingConfig {
+    /// Logits are divided by this before the softmax (0 or below: greedy).
     pub temperature: f64,
+    /// Nucleus sampling: draw from the smallest set of tokens with at least this probability mass.
     pub top_p: f64,
+    /// Longest completion in tokens; a row that emits no EOS stops here.
     pub max_new_tokens: usize,
 }
 

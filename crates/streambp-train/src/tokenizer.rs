@@ -4,9 +4,12 @@ use std::path::{Path, PathBuf};
 
 use crate::{Result, TrainError};
 
+/// A tokenizer with the special-token ids training needs and the files a checkpoint copies.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
+    /// `eos_token` of `tokenizer_config.json` (required): ends plain completions and sampled rows.
     pub eos_id: u32,
+    /// `pad_token`, or EOS when there is none; fills padded positions.
     pub pad_id: u32,
     /// What text outside the vocabulary becomes (none for byte-level BPE, which has no such text).
     pub unk_id: Option<u32>,
@@ -83,6 +86,7 @@ impl TextTokenizer {
             .to_vec())
     }
 
+    /// The text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner
             .decode(ids, true)
@@ -100,6 +104,7 @@ impl TextTokenizer {
         })
     }
 
+    /// Tokens in the vocabulary, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
