@@ -100,7 +100,7 @@ const CASES: &[Case] = &[
     case(
         "grpo --max-length 6 --overflow skip --max-steps 1",
         1,
-        "no prompt left to train on",
+        "no prompts left to train on",
     ),
     // Files.
     case("sft --data {dir}/missing.jsonl", 2, "--data {dir}/missing.jsonl: no such file"),

@@ -6,12 +6,9 @@ mod common;
 use common::*;
 
 use candle_core::{DType, Device};
-use streambp_core::Mode;
 use streambp_models::init::NormalRng;
 use streambp_models::load_model;
-use streambp_train::config::GrpoConfig;
-use streambp_train::config::{BuiltinModel, TrainConfig};
-use streambp_train::data::Overflow;
+use streambp_train::config::{GrpoConfig, Recipe, TrainConfig};
 use streambp_train::grpo::run_grpo;
 use streambp_train::optim::Schedule;
 use streambp_train::rewards::{group_advantages, parse_reward};
@@ -65,49 +62,19 @@ fn rewards_and_advantages_follow_trl() {
 /// A short GRPO run on the built-in task: 4 prompts a step, groups of 8, two steps per batch of rollouts.
 fn short_run(out: &std::path::Path) -> (TrainConfig, GrpoConfig) {
     let cfg = TrainConfig {
-        builtin_model: BuiltinModel::Random,
-        model: None,
-        data: None,
-        eval_data: None,
         output_dir: out.to_path_buf(),
         max_steps: Some(12),
-        epochs: 1.0,
         batch_size: 4,
-        grad_accum: 1,
-        lr: 2e-3,
-        weight_decay: 0.0,
-        warmup_steps: 0,
         schedule: Schedule::Constant,
-        max_grad_norm: 1.0,
         seed: 1,
-        max_length: 16,
-        overflow: Overflow::Truncate,
-        packing: false,
-        mode: Mode::Stream,
         chunk: 4,
         logits_chunk: 4,
-        memory_budget: None,
-        offload_checkpoints: false,
-        dtype: "f32".into(),
-        device: "cpu".into(),
-        save_every: 0,
-        resume: None,
-        beta: 0.0,
-        sft_weight: 0.0,
-        ref_model: None,
         progress: false,
+        ..TrainConfig::defaults(Recipe::Grpo, true)
     };
     let g = GrpoConfig {
-        group_size: 8,
-        sampling: SamplingConfig {
-            temperature: 1.0,
-            top_p: 1.0,
-            max_new_tokens: 5,
-        },
-        rewards: Vec::new(),
-        loss_type: streambp_objectives::GrpoLossType::Grpo,
-        epsilon: 0.2,
         num_iterations: 2,
+        ..GrpoConfig::defaults(true)
     };
     (cfg, g)
 }

@@ -5,44 +5,26 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use streambp_core::Mode;
-use streambp_train::config::{BuiltinModel, TrainConfig};
+use streambp_train::config::{BuiltinModel, Recipe, TrainConfig};
 use streambp_train::data::Overflow;
 use streambp_train::optim::Schedule;
 use streambp_train::sft::run_sft;
 
+/// A 12-step SFT run on the built-in task, small enough for a test.
 fn config(out: &Path) -> TrainConfig {
     TrainConfig {
-        builtin_model: BuiltinModel::Random,
-        model: None,
-        data: None,
-        eval_data: None,
         output_dir: out.to_path_buf(),
         max_steps: Some(12),
-        epochs: 1.0,
         batch_size: 16,
         grad_accum: 2,
-        lr: 5e-3,
         weight_decay: 0.01,
         warmup_steps: 2,
-        schedule: Schedule::Cosine,
-        max_grad_norm: 1.0,
         seed: 3,
-        max_length: 16,
-        overflow: Overflow::Truncate,
-        packing: false,
-        mode: Mode::Stream,
         chunk: 4,
         logits_chunk: 5,
-        memory_budget: None,
-        offload_checkpoints: false,
-        dtype: "f32".into(),
-        device: "cpu".into(),
         save_every: 5,
-        resume: None,
-        beta: 0.1,
-        sft_weight: 0.0,
-        ref_model: None,
         progress: false,
+        ..TrainConfig::defaults(Recipe::Sft, true)
     }
 }
 
@@ -226,12 +208,12 @@ fn overlong_examples_are_skipped_or_truncated() {
     assert_eq!(cut[0].rejected.input_ids.len(), 8);
     assert_eq!(cut[0].chosen.targets(), 2);
     let skip = load_pairs(&path, &tok, 8, Overflow::Skip).err().unwrap();
-    assert!(skip.to_string().contains("no pair left"), "{skip}");
+    assert!(skip.to_string().contains("no pairs left"), "{skip}");
     let nothing_left = load_pairs(&path, &tok, 6, Overflow::Truncate)
         .err()
         .unwrap();
     assert!(
-        nothing_left.to_string().contains("no pair left"),
+        nothing_left.to_string().contains("no pairs left"),
         "{nothing_left}"
     );
     assert_eq!(load_pairs(&path, &tok, 9, Overflow::Skip).unwrap().len(), 1);

@@ -1,12 +1,12 @@
 //! The command line's flags: one struct per job, each turned into the library's run configuration with
-//! the recipe's defaults (`streambp_train::config::Defaults`) for what is left out.
+//! the library's defaults (`TrainConfig::defaults`, `GrpoConfig::defaults`) for what is left out.
 
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use streambp_core::Mode;
 use streambp_objectives::GrpoLossType;
-use streambp_train::config::{Defaults, GrpoConfig, Recipe, TrainConfig};
+use streambp_train::config::{GrpoConfig, Recipe, TrainConfig};
 use streambp_train::data::Overflow;
 use streambp_train::grad::GradArgs;
 use streambp_train::optim::Schedule;
@@ -71,46 +71,48 @@ pub struct TrainArgs {
     /// Optimizer steps [default: --epochs over the data; built-in task: sft 600, dpo 300, grpo 60].
     #[arg(long)]
     max_steps: Option<usize>,
-    /// Passes over the data when --max-steps is not given (above 0).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    epochs: f64,
+    /// Passes over the data when --max-steps is not given (above 0) [default: 1].
+    #[arg(long, allow_negative_numbers = true)]
+    epochs: Option<f64>,
     /// Sequences per micro-batch (dpo: pairs, grpo: prompts) [default: 8; built-in task: sft 64, dpo
     /// 32, grpo 8].
     #[arg(long)]
     batch_size: Option<usize>,
-    /// Micro-batches per optimizer step (the loss is normalised over all their target tokens).
-    #[arg(long, default_value_t = 1)]
-    grad_accum: usize,
+    /// Micro-batches per optimizer step (the loss is normalised over all their target tokens)
+    /// [default: 1].
+    #[arg(long)]
+    grad_accum: Option<usize>,
     /// Peak learning rate, above 0 [default: 2e-5; built-in task: sft 5e-3, dpo 2e-4, grpo 2e-3].
     #[arg(long, allow_negative_numbers = true)]
     lr: Option<f64>,
-    /// AdamW's decoupled weight decay (at least 0; not on biases and norms).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    weight_decay: f64,
+    /// AdamW's decoupled weight decay (at least 0; not on biases and norms) [default: 0].
+    #[arg(long, allow_negative_numbers = true)]
+    weight_decay: Option<f64>,
     /// Warmup steps [default: 0; built-in task: 20].
     #[arg(long)]
     warmup_steps: Option<usize>,
-    /// cosine, linear or constant.
-    #[arg(long, default_value = "cosine")]
-    schedule: Schedule,
-    /// Global gradient-norm clip (0: off).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    max_grad_norm: f64,
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
+    /// cosine, linear or constant [default: cosine].
+    #[arg(long)]
+    schedule: Option<Schedule>,
+    /// Global gradient-norm clip (0: off) [default: 1].
+    #[arg(long, allow_negative_numbers = true)]
+    max_grad_norm: Option<f64>,
+    /// Seeds the data order, the built-in model's initialisation and GRPO's sampling [default: 42].
+    #[arg(long)]
+    seed: Option<u64>,
     /// Longest sequence in tokens [default: 2048; built-in task: 16].
     #[arg(long)]
     max_length: Option<usize>,
-    /// What to do with longer examples: truncate or skip (the log says how many).
-    #[arg(long, default_value = "truncate")]
-    overflow: Overflow,
+    /// What to do with longer examples: truncate or skip (the log says how many) [default: truncate].
+    #[arg(long)]
+    overflow: Option<Overflow>,
     /// sft: pack whole examples into rows of up to --max-length tokens, best-fit decreasing; each
     /// example still sees only itself (positions restart, attention stays inside it), with less padding.
     #[arg(long)]
     packing: bool,
-    /// stream (StreamBP), checkpoint or full.
-    #[arg(long, default_value = "stream")]
-    mode: Mode,
+    /// stream (StreamBP), checkpoint or full [default: stream].
+    #[arg(long)]
+    mode: Option<Mode>,
     /// Query chunk of the streamed backward [default: 512; built-in task: 8].
     #[arg(long)]
     chunk: Option<usize>,
@@ -125,15 +127,15 @@ pub struct TrainArgs {
     /// grows with layers x sequence x hidden size).
     #[arg(long)]
     offload_checkpoints: bool,
-    /// f32, bf16 or f64.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
-    /// cpu, cuda or cuda:N (a build with --features cuda).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Save a checkpoint every N steps (0: only at the end).
-    #[arg(long, default_value_t = 0)]
-    save_every: usize,
+    /// f32, bf16 or f64 [default: f32].
+    #[arg(long)]
+    dtype: Option<String>,
+    /// cpu, cuda or cuda:N (a build with --features cuda) [default: cpu].
+    #[arg(long)]
+    device: Option<String>,
+    /// Save a checkpoint every N steps (0: only at the end) [default: 0].
+    #[arg(long)]
+    save_every: Option<usize>,
     /// Continue from a checkpoint-N directory of an earlier run (weights, optimizer, schedule, data
     /// position); give the same flags as that run.
     #[arg(long)]
@@ -156,15 +158,16 @@ pub struct TrainArgs {
 
 #[derive(clap::Args)]
 pub struct GrpoArgs {
-    /// Completions sampled per prompt (at least 2).
-    #[arg(long, default_value_t = 8)]
-    group_size: usize,
-    /// Sampling temperature (above 0).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    temperature: f64,
-    /// Nucleus sampling: the smallest set of tokens with this much probability, in (0, 1].
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    top_p: f64,
+    /// Completions sampled per prompt (at least 2) [default: 8].
+    #[arg(long)]
+    group_size: Option<usize>,
+    /// Sampling temperature (above 0) [default: 1].
+    #[arg(long, allow_negative_numbers = true)]
+    temperature: Option<f64>,
+    /// Nucleus sampling: the smallest set of tokens with this much probability, in (0, 1]
+    /// [default: 1].
+    #[arg(long, allow_negative_numbers = true)]
+    top_p: Option<f64>,
     /// Longest completion, below --max-length [default: 256; built-in task: 5].
     #[arg(long)]
     max_new_tokens: Option<usize>,
@@ -172,15 +175,15 @@ pub struct GrpoArgs {
     /// (the whole completion matches). Repeat the flag for several.
     #[arg(long = "reward")]
     rewards: Vec<String>,
-    /// grpo, bnpo or dr_grpo.
-    #[arg(long, default_value = "grpo")]
-    loss_type: GrpoLossType,
-    /// Clipping ε of the probability ratio (above 0).
-    #[arg(long, default_value_t = 0.2, allow_negative_numbers = true)]
-    epsilon: f64,
-    /// Optimizer steps per batch of rollouts (old log-probs fixed before the first).
-    #[arg(long, default_value_t = 1)]
-    num_iterations: usize,
+    /// grpo, bnpo or dr_grpo [default: grpo].
+    #[arg(long)]
+    loss_type: Option<GrpoLossType>,
+    /// Clipping ε of the probability ratio (above 0) [default: 0.2].
+    #[arg(long, allow_negative_numbers = true)]
+    epsilon: Option<f64>,
+    /// Optimizer steps per batch of rollouts (old log-probs fixed before the first) [default: 1].
+    #[arg(long)]
+    num_iterations: Option<usize>,
 }
 
 impl TrainArgs {
@@ -216,56 +219,58 @@ impl TrainArgs {
             &[Recipe::Dpo],
             "dpo",
         )?;
-        let d = Defaults::of(recipe, self.model.is_none() && self.data.is_none());
+        let d = TrainConfig::defaults(recipe, self.model.is_none() && self.data.is_none());
         Ok(TrainConfig {
+            model: self.model,
             builtin_model: d.builtin_model,
+            data: self.data,
+            eval_data: self.eval_data,
+            output_dir: self.output_dir.unwrap_or(d.output_dir),
             max_steps: self.max_steps.or(d.max_steps),
-            epochs: self.epochs,
+            epochs: self.epochs.unwrap_or(d.epochs),
             batch_size: self.batch_size.unwrap_or(d.batch_size),
-            grad_accum: self.grad_accum,
+            grad_accum: self.grad_accum.unwrap_or(d.grad_accum),
             lr: self.lr.unwrap_or(d.lr),
-            weight_decay: self.weight_decay,
+            weight_decay: self.weight_decay.unwrap_or(d.weight_decay),
             warmup_steps: self.warmup_steps.unwrap_or(d.warmup_steps),
-            schedule: self.schedule,
-            max_grad_norm: self.max_grad_norm,
-            seed: self.seed,
+            schedule: self.schedule.unwrap_or(d.schedule),
+            max_grad_norm: self.max_grad_norm.unwrap_or(d.max_grad_norm),
+            seed: self.seed.unwrap_or(d.seed),
             max_length: self.max_length.unwrap_or(d.max_length),
-            overflow: self.overflow,
+            overflow: self.overflow.unwrap_or(d.overflow),
             packing: self.packing,
-            mode: self.mode,
+            mode: self.mode.unwrap_or(d.mode),
             chunk: self.chunk.unwrap_or(d.chunk),
             logits_chunk: self.logits_chunk.unwrap_or(d.logits_chunk),
             memory_budget: self.memory_budget,
             offload_checkpoints: self.offload_checkpoints,
-            dtype: self.dtype,
-            device: self.device,
-            save_every: self.save_every,
+            dtype: self.dtype.unwrap_or(d.dtype),
+            device: self.device.unwrap_or(d.device),
+            save_every: self.save_every.unwrap_or(d.save_every),
             resume: self.resume,
             beta: self.beta.unwrap_or(d.beta),
             sft_weight: self.sft_weight.unwrap_or(d.sft_weight),
             ref_model: self.ref_model,
             progress: !self.no_progress,
-            model: self.model,
-            data: self.data,
-            eval_data: self.eval_data,
-            output_dir: self.output_dir.unwrap_or_else(|| d.output_dir.into()),
         })
     }
 }
 
 impl GrpoArgs {
-    pub fn into_config(self, builtin_default: usize) -> GrpoConfig {
+    /// GRPO's settings: the flags given, the defaults (the built-in task's when `builtin`) for the rest.
+    pub fn into_config(self, builtin: bool) -> GrpoConfig {
+        let d = GrpoConfig::defaults(builtin);
         GrpoConfig {
-            group_size: self.group_size,
+            group_size: self.group_size.unwrap_or(d.group_size),
             sampling: SamplingConfig {
-                temperature: self.temperature,
-                top_p: self.top_p,
-                max_new_tokens: self.max_new_tokens.unwrap_or(builtin_default),
+                temperature: self.temperature.unwrap_or(d.sampling.temperature),
+                top_p: self.top_p.unwrap_or(d.sampling.top_p),
+                max_new_tokens: self.max_new_tokens.unwrap_or(d.sampling.max_new_tokens),
             },
             rewards: self.rewards,
-            loss_type: self.loss_type,
-            epsilon: self.epsilon,
-            num_iterations: self.num_iterations,
+            loss_type: self.loss_type.unwrap_or(d.loss_type),
+            epsilon: self.epsilon.unwrap_or(d.epsilon),
+            num_iterations: self.num_iterations.unwrap_or(d.num_iterations),
         }
     }
 }

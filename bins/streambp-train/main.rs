@@ -5,7 +5,7 @@ mod args;
 use anyhow::Context;
 use clap::Parser;
 use streambp_core::memory::CountingAllocator;
-use streambp_train::config::{Defaults, Recipe};
+use streambp_train::config::Recipe;
 use streambp_train::dpo::run_dpo;
 use streambp_train::grad::run_grad;
 use streambp_train::grpo::run_grpo;
@@ -101,7 +101,7 @@ fn run() -> anyhow::Result<()> {
         Command::Grpo { train, grpo } => {
             let builtin = train.model.is_none() && train.data.is_none();
             let cfg = train.into_config(Recipe::Grpo)?;
-            let g = grpo.into_config(Defaults::of(Recipe::Grpo, builtin).max_new_tokens);
+            let g = grpo.into_config(builtin);
             report("grpo", &run_grpo(&cfg, &g).context("grpo failed")?);
         }
         Command::Grad(args) => {

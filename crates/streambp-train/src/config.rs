@@ -1,6 +1,7 @@
 //! What a run is configured by, validated in one place before anything is loaded: every numeric flag
 //! against its range (each error names the flag and the range), and the settings TRL or transformers
-//! refuse. The built-in task's defaults live here too, one table per recipe.
+//! refuse. The defaults live here too ([`TrainConfig::defaults`], [`GrpoConfig::defaults`]), those of
+//! the built-in task included.
 
 use std::path::{Path, PathBuf};
 
@@ -130,77 +131,67 @@ pub enum BuiltinModel {
     Sft,
 }
 
-/// The defaults of one recipe, on the built-in task or on the user's own model and data: the one place
-/// they are written down (the CLI fills every flag left out from here).
-#[derive(Debug, Clone, Copy)]
-pub struct Defaults {
-    /// `--output-dir`.
-    pub output_dir: &'static str,
-    /// The model without `--model`.
-    pub builtin_model: BuiltinModel,
-    /// `--max-steps` (`None`: `--epochs` over the data).
-    pub max_steps: Option<usize>,
-    /// `--batch-size`.
-    pub batch_size: usize,
-    /// `--lr`.
-    pub lr: f64,
-    /// `--warmup-steps`.
-    pub warmup_steps: usize,
-    /// `--max-length`, in tokens.
-    pub max_length: usize,
-    /// `--chunk`, in tokens.
-    pub chunk: usize,
-    /// `--logits-chunk`, in tokens.
-    pub logits_chunk: usize,
-    /// `--beta`.
-    pub beta: f64,
-    /// `--sft-weight` (DPO).
-    pub sft_weight: f64,
-    /// `--max-new-tokens` (GRPO).
-    pub max_new_tokens: usize,
-}
-
-impl Defaults {
-    /// The defaults of `recipe`; `builtin`: the run uses the built-in task (no `--model`, no `--data`).
-    pub fn of(recipe: Recipe, builtin: bool) -> Self {
-        let own = Defaults {
-            output_dir: "runs/sft",
+impl TrainConfig {
+    /// The configuration of `recipe` with nothing given: on the built-in task when `builtin` (no
+    /// model, no data), else the defaults for a user's own model and data (who then sets `model` and
+    /// `data`). The one place the defaults are written down: the command line starts from here and
+    /// overrides what is typed.
+    pub fn defaults(recipe: Recipe, builtin: bool) -> Self {
+        let own = TrainConfig {
+            model: None,
             builtin_model: BuiltinModel::Random,
+            data: None,
+            eval_data: None,
+            output_dir: format!("runs/{}", recipe.name()).into(),
             max_steps: None,
+            epochs: 1.0,
             batch_size: 8,
+            grad_accum: 1,
             lr: 2e-5,
+            weight_decay: 0.0,
             warmup_steps: 0,
+            schedule: Schedule::Cosine,
+            max_grad_norm: 1.0,
+            seed: 42,
             max_length: 2048,
+            overflow: Overflow::Truncate,
+            packing: false,
+            mode: Mode::Stream,
             chunk: 512,
             logits_chunk: 128,
-            beta: 0.1,
+            memory_budget: None,
+            offload_checkpoints: false,
+            dtype: "f32".into(),
+            device: "cpu".into(),
+            save_every: 0,
+            resume: None,
+            // GRPO's KL weight is 0 by default, as in TRL.
+            beta: if recipe == Recipe::Grpo { 0.0 } else { 0.1 },
             sft_weight: 0.0,
-            max_new_tokens: 256,
+            ref_model: None,
+            progress: true,
         };
+        if !builtin {
+            return own;
+        }
         // The built-in task: 16-token sums, tiny chunks so the streamed backward really streams.
-        let task = Defaults {
+        let task = TrainConfig {
             max_length: 16,
             chunk: 8,
             logits_chunk: 8,
             ..own
         };
-        match (recipe, builtin) {
-            (Recipe::Sft, false) => own,
-            (Recipe::Sft, true) => Defaults {
+        match recipe {
+            Recipe::Sft => TrainConfig {
                 max_steps: Some(600),
                 batch_size: 64,
                 lr: 5e-3,
                 warmup_steps: 20,
                 ..task
             },
-            (Recipe::Dpo, false) => Defaults {
-                output_dir: "runs/dpo",
-                ..own
-            },
             // Refines the shipped SFT checkpoint with TRL's sigmoid + SFT loss, which keeps the correct
             // answers likely.
-            (Recipe::Dpo, true) => Defaults {
-                output_dir: "runs/dpo",
+            Recipe::Dpo => TrainConfig {
                 builtin_model: BuiltinModel::Sft,
                 max_steps: Some(300),
                 batch_size: 32,
@@ -208,22 +199,32 @@ impl Defaults {
                 sft_weight: 1.0,
                 ..task
             },
-            // GRPO's KL weight is 0 by default, as in TRL.
-            (Recipe::Grpo, false) => Defaults {
-                output_dir: "runs/grpo",
-                beta: 0.0,
-                ..own
-            },
-            // 8 prompts a step, answers of at most 5 tokens, a quicker learning rate.
-            (Recipe::Grpo, true) => Defaults {
-                output_dir: "runs/grpo",
-                beta: 0.0,
+            // 8 prompts a step, a quicker learning rate.
+            Recipe::Grpo => TrainConfig {
                 max_steps: Some(60),
                 batch_size: 8,
                 lr: 2e-3,
-                max_new_tokens: 5,
                 ..task
             },
+        }
+    }
+}
+
+impl GrpoConfig {
+    /// GRPO's settings with nothing given (TRL's defaults where it has them); on the built-in task,
+    /// answers of at most 5 tokens.
+    pub fn defaults(builtin: bool) -> Self {
+        GrpoConfig {
+            group_size: 8,
+            sampling: SamplingConfig {
+                temperature: 1.0,
+                top_p: 1.0,
+                max_new_tokens: if builtin { 5 } else { 256 },
+            },
+            rewards: Vec::new(),
+            loss_type: GrpoLossType::Grpo,
+            epsilon: 0.2,
+            num_iterations: 1,
         }
     }
 }

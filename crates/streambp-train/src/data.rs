@@ -153,31 +153,54 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, Row)>> {
 /// One data row: its columns by name.
 pub type Row = serde_json::Map<String, serde_json::Value>;
 
-/// Counts the examples whose text the tokenizer could not spell (their tokens became the unknown
-/// token), and warns once with the first such line when there are any.
+/// What loading a data file did to its rows: items cut or dropped to fit the length limit, and text the
+/// tokenizer could not spell (its tokens became the unknown token). Reported once, when the file is
+/// done, and a file left with nothing to train on is refused.
 #[derive(Default)]
-pub struct UnknownText {
-    count: usize,
-    first: Option<String>,
+pub struct LoadReport {
+    /// Items cut to fit the limit.
+    pub truncated: usize,
+    /// Items dropped: over the limit with `--overflow skip`, or nothing left to train on.
+    pub skipped: usize,
+    unknown: usize,
+    first_unknown: Option<String>,
 }
 
-impl UnknownText {
-    /// Notes `ids`, the tokens of the example at `location`.
-    pub fn note(&mut self, tok: &TextTokenizer, ids: &[u32], location: &str) {
+impl LoadReport {
+    /// Notes `ids`, the tokens of the item at `location`, if they hold the unknown token.
+    pub fn note_unknown(&mut self, tok: &TextTokenizer, ids: &[u32], location: &str) {
         if tok.has_unknown(ids) {
-            self.count += 1;
-            self.first.get_or_insert_with(|| location.to_string());
+            self.unknown += 1;
+            self.first_unknown
+                .get_or_insert_with(|| location.to_string());
         }
     }
 
-    /// Warns about what was noted.
-    pub fn report(&self) {
-        if let Some(first) = &self.first {
+    /// Warns about what was cut, dropped or unknown among the `what` (examples, pairs, prompts) of
+    /// `path`, and refuses the file when none of them is `kept`. `limit` names the length limit.
+    pub fn finish(&self, path: &Path, what: &str, kept: usize, limit: &str) -> Result<()> {
+        if let Some(first) = &self.first_unknown {
             tracing::warn!(
-                examples = self.count,
+                count = self.unknown,
                 first = first.as_str(),
-                "text outside the tokenizer's vocabulary was encoded as its unknown token"
+                "{what} with text outside the tokenizer's vocabulary, encoded as its unknown token"
             );
+        }
+        if self.truncated > 0 {
+            tracing::warn!(count = self.truncated, "{what} truncated to {limit}");
+        }
+        if self.skipped > 0 {
+            tracing::warn!(
+                count = self.skipped,
+                "{what} skipped (longer than {limit}, or nothing left to train on)"
+            );
+        }
+        match kept {
+            0 => Err(TrainError::data(
+                path.display(),
+                format!("no {what} left to train on ({limit})"),
+            )),
+            _ => Ok(()),
         }
     }
 }
@@ -245,8 +268,8 @@ pub fn load_sft(
 ) -> Result<Vec<Example>> {
     let rows = read_jsonl(path)?;
     let mut out = Vec::with_capacity(rows.len());
-    let (mut truncated, mut skipped, mut final_turn_only) = (0usize, 0usize, 0usize);
-    let mut unknown = UnknownText::default();
+    let mut report = LoadReport::default();
+    let mut final_turn_only = 0usize;
     for (line, row) in &rows {
         let where_ = format!("{} line {line}", path.display());
         let field = |k: &str| text_field(row, k, &where_);
@@ -277,26 +300,25 @@ pub fn load_sft(
                 ))
             }
         };
-        unknown.note(tokenizer, &example.input_ids, &where_);
+        report.note_unknown(tokenizer, &example.input_ids, &where_);
         if example.input_ids.len() > max_length {
             match overflow {
                 Overflow::Skip => {
-                    skipped += 1;
+                    report.skipped += 1;
                     continue;
                 }
                 Overflow::Truncate => {
-                    truncated += 1;
+                    report.truncated += 1;
                     example.truncate(max_length);
                 }
             }
         }
         if example.targets() == 0 {
-            skipped += 1;
+            report.skipped += 1;
             continue;
         }
         out.push(example);
     }
-    unknown.report();
     if final_turn_only > 0 {
         tracing::warn!(
             final_turn_only,
@@ -304,26 +326,12 @@ pub fn load_sft(
              those conversations train on their final assistant turn only"
         );
     }
-    if truncated > 0 {
-        tracing::warn!(
-            truncated,
-            max_length,
-            "examples truncated to the maximum length"
-        );
-    }
-    if skipped > 0 {
-        tracing::warn!(
-            skipped,
-            max_length,
-            "examples skipped (over the maximum length, or nothing left to train on)"
-        );
-    }
-    if out.is_empty() {
-        return Err(TrainError::data(
-            path.display(),
-            format!("no example left to train on (--max-length {max_length})"),
-        ));
-    }
+    report.finish(
+        path,
+        "examples",
+        out.len(),
+        &format!("--max-length {max_length}"),
+    )?;
     Ok(out)
 }
 

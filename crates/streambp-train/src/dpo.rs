@@ -9,7 +9,7 @@ use streambp_objectives::{Dpo, TokenTargets};
 use crate::batch::{collate, Collated};
 use crate::checkpoint::data_identity;
 use crate::config::{Recipe, TrainConfig};
-use crate::data::{encode_pair, read_jsonl, text_field, Example, Overflow, Text, UnknownText};
+use crate::data::{encode_pair, read_jsonl, text_field, Example, LoadReport, Overflow, Text};
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::sequence_logps;
 use crate::recipe::{Setup, StepAccumulator, Summary, Trainer};
@@ -37,8 +37,7 @@ pub fn load_pairs(
 ) -> Result<Vec<Pair>> {
     let rows = read_jsonl(path)?;
     let mut pairs = Vec::with_capacity(rows.len());
-    let (mut truncated, mut skipped) = (0usize, 0usize);
-    let mut unknown = UnknownText::default();
+    let mut report = LoadReport::default();
     for (line, row) in &rows {
         let where_ = format!("{} line {line}", path.display());
         let field = |k: &str| -> Result<Text> {
@@ -54,44 +53,29 @@ pub fn load_pairs(
             Ok(Example::from_pair(prompt, completion))
         };
         let (mut chosen, mut rejected) = (side("chosen")?, side("rejected")?);
-        unknown.note(tok, &chosen.input_ids, &where_);
-        unknown.note(tok, &rejected.input_ids, &where_);
+        report.note_unknown(tok, &chosen.input_ids, &where_);
+        report.note_unknown(tok, &rejected.input_ids, &where_);
         if chosen.input_ids.len() > max_length || rejected.input_ids.len() > max_length {
             if overflow == Overflow::Skip {
-                skipped += 1;
+                report.skipped += 1;
                 continue;
             }
             chosen.truncate(max_length);
             rejected.truncate(max_length);
             if chosen.targets() == 0 || rejected.targets() == 0 {
-                skipped += 1;
+                report.skipped += 1;
                 continue;
             }
-            truncated += 1;
+            report.truncated += 1;
         }
         pairs.push(Pair { chosen, rejected });
     }
-    unknown.report();
-    if truncated > 0 {
-        tracing::warn!(
-            truncated,
-            max_length,
-            "pairs truncated to the maximum length"
-        );
-    }
-    if skipped > 0 {
-        tracing::warn!(
-            skipped,
-            max_length,
-            "pairs skipped (over the maximum length, or no completion left after truncation)"
-        );
-    }
-    if pairs.is_empty() {
-        return Err(TrainError::data(
-            path.display(),
-            format!("no pair left to train on (--max-length {max_length})"),
-        ));
-    }
+    report.finish(
+        path,
+        "pairs",
+        pairs.len(),
+        &format!("--max-length {max_length}"),
+    )?;
     Ok(pairs)
 }
 

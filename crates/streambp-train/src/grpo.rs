@@ -11,7 +11,7 @@ use streambp_objectives::{Grpo, GrpoBatch};
 use crate::batch::{collate, Collated};
 use crate::checkpoint::{data_identity, RunRecord};
 use crate::config::{GrpoConfig, Recipe, TrainConfig};
-use crate::data::{read_jsonl, Example, Overflow, Row, UnknownText};
+use crate::data::{read_jsonl, Example, LoadReport, Overflow, Row};
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::token_logps;
 use crate::recipe::{Setup, StepAccumulator, Summary, Trainer};
@@ -52,8 +52,7 @@ fn load_prompts(
     rewards: &[Box<dyn Reward>],
 ) -> Result<Vec<Prompt>> {
     let room = cfg.max_length - g.sampling.max_new_tokens;
-    let (mut truncated, mut skipped) = (0usize, 0usize);
-    let mut unknown = UnknownText::default();
+    let mut report = LoadReport::default();
     let mut prompts = Vec::new();
     for (line, row) in read_jsonl(path)? {
         let where_ = format!("{} line {line}", path.display());
@@ -72,32 +71,22 @@ fn load_prompts(
             }
         }
         let mut ids = setup.tokenizer.encode(text)?;
-        unknown.note(&setup.tokenizer, &ids, &where_);
+        report.note_unknown(&setup.tokenizer, &ids, &where_);
         if ids.len() > room {
             if cfg.overflow == Overflow::Skip {
-                skipped += 1;
+                report.skipped += 1;
                 continue;
             }
             ids.drain(..ids.len() - room);
-            truncated += 1;
+            report.truncated += 1;
         }
         prompts.push(Prompt { ids, row });
     }
-    unknown.report();
-    if truncated + skipped > 0 {
-        tracing::warn!(
-            truncated,
-            skipped,
-            room,
-            "prompts longer than --max-length minus --max-new-tokens"
-        );
-    }
-    if prompts.is_empty() {
-        return Err(TrainError::data(
-            path.display(),
-            "no prompt left to train on",
-        ));
-    }
+    let limit = format!(
+        "--max-length {} minus --max-new-tokens {}, keeping a prompt's end",
+        cfg.max_length, g.sampling.max_new_tokens
+    );
+    report.finish(path, "prompts", prompts.len(), &limit)?;
     Ok(prompts)
 }
 

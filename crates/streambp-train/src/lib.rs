@@ -3,7 +3,7 @@
 //!
 //! - Recipes: [`sft::run_sft`], [`dpo::run_dpo`] and [`grpo::run_grpo`], each one loop over
 //!   [`recipe`] ([`recipe::Setup`], [`recipe::Trainer`], [`recipe::StepAccumulator`]), configured by
-//!   [`config::TrainConfig`] / [`config::GrpoConfig`] (defaults in [`config::Defaults`], `--config`
+//!   [`config::TrainConfig`] / [`config::GrpoConfig`] (defaults in [`config::TrainConfig::defaults`], `--config`
 //!   files in [`config_file`]).
 //! - Data: [`data`] (TRL-style JSONL, packing), [`tokenizer`] and [`chat`] templates, [`batch`]
 //!   (collation into engine tensors), [`logprobs`] (frozen-model log-probs), [`sampling`] and

@@ -5,12 +5,10 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::{Result, TrainError};
 
-/// AdamW's hyperparameters (defaults: torch's, with no weight decay).
+/// AdamW's hyperparameters (defaults: torch's, with no weight decay). The learning rate is not one of
+/// them: the schedule gives each step's to [`AdamW::apply`].
 #[derive(Debug, Clone, Copy)]
 pub struct AdamWConfig {
-    /// The peak learning rate, for reference: [`AdamW::apply`] takes each step's rate as an argument
-    /// and does not read this.
-    pub lr: f64,
     /// Decay of the first-moment average.
     pub beta1: f64,
     /// Decay of the second-moment average.
@@ -25,7 +23,6 @@ pub struct AdamWConfig {
 impl Default for AdamWConfig {
     fn default() -> Self {
         Self {
-            lr: 1e-5,
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,

@@ -428,7 +428,6 @@ impl Trainer {
         let mut optimizer = AdamW::new(
             setup.model.parameters(),
             AdamWConfig {
-                lr: cfg.lr,
                 weight_decay: cfg.weight_decay,
                 ..Default::default()
             },
