@@ -281,10 +281,20 @@ pub fn forward_logprobs(
     for layer in &detached.layers {
         h = layer_forward_streamed(layer, &h, &layout, chunks.chunk)?;
     }
-    let t = h.dim(1)?;
-    let mut parts = Vec::new();
-    for r in chunk_ranges(t, chunks.logits_chunk) {
-        let normed = detached.final_norm(&h.narrow(1, r.start, r.len())?)?;
+    head_logprobs(&detached, &h, targets, &chunk_ranges(h.dim(1)?, chunks.logits_chunk))
+}
+
+/// Target log-probs `[batch, T]` of the last layer's output `last` under a detached model's final norm
+/// and head, computed logits chunk by logits chunk (`ranges`), without a graph.
+fn head_logprobs(
+    detached: &Model,
+    last: &Tensor,
+    targets: &Tensor,
+    ranges: &[Range<usize>],
+) -> Result<Tensor> {
+    let mut parts = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        let normed = detached.final_norm(&last.narrow(1, r.start, r.len())?)?;
         let logits = detached.logits(&normed)?;
         parts.push(target_logprobs(
             &logits,
@@ -405,16 +415,7 @@ fn head_backward(
     let whole = if objective.separable() {
         None
     } else {
-        let mut parts = Vec::with_capacity(ranges.len());
-        for r in &ranges {
-            let h = detached.final_norm(&last.narrow(1, r.start, r.len())?)?;
-            let logits = detached.logits(&h)?;
-            parts.push(target_logprobs(
-                &logits,
-                &targets.narrow(1, r.start, r.len())?,
-            )?);
-        }
-        let logp = Tensor::cat(&parts, 1)?;
+        let logp = head_logprobs(&detached, last, targets, &ranges)?;
         Some(loss_and_grad(objective, &logp, 0..t)?)
     };
 
