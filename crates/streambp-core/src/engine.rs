@@ -281,7 +281,12 @@ pub fn forward_logprobs(
     for layer in &detached.layers {
         h = layer_forward_streamed(layer, &h, &layout, chunks.chunk)?;
     }
-    head_logprobs(&detached, &h, targets, &chunk_ranges(h.dim(1)?, chunks.logits_chunk))
+    head_logprobs(
+        &detached,
+        &h,
+        targets,
+        &chunk_ranges(h.dim(1)?, chunks.logits_chunk),
+    )
 }
 
 /// Target log-probs `[batch, T]` of the last layer's output `last` under a detached model's final norm
@@ -479,7 +484,7 @@ fn head_chunk(
     let (b, c, d) = h.dims3()?;
     let n = b * c;
     let h2 = h.reshape((n, d))?;
-    let weight = &detached.lm_head;
+    let weight = detached.head_weight();
     let dtype = h.dtype();
     let compute = if dtype == DType::F64 {
         DType::F64

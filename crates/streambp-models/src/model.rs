@@ -187,6 +187,12 @@ impl Model {
         &self.params[self.roles.head]
     }
 
+    /// The LM head's weight tensor `[vocab, hidden]` (the embedding table when tied), as this model
+    /// holds it: recorded when the model is, not when it is `detached()`.
+    pub fn head_weight(&self) -> &Tensor {
+        &self.lm_head
+    }
+
     /// Whether the LM head is the embedding table (its gradient then also gets the embedding's).
     pub fn head_is_embedding(&self) -> bool {
         self.roles.head == self.roles.embedding
