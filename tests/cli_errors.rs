@@ -109,7 +109,7 @@ const CASES: &[Case] = &[
     case("sft --data {dir}/latin1.jsonl --max-steps 1", 1, "latin1.jsonl line 2: not valid UTF-8"),
     case("sft --config {dir}/missing.toml", 2, "missing.toml: cannot read"),
     case("sft --model models/x --max-steps 1", 1, "no directory models/x under"),
-    case("sft --model {dir}/a_file", 1, "is a file; --model takes a model directory"),
+    case("sft --model {dir}/a_file", 1, "is a file; --model takes a directory or a hub id"),
     case(
         "dpo --ref-model {fixtures}/qwen3 --max-steps 1",
         1,

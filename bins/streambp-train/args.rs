@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 use streambp_core::Mode;
 use streambp_objectives::GrpoLossType;
-use streambp_train::config::{GrpoConfig, Recipe, TrainConfig};
+use streambp_train::config::{GrpoConfig, LoraArgs, Recipe, TrainConfig};
 use streambp_train::data::Overflow;
 use streambp_train::grad::GradArgs;
 use streambp_train::optim::Schedule;
@@ -154,6 +154,12 @@ pub struct TrainArgs {
     /// Hide the progress bar.
     #[arg(long)]
     no_progress: bool,
+    #[command(flatten)]
+    lora: LoraArgs,
+    /// With LoRA: also write the model with the adapter merged in (W + s·B·A) as a plain HF model
+    /// directory, <output-dir>/merged.
+    #[arg(long)]
+    merge: bool,
 }
 
 #[derive(clap::Args)]
@@ -252,6 +258,9 @@ impl TrainArgs {
             sft_weight: self.sft_weight.unwrap_or(d.sft_weight),
             ref_model: self.ref_model,
             progress: !self.no_progress,
+            lora: self.lora.config()?,
+            adapter: self.lora.adapter,
+            merge: self.merge,
         })
     }
 }

@@ -240,6 +240,7 @@ fn run(
 fn options(args: &Args) -> Options {
     Options {
         offload_checkpoints: args.offload_checkpoints,
+        ..Default::default()
     }
 }
 

@@ -76,6 +76,9 @@ pub struct Options {
     /// Keep the layer checkpoints in host memory and bring each back for its layer's backward, so
     /// accelerator memory no longer grows with `L × T × d` (a no-op for a model on the CPU).
     pub offload_checkpoints: bool,
+    /// LoRA dropout on, its masks derived from this key (the trainer's seed, step and micro-batch);
+    /// every mode sees the same masks. `None`: no dropout.
+    pub dropout_key: Option<u64>,
 }
 
 impl Options {
@@ -173,7 +176,10 @@ pub fn backward_with(
     if chunks.chunk == 0 || chunks.logits_chunk == 0 {
         return Err(EngineError::Plan("chunk sizes must be at least 1".into()));
     }
-    let layout = batch.layout()?;
+    let layout = match options.dropout_key {
+        Some(key) => batch.layout()?.with_dropout(key),
+        None => batch.layout()?,
+    };
     let mut sink = GradSink::new();
     let mut peaks = PhaseLog::start_on(model.device());
 
@@ -424,7 +430,8 @@ fn head_backward(
         Some(loss_and_grad(objective, &logp, 0..t)?)
     };
 
-    let head_name = &model.head_parameter().0;
+    // The head's weight gradient only where the head is trained (not under LoRA).
+    let head = model.head_parameter().map(|(name, _)| name);
     let grad_last = last.zeros_like()?;
     let mut logp_parts = Vec::with_capacity(ranges.len());
     let mut loss = 0.0;
@@ -442,15 +449,23 @@ fn head_backward(
                 }
             })
         };
-        let out = head_chunk(&detached, &h.detach(), &chunk_targets, grad_of)?;
-        sink.add(head_name, out.grad_weight)?;
+        let out = head_chunk(
+            &detached,
+            &h.detach(),
+            &chunk_targets,
+            head.is_some(),
+            grad_of,
+        )?;
+        if let (Some(name), Some(g)) = (head, out.grad_weight) {
+            sink.add(name, g)?;
+        }
         let store = (h * out.grad_hidden)?.sum_all()?.backward()?;
         grad_last.slice_set(
             &required(&store, x.as_tensor(), "last hidden state")?,
             1,
             r.start,
         )?;
-        sink.absorb(&store, std::iter::once(model.final_norm_parameter()))?;
+        sink.absorb(&store, model.final_norm_parameter().into_iter())?;
         logp_parts.push(out.logp);
     }
     if let Some((l, _)) = whole {
@@ -465,8 +480,8 @@ struct HeadChunk {
     logp: Tensor,
     /// `[b, c, d]` gradient of the normed hidden states.
     grad_hidden: Tensor,
-    /// `[V, d]` this chunk's share of the head weight's gradient.
-    grad_weight: Tensor,
+    /// `[V, d]` this chunk's share of the head weight's gradient, when asked for.
+    grad_weight: Option<Tensor>,
 }
 
 /// The LM head's forward and explicit VJP on one chunk of normed hidden states `h` (`[b, c, d]`,
@@ -474,11 +489,13 @@ struct HeadChunk {
 ///
 /// With `z` the (soft-capped) logits in f32/f64 and `p = softmax(z)`, `d logp / dz = onehot − p`; a
 /// soft-cap (the model's [`Model::soft_cap`]) adds its slope as a factor. Writing it out avoids
-/// autograd's `[V, d]` zero-fill and strided transpose-add per chunk.
+/// autograd's `[V, d]` zero-fill and strided transpose-add per chunk. `weight_grad`: whether the
+/// head's weight is trained (its `[V, d]` gradient is formed only then).
 fn head_chunk(
     detached: &Model,
     h: &Tensor,
     targets: &Tensor,
+    weight_grad: bool,
     mut grad_of: impl FnMut(&Tensor) -> Result<Tensor>,
 ) -> Result<HeadChunk> {
     let (b, c, d) = h.dims3()?;
@@ -509,7 +526,10 @@ fn head_chunk(
     Ok(HeadChunk {
         logp,
         grad_hidden: dz.matmul(weight)?.reshape((b, c, d))?,
-        grad_weight: dz.t()?.matmul(&h2)?,
+        grad_weight: match weight_grad {
+            true => Some(dz.t()?.matmul(&h2)?),
+            false => None,
+        },
     })
 }
 
@@ -573,7 +593,7 @@ fn layer_backward_streamed(
             earlier: earlier.as_ref(),
         };
         let attn = layer.attend(&q, &k_own, &v_own, block)?;
-        let y = layer.after_attention(x_c.as_tensor(), &attn)?;
+        let y = layer.after_attention(x_c.as_tensor(), &attn, s, layout)?;
         let surrogate = ((y * grad_out.narrow(1, s, len)?)?.sum_all()?
             + (k_own * grad_keys.narrow(2, s, len)?)?.sum_all()?
             + (v_own * grad_values.narrow(2, s, len)?)?.sum_all()?)?;
@@ -611,10 +631,10 @@ fn embedding_backward(
     grad: &Tensor,
     sink: &mut GradSink,
 ) -> Result<()> {
-    sink.add(
-        &model.embedding_parameter().0,
-        model.embed_vjp(input_ids, grad)?,
-    )
+    match model.embedding_parameter() {
+        Some((name, _)) => sink.add(name, model.embed_vjp(input_ids, grad)?),
+        None => Ok(()),
+    }
 }
 
 /// `full`: one graph over the model and the loss.

@@ -138,6 +138,7 @@ fn offloaded_checkpoints_give_the_same_gradients() {
     let plain = f.run(Mode::Stream, 3, 4);
     let offload = streambp_core::Options {
         offload_checkpoints: true,
+        ..Default::default()
     };
     let out =
         streambp_core::backward_with(&f.model, batch, &f.sft(), Mode::Stream, chunks, offload)

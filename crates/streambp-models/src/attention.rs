@@ -12,12 +12,10 @@
 //! each query may read comes from a [`KeyMask`] one key block at a time, so not even the mask is ever
 //! `c × t`.
 
-use std::sync::Mutex;
-
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
 
 use crate::error::Result;
+use crate::op::Precomputed;
 
 /// Keys per block: the score tensors of a query chunk are at most `heads × c × KEY_BLOCK`.
 pub const KEY_BLOCK: usize = 2048;
@@ -190,17 +188,7 @@ struct Attention {
     /// From the forward, to recompute the probabilities.
     normalizer: Normalizer,
     /// The forward's result, computed before the op is recorded; the op's forward only hands it over.
-    out: Mutex<Option<Tensor>>,
-}
-
-impl Attention {
-    fn take_out(&self) -> CResult<Tensor> {
-        self.out
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("attention: poisoned lock".into()))?
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("attention: forward run twice".into()))
-    }
+    out: Precomputed,
 }
 
 impl CustomOp3 for Attention {
@@ -217,12 +205,7 @@ impl CustomOp3 for Attention {
         _: &CpuStorage,
         _: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let out = self.take_out()?;
-        let (storage, layout) = out.storage_and_layout();
-        match &*storage {
-            Storage::Cpu(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
-            _ => candle_core::bail!("attention: output on another device than its inputs"),
-        }
+        self.out.cpu()
     }
 
     #[cfg(feature = "cuda")]
@@ -235,12 +218,7 @@ impl CustomOp3 for Attention {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> CResult<(candle_core::CudaStorage, Shape)> {
-        let out = self.take_out()?;
-        let (storage, layout) = out.storage_and_layout();
-        match &*storage {
-            Storage::Cuda(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
-            _ => candle_core::bail!("attention: output on another device than its inputs"),
-        }
+        self.out.cuda()
     }
 
     /// Per key block, with `P` recomputed from the normalizer: `dV = Pᵀ g`, `dP = g Vᵀ`,
@@ -331,7 +309,7 @@ pub fn attention(
     let op = Attention {
         blocks,
         normalizer,
-        out: Mutex::new(Some(out)),
+        out: Precomputed::new(out),
     };
     Ok(q.apply_op3(k, v, op)?)
 }

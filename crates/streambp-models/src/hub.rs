@@ -16,15 +16,46 @@ const OPTIONAL_FILES: &[&str] = &[
     "special_tokens_map.json",
 ];
 
+/// What a repository is resolved for, and so which files it must hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wanted {
+    /// A model: `config.json` and its weights (one file or the shards an index lists).
+    Model,
+    /// A PEFT adapter: `adapter_config.json` and `adapter_model.safetensors`.
+    Adapter,
+}
+
+impl Wanted {
+    fn flag(self) -> &'static str {
+        match self {
+            Wanted::Model => "--model",
+            Wanted::Adapter => "--adapter",
+        }
+    }
+}
+
+/// The files of a PEFT adapter directory.
+pub const ADAPTER_FILES: [&str; 2] = ["adapter_config.json", "adapter_model.safetensors"];
+
 /// A local model directory for `spec`: a path, or a hub id such as `Qwen/Qwen3-0.6B`.
 pub fn resolve_model_dir(spec: &str) -> Result<PathBuf> {
+    resolve(spec, Wanted::Model)
+}
+
+/// A local PEFT adapter directory for `spec`: a path, or a hub id of an adapter repository.
+pub fn resolve_adapter_dir(spec: &str) -> Result<PathBuf> {
+    resolve(spec, Wanted::Adapter)
+}
+
+fn resolve(spec: &str, wanted: Wanted) -> Result<PathBuf> {
     let path = Path::new(spec);
     if path.is_dir() {
         return Ok(path.to_path_buf());
     }
     if path.exists() {
         return Err(ModelError::Hub(format!(
-            "{spec} is a file; --model takes a model directory or a hub id"
+            "{spec} is a file; {} takes a directory or a hub id",
+            wanted.flag()
         )));
     }
     let looks_like_id =
@@ -34,7 +65,11 @@ pub fn resolve_model_dir(spec: &str) -> Result<PathBuf> {
             "{spec} is neither an existing directory nor a hub id of the form owner/name"
         )));
     }
-    if let Some(dir) = cached_model_dir(&Cache::from_env(), spec) {
+    let cached = match wanted {
+        Wanted::Model => cached_model_dir(&Cache::from_env(), spec),
+        Wanted::Adapter => cached_adapter_dir(&Cache::from_env(), spec),
+    };
+    if let Some(dir) = cached {
         return Ok(dir);
     }
     // `models/x` may be a mistyped local path as well as a hub id: say both where it was looked for.
@@ -49,7 +84,7 @@ pub fn resolve_model_dir(spec: &str) -> Result<PathBuf> {
             Cache::from_env().path().display()
         )));
     }
-    download(spec).map_err(|e| {
+    download(spec, wanted).map_err(|e| {
         ModelError::Hub(format!(
             "{not_local}, and as a hub id it could not be fetched: {}",
             e.to_string().trim_start_matches("hub: ")
@@ -74,13 +109,30 @@ pub fn cached_model_dir(cache: &Cache, id: &str) -> Option<PathBuf> {
     }
 }
 
-fn download(id: &str) -> Result<PathBuf> {
+/// The snapshot directory of the adapter `id` in `cache` if both its files are there.
+pub fn cached_adapter_dir(cache: &Cache, id: &str) -> Option<PathBuf> {
+    let repo = cache.model(id.to_string());
+    let files: Option<Vec<PathBuf>> = ADAPTER_FILES.iter().map(|f| repo.get(f)).collect();
+    files?.first()?.parent().map(Path::to_path_buf)
+}
+
+fn download(id: &str, wanted: Wanted) -> Result<PathBuf> {
     let hub = |e: hf_hub::api::sync::ApiError| ModelError::Hub(format!("{id}: {e}"));
     let api = ApiBuilder::from_env()
         .with_progress(true)
         .build()
         .map_err(hub)?;
     let repo = api.model(id.to_string());
+    if wanted == Wanted::Adapter {
+        let mut files = Vec::new();
+        for file in ADAPTER_FILES {
+            files.push(repo.get(file).map_err(hub)?);
+        }
+        return files[0]
+            .parent()
+            .map(Path::to_path_buf)
+            .ok_or_else(|| ModelError::Hub(format!("{id}: unexpected cache layout")));
+    }
     let config = repo.get("config.json").map_err(hub)?;
     match repo.get("model.safetensors.index.json") {
         Ok(index) => {

@@ -12,6 +12,7 @@ use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::error::Result;
 use crate::layout::Layout;
 use crate::linear::Linear;
+use crate::lora::Projection;
 use crate::norm::RmsNorm;
 use crate::rope::{apply_rope, Rotary};
 
@@ -31,6 +32,8 @@ pub struct AttentionShape {
 /// The weights of one decoder layer.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
+    /// The layer's index in the model (its adapters' dropout masks depend on it).
+    pub index: usize,
     /// The layer's attention span (sliding window or not) and rotary parameters.
     pub kind: LayerKind,
     /// Head counts and the q·k scale.
@@ -171,7 +174,7 @@ impl DecoderLayer {
 
     /// Queries `[batch, heads, len, head_dim]` for normed inputs at indices `start..start + len`.
     pub fn queries(&self, normed: &Tensor, start: usize, layout: &Layout) -> Result<Tensor> {
-        let q = self.project_heads(normed, &self.q_proj, self.shape.num_heads)?;
+        let q = self.project_heads(normed, &self.q_proj, self.shape.num_heads, start, layout)?;
         self.norm_and_rotate(q, self.q_norm.as_ref(), start, layout)
     }
 
@@ -182,16 +185,24 @@ impl DecoderLayer {
         start: usize,
         layout: &Layout,
     ) -> Result<(Tensor, Tensor)> {
-        let k = self.project_heads(normed, &self.k_proj, self.shape.num_kv_heads)?;
+        let heads = self.shape.num_kv_heads;
+        let k = self.project_heads(normed, &self.k_proj, heads, start, layout)?;
         let k = self.norm_and_rotate(k, self.k_norm.as_ref(), start, layout)?;
-        let v = self.project_heads(normed, &self.v_proj, self.shape.num_kv_heads)?;
+        let v = self.project_heads(normed, &self.v_proj, heads, start, layout)?;
         Ok((k, v.contiguous()?))
     }
 
-    fn project_heads(&self, normed: &Tensor, proj: &Linear, heads: usize) -> Result<Tensor> {
+    fn project_heads(
+        &self,
+        normed: &Tensor,
+        proj: &Linear,
+        heads: usize,
+        start: usize,
+        layout: &Layout,
+    ) -> Result<Tensor> {
         let (b, len, _) = normed.dims3()?;
         Ok(proj
-            .forward(normed)?
+            .forward_at(normed, start, layout.dropout_key())?
             .reshape((b, len, heads, self.shape.head_dim))?
             .transpose(1, 2)?)
     }
@@ -253,39 +264,51 @@ impl DecoderLayer {
         .reshape((b, c, heads * hd))?)
     }
 
-    /// Output projection of the attention core's result, with Gemma's post-attention norm.
-    pub fn attention_output(&self, attn: &Tensor) -> Result<Tensor> {
-        let o = self.o_proj.forward(attn)?;
+    /// Output projection of the attention core's result for tokens `start..`, with Gemma's
+    /// post-attention norm.
+    pub fn attention_output(&self, attn: &Tensor, start: usize, layout: &Layout) -> Result<Tensor> {
+        let o = self.o_proj.forward_at(attn, start, layout.dropout_key())?;
         match &self.post_attn_norm {
             Some(n) => n.forward(&o),
             None => Ok(o),
         }
     }
 
-    /// The MLP branch (without its residual): norm → gated MLP → Gemma's post-MLP norm.
-    pub fn mlp_block(&self, x: &Tensor) -> Result<Tensor> {
+    /// The MLP branch (without its residual) for tokens `start..`: norm → gated MLP → Gemma's
+    /// post-MLP norm.
+    pub fn mlp_block(&self, x: &Tensor, start: usize, layout: &Layout) -> Result<Tensor> {
+        let key = layout.dropout_key();
         let h = self.pre_mlp_norm.forward(x)?;
-        let gate = self.gate_proj.forward(&h)?;
+        let gate = self.gate_proj.forward_at(&h, start, key)?;
         let gate = match self.activation {
             Activation::Silu => candle_nn::ops::silu(&gate)?,
             Activation::GeluTanh => gelu_tanh(&gate)?,
             Activation::Gelu => gelu_erf(&gate)?,
         };
-        let m = self
-            .down_proj
-            .forward(&(gate * self.up_proj.forward(&h)?)?)?;
+        let m = self.down_proj.forward_at(
+            &(gate * self.up_proj.forward_at(&h, start, key)?)?,
+            start,
+            key,
+        )?;
         match &self.post_mlp_norm {
             Some(n) => n.forward(&m),
             None => Ok(m),
         }
     }
 
-    /// The rest of the layer once its attention core has given `attn` for the input `x`: the output
-    /// projection into the residual stream, then the MLP block into it. The layer's residual structure,
-    /// written once for every caller (whole sequences, chunks, the streamed backward, sampling).
-    pub fn after_attention(&self, x: &Tensor, attn: &Tensor) -> Result<Tensor> {
-        let x1 = (x + self.attention_output(attn)?)?;
-        Ok((&x1 + self.mlp_block(&x1)?)?)
+    /// The rest of the layer once its attention core has given `attn` for the input `x` (tokens
+    /// `start..`): the output projection into the residual stream, then the MLP block into it. The
+    /// layer's residual structure, written once for every caller (whole sequences, chunks, the
+    /// streamed backward, sampling).
+    pub fn after_attention(
+        &self,
+        x: &Tensor,
+        attn: &Tensor,
+        start: usize,
+        layout: &Layout,
+    ) -> Result<Tensor> {
+        let x1 = (x + self.attention_output(attn, start, layout)?)?;
+        Ok((&x1 + self.mlp_block(&x1, start, layout)?)?)
     }
 
     /// The layer output for the input chunk `x_c` at positions `q_start..`, given keys/values for
@@ -300,7 +323,7 @@ impl DecoderLayer {
         let normed = self.norm_input(x_c)?;
         let q = self.queries(&normed, keys.q_start, keys.layout)?;
         let attn = self.attend(&q, k, v, keys)?;
-        self.after_attention(x_c, &attn)
+        self.after_attention(x_c, &attn, keys.q_start, keys.layout)
     }
 
     /// The layer over a whole sequence `[b, t, d]` laid out as `layout`.
@@ -315,7 +338,33 @@ impl DecoderLayer {
             earlier: None,
         };
         let attn = self.attend(&q, &k, &v, keys)?;
-        self.after_attention(x, &attn)
+        self.after_attention(x, &attn, 0, layout)
+    }
+
+    /// The projection `p` of the layer.
+    pub fn projection(&self, p: Projection) -> &Linear {
+        match p {
+            Projection::Q => &self.q_proj,
+            Projection::K => &self.k_proj,
+            Projection::V => &self.v_proj,
+            Projection::O => &self.o_proj,
+            Projection::Gate => &self.gate_proj,
+            Projection::Up => &self.up_proj,
+            Projection::Down => &self.down_proj,
+        }
+    }
+
+    /// The projection `p` of the layer, to change.
+    pub fn projection_mut(&mut self, p: Projection) -> &mut Linear {
+        match p {
+            Projection::Q => &mut self.q_proj,
+            Projection::K => &mut self.k_proj,
+            Projection::V => &mut self.v_proj,
+            Projection::O => &mut self.o_proj,
+            Projection::Gate => &mut self.gate_proj,
+            Projection::Up => &mut self.up_proj,
+            Projection::Down => &mut self.down_proj,
+        }
     }
 
     /// The same layer with every weight cut from the graph: runs without recording anything.

@@ -22,6 +22,9 @@ pub struct Layout {
     rope: RopeCache,
     /// Tokens per row, when known: the rope tables are built that long at once.
     seq_len: usize,
+    /// Where the LoRA dropout masks of this batch come from (seed, step, micro-batch); `None`: no
+    /// dropout (evaluation, reference models, sampling).
+    dropout_key: Option<u64>,
 }
 
 /// Rope tables this layout has built, per rotary table and dtype: every layer and chunk of a backward
@@ -79,6 +82,7 @@ impl Layout {
             packing,
             rope: RopeCache::default(),
             seq_len: 0,
+            dropout_key: None,
         })
     }
 
@@ -87,6 +91,17 @@ impl Layout {
     pub fn with_seq_len(mut self, seq_len: usize) -> Self {
         self.seq_len = seq_len;
         self
+    }
+
+    /// The same layout with LoRA dropout on, its masks derived from `key` (see [`crate::lora`]).
+    pub fn with_dropout(mut self, key: u64) -> Self {
+        self.dropout_key = Some(key);
+        self
+    }
+
+    /// The key of this batch's LoRA dropout masks, when dropout is on.
+    pub fn dropout_key(&self) -> Option<u64> {
+        self.dropout_key
     }
 
     /// `(cos, sin)` rope tables for tokens `start..start + len`: `[len, head_dim]`, or `[batch, 1, len,

@@ -16,6 +16,7 @@
 
 #![warn(missing_docs)]
 
+pub mod adapter;
 pub mod attention;
 pub mod config;
 pub mod device;
@@ -26,14 +27,17 @@ pub mod layer;
 pub mod layout;
 pub mod linear;
 pub mod loader;
+pub mod lora;
 pub mod model;
 pub mod norm;
+mod op;
 pub mod rope;
 
 pub use config::{Activation, Family, LayerKind, ModelConfig, NormStyle, RopeConfig, RopeScaling};
 pub use error::{ModelError, Result};
-pub use hub::resolve_model_dir;
+pub use hub::{resolve_adapter_dir, resolve_model_dir};
 pub use layer::{DecoderLayer, KeyBlock};
 pub use layout::{key_validity, Layout};
 pub use loader::{load_model, save_safetensors};
+pub use lora::{LoraConfig, Projection};
 pub use model::Model;

@@ -1,26 +1,45 @@
-//! A dense projection `x Wᵀ + b` over the last dimension of a tensor of any rank.
+//! A dense projection `x Wᵀ + b` over the last dimension of a tensor of any rank, with an optional LoRA
+//! adapter, and a frozen mode in which the weight gets no gradient (not even a discarded one).
 
 use candle_core::Tensor;
 
 use crate::error::{ModelError, Result};
+use crate::lora::LoraAdapter;
 
-/// A projection's weight and optional bias, applied as `x Wᵀ + b`.
+/// A projection's weight and optional bias, applied as `x Wᵀ + b`, plus an adapter's
+/// `s · (dropout(x) Aᵀ) Bᵀ` where it has one.
 #[derive(Debug, Clone)]
 pub struct Linear {
     /// `[out, in]`, as stored by transformers.
     pub weight: Tensor,
     /// `[out]`, where the layer has one.
     pub bias: Option<Tensor>,
+    /// The weight and bias are constants (a LoRA model's base): the backward computes the input's
+    /// gradient only.
+    pub frozen: bool,
+    /// The LoRA adapter, where one sits on this projection.
+    pub lora: Option<LoraAdapter>,
 }
 
 impl Linear {
-    /// A projection with these weights.
+    /// A trainable projection with these weights and no adapter.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self { weight, bias }
+        Self {
+            weight,
+            bias,
+            frozen: false,
+            lora: None,
+        }
     }
 
-    /// `x Wᵀ + b` for `x` `[.., in]`: `[.., out]`.
+    /// `x Wᵀ + b` (+ the adapter, without dropout) for `x` `[.., in]`: `[.., out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_at(x, 0, None)
+    }
+
+    /// [`Linear::forward`] for the tokens `start..` of a `[b, len, in]` input, whose adapter's dropout
+    /// masks come from `dropout_key` (none without a key).
+    pub fn forward_at(&self, x: &Tensor, start: usize, dropout_key: Option<u64>) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let Some((inner, lead)) = dims.split_last() else {
             return Err(ModelError::Input(
@@ -28,9 +47,22 @@ impl Linear {
             ));
         };
         let rows: usize = lead.iter().product();
-        let y = x.reshape((rows, *inner))?.matmul(&self.weight.t()?)?;
-        let y = match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
+        let x2 = x.reshape((rows, *inner))?;
+        let y = match self.frozen {
+            true => crate::op::frozen_linear(&x2, &self.weight, self.bias.as_ref())?,
+            false => {
+                let y = x2.matmul(&self.weight.t()?)?;
+                match &self.bias {
+                    Some(b) => y.broadcast_add(b)?,
+                    None => y,
+                }
+            }
+        };
+        let y = match &self.lora {
+            Some(adapter) => {
+                let batch_rows = if lead.len() > 1 { lead[0] } else { 1 };
+                (y + adapter.delta(&x2, batch_rows, start, dropout_key)?)?
+            }
             None => y,
         };
         let mut out_shape = lead.to_vec();
@@ -38,11 +70,13 @@ impl Linear {
         Ok(y.reshape(out_shape)?)
     }
 
-    /// The same projection with its weights cut from the graph.
+    /// The same projection with its weights (and adapter) cut from the graph.
     pub fn detached(&self) -> Self {
         Self {
             weight: self.weight.detach(),
             bias: self.bias.as_ref().map(Tensor::detach),
+            frozen: self.frozen,
+            lora: self.lora.as_ref().map(LoraAdapter::detached),
         }
     }
 }

@@ -11,9 +11,11 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use crate::config::{ModelConfig, EMBED_TOKENS, FINAL_NORM, LM_HEAD};
 use crate::error::{ModelError, Result};
+use crate::init::NormalRng;
 use crate::layer::DecoderLayer;
 use crate::layout::Layout;
 use crate::linear::Linear;
+use crate::lora::{kaiming_uniform, peft_key, LoraAdapter, LoraConfig, Matrix, Projection};
 use crate::norm::RmsNorm;
 use crate::rope::Rotary;
 
@@ -30,33 +32,36 @@ pub struct Model {
     pub norm: RmsNorm,
     /// `[vocab, hidden]`; the embedding itself when the embeddings are tied.
     pub lm_head: Tensor,
+    /// Every weight under its checkpoint name (tied embeddings once): what a full model is saved as.
+    weights: Vec<(String, Tensor)>,
+    /// What is trained: every weight (full fine-tuning) or the adapters' matrices under PEFT's keys.
     params: Vec<(String, Var)>,
     roles: Roles,
+    /// The LoRA settings when the model carries adapters; its weights are then constants.
+    lora: Option<LoraConfig>,
 }
 
-/// Where each role's parameters sit in `params` (which is in checkpoint order), so an engine can ask
-/// for "the head" or "layer 3" without knowing any checkpoint name.
+/// Where each role's trainable parameters sit in `params`, so an engine can ask for "the head" or
+/// "layer 3" without knowing any checkpoint name. A role without a trainable parameter (a LoRA
+/// model's head, norms and embedding) is `None`.
 #[derive(Debug, Clone)]
 struct Roles {
-    embedding: usize,
-    final_norm: usize,
+    embedding: Option<usize>,
+    final_norm: Option<usize>,
     /// The untied head; with tied embeddings the embedding serves.
-    head: usize,
+    head: Option<usize>,
     layers: Vec<Range<usize>>,
 }
 
 impl Roles {
+    /// The roles of a fully trainable model's parameters (checkpoint names, checkpoint order).
     fn of(params: &[(String, Var)], layers: usize) -> Result<Self> {
-        let find = |name: &str| {
-            params
-                .iter()
-                .position(|(n, _)| n == name)
-                .ok_or_else(|| ModelError::MissingTensor {
-                    name: name.into(),
-                    files: "the model's parameters".into(),
-                })
+        let find = |name: &str| params.iter().position(|(n, _)| n == name);
+        let missing = |name: &str| ModelError::MissingTensor {
+            name: name.into(),
+            files: "the model's parameters".into(),
         };
-        let embedding = find(EMBED_TOKENS)?;
+        let embedding = find(EMBED_TOKENS).ok_or_else(|| missing(EMBED_TOKENS))?;
         let layers = (0..layers)
             .map(|i| {
                 let prefix = format!("model.layers.{i}.");
@@ -73,9 +78,9 @@ impl Roles {
             })
             .collect();
         Ok(Self {
-            embedding,
-            final_norm: find(FINAL_NORM)?,
-            head: find(LM_HEAD).unwrap_or(embedding),
+            embedding: Some(embedding),
+            final_norm: Some(find(FINAL_NORM).ok_or_else(|| missing(FINAL_NORM))?),
+            head: Some(find(LM_HEAD).unwrap_or(embedding)),
             layers,
         })
     }
@@ -103,6 +108,10 @@ impl Model {
             }
             params.push((name, Var::from_tensor(&t)?));
         }
+        let weights = params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
         let by_name: HashMap<&str, Tensor> = params
             .iter()
             .map(|(n, v)| (n.as_str(), v.as_tensor().clone()))
@@ -126,6 +135,7 @@ impl Model {
                 let norms = config.layer_norm_names();
                 let layer_norm = |name: &str| norm(&p(&format!("{name}.weight")));
                 DecoderLayer {
+                    index: i,
                     kind: *kind,
                     shape,
                     activation: config.activation,
@@ -159,14 +169,28 @@ impl Model {
             embed_tokens,
             layers,
             lm_head,
+            weights,
             params,
             roles,
+            lora: None,
         })
     }
 
-    /// Every trainable parameter under its HF name (tied embeddings appear once).
+    /// Every trainable parameter: each weight under its HF name (tied embeddings once) for full
+    /// fine-tuning, each adapter matrix under its PEFT key for LoRA.
     pub fn parameters(&self) -> &[(String, Var)] {
         &self.params
+    }
+
+    /// Every weight of the (base) model under its HF name, tied embeddings once: what a full
+    /// checkpoint holds. For LoRA these are the frozen base weights, without the adapters.
+    pub fn weights(&self) -> &[(String, Tensor)] {
+        &self.weights
+    }
+
+    /// The LoRA settings, when the model carries adapters.
+    pub fn lora(&self) -> Option<&LoraConfig> {
+        self.lora.as_ref()
     }
 
     /// The parameters of decoder layer `index`.
@@ -177,14 +201,14 @@ impl Model {
         }
     }
 
-    /// The token embedding table.
-    pub fn embedding_parameter(&self) -> &(String, Var) {
-        &self.params[self.roles.embedding]
+    /// The token embedding table, when it is trained.
+    pub fn embedding_parameter(&self) -> Option<&(String, Var)> {
+        self.roles.embedding.map(|i| &self.params[i])
     }
 
-    /// The LM head's weight: its own, or the embedding table when they are tied.
-    pub fn head_parameter(&self) -> &(String, Var) {
-        &self.params[self.roles.head]
+    /// The LM head's weight when it is trained: its own, or the embedding table when they are tied.
+    pub fn head_parameter(&self) -> Option<&(String, Var)> {
+        self.roles.head.map(|i| &self.params[i])
     }
 
     /// The LM head's weight tensor `[vocab, hidden]` (the embedding table when tied), as this model
@@ -193,21 +217,19 @@ impl Model {
         &self.lm_head
     }
 
-    /// Whether the LM head is the embedding table (its gradient then also gets the embedding's).
-    pub fn head_is_embedding(&self) -> bool {
-        self.roles.head == self.roles.embedding
+    /// The final norm's weight, when it is trained.
+    pub fn final_norm_parameter(&self) -> Option<&(String, Var)> {
+        self.roles.final_norm.map(|i| &self.params[i])
     }
 
-    /// The final norm's weight.
-    pub fn final_norm_parameter(&self) -> &(String, Var) {
-        &self.params[self.roles.final_norm]
-    }
-
-    /// The parameters whose gradients are complete once the LM head's backward is done: the final
-    /// norm, and the head unless it is the embedding table.
+    /// The trained parameters whose gradients are complete once the LM head's backward is done: the
+    /// final norm, and the head unless it is the embedding table (which the embedding phase adds to).
     pub fn output_parameters(&self) -> impl Iterator<Item = &(String, Var)> {
-        let head = (!self.head_is_embedding()).then(|| self.head_parameter());
-        std::iter::once(self.final_norm_parameter()).chain(head)
+        let untied_head = self.roles.head.filter(|&h| Some(h) != self.roles.embedding);
+        [self.roles.final_norm, untied_head]
+            .into_iter()
+            .flatten()
+            .map(|i| &self.params[i])
     }
 
     /// The dtype of the parameters (and of the activations).
@@ -287,7 +309,11 @@ impl Model {
 
     /// Logits `[.., vocab]` of final-normed hidden states, soft-capped where the config says so.
     pub fn logits(&self, normed: &Tensor) -> Result<Tensor> {
-        self.soft_cap(&Linear::new(self.lm_head.clone(), None).forward(normed)?)
+        let head = Linear {
+            frozen: self.lora.is_some(),
+            ..Linear::new(self.lm_head.clone(), None)
+        };
+        self.soft_cap(&head.forward(normed)?)
     }
 
     /// The final soft-cap of raw logits `l` where the config has one (Gemma): `cap·tanh(l / cap)`.
@@ -327,15 +353,150 @@ impl Model {
         self.logits(&self.hidden_states(input_ids, attention_mask)?)
     }
 
-    /// An independent copy of every parameter (a frozen reference model: optimizer updates of `self`
-    /// write into its storage in place, so a `detached()` view would follow them).
+    /// An independent copy of every weight, without adapters (a frozen reference model: optimizer
+    /// updates of `self` write into its storage in place, so a `detached()` view would follow them).
     pub fn frozen_copy(&self) -> Result<Self> {
         let tensors = self
-            .params
+            .weights
             .iter()
-            .map(|(n, v)| Ok((n.clone(), v.as_tensor().detach().copy()?)))
+            .map(|(n, t)| Ok((n.clone(), t.detach().copy()?)))
             .collect::<Result<HashMap<_, _>>>()?;
         Ok(Model::from_tensors(self.config.clone(), tensors)?.detached())
+    }
+
+    /// The model with LoRA adapters on `config.targets` of every layer: the base weights become
+    /// constants (no gradient, not even a discarded one), the adapters the only trainable parameters
+    /// (in f32, or f64 for an f64 model, whatever the base's dtype). `adapters` gives their matrices
+    /// under PEFT's keys (an adapter to continue); without it they start as PEFT's fresh ones (`A`
+    /// kaiming-uniform from `seed`, `B` zero). Every given matrix must fit a target, and every target
+    /// must be given.
+    pub fn with_lora(
+        self,
+        config: LoraConfig,
+        adapters: Option<HashMap<String, Tensor>>,
+        seed: u64,
+    ) -> Result<Self> {
+        config.validate()?;
+        let mut model = self.detached();
+        let dtype = match model.dtype() {
+            DType::F64 => DType::F64,
+            _ => DType::F32,
+        };
+        let device = model.device().clone();
+        let mut given = adapters;
+        let mut rng = NormalRng::new(seed ^ 0x1_0ea);
+        let mut params = Vec::new();
+        let mut ranges = Vec::with_capacity(model.layers.len());
+        for layer in &mut model.layers {
+            let (index, start) = (layer.index, params.len());
+            for p in Projection::ALL {
+                let linear = layer.projection_mut(p);
+                linear.frozen = true;
+                if !config.targets.contains(&p) {
+                    continue;
+                }
+                let (out, features) = linear.weight.dims2()?;
+                let mut matrix = |m: Matrix, shape: (usize, usize)| -> Result<(String, Var)> {
+                    let key = peft_key(index, p, m);
+                    let t = match given.as_mut() {
+                        Some(tensors) => {
+                            let t =
+                                tensors
+                                    .remove(&key)
+                                    .ok_or_else(|| ModelError::MissingTensor {
+                                        name: key.clone(),
+                                        files: "the adapter".into(),
+                                    })?;
+                            if t.dims() != [shape.0, shape.1] {
+                                return Err(ModelError::ShapeMismatch {
+                                    name: key,
+                                    path: "the adapter".into(),
+                                    expected: vec![shape.0, shape.1],
+                                    found: t.dims().to_vec(),
+                                });
+                            }
+                            t.to_dtype(dtype)?.to_device(&device)?
+                        }
+                        None if m == Matrix::A => {
+                            kaiming_uniform(&mut rng, shape.0, shape.1, dtype, &device)?
+                        }
+                        None => Tensor::zeros(shape, dtype, &device)?,
+                    };
+                    Ok((key, Var::from_tensor(&t)?))
+                };
+                let a = matrix(Matrix::A, (config.r, features))?;
+                let b = matrix(Matrix::B, (out, config.r))?;
+                linear.lora = Some(LoraAdapter {
+                    a: a.1.as_tensor().clone(),
+                    b: b.1.as_tensor().clone(),
+                    scale: config.scale(),
+                    dropout: config.dropout,
+                    layer: index,
+                    projection: p,
+                });
+                params.extend([a, b]);
+            }
+            ranges.push(start..params.len());
+        }
+        if let Some(left) = given.and_then(|t| t.into_keys().min()) {
+            return Err(ModelError::Input(format!(
+                "the adapter's tensor {left:?} fits no LoRA target of this model (targets: {})",
+                config
+                    .targets
+                    .iter()
+                    .map(|p| p.name())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            )));
+        }
+        model.weights = model
+            .weights
+            .iter()
+            .map(|(n, t)| (n.clone(), t.detach()))
+            .collect();
+        model.params = params;
+        model.roles = Roles {
+            embedding: None,
+            final_norm: None,
+            head: None,
+            layers: ranges,
+        };
+        model.lora = Some(config);
+        Ok(model)
+    }
+
+    /// The base model, adapters off, recording nothing: a LoRA run's reference model (no second copy
+    /// of the weights, as TRL's reference for PEFT models).
+    pub fn without_adapters(&self) -> Self {
+        let mut base = self.detached();
+        for layer in &mut base.layers {
+            for p in Projection::ALL {
+                layer.projection_mut(p).lora = None;
+            }
+        }
+        base
+    }
+
+    /// The weights with every adapter merged in (`W + s·B·A`, computed in f32 or f64 and stored in
+    /// the base's dtype), under their HF names: a LoRA model as a plain checkpoint.
+    pub fn merged_weights(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut merged: HashMap<String, Tensor> = HashMap::new();
+        for layer in &self.layers {
+            for p in Projection::ALL {
+                let linear = layer.projection(p);
+                if let Some(a) = &linear.lora {
+                    let delta = (a.b.detach().matmul(&a.a.detach())? * a.scale)?;
+                    let w = linear.weight.to_dtype(delta.dtype())?;
+                    let name = format!("{}.weight", p.module_path(layer.index));
+                    merged.insert(name, (w + delta)?.to_dtype(linear.weight.dtype())?);
+                }
+            }
+        }
+        Ok(self
+            .weights
+            .iter()
+            .map(|(n, t)| (n.clone(), merged.remove(n).unwrap_or_else(|| t.clone())))
+            .collect())
     }
 
     /// The same model sharing the same storage, with nothing recorded for autograd.

@@ -13,6 +13,7 @@ use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use streambp_models::adapter::save_adapter;
 use streambp_models::Model;
 
 use crate::output::{OLD_MARK, TMP_MARK};
@@ -69,6 +70,11 @@ const MUST_MATCH: &[&str] = &[
     "--grad-accum",
     "--group-size",
     "--num-iterations",
+    "--lora-r",
+    "--lora-alpha",
+    "--lora-target",
+    "--use-rslora",
+    "--adapter",
 ];
 
 /// Compares the checkpoint's run with the one resuming it: refuses when a setting that must match
@@ -157,8 +163,11 @@ fn write_config(src: &Path, dtype: DType, dst: &Path) -> Result<()> {
 
 /// What a checkpoint directory holds.
 pub struct CheckpointFiles<'a> {
-    /// The model whose parameters are saved, in its own dtype.
+    /// The model saved, in its own dtype: its weights, or a LoRA model's adapter only (as PEFT
+    /// saves it).
     pub model: &'a Model,
+    /// The base model's name or path, recorded as an adapter's `base_model_name_or_path`.
+    pub base_model: Option<&'a str>,
     /// The model's `config.json`, copied with the saved dtype.
     pub config_json: &'a Path,
     /// Tokenizer files copied as they are (`tokenizer.json`, `tokenizer_config.json`…).
@@ -204,16 +213,21 @@ fn write_into(files: &CheckpointFiles, tmp: &Path) -> Result<()> {
         std::fs::remove_dir_all(tmp).map_err(TrainError::io("remove", tmp))?;
     }
     std::fs::create_dir_all(tmp).map_err(TrainError::io("create", tmp))?;
-    let mut tensors: HashMap<String, Tensor> = HashMap::new();
-    for (n, v) in files.model.parameters() {
-        tensors.insert(n.clone(), v.as_tensor().detach().to_device(&Device::Cpu)?);
+    match files.model.lora() {
+        Some(_) => save_adapter(files.model, files.base_model, tmp)?,
+        None => {
+            let mut tensors: HashMap<String, Tensor> = HashMap::new();
+            for (n, t) in files.model.weights() {
+                tensors.insert(n.clone(), t.detach().to_device(&Device::Cpu)?);
+            }
+            save_tensors(&tensors, &tmp.join("model.safetensors"))?;
+            write_config(
+                files.config_json,
+                files.model.dtype(),
+                &tmp.join("config.json"),
+            )?;
+        }
     }
-    save_tensors(&tensors, &tmp.join("model.safetensors"))?;
-    write_config(
-        files.config_json,
-        files.model.dtype(),
-        &tmp.join("config.json"),
-    )?;
     for f in files.tokenizer_files {
         if let Some(n) = f.file_name() {
             std::fs::copy(f, tmp.join(n)).map_err(TrainError::io("copy", f))?;

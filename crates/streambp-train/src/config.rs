@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use streambp_core::{Chunks, Mode};
-use streambp_models::ModelError;
+use streambp_models::{LoraConfig, ModelError, Projection};
 use streambp_objectives::GrpoLossType;
 
 use crate::data::Overflow;
@@ -102,6 +102,12 @@ pub struct TrainConfig {
     pub ref_model: Option<String>,
     /// Show the progress bar.
     pub progress: bool,
+    /// Train a fresh LoRA adapter with these settings instead of every weight.
+    pub lora: Option<LoraConfig>,
+    /// Continue training this PEFT LoRA adapter (a directory or hub id) on the model.
+    pub adapter: Option<String>,
+    /// With LoRA: also write the model with the adapter merged in (`<output-dir>/merged`).
+    pub merge: bool,
 }
 
 /// GRPO's settings beyond the shared ones.
@@ -170,6 +176,9 @@ impl TrainConfig {
             sft_weight: 0.0,
             ref_model: None,
             progress: true,
+            lora: None,
+            adapter: None,
+            merge: false,
         };
         if !builtin {
             return own;
@@ -229,6 +238,63 @@ impl GrpoConfig {
     }
 }
 
+/// The LoRA flags of `sft`, `dpo`, `grpo` and `grad`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct LoraArgs {
+    /// Train a LoRA adapter of this rank instead of every weight (PEFT's semantics and file format).
+    #[arg(long)]
+    pub lora_r: Option<usize>,
+    /// LoRA's alpha: the adapter's output is scaled by alpha / r [default: 2 × r, as TRL's defaults].
+    #[arg(long, allow_negative_numbers = true)]
+    pub lora_alpha: Option<f64>,
+    /// The projections that get adapters: all-linear (every one, never the LM head, as PEFT
+    /// resolves it) or names among q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+    /// (repeat the flag or separate with commas) [default: all-linear].
+    #[arg(long)]
+    pub lora_target: Vec<String>,
+    /// rsLoRA: scale by alpha / √r.
+    #[arg(long)]
+    pub use_rslora: bool,
+    /// Dropout on the adapters' inputs, in [0, 1) [default: 0]; exact in every engine mode.
+    #[arg(long, allow_negative_numbers = true)]
+    pub lora_dropout: Option<f64>,
+    /// Start from this PEFT LoRA adapter (a directory or hub id) and train it further; it brings its
+    /// own r, alpha, targets and dropout.
+    #[arg(long)]
+    pub adapter: Option<String>,
+}
+
+impl LoraArgs {
+    /// The fresh adapter's settings, `None` without `--lora-r`; the other LoRA flags need it.
+    pub fn config(&self) -> Result<Option<LoraConfig>> {
+        let Some(r) = self.lora_r else {
+            let stray = [
+                ("--lora-alpha", self.lora_alpha.is_some()),
+                ("--lora-target", !self.lora_target.is_empty()),
+                ("--use-rslora", self.use_rslora),
+                ("--lora-dropout", self.lora_dropout.is_some()),
+            ];
+            return match stray.into_iter().find(|(_, given)| *given) {
+                Some((flag, _)) => Err(TrainError::flag(flag, "", "needs --lora-r")),
+                None => Ok(None),
+            };
+        };
+        let targets = match self.lora_target.is_empty() {
+            true => vec!["all-linear".to_string()],
+            false => self.lora_target.clone(),
+        };
+        let targets = Projection::parse_targets(&targets)
+            .map_err(|e| TrainError::flag("--lora-target", targets.join(","), e.to_string()))?;
+        Ok(Some(LoraConfig {
+            r,
+            alpha: self.lora_alpha.unwrap_or(2.0 * r as f64),
+            targets,
+            use_rslora: self.use_rslora,
+            dropout: self.lora_dropout.unwrap_or(0.0),
+        }))
+    }
+}
+
 /// `Err` naming `flag`, its value and the allowed range unless `ok`.
 fn require(ok: bool, flag: &str, value: impl std::fmt::Display, expected: &str) -> Result<()> {
     match ok {
@@ -255,6 +321,10 @@ fn require_file(flag: &str, path: &Option<PathBuf>) -> Result<()> {
 impl TrainConfig {
     /// Checks every setting of a `recipe` run against its range before anything is loaded.
     pub fn validate(&self, recipe: Recipe) -> Result<()> {
+        let reason = |e: ModelError| match e {
+            ModelError::Input(reason) => reason,
+            other => other.to_string(),
+        };
         require(
             self.batch_size >= 1,
             "--batch-size",
@@ -338,6 +408,33 @@ impl TrainConfig {
             self.sft_weight,
             "must be a number at least 0",
         )?;
+        if let Some(lora) = &self.lora {
+            require(lora.r >= 1, "--lora-r", lora.r, "must be at least 1")?;
+            require(
+                lora.alpha.is_finite() && lora.alpha > 0.0,
+                "--lora-alpha",
+                lora.alpha,
+                "must be a number above 0",
+            )?;
+            require(
+                lora.dropout >= 0.0 && lora.dropout < 1.0,
+                "--lora-dropout",
+                lora.dropout,
+                "must be in [0, 1)",
+            )?;
+        }
+        require(
+            !(self.lora.is_some() && self.adapter.is_some()),
+            "--adapter",
+            self.adapter.as_deref().unwrap_or(""),
+            "brings its own r, alpha and targets: give it without --lora-r",
+        )?;
+        require(
+            !self.merge || self.lora.is_some() || self.adapter.is_some(),
+            "--merge",
+            "",
+            "merges a LoRA adapter: give --lora-r or --adapter",
+        )?;
         if recipe != Recipe::Sft {
             require(
                 !self.packing,
@@ -355,10 +452,6 @@ impl TrainConfig {
                 );
             }
         }
-        let reason = |e: ModelError| match e {
-            ModelError::Input(reason) => reason,
-            other => other.to_string(),
-        };
         crate::device::parse_dtype(&self.dtype)
             .map_err(|e| TrainError::flag("--dtype", &self.dtype, reason(e)))?;
         crate::device::parse_device(&self.device)

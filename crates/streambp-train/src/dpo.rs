@@ -122,8 +122,7 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
     let setup = Setup::new(cfg, Recipe::Dpo)?;
     let reference = match &cfg.ref_model {
         Some(spec) => setup.load_reference(spec)?,
-        // TRL's default reference: the policy as it starts (a copy, since the policy is updated in place).
-        None => setup.model.frozen_copy()?,
+        None => setup.initial_reference()?,
     };
     let data = setup.data_path(&cfg.data, "dpo.jsonl")?;
     let pairs = load_pairs(&data, &setup.tokenizer, cfg.max_length, cfg.overflow)?;
@@ -161,7 +160,7 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
         let picked = trainer.data.take(cfg.examples_per_step()?);
         let micro_batches = picked.len().div_ceil(cfg.batch_size) as f64;
         let mut acc = StepAccumulator::default();
-        for micro in picked.chunks(cfg.batch_size) {
+        for (m, micro) in picked.chunks(cfg.batch_size).enumerate() {
             let group: Vec<&Pair> = micro.iter().map(|&i| &pairs[i]).collect();
             let c = stack(&group, setup.tokenizer.pad_id);
             let t = c.tensors(&setup.device)?;
@@ -184,7 +183,7 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
             )?
             .with_sft_weight(cfg.sft_weight)?;
             // Micro-batches of equal size: the step's loss is the mean of their means.
-            let out = cfg.backward(model, t.batch(), &dpo)?;
+            let out = cfg.backward(model, t.batch(), &dpo, (step, m))?;
             acc.add(out, c.tokens(), 1.0 / micro_batches)?;
         }
         trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;

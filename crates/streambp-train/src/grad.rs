@@ -10,10 +10,12 @@ use serde::Serialize;
 use streambp_core::{
     backward_with, forward_logprobs, Batch, ChunkPolicy, Chunks, Mode, Options, Problem,
 };
-use streambp_models::{load_model, resolve_model_dir, save_safetensors};
+use streambp_models::{load_model, resolve_adapter_dir, resolve_model_dir, save_safetensors};
 
 use crate::batch_file::load_batch;
+use crate::config::LoraArgs;
 use crate::device::{parse_device, parse_dtype};
+use crate::recipe::{attach_lora, dropout_key};
 use crate::{Result, TrainError};
 
 /// Default chunk sizes when neither explicit sizes nor a budget are given: the query chunk, in tokens.
@@ -58,6 +60,12 @@ pub struct GradArgs {
     /// Keep layer checkpoints in host memory (accelerator memory then no longer grows with L × T × d).
     #[arg(long)]
     pub offload_checkpoints: bool,
+    /// LoRA: the gradient of an adapter's matrices (under their PEFT keys) instead of every weight's.
+    #[command(flatten)]
+    pub lora: LoraArgs,
+    /// Seeds a fresh adapter's initialisation and its dropout masks.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
 }
 
 /// The one JSON line `grad` prints.
@@ -123,10 +131,18 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     let device = parse_device(&args.device)?;
     let dtype = parse_dtype(&args.dtype)?;
     let dir = resolve_model_dir(&args.model)?;
-    let model = load_model(&dir, dtype, &device)?;
+    let adapter = args
+        .lora
+        .adapter
+        .as_deref()
+        .map(resolve_adapter_dir)
+        .transpose()?;
+    let lora = args.lora.config()?;
+    let model = attach_lora(load_model(&dir, dtype, &device)?, adapter, lora, args.seed)?;
+    // TRL's reference: the initial policy, which for a LoRA model is its base with the adapter off.
     let ref_model = match &args.ref_model {
         Some(spec) => Some(load_model(&resolve_model_dir(spec)?, dtype, &device)?),
-        None => None,
+        None => model.lora().map(|_| model.without_adapters()),
     };
     let reference_chunks = Chunks {
         chunk: args.chunk.unwrap_or(DEFAULT_CHUNK),
@@ -150,6 +166,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     let (b, t) = batch.input_ids.dims2()?;
     let options = Options {
         offload_checkpoints: args.offload_checkpoints,
+        dropout_key: Some(dropout_key(args.seed, 0, 0)),
     };
     // A budget picks the chunks unless they are given.
     let policy = match (args.chunk, args.logits_chunk, args.memory_budget) {

@@ -210,7 +210,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     let data = setup.data_path(&cfg.data, "train.jsonl")?;
     let prompts = load_prompts(&data, &setup, cfg, g, &rewards)?;
     let reference = (cfg.beta != 0.0)
-        .then(|| setup.model.frozen_copy())
+        .then(|| setup.initial_reference())
         .transpose()?;
     let eval = setup.eval_path(cfg).as_deref().map(eval_rows).transpose()?;
     let before = eval_accuracy(&setup, &eval)?;
@@ -243,7 +243,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
             reward_history.extend(acc.metric("reward"));
         }
         let groups = pending.len() as f64;
-        for r in &pending {
+        for (m, r) in pending.iter().enumerate() {
             let t = r.rows.tensors(&setup.device)?;
             let mask = Some(&t.attention_mask);
             let ref_logps = match &mut reference_scores {
@@ -267,7 +267,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 &setup.device,
             )?;
             // Each group's loss is a mean over its sequences; the step averages the groups.
-            let out = cfg.backward(model, t.batch(), &objective)?;
+            let out = cfg.backward(model, t.batch(), &objective, (step, m))?;
             acc.add(out, r.rows.tokens(), 1.0 / groups)?;
         }
         trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;

@@ -8,7 +8,11 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use streambp_core::{backward_with, Batch, ChunkPolicy, Chunks, Gradients, Options, Problem};
-use streambp_models::{load_model, resolve_model_dir, Model, ModelConfig};
+use streambp_models::adapter::load_adapter;
+use streambp_models::hub::ADAPTER_FILES;
+use streambp_models::{
+    load_model, resolve_adapter_dir, resolve_model_dir, LoraConfig, Model, ModelConfig,
+};
 use streambp_objectives::Objective;
 
 use crate::checkpoint::{
@@ -128,7 +132,13 @@ impl Setup {
         } else {
             None
         };
-        let (model, model_dir) = match (&cfg.resume, &cfg.model, &builtin) {
+        // A LoRA checkpoint holds the adapter only; its base is the run's model.
+        let resumed_adapter = cfg
+            .resume
+            .clone()
+            .filter(|dir| dir.join(ADAPTER_FILES[0]).is_file());
+        let full_checkpoint = cfg.resume.clone().filter(|_| resumed_adapter.is_none());
+        let (model, model_dir) = match (&full_checkpoint, &cfg.model, &builtin) {
             (Some(dir), _, _) => (load_model(dir, dtype, &device)?, dir.clone()),
             (None, Some(spec), _) => {
                 let dir = resolve_model_dir(spec)?;
@@ -152,6 +162,12 @@ impl Setup {
                 ))
             }
         };
+        let adapter_dir = match (resumed_adapter, &cfg.adapter) {
+            (Some(dir), _) => Some(dir),
+            (None, Some(spec)) => Some(resolve_adapter_dir(spec)?),
+            (None, None) => None,
+        };
+        let model = attach_lora(model, adapter_dir, cfg.lora.clone(), cfg.seed)?;
         let tokenizer = TextTokenizer::from_dir(&model_dir)?;
         if tokenizer.vocab_size() > model.config.vocab_size {
             return Err(TrainError::Tokenizer(format!(
@@ -170,9 +186,11 @@ impl Setup {
                  was trained for"
             );
         }
+        let count = |t: &[usize]| t.iter().product::<usize>();
         tracing::info!(
             model = %model_dir.display(),
-            parameters = model.parameters().iter().map(|(_, v)| v.elem_count()).sum::<usize>(),
+            weights = model.weights().iter().map(|(_, t)| count(t.dims())).sum::<usize>(),
+            trainable = model.parameters().iter().map(|(_, v)| v.elem_count()).sum::<usize>(),
             "setup"
         );
         Ok(Self {
@@ -205,6 +223,33 @@ impl Setup {
             (None, None, Some(dir)) => Some(dir.join("test.jsonl")),
             _ => None,
         }
+    }
+
+    /// What a checkpoint of this run holds (the model or its adapter, config, tokenizer), with no
+    /// trainer state or optimizer yet; `config_json` is the model's `config.json`.
+    pub fn checkpoint_files<'a>(
+        &'a self,
+        cfg: &'a TrainConfig,
+        config_json: &'a Path,
+    ) -> CheckpointFiles<'a> {
+        CheckpointFiles {
+            model: &self.model,
+            base_model: cfg.model.as_deref(),
+            config_json,
+            tokenizer_files: &self.tokenizer.files,
+            extra: &[],
+            optimizer: None,
+        }
+    }
+
+    /// The model as training starts, frozen: TRL's default reference. For LoRA the base with the
+    /// adapters off (no second copy of the weights); otherwise a copy, since training updates the
+    /// policy's weights in place.
+    pub fn initial_reference(&self) -> Result<Model> {
+        Ok(match self.model.lora() {
+            Some(_) => self.model.without_adapters(),
+            None => self.model.frozen_copy()?,
+        })
     }
 
     /// A reference model (DPO's `--ref-model`), checked to fit the policy: the same vocabulary, the
@@ -255,20 +300,22 @@ impl TrainConfig {
     }
 
     /// The engine's backward of `objective` on `batch` as this run is configured.
+    /// `micro` is the micro-batch's index in optimizer step `step`: with LoRA dropout, its masks
+    /// derive from (seed, step, micro), so every mode and every recomputation sees the same ones.
     pub fn backward(
         &self,
         model: &Model,
         batch: Batch,
         objective: &dyn Objective,
+        (step, micro): (usize, usize),
     ) -> Result<Gradients> {
         let chunks = self.chunks_for(model, batch.input_ids)?;
+        let options = Options {
+            dropout_key: Some(dropout_key(self.seed, step, micro)),
+            ..self.options()
+        };
         Ok(backward_with(
-            model,
-            batch,
-            objective,
-            self.mode,
-            chunks,
-            self.options(),
+            model, batch, objective, self.mode, chunks, options,
         )?)
     }
 
@@ -283,6 +330,7 @@ impl TrainConfig {
     fn options(&self) -> Options {
         Options {
             offload_checkpoints: self.offload_checkpoints,
+            dropout_key: None,
         }
     }
 
@@ -323,8 +371,41 @@ impl TrainConfig {
             put("--sft-weight", self.sft_weight.into());
             put("--ref-model", self.ref_model.clone().into());
         }
+        let lora = self.lora.as_ref();
+        let targets: Option<Vec<&str>> = lora.map(|l| l.targets.iter().map(|p| p.name()).collect());
+        put("--lora-r", lora.map(|l| l.r).into());
+        put("--lora-alpha", lora.map(|l| l.alpha).into());
+        put("--lora-target", targets.into());
+        put("--use-rslora", lora.map(|l| l.use_rslora).into());
+        put("--lora-dropout", lora.map(|l| l.dropout).into());
+        put("--adapter", self.adapter.clone().into());
         run
     }
+}
+
+/// `model` with the PEFT adapter in `adapter_dir` to train further, or a fresh adapter of `lora`
+/// (initialised from `seed`), or as it is.
+pub fn attach_lora(
+    model: Model,
+    adapter_dir: Option<PathBuf>,
+    lora: Option<LoraConfig>,
+    seed: u64,
+) -> Result<Model> {
+    Ok(match (adapter_dir, lora) {
+        (Some(dir), _) => {
+            let adapter = load_adapter(&dir, model.device())?;
+            tracing::info!(adapter = %dir.display(), r = adapter.config.r, "LoRA adapter");
+            model.with_lora(adapter.config, Some(adapter.tensors), seed)?
+        }
+        (None, Some(lora)) => model.with_lora(lora, None, seed)?,
+        (None, None) => model,
+    })
+}
+
+/// The key of the LoRA dropout masks of micro-batch `micro` of optimizer step `step` (distinct for
+/// every pair; the masks hash it with each token's place).
+pub fn dropout_key(seed: u64, step: usize, micro: usize) -> u64 {
+    seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ((step as u64) << 20) ^ micro as u64
 }
 
 /// A seeded permutation (Fisher-Yates over SplitMix64), so runs are reproducible.
@@ -549,16 +630,13 @@ impl Trainer {
             };
             let state = serde_json::to_string_pretty(&state)
                 .map_err(|e| TrainError::Internal(format!("trainer state: {e}")))?;
-            save_checkpoint(
-                &CheckpointFiles {
-                    model: &setup.model,
-                    config_json: &setup.model_dir.join("config.json"),
-                    tokenizer_files: &setup.tokenizer.files,
-                    extra: &[(STATE_FILE, state)],
-                    optimizer: Some(&self.optimizer.state()),
-                },
-                &dir,
-            )?;
+            let config_json = setup.model_dir.join("config.json");
+            let files = CheckpointFiles {
+                extra: &[(STATE_FILE, state)],
+                optimizer: Some(&self.optimizer.state()),
+                ..setup.checkpoint_files(cfg, &config_json)
+            };
+            save_checkpoint(&files, &dir)?;
             self.last_good = Some(dir);
         }
         Ok(())
@@ -575,16 +653,20 @@ impl Trainer {
     ) -> Result<Summary> {
         self.bar.finish();
         let dir = cfg.output_dir.join("final");
-        save_checkpoint(
-            &CheckpointFiles {
-                model: &setup.model,
-                config_json: &setup.model_dir.join("config.json"),
-                tokenizer_files: &setup.tokenizer.files,
-                extra: &[],
-                optimizer: None,
-            },
-            &dir,
-        )?;
+        let config_json = setup.model_dir.join("config.json");
+        save_checkpoint(&setup.checkpoint_files(cfg, &config_json), &dir)?;
+        if cfg.merge {
+            // The adapter merged into the base: a plain HF model, for tools that know no PEFT.
+            let merged = Model::from_tensors(
+                setup.model.config.clone(),
+                setup.model.merged_weights()?.into_iter().collect(),
+            )?;
+            let files = CheckpointFiles {
+                model: &merged,
+                ..setup.checkpoint_files(cfg, &config_json)
+            };
+            save_checkpoint(&files, &cfg.output_dir.join("merged"))?;
+        }
         // The run is saved; a chart that cannot be drawn costs nothing but the chart.
         let plots = cfg.output_dir.join("plots");
         if let Err(e) = crate::plots::plot_metrics(&cfg.output_dir.join("metrics.jsonl"), &plots) {

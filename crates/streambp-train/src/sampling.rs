@@ -52,7 +52,7 @@ fn step(model: &Model, cache: &mut Cache, x: Tensor, start: usize) -> Result<Ten
             earlier: None,
         };
         let attn = layer.attend(&q, &k.narrow(2, k0, len)?, &v.narrow(2, k0, len)?, block)?;
-        h = layer.after_attention(&h, &attn)?;
+        h = layer.after_attention(&h, &attn, start, &layout)?;
         cache.keys[i] = Some(k);
         cache.values[i] = Some(v);
     }

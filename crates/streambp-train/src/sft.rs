@@ -44,7 +44,7 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
         // The loss is the mean over every target token of the step, across its micro-batches.
         let targets: usize = picked.iter().map(|&i| examples[i].targets()).sum();
         let mut acc = StepAccumulator::default();
-        for micro in picked.chunks(cfg.batch_size) {
+        for (m, micro) in picked.chunks(cfg.batch_size).enumerate() {
             let rows: Vec<_> = micro.iter().map(|&i| &examples[i]).collect();
             let c = collate(&rows, setup.tokenizer.pad_id);
             let sft = Sft::new(
@@ -55,7 +55,8 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
             )?;
             let tensors = c.tensors(&setup.device)?;
             // The objective already divides by the step's target tokens: weight 1.
-            acc.add(cfg.backward(model, tensors.batch(), &sft)?, c.tokens(), 1.0)?;
+            let out = cfg.backward(model, tensors.batch(), &sft, (step, m))?;
+            acc.add(out, c.tokens(), 1.0)?;
         }
         trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
     }

@@ -1,0 +1,381 @@
+//! LoRA, exact: on every family's PEFT adapter (tests/fixtures/<family>/lora, written by PEFT with
+//! scripts/make_lora_fixtures.py), the adapters' gradients of `stream` and `checkpoint` equal `full`'s
+//! (f64, awkward chunkings, padded batches, GQA, tied embeddings, Gemma3's window), with and without
+//! dropout, for SFT, DPO (and its SFT term) and GRPO; and every mode matches transformers + PEFT's
+//! float64 losses and gradients. The merged model's logits equal the adapter's; the adapter streambp
+//! writes is the one PEFT wrote (keys, values, settings, metadata); bad adapters are clear errors.
+
+mod common;
+
+use common::*;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use streambp_core::{backward_with, Batch, Chunks, Gradients, Mode, Options};
+use streambp_models::adapter::{load_adapter, save_adapter};
+use streambp_models::{load_model, LoraConfig, Model};
+use streambp_train::batch_file::load_batch;
+
+fn lora_dir(family: &str) -> PathBuf {
+    fixture_dir(family).join("lora")
+}
+
+/// The family's base model in f64 with its PEFT adapter; `dropout` replaces the adapter's (0 in the
+/// fixture).
+fn lora_model(family: &str, dropout: f64) -> Model {
+    let base = load_model(&fixture_dir(family), DType::F64, &Device::Cpu).unwrap();
+    let adapter = load_adapter(&lora_dir(family), &Device::Cpu).unwrap();
+    let config = LoraConfig {
+        dropout,
+        ..adapter.config
+    };
+    base.with_lora(config, Some(adapter.tensors), 0).unwrap()
+}
+
+fn lora_reference(family: &str) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(lora_dir(family).join("reference.safetensors"), &Device::Cpu)
+        .unwrap()
+}
+
+/// One objective's batch: the SFT rows of the fixture, or a DPO / GRPO batch file after `edit`.
+fn backward(
+    model: &Model,
+    family: &str,
+    objective: &str,
+    mode: Mode,
+    (chunk, logits_chunk): (usize, usize),
+    dropout_key: Option<u64>,
+) -> Gradients {
+    let chunks = Chunks {
+        chunk,
+        logits_chunk,
+    };
+    let options = Options {
+        dropout_key,
+        ..Default::default()
+    };
+    let dir = fixture_dir(family);
+    let (file, edit): (&str, fn(&mut serde_json::Value)) = match objective {
+        "sft" => {
+            let r = reference(family);
+            let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
+            let labels = r["labels"].to_vec2::<i64>().unwrap();
+            let sft = streambp_objectives::Sft::new(&labels, 96, None, &Device::Cpu).unwrap();
+            let batch = Batch::new(&ids, Some(&r["attention_mask"]));
+            return backward_with(model, batch, &sft, mode, chunks, options).unwrap();
+        }
+        "dpo" => ("dpo-batch.json", |_| {}),
+        "dpo_sft" => ("dpo-batch.json", |j| j["sft_weight"] = 0.5.into()),
+        "grpo" => ("grpo-batch.json", |_| {}),
+        other => panic!("no objective {other}"),
+    };
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(file)).unwrap()).unwrap();
+    edit(&mut json);
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join(file);
+    std::fs::write(&path, json.to_string()).unwrap();
+    let mut no_reference =
+        |_: &Tensor, _: Option<&Tensor>, _: &Tensor| -> streambp_train::Result<Tensor> {
+            panic!("the fixture batches carry their reference log-probs")
+        };
+    let batch = load_batch(&path, 96, &Device::Cpu, &mut no_reference).unwrap();
+    let input = Batch::new(&batch.input_ids, batch.attention_mask.as_ref());
+    backward_with(
+        model,
+        input,
+        batch.objective.as_ref(),
+        mode,
+        chunks,
+        options,
+    )
+    .unwrap()
+}
+
+const OBJECTIVES: [&str; 4] = ["sft", "dpo", "dpo_sft", "grpo"];
+
+/// `(mode, chunk, logits_chunk)`: chunk 1, chunks that do not divide the batches' lengths (and cross
+/// Gemma3's window of 4), chunk ≥ T, logits chunk 1 and ≥ T.
+const RUNS: [(Mode, usize, usize); 6] = [
+    (Mode::Checkpoint, 1, 1),
+    (Mode::Stream, 1, 1),
+    (Mode::Stream, 3, 4),
+    (Mode::Stream, 5, 1),
+    (Mode::Stream, 4, 16),
+    (Mode::Stream, 16, 3),
+];
+
+#[test]
+fn adapter_gradients_match_full_backward_and_peft() {
+    for family in FAMILIES {
+        let model = lora_model(family, 0.0);
+        let r = lora_reference(family);
+        for objective in OBJECTIVES {
+            let full = backward(&model, family, objective, Mode::Full, (1, 1), None);
+            let ref_loss = r[&format!("{objective}.loss")].to_vec1::<f64>().unwrap()[0];
+            let mut worst = 0.0f64;
+            for (mode, chunk, logits_chunk) in [(Mode::Full, 1, 1)].into_iter().chain(RUNS) {
+                let out = match mode {
+                    Mode::Full => None,
+                    _ => Some(backward(
+                        &model,
+                        family,
+                        objective,
+                        mode,
+                        (chunk, logits_chunk),
+                        None,
+                    )),
+                };
+                let out = out.as_ref().unwrap_or(&full);
+                assert!(
+                    (out.loss - ref_loss).abs() < 1e-10 * ref_loss.abs(),
+                    "{family} {objective} {mode}: loss {} vs PEFT {ref_loss}",
+                    out.loss
+                );
+                // Only the adapters are trained, under PEFT's keys.
+                let expected = r
+                    .keys()
+                    .filter(|k| k.starts_with(&format!("{objective}.grad.")))
+                    .count();
+                assert_eq!(out.grads.len(), expected, "{family} {objective}");
+                for ((name, g), (_, g_full)) in out.grads.iter().zip(&full.grads) {
+                    let vs_full = rel_err(g, g_full);
+                    assert!(
+                        vs_full < 1e-10,
+                        "{family} {objective} {mode} {chunk}/{logits_chunk}: {name} vs full {vs_full:.2e}"
+                    );
+                    let vs_peft = rel_err(g, &r[&format!("{objective}.grad.{name}")]);
+                    worst = worst.max(vs_peft);
+                    assert!(
+                        vs_peft < 1e-8,
+                        "{family} {objective} {mode}: {name} vs PEFT {vs_peft:.2e}"
+                    );
+                }
+            }
+            println!("{family} {objective}: worst adapter gradient error vs PEFT {worst:.2e}");
+        }
+    }
+}
+
+/// Dropout masks come from the token's place, not a running generator: every mode and chunking sees
+/// the same masks, so the streamed gradients still equal the full backward's.
+#[test]
+fn dropout_stays_exact_in_every_mode() {
+    for family in FAMILIES {
+        let model = lora_model(family, 0.3);
+        for objective in OBJECTIVES {
+            let key = Some(17);
+            let full = backward(&model, family, objective, Mode::Full, (1, 1), key);
+            let plain = backward(&model, family, objective, Mode::Full, (1, 1), None);
+            let (changed, _) = worst_grad_err(&full, &plain);
+            assert!(
+                changed > 1e-3,
+                "{family} {objective}: dropout changes nothing ({changed:.1e})"
+            );
+            for (mode, chunk, logits_chunk) in RUNS {
+                let out = backward(&model, family, objective, mode, (chunk, logits_chunk), key);
+                let (err, name) = worst_grad_err(&out, &full);
+                assert!(
+                    err < 1e-10,
+                    "{family} {objective} {mode} {chunk}/{logits_chunk} with dropout: {name} off by {err:.2e}"
+                );
+                assert!((out.loss - full.loss).abs() < 1e-12 * full.loss.abs());
+            }
+        }
+    }
+}
+
+/// The worst per-tensor relative error between two gradient sets (same names, same order).
+fn worst_grad_err(a: &Gradients, b: &Gradients) -> (f64, String) {
+    let mut worst = (0.0, String::new());
+    for ((na, ga), (nb, gb)) in a.grads.iter().zip(&b.grads) {
+        assert_eq!(na, nb);
+        let e = rel_err(ga, gb);
+        if e >= worst.0 {
+            worst = (e, na.clone());
+        }
+    }
+    worst
+}
+
+#[test]
+fn merged_model_gives_the_adapters_logits() {
+    for family in FAMILIES {
+        let model = lora_model(family, 0.0);
+        let r = reference(family);
+        let peft = lora_reference(family);
+        let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
+        let mask = &r["attention_mask"];
+        let logits = model.detached().forward(&ids, Some(mask)).unwrap();
+        let err = masked_rel_err(&logits, &peft["logits"], mask);
+        assert!(err < 1e-10, "{family}: adapter logits vs PEFT {err:.2e}");
+        let merged = Model::from_tensors(
+            model.config.clone(),
+            model.merged_weights().unwrap().into_iter().collect(),
+        )
+        .unwrap();
+        let merged_logits = merged.detached().forward(&ids, Some(mask)).unwrap();
+        let err = masked_rel_err(&merged_logits, &peft["merged_logits"], mask);
+        assert!(
+            err < 1e-10,
+            "{family}: merged logits vs PEFT's merge_and_unload {err:.2e}"
+        );
+        // Adapters off: the base model's logits.
+        let base = model.without_adapters().forward(&ids, Some(mask)).unwrap();
+        let err = masked_rel_err(&base, &r["logits"], mask);
+        assert!(err < 1e-10, "{family}: base logits {err:.2e}");
+    }
+}
+
+/// A safetensors file as written: its sorted keys, its tensors and its metadata.
+type SafetensorsFile = (
+    Vec<String>,
+    HashMap<String, Tensor>,
+    Option<HashMap<String, String>>,
+);
+
+/// An edit of an adapter directory, and a fragment of the error it must cause.
+type BadCase = (Box<dyn Fn(&Path)>, &'static str);
+
+/// The keys, tensors and metadata of a safetensors file.
+fn read_safetensors(path: &Path) -> SafetensorsFile {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let tensors = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
+    let mut keys: Vec<String> = tensors.keys().cloned().collect();
+    keys.sort();
+    (keys, tensors, metadata.metadata().clone())
+}
+
+/// An adapter loaded from PEFT's files and written back by streambp is PEFT's adapter: the same keys,
+/// the same f32 values to the bit, `{"format": "pt"}` metadata, and the settings PEFT reads.
+#[test]
+fn written_adapters_are_what_peft_writes() {
+    for family in FAMILIES {
+        let base = load_model(&fixture_dir(family), DType::F32, &Device::Cpu).unwrap();
+        let adapter = load_adapter(&lora_dir(family), &Device::Cpu).unwrap();
+        let model = base
+            .with_lora(adapter.config, Some(adapter.tensors), 0)
+            .unwrap();
+        let out = tempfile::tempdir().unwrap();
+        save_adapter(&model, Some("tests/fixtures"), out.path()).unwrap();
+
+        let (peft_keys, peft_tensors, peft_meta) =
+            read_safetensors(&lora_dir(family).join("adapter_model.safetensors"));
+        let (keys, tensors, meta) = read_safetensors(&out.path().join("adapter_model.safetensors"));
+        assert_eq!(keys, peft_keys, "{family}");
+        for k in &keys {
+            assert_eq!(tensors[k].dtype(), DType::F32);
+            assert_eq!(rel_err(&tensors[k], &peft_tensors[k]), 0.0, "{family} {k}");
+        }
+        assert_eq!(meta, peft_meta);
+        assert_eq!(meta.unwrap()["format"], "pt");
+
+        let read = |p: &Path| -> serde_json::Value {
+            serde_json::from_str(&std::fs::read_to_string(p.join("adapter_config.json")).unwrap())
+                .unwrap()
+        };
+        let (ours, theirs) = (read(out.path()), read(&lora_dir(family)));
+        for field in [
+            "peft_type",
+            "task_type",
+            "r",
+            "lora_alpha",
+            "use_rslora",
+            "lora_dropout",
+            "bias",
+            "fan_in_fan_out",
+        ] {
+            assert_eq!(ours[field], theirs[field], "{family} {field}");
+        }
+        assert_eq!(ours["base_model_name_or_path"], "tests/fixtures");
+        // The same modules, whether named (PEFT keeps names it was given) or as paths (all-linear).
+        let names = |v: &serde_json::Value| -> std::collections::BTreeSet<String> {
+            v["target_modules"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|n| n.as_str().unwrap().rsplit('.').next().unwrap().to_string())
+                .collect()
+        };
+        assert_eq!(names(&ours), names(&theirs), "{family}");
+        // And it loads back into the same model.
+        let again = load_adapter(out.path(), &Device::Cpu).unwrap();
+        assert_eq!(again.config, model.lora().unwrap().clone());
+    }
+}
+
+/// A broken adapter is an error naming the file (and the tensor or field); nothing panics.
+#[test]
+fn bad_adapters_are_clear_errors() {
+    let base = || load_model(&fixture_dir("qwen3"), DType::F64, &Device::Cpu).unwrap();
+    let copy = |edit: &dyn Fn(&Path)| {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(lora_dir("qwen3").join(f), dir.path().join(f)).unwrap();
+        }
+        edit(dir.path());
+        dir
+    };
+    let try_load = |dir: &Path| -> String {
+        match load_adapter(dir, &Device::Cpu) {
+            Err(e) => e.to_string(),
+            Ok(a) => match base().with_lora(a.config, Some(a.tensors), 0) {
+                Err(e) => e.to_string(),
+                Ok(_) => String::new(),
+            },
+        }
+    };
+    let set = |key: &'static str, value: serde_json::Value| {
+        move |dir: &Path| {
+            let path = dir.join("adapter_config.json");
+            let mut v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            v[key] = value.clone();
+            std::fs::write(&path, v.to_string()).unwrap();
+        }
+    };
+    let cases: Vec<BadCase> = vec![
+        (
+            Box::new(set("peft_type", "PREFIX_TUNING".into())),
+            "peft_type \"PREFIX_TUNING\": only LORA",
+        ),
+        (
+            Box::new(set("r", 0.into())),
+            "the rank must be a whole number of at least 1",
+        ),
+        (
+            Box::new(set("use_dora", true.into())),
+            "use_dora: true is not supported",
+        ),
+        (Box::new(set("bias", "all".into())), "bias \"all\""),
+        (
+            Box::new(set("target_modules", serde_json::json!(["q_proj"]))),
+            "target_modules does not name it",
+        ),
+        (
+            Box::new(|d: &Path| std::fs::remove_file(d.join("adapter_model.safetensors")).unwrap()),
+            "adapter_model.safetensors",
+        ),
+        (
+            Box::new(|d: &Path| std::fs::write(d.join("adapter_config.json"), "{").unwrap()),
+            "adapter_config.json: invalid config: not valid JSON",
+        ),
+    ];
+    for (edit, fragment) in cases {
+        let dir = copy(edit.as_ref());
+        let err = try_load(dir.path());
+        assert!(err.contains(fragment), "want {fragment:?}, got {err:?}");
+    }
+    // Another model's adapter: its matrices do not fit this base (qwen2's q_proj is 32 wide as well,
+    // but its adapter sits on other projections and its v_proj differs in shape).
+    let qwen2 = load_adapter(&lora_dir("qwen2"), &Device::Cpu).unwrap();
+    let llama = load_model(&fixture_dir("llama3"), DType::F64, &Device::Cpu).unwrap();
+    let err = llama
+        .with_lora(qwen2.config, Some(qwen2.tensors), 0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("lora"), "{err}");
+}
