@@ -40,9 +40,13 @@ fn toml_config_mirrors_flags_and_typed_flags_win() {
         2
     );
 
-    std::fs::write(&config, "max_steps = [1, 2]\n").unwrap();
+    std::fs::write(&config, "max_steps = { a = 1 }\n").unwrap();
     let (ok, _, stderr) = sft(&["--config", config.to_str().unwrap()]);
     assert!(!ok && stderr.contains("not a flag value"), "{stderr}");
+    // A list repeats its flag; a flag that takes one value says so.
+    std::fs::write(&config, "max_steps = [1, 2]\n").unwrap();
+    let (ok, _, stderr) = sft(&["--config", config.to_str().unwrap()]);
+    assert!(!ok && stderr.contains("--max-steps"), "{stderr}");
     std::fs::write(&config, "max_steps = \n").unwrap();
     let (ok, _, stderr) = sft(&["--config", config.to_str().unwrap()]);
     assert!(!ok && stderr.contains("not valid TOML"), "{stderr}");

@@ -62,16 +62,30 @@ const CASES: &[Case] = &[
     case("sft --logits-chunk 0", 2, "--logits-chunk 0: must be at least 1"),
     case("sft --memory-budget 0", 2, "out of range"),
     case("sft --memory-budget 5XB", 2, "units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"),
+    case("sft --memory-budget 1GiB --chunk 8", 2, "--chunk 8: --memory-budget picks the chunks"),
+    case(
+        "grpo --num-iterations 2 --save-every 3",
+        2,
+        "--save-every 3: must be a multiple of --num-iterations (2)",
+    ),
     case("sft --overflow cut", 2, "expected truncate or skip"),
     case("sft --mode fast", 2, "expected stream, checkpoint or full"),
     case("sft --dtype f16", 2, "--dtype f16: unknown dtype"),
     case("sft --device tpu", 2, "--device tpu: unknown device"),
     // Flags that do not apply.
-    case("sft --beta 0.1", 2, "--beta : applies to dpo and grpo only, not sft"),
-    case("sft --ref-model x/y", 2, "--ref-model : applies to dpo only, not sft"),
-    case("grpo --sft-weight 1", 2, "--sft-weight : applies to dpo only, not grpo"),
-    case("dpo --packing", 2, "--packing : applies to sft only"),
-    case("grpo --packing", 2, "--packing : applies to sft only"),
+    case("sft --beta 0.1", 2, "--beta: applies to dpo and grpo only, not sft"),
+    case("sft --ref-model x/y", 2, "--ref-model: applies to dpo only, not sft"),
+    case("grpo --sft-weight 1", 2, "--sft-weight: applies to dpo only, not grpo"),
+    case("dpo --packing", 2, "--packing: applies to sft only"),
+    case("grpo --packing", 2, "--packing: applies to sft only"),
+    case("sft --lora-alpha 8", 2, "--lora-alpha: needs --lora-r"),
+    case("sft --lora-r 0", 2, "--lora-r 0: must be at least 1"),
+    case("sft --lora-r 4 --lora-dropout 1", 2, "--lora-dropout 1: must be in [0, 1)"),
+    case("sft --lora-r 4 --lora-target lm_head", 2, "unknown LoRA target \"lm_head\""),
+    case("sft --lora-r 4 --adapter {dir}", 2, "brings its own r, alpha and targets"),
+    case("sft --merge", 2, "--merge: merges a LoRA adapter"),
+    case("sft --adapter {dir}/missing_adapter --max-steps 1", 1, "missing_adapter is neither an existing directory nor a hub id"),
+    case("sft --adapter {dir} --max-steps 1", 1, "adapter_config.json"),
     case("dpo --beta 0", 2, "--beta 0: must be a number above 0"),
     case("dpo --beta nan", 2, "--beta NaN"),
     case("grpo --beta -1", 2, "--beta -1: must be a number at least 0"),
@@ -81,14 +95,14 @@ const CASES: &[Case] = &[
     case("grpo --group-size 0", 2, "--group-size 0: must be at least 2"),
     case("grpo --temperature nan", 2, "--temperature NaN: must be a number above 0"),
     case("grpo --temperature -1", 2, "--temperature -1"),
-    case("grpo --temperature 0", 2, "--temperature 0"),
+    case("grpo --temperature 0", 2, "--temperature 0: must be a number above 0"),
     case("grpo --top-p 0", 2, "--top-p 0: must be in (0, 1]"),
     case("grpo --top-p 2", 2, "--top-p 2: must be in (0, 1]"),
     case("grpo --num-iterations 0", 2, "--num-iterations 0: must be at least 1"),
     case("grpo --max-new-tokens 0", 2, "--max-new-tokens 0: must be at least 1"),
     case("grpo --max-new-tokens 16", 2, "must be below --max-length (16)"),
     case("grpo --epsilon 0", 2, "--epsilon 0: must be a number above 0"),
-    case("grpo --loss-type ppo", 2, "ppo"),
+    case("grpo --loss-type ppo", 2, "unknown loss_type \"ppo\""),
     case("grpo --reward length:3", 2, "--reward length:3: unknown reward"),
     case("grpo --reward format:(", 2, "not a valid regular expression"),
     case("grpo --data {dir}/prompts.jsonl", 2, "GRPO needs at least one --reward"),
@@ -105,7 +119,9 @@ const CASES: &[Case] = &[
     // Files.
     case("sft --data {dir}/missing.jsonl", 2, "--data {dir}/missing.jsonl: no such file"),
     case("sft --data {dir}", 2, "is a directory; expected a file"),
-    case("sft --eval-data {dir}/missing.jsonl", 2, "--eval-data"),
+    case("sft --eval-data {dir}/missing.jsonl", 2, "--eval-data {dir}/missing.jsonl: no such file"),
+    case("sft --eval-data {dir}/empty_prompt.jsonl --max-steps 1", 1, "empty_prompt.jsonl line 1: the prompt is empty"),
+    case("grpo --data {dir}/empty_prompt.jsonl --reward format:x", 1, "empty_prompt.jsonl line 1: the prompt is empty"),
     case("sft --data {dir}/latin1.jsonl --max-steps 1", 1, "latin1.jsonl line 2: not valid UTF-8"),
     case("sft --config {dir}/missing.toml", 2, "missing.toml: cannot read"),
     case("sft --model models/x --max-steps 1", 1, "no directory models/x under"),
@@ -168,6 +184,21 @@ const CASES: &[Case] = &[
         2,
         "--chunk 0: must be at least 1",
     ),
+    case(
+        "grad --model {fixtures}/qwen3 --batch {dir}/missing.json --out {dir}/g.safetensors",
+        2,
+        "--batch {dir}/missing.json: no such file",
+    ),
+    case(
+        "grad --model {fixtures}/qwen3 --batch {fixtures}/qwen3-batch.json --out {dir}/g.st --dtype f16",
+        2,
+        "--dtype f16: unknown dtype",
+    ),
+    case(
+        "grad --model {fixtures}/qwen3 --batch {fixtures}/qwen3-batch.json --out {dir}/g.st --ref-model {fixtures}/qwen3/lora",
+        1,
+        "config.json",
+    ),
 ];
 
 fn fixtures() -> PathBuf {
@@ -203,6 +234,11 @@ fn prepare(dir: &Path) {
     latin1.extend([0xe9, b'"', b'}', b'\n']);
     std::fs::write(dir.join("latin1.jsonl"), latin1).unwrap();
     std::fs::write(dir.join("a_file"), "not a directory").unwrap();
+    std::fs::write(
+        dir.join("empty_prompt.jsonl"),
+        "{\"prompt\": \"\", \"completion\": \"1\"}\n",
+    )
+    .unwrap();
     std::fs::create_dir_all(dir.join("final_is_file")).unwrap();
     std::fs::write(dir.join("final_is_file/final"), "").unwrap();
     let args: Vec<String> =
@@ -254,6 +290,32 @@ fn every_bad_input_is_a_clear_error_and_nothing_panics() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n---\n"));
     drop(held);
+}
+
+/// `--epochs` sets the length of a built-in run too (which otherwise has a default --max-steps), and
+/// a user's own hidden files in the output directory survive the cleanup of interrupted saves.
+#[test]
+fn epochs_set_the_length_and_user_files_survive() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path();
+    let out = dir.join("out");
+    std::fs::create_dir_all(out.join(".cache.tmp-42")).unwrap();
+    std::fs::write(out.join(".notes.tmp-1"), "mine").unwrap();
+    std::fs::write(out.join(".env.old-2024"), "mine").unwrap();
+    let args = format!(
+        "sft --no-progress --epochs 0.01 --batch-size 49 --output-dir {}",
+        out.display()
+    );
+    let args: Vec<String> = args.split(' ').map(String::from).collect();
+    let (status, text) = train(dir, &args);
+    assert_eq!(status, 0, "{text}");
+    assert!(
+        text.contains("sft: 2 steps"),
+        "9800 × 0.01 / 49 = 2 steps: {text}"
+    );
+    for kept in [".cache.tmp-42", ".notes.tmp-1", ".env.old-2024"] {
+        assert!(out.join(kept).exists(), "{kept} was removed");
+    }
 }
 
 /// The warnings that let a run go on: text the tokenizer cannot spell, a length beyond the model's

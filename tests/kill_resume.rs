@@ -55,6 +55,8 @@ fn kill_during_a_save(out: &Path) -> bool {
             caught = true;
             break;
         }
+        // Poll often enough to land inside a save, without taking a core from the trainer.
+        std::thread::sleep(Duration::from_micros(200));
     }
     let _ = child.kill();
     child.wait().unwrap();

@@ -110,6 +110,8 @@ fn resumed_grpo_run_draws_the_same_rollouts() {
     let (mut cfg, g) = short_run(a.path());
     cfg.max_steps = Some(6);
     cfg.save_every = 2;
+    // With a KL term: the reference, the model the run began with, must be the same after a resume.
+    cfg.beta = 0.04;
     run_grpo(&cfg, &g).unwrap();
     cfg.output_dir = b.path().to_path_buf();
     cfg.resume = Some(a.path().join("checkpoint-2"));

@@ -253,6 +253,28 @@ fn resumed_run_gives_the_same_loss_curve() {
     assert!(err.contains("not a resumable checkpoint"), "{err}");
 }
 
+/// A resumed DPO run scores against the model the run began with (not the checkpoint's), so it follows
+/// the uninterrupted run's losses to the last bit.
+#[test]
+fn resumed_dpo_run_keeps_its_reference() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut cfg = config(a.path());
+    cfg.builtin_model = BuiltinModel::Sft;
+    cfg.max_steps = Some(4);
+    cfg.save_every = 2;
+    cfg.batch_size = 8;
+    cfg.grad_accum = 1;
+    cfg.lr = 2e-3;
+    cfg.data = None;
+    streambp_train::dpo::run_dpo(&cfg).unwrap();
+    cfg.output_dir = b.path().to_path_buf();
+    cfg.resume = Some(a.path().join("checkpoint-2"));
+    streambp_train::dpo::run_dpo(&cfg).unwrap();
+    let (whole, tail) = (losses(a.path()), losses(b.path()));
+    assert_eq!(tail.len(), 2);
+    assert_eq!(whole[2..], tail[..]);
+}
+
 /// DPO on a few fixed pairs learns to prefer the chosen answers (the loss falls, margins grow), and a
 /// malformed pair is reported by line.
 #[test]

@@ -225,14 +225,40 @@ impl TrainArgs {
             &[Recipe::Dpo],
             "dpo",
         )?;
+        if self.memory_budget.is_some() {
+            for (flag, given) in [
+                ("--chunk", self.chunk),
+                ("--logits-chunk", self.logits_chunk),
+            ] {
+                if let Some(value) = given {
+                    return Err(TrainError::flag(
+                        flag,
+                        value,
+                        "--memory-budget picks the chunks: give one or the other",
+                    ));
+                }
+            }
+        }
+        if let (Some(_), Some(epochs)) = (self.max_steps, self.epochs) {
+            tracing::warn!(
+                epochs,
+                "--max-steps is given: it sets the run's length, --epochs does not"
+            );
+        }
         let d = TrainConfig::defaults(recipe, self.model.is_none() && self.data.is_none());
+        // --epochs sets the length where --max-steps is not typed, the built-in task's default included.
+        let max_steps = match (self.max_steps, self.epochs) {
+            (Some(steps), _) => Some(steps),
+            (None, Some(_)) => None,
+            (None, None) => d.max_steps,
+        };
         Ok(TrainConfig {
             model: self.model,
             builtin_model: d.builtin_model,
             data: self.data,
             eval_data: self.eval_data,
             output_dir: self.output_dir.unwrap_or(d.output_dir),
-            max_steps: self.max_steps.or(d.max_steps),
+            max_steps,
             epochs: self.epochs.unwrap_or(d.epochs),
             batch_size: self.batch_size.unwrap_or(d.batch_size),
             grad_accum: self.grad_accum.unwrap_or(d.grad_accum),

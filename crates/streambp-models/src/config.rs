@@ -577,7 +577,7 @@ fn rope_configs(
         if let Some(full) = params.get("full_attention") {
             let global = parse_rope(full, default_theta)?;
             let local = match params.get("sliding_attention") {
-                Some(p) => Some(parse_rope(p, 10_000.0)?),
+                Some(p) => Some(parse_rope(p, traits.local_rope_theta.unwrap_or(10_000.0))?),
                 None => None,
             };
             return Ok((global, local));

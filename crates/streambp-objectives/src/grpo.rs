@@ -24,17 +24,31 @@ pub enum GrpoLossType {
     DrGrpo,
 }
 
+impl GrpoLossType {
+    /// Every loss type.
+    pub const ALL: [GrpoLossType; 3] = [Self::Grpo, Self::Bnpo, Self::DrGrpo];
+
+    /// TRL's name of the loss type (`loss_type=`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Grpo => "grpo",
+            Self::Bnpo => "bnpo",
+            Self::DrGrpo => "dr_grpo",
+        }
+    }
+}
+
 impl std::str::FromStr for GrpoLossType {
     type Err = ObjectiveError;
     fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "grpo" => Ok(Self::Grpo),
-            "bnpo" => Ok(Self::Bnpo),
-            "dr_grpo" => Ok(Self::DrGrpo),
-            other => Err(ObjectiveError::Batch(format!(
-                "unknown loss_type {other:?} (expected grpo, bnpo or dr_grpo)"
-            ))),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|t| t.name() == s)
+            .ok_or_else(|| {
+                ObjectiveError::Batch(format!(
+                    "unknown loss_type {s:?} (expected grpo, bnpo or dr_grpo)"
+                ))
+            })
     }
 }
 

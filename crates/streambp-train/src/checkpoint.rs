@@ -9,12 +9,11 @@
 //! that only change the course from there on.
 
 use std::collections::{BTreeMap, HashMap};
-use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use streambp_models::adapter::save_adapter;
-use streambp_models::Model;
+use streambp_models::{save_safetensors, Model};
 
 use crate::output::{OLD_MARK, TMP_MARK};
 use crate::{Result, TrainError};
@@ -66,6 +65,7 @@ const MUST_MATCH: &[&str] = &[
     "recipe",
     "--model",
     "data",
+    "--seed",
     "--batch-size",
     "--grad-accum",
     "--group-size",
@@ -113,28 +113,52 @@ pub fn check_resume(checkpoint: &Path, saved: &RunRecord, given: &RunRecord) -> 
     )))
 }
 
-/// A stable 64-bit FNV-1a digest of `value` (the same on every run and machine of one endianness), to
-/// tell whether two runs train on the same examples.
-pub fn fingerprint(value: &impl Hash) -> String {
-    struct Fnv(u64);
-    impl Hasher for Fnv {
-        fn finish(&self) -> u64 {
-            self.0
-        }
-        fn write(&mut self, bytes: &[u8]) {
-            for &b in bytes {
-                self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-            }
-        }
+/// A 64-bit FNV-1a digest of an explicit little-endian encoding of training items (not of
+/// `std::hash::Hash`, whose bytes no Rust release promises to keep): the same for the same items on
+/// every run, machine and toolchain, to tell whether a resumed run trains on the data it began with.
+pub struct Fingerprint(u64);
+
+impl Default for Fingerprint {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
     }
-    let mut h = Fnv(0xcbf2_9ce4_8422_2325);
-    value.hash(&mut h);
-    format!("{:016x}", h.finish())
 }
 
-/// The record of a run's training data: how many items and their [`fingerprint`].
-pub fn data_identity<T: Hash>(items: &[T]) -> serde_json::Value {
-    format!("{} items, fingerprint {}", items.len(), fingerprint(&items)).into()
+impl Fingerprint {
+    /// Adds raw bytes.
+    pub fn bytes(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+
+    /// Adds a length-prefixed list of numbers, each as 8 little-endian bytes.
+    pub fn numbers(&mut self, values: impl ExactSizeIterator<Item = i64>) {
+        self.bytes(&(values.len() as u64).to_le_bytes());
+        for v in values {
+            self.bytes(&v.to_le_bytes());
+        }
+    }
+
+    /// The digest as 16 hex digits.
+    pub fn hex(&self) -> String {
+        format!("{:016x}", self.0)
+    }
+}
+
+/// A training item whose content a [`Fingerprint`] can take.
+pub trait Digest {
+    /// Feeds the item's content into `into`.
+    fn digest(&self, into: &mut Fingerprint);
+}
+
+/// The record of a run's training data: how many items and their [`Fingerprint`].
+pub fn data_identity<T: Digest>(items: &[T]) -> serde_json::Value {
+    let mut f = Fingerprint::default();
+    for item in items {
+        item.digest(&mut f);
+    }
+    format!("{} items, fingerprint {}", items.len(), f.hex()).into()
 }
 
 /// Copies `config.json` with its dtype set to the one the weights are saved in, so that
@@ -244,33 +268,55 @@ fn write_into(files: &CheckpointFiles, tmp: &Path) -> Result<()> {
             .collect::<Result<_>>()?;
         save_tensors(&cpu, &tmp.join(OPTIMIZER_FILE))?;
     }
-    Ok(())
+    sync_directory(tmp, true)
 }
 
-/// Puts the complete `tmp` in the place of `dir`, moving an older `dir` aside until then.
+/// Flushes `dir` (and with `files`, every file in it) to the disk, so that a checkpoint renamed into
+/// place after a power loss is whole, not a directory of empty files.
+fn sync_directory(dir: &Path, files: bool) -> Result<()> {
+    let sync = |path: &Path| {
+        std::fs::File::open(path)
+            .and_then(|f| f.sync_all())
+            .map_err(TrainError::io("flush", path))
+    };
+    if files {
+        let entries = std::fs::read_dir(dir).map_err(TrainError::io("list", dir))?;
+        for entry in entries {
+            sync(&entry.map_err(TrainError::io("list", dir))?.path())?;
+        }
+    }
+    sync(dir)
+}
+
+/// Puts the complete `tmp` in the place of `dir`, moving an older `dir` aside until then (and back,
+/// should the new one fail to move in).
 fn replace(tmp: &Path, dir: &Path, parent: &Path, name: &str, pid: u32) -> Result<()> {
     if dir.exists() {
         let old = parent.join(format!(".{name}{OLD_MARK}{pid}"));
         std::fs::rename(dir, &old).map_err(TrainError::io("move aside", dir))?;
-        std::fs::rename(tmp, dir).map_err(TrainError::io("write", dir))?;
-        std::fs::remove_dir_all(&old).map_err(TrainError::io("remove", &old))?;
+        if let Err(e) = std::fs::rename(tmp, dir) {
+            let _ = std::fs::rename(&old, dir);
+            return Err(TrainError::io("write", dir)(e));
+        }
+        // The new checkpoint is in place; an old copy that will not go is the next run's to clean.
+        if let Err(e) = std::fs::remove_dir_all(&old) {
+            tracing::warn!(path = %old.display(), error = %e, "could not remove the replaced checkpoint");
+        }
     } else {
         std::fs::rename(tmp, dir).map_err(TrainError::io("write", dir))?;
     }
-    Ok(())
+    sync_directory(parent, false)
 }
 
-/// safetensors' writer, with a failure reported as a write of `path`.
+/// [`save_safetensors`], with a failure reported as a write of `path` (which [`save_checkpoint`]
+/// renames from the temporary directory to the checkpoint's).
 fn save_tensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
-    candle_core::safetensors::save(tensors, path).map_err(|e| {
-        let error = match e {
-            candle_core::Error::Io(io) => io,
-            other => std::io::Error::other(other.to_string()),
-        };
-        TrainError::Io {
-            action: "write",
-            path: path.to_path_buf(),
-            error,
-        }
+    save_safetensors(tensors, path).map_err(|e| TrainError::Io {
+        action: "write",
+        path: path.to_path_buf(),
+        error: std::io::Error::other(match e {
+            streambp_models::ModelError::Write { reason, .. } => reason,
+            other => other.to_string(),
+        }),
     })
 }

@@ -546,6 +546,16 @@ impl GrpoConfig {
             "must be at least 1",
         )?;
         require(
+            train.save_every.is_multiple_of(self.num_iterations),
+            "--save-every",
+            train.save_every,
+            &format!(
+                "must be a multiple of --num-iterations ({}): checkpoints fall between batches of \
+                 rollouts, so that a resumed run draws what the uninterrupted one drew",
+                self.num_iterations
+            ),
+        )?;
+        require(
             self.epsilon.is_finite() && self.epsilon > 0.0,
             "--epsilon",
             self.epsilon,

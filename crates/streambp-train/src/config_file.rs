@@ -25,9 +25,24 @@ pub fn flags_from_toml(path: &Path) -> Result<Vec<(String, Option<String>)>> {
             toml::Value::String(s) => flags.push((flag, Some(s))),
             toml::Value::Integer(i) => flags.push((flag, Some(i.to_string()))),
             toml::Value::Float(f) => flags.push((flag, Some(f.to_string()))),
+            // A list gives the flag once per entry (`reward = ["exact:answer", "format:[0-9]+"]`).
+            toml::Value::Array(list) => {
+                for item in list {
+                    match item {
+                        toml::Value::String(s) => flags.push((flag.clone(), Some(s))),
+                        toml::Value::Integer(i) => flags.push((flag.clone(), Some(i.to_string()))),
+                        toml::Value::Float(f) => flags.push((flag.clone(), Some(f.to_string()))),
+                        other => {
+                            return Err(bad(format!(
+                            "{key} holds {other}: a list of strings or numbers is a repeated flag"
+                        )))
+                        }
+                    }
+                }
+            }
             other => {
                 return Err(bad(format!(
-                    "{key} = {other} is not a flag value (use a string, number or boolean)"
+                    "{key} = {other} is not a flag value (use a string, number, boolean or list)"
                 )))
             }
         }

@@ -11,7 +11,7 @@ use crate::{Result, TrainError};
 
 /// One tokenized training example: ids, HF-aligned labels ([`IGNORE_INDEX`] where there is no loss), and each
 /// token's position in its document (`0..n` for one document; restarting at 0 in a packed example).
-#[derive(Debug, Clone, PartialEq, Hash)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Example {
     /// The token ids.
     pub input_ids: Vec<u32>,
@@ -19,6 +19,14 @@ pub struct Example {
     pub labels: Vec<i64>,
     /// One per token: its position inside its document.
     pub position_ids: Vec<u32>,
+}
+
+impl crate::checkpoint::Digest for Example {
+    fn digest(&self, into: &mut crate::checkpoint::Fingerprint) {
+        into.numbers(self.input_ids.iter().map(|&t| i64::from(t)));
+        into.numbers(self.labels.iter().copied());
+        into.numbers(self.position_ids.iter().map(|&p| i64::from(p)));
+    }
 }
 
 impl Example {

@@ -7,22 +7,28 @@ use streambp_models::Model;
 use streambp_objectives::{Dpo, TokenTargets};
 
 use crate::batch::{collate, Collated};
-use crate::checkpoint::data_identity;
+use crate::checkpoint::{Digest, Fingerprint, RunRecord};
 use crate::config::{Recipe, TrainConfig};
 use crate::data::{encode_pair, read_jsonl, text_field, Example, LoadReport, Overflow, Text};
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::sequence_logps;
-use crate::recipe::{Setup, StepAccumulator, Summary, Trainer};
+use crate::recipe::{Setup, StepAccumulator, Summary, Trainer, TrainingData};
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
 
 /// A tokenized preference pair.
-#[derive(Hash)]
 pub struct Pair {
     /// Prompt + preferred completion, the loss on the completion.
     pub chosen: Example,
     /// Prompt + dispreferred completion, the loss on the completion.
     pub rejected: Example,
+}
+
+impl Digest for Pair {
+    fn digest(&self, into: &mut Fingerprint) {
+        self.chosen.digest(into);
+        self.rejected.digest(into);
+    }
 }
 
 /// Pairs from TRL's `prompt` + `chosen` + `rejected` JSONL: strings (EOS ends each completion) or
@@ -62,11 +68,12 @@ pub fn load_pairs(
             }
             chosen.truncate(max_length);
             rejected.truncate(max_length);
-            if chosen.targets() == 0 || rejected.targets() == 0 {
-                report.skipped += 1;
-                continue;
-            }
             report.truncated += 1;
+        }
+        // A side with no completion token left (empty, or cut away) has nothing to compare.
+        if chosen.targets() == 0 || rejected.targets() == 0 {
+            report.skipped += 1;
+            continue;
         }
         pairs.push(Pair { chosen, rejected });
     }
@@ -122,7 +129,7 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
     let setup = Setup::new(cfg, Recipe::Dpo)?;
     let reference = match &cfg.ref_model {
         Some(spec) => setup.load_reference(spec)?,
-        None => setup.initial_reference()?,
+        None => setup.initial_reference(cfg)?,
     };
     let data = setup.data_path(&cfg.data, "dpo.jsonl")?;
     let pairs = load_pairs(&data, &setup.tokenizer, cfg.max_length, cfg.overflow)?;
@@ -147,12 +154,13 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
         Ok(m)
     };
     tracing::info!(pairs = pairs.len(), data = %data.display(), beta = cfg.beta, "dpo");
-    let before = held_out(&setup)?;
-
-    cfg.check_data_size(pairs.len(), "pairs", &data)?;
-    let mut run = cfg.record(Recipe::Dpo);
-    run.insert("data".into(), data_identity(&pairs));
-    let mut trainer = Trainer::new(cfg, &setup, pairs.len(), run)?;
+    let training = TrainingData {
+        items: &pairs,
+        what: "pairs",
+        path: &data,
+    };
+    let mut trainer = Trainer::new(cfg, &setup, Recipe::Dpo, &training, RunRecord::new())?;
+    let before = trainer.held_out_before(|| held_out(&setup))?;
     let model = &setup.model;
     let mut reference_scores = cfg.scorer(&reference);
     for step in trainer.start_step..trainer.max_steps {

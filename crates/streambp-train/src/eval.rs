@@ -31,10 +31,15 @@ pub fn eval_rows(path: &Path) -> Result<Vec<(String, String)>> {
         .iter()
         .map(|(line, r)| {
             let field = |k: &str| r.get(k).and_then(|v| v.as_str()).map(String::from);
+            let at = || format!("{} line {line}", path.display());
             match (field("prompt"), field("completion")) {
+                (Some(p), _) if p.is_empty() => Err(TrainError::data(
+                    at(),
+                    "the prompt is empty (no token to answer after)",
+                )),
                 (Some(p), Some(c)) => Ok((p, c)),
                 _ => Err(TrainError::data(
-                    format!("{} line {line}", path.display()),
+                    at(),
                     "eval data needs \"prompt\" and \"completion\" strings",
                 )),
             }

@@ -8,6 +8,11 @@ use crate::Result;
 
 /// Greedy continuation of `prompt` until `eos` or `max_new` tokens (eos excluded from the result).
 pub fn greedy(model: &Model, prompt: &[u32], eos: u32, max_new: usize) -> Result<Vec<u32>> {
+    if prompt.is_empty() {
+        return Err(crate::TrainError::Internal(
+            "greedy decoding needs a prompt of at least one token".into(),
+        ));
+    }
     let model = model.detached();
     let mut ids = prompt.to_vec();
     let mut out = Vec::new();

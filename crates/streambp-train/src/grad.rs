@@ -7,15 +7,14 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use serde::Serialize;
-use streambp_core::{
-    backward_with, forward_logprobs, Batch, ChunkPolicy, Chunks, Mode, Options, Problem,
-};
+use streambp_core::{backward_with, Batch, ChunkPolicy, Chunks, Mode, Options, Problem};
 use streambp_models::{load_model, resolve_adapter_dir, resolve_model_dir, save_safetensors};
 
 use crate::batch_file::load_batch;
 use crate::config::LoraArgs;
 use crate::device::{parse_device, parse_dtype};
-use crate::recipe::{attach_lora, dropout_key};
+use crate::logprobs::scorer;
+use crate::recipe::{attach_lora, dropout_key, load_reference};
 use crate::{Result, TrainError};
 
 /// Default chunk sizes when neither explicit sizes nor a budget are given: the query chunk, in tokens.
@@ -97,9 +96,31 @@ impl GradArgs {
             ("--chunk", self.chunk),
             ("--logits-chunk", self.logits_chunk),
         ] {
-            if value == Some(0) {
-                return Err(TrainError::flag(flag, 0, "must be at least 1"));
+            match value {
+                Some(0) => return Err(TrainError::flag(flag, 0, "must be at least 1")),
+                Some(v) if self.memory_budget.is_some() => {
+                    return Err(TrainError::flag(
+                        flag,
+                        v,
+                        "--memory-budget picks the chunks: give one or the other",
+                    ))
+                }
+                _ => {}
             }
+        }
+        let input = |e: streambp_models::ModelError| match e {
+            streambp_models::ModelError::Input(reason) => reason,
+            other => other.to_string(),
+        };
+        parse_dtype(&self.dtype).map_err(|e| TrainError::flag("--dtype", &self.dtype, input(e)))?;
+        parse_device(&self.device)
+            .map_err(|e| TrainError::flag("--device", &self.device, input(e)))?;
+        if !self.batch.is_file() {
+            return Err(TrainError::flag(
+                "--batch",
+                self.batch.display(),
+                "no such file",
+            ));
         }
         let out = &self.out;
         if out.is_dir() {
@@ -141,22 +162,16 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     let model = attach_lora(load_model(&dir, dtype, &device)?, adapter, lora, args.seed)?;
     // TRL's reference: the initial policy, which for a LoRA model is its base with the adapter off.
     let ref_model = match &args.ref_model {
-        Some(spec) => Some(load_model(&resolve_model_dir(spec)?, dtype, &device)?),
+        Some(spec) => Some(load_reference(spec, &model, None)?),
         None => model.lora().map(|_| model.without_adapters()),
     };
     let reference_chunks = Chunks {
         chunk: args.chunk.unwrap_or(DEFAULT_CHUNK),
         logits_chunk: args.logits_chunk.unwrap_or(DEFAULT_LOGITS_CHUNK),
     };
-    let mut reference = |ids: &Tensor, mask: Option<&Tensor>, targets: &Tensor| {
-        let batch = Batch::new(ids, mask);
-        Ok(forward_logprobs(
-            ref_model.as_ref().unwrap_or(&model),
-            batch,
-            targets,
-            reference_chunks,
-        )?)
-    };
+    let mut reference = scorer(ref_model.as_ref().unwrap_or(&model), |_| {
+        Ok(reference_chunks)
+    });
     let batch = load_batch(
         &args.batch,
         model.config.vocab_size,

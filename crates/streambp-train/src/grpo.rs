@@ -9,12 +9,12 @@ use streambp_models::init::NormalRng;
 use streambp_objectives::{Grpo, GrpoBatch};
 
 use crate::batch::{collate, Collated};
-use crate::checkpoint::{data_identity, RunRecord};
+use crate::checkpoint::{Digest, Fingerprint, RunRecord};
 use crate::config::{GrpoConfig, Recipe, TrainConfig};
 use crate::data::{read_jsonl, Example, LoadReport, Overflow, Row};
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::token_logps;
-use crate::recipe::{Setup, StepAccumulator, Summary, Trainer};
+use crate::recipe::{Setup, StepAccumulator, Summary, Trainer, TrainingData};
 use crate::rewards::{group_advantages, parse_reward, Reward};
 use crate::sampling::sample_group;
 use crate::{Result, TrainError};
@@ -35,10 +35,21 @@ struct Rollouts {
 
 /// A prompt to sample from: its tokens (cut to fit `--max-length` with the completion) and its data row,
 /// which the rewards read.
-#[derive(Hash)]
 struct Prompt {
     ids: Vec<u32>,
     row: Row,
+}
+
+impl Digest for Prompt {
+    fn digest(&self, into: &mut Fingerprint) {
+        into.numbers(self.ids.iter().map(|&t| i64::from(t)));
+        // serde_json keeps a row's keys sorted: the same row gives the same text.
+        into.bytes(
+            serde_json::Value::Object(self.row.clone())
+                .to_string()
+                .as_bytes(),
+        );
+    }
 }
 
 /// The prompts of a GRPO data file: rows with a `prompt` string and every column a reward reads. A
@@ -71,6 +82,12 @@ fn load_prompts(
             }
         }
         let mut ids = setup.tokenizer.encode(text)?;
+        if ids.is_empty() {
+            return Err(TrainError::data(
+                where_,
+                "the prompt is empty (no token to sample after)",
+            ));
+        }
         report.note_unknown(&setup.tokenizer, &ids, &where_);
         if ids.len() > room {
             if cfg.overflow == Overflow::Skip {
@@ -189,6 +206,7 @@ fn draw_rollouts(
 
 /// Trains `cfg`'s model with GRPO on its prompts (the built-in arithmetic prompts by default).
 pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
+    cfg.validate(Recipe::Grpo)?;
     g.validate(cfg)?;
     let builtin = cfg.data.is_none();
     let reward_specs: Vec<String> = match (g.rewards.is_empty(), builtin) {
@@ -210,25 +228,28 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     let data = setup.data_path(&cfg.data, "train.jsonl")?;
     let prompts = load_prompts(&data, &setup, cfg, g, &rewards)?;
     let reference = (cfg.beta != 0.0)
-        .then(|| setup.initial_reference())
+        .then(|| setup.initial_reference(cfg))
         .transpose()?;
-    let eval = setup.eval_path(cfg).as_deref().map(eval_rows).transpose()?;
-    let before = eval_accuracy(&setup, &eval)?;
     tracing::info!(prompts = prompts.len(), group = g.group_size, rewards = ?reward_specs, "grpo");
-
-    cfg.check_data_size(prompts.len(), "prompts", &data)?;
-    let mut run = cfg.record(Recipe::Grpo);
-    run.insert("data".into(), data_identity(&prompts));
-    g.record(&reward_specs, &mut run);
-    let mut trainer = Trainer::new(cfg, &setup, prompts.len(), run)?;
-    if trainer.start_step % g.num_iterations != 0 {
+    let training = TrainingData {
+        items: &prompts,
+        what: "prompts",
+        path: &data,
+    };
+    let extra = g.record(&reward_specs);
+    let mut trainer = Trainer::new(cfg, &setup, Recipe::Grpo, &training, extra)?;
+    if !trainer.start_step.is_multiple_of(g.num_iterations) {
+        // Checkpoints are saved between batches of rollouts (--save-every is a multiple of
+        // --num-iterations); only an older version's could fall inside one.
         tracing::warn!(
             step = trainer.start_step,
             num_iterations = g.num_iterations,
-            "resumed between the iterations of one batch of rollouts: new rollouts are drawn, so the \
-             run differs from an uninterrupted one until the next batch"
+            "resumed inside a batch of rollouts: they are drawn anew and the data position moves \
+             on, so the run differs from an uninterrupted one from here"
         );
     }
+    let eval = setup.eval_path(cfg).as_deref().map(eval_rows).transpose()?;
+    let before = trainer.held_out_before(|| eval_accuracy(&setup, &eval))?;
     let model = &setup.model;
     let mut reference_scores = reference.as_ref().map(|m| cfg.scorer(m));
     let mut pending: Vec<Rollouts> = Vec::new();
@@ -290,19 +311,21 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
 
 impl GrpoConfig {
     /// GRPO's settings in a checkpoint's run record.
-    fn record(&self, rewards: &[String], run: &mut RunRecord) {
+    fn record(&self, rewards: &[String]) -> RunRecord {
         let s = &self.sampling;
+        let mut run = RunRecord::new();
         for (flag, value) in [
             ("--group-size", self.group_size.into()),
             ("--num-iterations", self.num_iterations.into()),
             ("--temperature", s.temperature.into()),
             ("--top-p", s.top_p.into()),
             ("--max-new-tokens", s.max_new_tokens.into()),
-            ("--loss-type", format!("{:?}", self.loss_type).into()),
+            ("--loss-type", self.loss_type.name().into()),
             ("--epsilon", self.epsilon.into()),
             ("--reward", rewards.into()),
         ] {
             run.insert(flag.into(), value);
         }
+        run
     }
 }

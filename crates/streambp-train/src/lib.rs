@@ -49,7 +49,7 @@ pub mod tokenizer;
 pub enum TrainError {
     /// A flag (or the configuration field it fills) outside its allowed range, or one that does not
     /// apply to this run.
-    #[error("{flag} {value}: {expected}")]
+    #[error("{flag}{}: {expected}", if value.is_empty() { String::new() } else { format!(" {value}") })]
     Flag {
         /// The flag as typed, e.g. `--lr`.
         flag: String,

@@ -64,7 +64,7 @@ impl OutputDir {
         std::fs::remove_file(&probe).map_err(TrainError::io("remove", &probe))?;
         let lock_path = path.join(LOCK_FILE);
         let lock = File::create(&lock_path).map_err(TrainError::io("create", &lock_path))?;
-        lock.try_lock().map_err(|_| {
+        let in_use = || {
             TrainError::flag(
                 "--output-dir",
                 path.display(),
@@ -73,7 +73,13 @@ impl OutputDir {
                     lock_path.display()
                 ),
             )
-        })?;
+        };
+        lock.try_lock().map_err(|_| in_use())?;
+        // A run ending removes its lock file; one that opened it just before then holds a lock on a
+        // file that is gone, which guards nothing: only the file at the path counts.
+        if !same_file(&lock, &lock_path) {
+            return Err(in_use());
+        }
         clean_interrupted_saves(path)?;
         Ok(Self {
             path: path.to_path_buf(),
@@ -82,15 +88,27 @@ impl OutputDir {
     }
 }
 
-/// The checkpoint name a save's hidden directory belongs to (`.checkpoint-5.tmp-123` → `checkpoint-5`).
-fn save_target<'a>(name: &'a str, mark: &str) -> Option<&'a str> {
-    let (head, pid) = name.strip_prefix('.')?.rsplit_once(mark)?;
-    pid.chars().all(|c| c.is_ascii_digit()).then_some(head)
+/// Whether `name` is one of the outputs a run writes through a hidden temporary: `checkpoint-N`,
+/// `final`, `merged` or `metrics.jsonl`. Cleanup touches nothing else a user keeps in the directory.
+fn is_run_output(name: &str) -> bool {
+    let checkpoint = name
+        .strip_prefix("checkpoint-")
+        .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()));
+    checkpoint || matches!(name, "final" | "merged" | "metrics.jsonl")
 }
 
-/// Removes every `.NAME.tmp-PID` in `dir`, and puts `.NAME.old-PID` back as `NAME` where the save that
-/// was replacing it died before its new copy was in place (else removes it). Only call this holding the
-/// directory's lock: then no other save is running there.
+/// The run output a save's hidden temporary belongs to (`.checkpoint-5.tmp-123` → `checkpoint-5`);
+/// `None` for any other name.
+fn save_target<'a>(name: &'a str, mark: &str) -> Option<&'a str> {
+    let (head, pid) = name.strip_prefix('.')?.rsplit_once(mark)?;
+    let pid_ok = !pid.is_empty() && pid.chars().all(|c| c.is_ascii_digit());
+    (pid_ok && is_run_output(head)).then_some(head)
+}
+
+/// Removes every `.NAME.tmp-PID` in `dir` whose NAME is a run output ([`is_run_output`]), and puts
+/// `.NAME.old-PID` back as `NAME` where the save that was replacing it died before its new copy was in
+/// place (else removes it). Only call this holding the directory's lock: then no other save is running
+/// there.
 pub fn clean_interrupted_saves(dir: &Path) -> Result<()> {
     let entries = std::fs::read_dir(dir).map_err(TrainError::io("list", dir))?;
     for entry in entries {
@@ -113,6 +131,22 @@ pub fn clean_interrupted_saves(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Whether `path` names the file `file` has open.
+#[cfg(unix)]
+fn same_file(file: &File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
+}
+
+/// Elsewhere a lock file is never removed while locked by another process, so the path is the file.
+#[cfg(not(unix))]
+fn same_file(_: &File, _: &Path) -> bool {
+    true
+}
+
 fn remove(path: &Path) -> Result<()> {
     let removed = match path.is_dir() {
         true => std::fs::remove_dir_all(path),
@@ -133,7 +167,22 @@ mod tests {
         );
         assert_eq!(save_target(".final.old-9", OLD_MARK), Some("final"));
         assert_eq!(save_target("checkpoint-5", TMP_MARK), None);
-        assert_eq!(save_target(".x.tmp-12a", TMP_MARK), None);
+        assert_eq!(save_target(".final.tmp-12a", TMP_MARK), None);
+        assert_eq!(save_target(".final.tmp-", TMP_MARK), None);
+        assert_eq!(
+            save_target(".notes.tmp-1", TMP_MARK),
+            None,
+            "not a run output"
+        );
+        assert_eq!(
+            save_target(".env.old-2024", OLD_MARK),
+            None,
+            "not a run output"
+        );
+        assert_eq!(
+            save_target(".metrics.jsonl.tmp-9", TMP_MARK),
+            Some("metrics.jsonl")
+        );
     }
 
     /// A half-written save is removed; a checkpoint moved aside by a save that died before its new copy
@@ -147,17 +196,30 @@ mod tests {
             ".checkpoint-3.old-77",
             ".final.old-78",
             "final",
+            ".cache.tmp-42",
         ] {
             std::fs::create_dir_all(d.join(sub)).unwrap();
             std::fs::write(d.join(sub).join("model.safetensors"), sub).unwrap();
         }
+        std::fs::write(d.join(".notes.tmp-1"), "mine").unwrap();
+        std::fs::write(d.join(".env.old-2024"), "mine").unwrap();
         clean_interrupted_saves(d).unwrap();
         let mut names: Vec<String> = std::fs::read_dir(d)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         names.sort();
-        assert_eq!(names, ["checkpoint-3", "final"]);
+        // A user's own hidden files and directories stay as they are.
+        assert_eq!(
+            names,
+            [
+                ".cache.tmp-42",
+                ".env.old-2024",
+                ".notes.tmp-1",
+                "checkpoint-3",
+                "final"
+            ]
+        );
         let restored = std::fs::read_to_string(d.join("checkpoint-3/model.safetensors")).unwrap();
         assert_eq!(restored, ".checkpoint-3.old-77");
         let kept = std::fs::read_to_string(d.join("final/model.safetensors")).unwrap();

@@ -117,7 +117,7 @@ const COLOURS: [(u8, u8, u8); 5] = [
 const NOT_PLOTTED: [&str; 3] = ["step", "epoch", "seconds"];
 
 /// Plots every numeric metric of a run's `metrics.jsonl` against the step into `dir/metrics.svg`
-/// (loss first, then in the order the rows name them; peak memory in MiB).
+/// (loss first, then by name; peak memory in MiB).
 pub fn plot_metrics(metrics_jsonl: &Path, dir: &Path) -> Result<()> {
     let text =
         std::fs::read_to_string(metrics_jsonl).map_err(TrainError::io("read", metrics_jsonl))?;

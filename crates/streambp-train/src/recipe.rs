@@ -16,8 +16,8 @@ use streambp_models::{
 use streambp_objectives::Objective;
 
 use crate::checkpoint::{
-    check_resume, save_checkpoint, CheckpointFiles, RunRecord, TrainerState, OPTIMIZER_FILE,
-    STATE_FILE,
+    check_resume, data_identity, save_checkpoint, CheckpointFiles, Digest, RunRecord, TrainerState,
+    OPTIMIZER_FILE, STATE_FILE,
 };
 use crate::config::{BuiltinModel, Recipe, TrainConfig};
 use crate::device::{parse_device, parse_dtype};
@@ -78,7 +78,10 @@ pub fn materialize_builtin(dir: &Path) -> Result<PathBuf> {
     for (name, text) in builtin::FILES {
         write(dir.join(name), text.as_bytes())?;
     }
-    write(sft.join("config.json"), builtin::FILES[0].1.as_bytes())?;
+    // The SFT checkpoint as a whole model directory: config, weights and the task's tokenizer.
+    for (name, text) in &builtin::FILES[..3] {
+        write(sft.join(name), text.as_bytes())?;
+    }
     write(sft.join("model.safetensors"), builtin::SFT_WEIGHTS)?;
     Ok(dir.to_path_buf())
 }
@@ -118,6 +121,42 @@ pub struct Setup {
     pub builtin: Option<PathBuf>,
     /// The checked output directory, locked while the run lives.
     pub output: OutputDir,
+    /// Where the model the run started from comes from (a resumed run's reference is that model).
+    pub initial: InitialModel,
+}
+
+/// Where a run's starting model comes from.
+#[derive(Debug, Clone)]
+pub enum InitialModel {
+    /// A Hugging Face model directory.
+    Dir(PathBuf),
+    /// The built-in config in `dir`, initialised from `seed`.
+    Random {
+        /// The built-in task's directory (its `config.json`, tokenizer).
+        dir: PathBuf,
+        /// The initialisation's seed.
+        seed: u64,
+    },
+}
+
+impl InitialModel {
+    /// The model, loaded (or initialised) anew.
+    pub fn load(&self, dtype: DType, device: &Device) -> Result<Model> {
+        Ok(match self {
+            InitialModel::Dir(dir) => load_model(dir, dtype, device)?,
+            InitialModel::Random { dir, seed } => {
+                let config = ModelConfig::from_file(&dir.join("config.json"))?;
+                Model::random(config, dtype, device, *seed)?
+            }
+        })
+    }
+
+    /// The directory holding its config and tokenizer.
+    pub fn dir(&self) -> &Path {
+        match self {
+            InitialModel::Dir(dir) | InitialModel::Random { dir, .. } => dir,
+        }
+    }
 }
 
 impl Setup {
@@ -126,47 +165,44 @@ impl Setup {
         cfg.validate(recipe)?;
         let device = parse_device(&cfg.device)?;
         let dtype = parse_dtype(&cfg.dtype)?;
+        // Resolve what the run reads before anything is written.
+        let model_dir = cfg.model.as_deref().map(resolve_model_dir).transpose()?;
+        let adapter_dir = cfg
+            .adapter
+            .as_deref()
+            .map(resolve_adapter_dir)
+            .transpose()?;
         let output = OutputDir::prepare(&cfg.output_dir)?;
         let builtin = if cfg.model.is_none() || cfg.data.is_none() {
             Some(materialize_builtin(&cfg.output_dir.join("builtin-task"))?)
         } else {
             None
         };
-        // A LoRA checkpoint holds the adapter only; its base is the run's model.
-        let resumed_adapter = cfg
-            .resume
-            .clone()
-            .filter(|dir| dir.join(ADAPTER_FILES[0]).is_file());
-        let full_checkpoint = cfg.resume.clone().filter(|_| resumed_adapter.is_none());
-        let (model, model_dir) = match (&full_checkpoint, &cfg.model, &builtin) {
-            (Some(dir), _, _) => (load_model(dir, dtype, &device)?, dir.clone()),
-            (None, Some(spec), _) => {
-                let dir = resolve_model_dir(spec)?;
-                (load_model(&dir, dtype, &device)?, dir)
-            }
-            (None, None, Some(dir)) => {
-                let model = match cfg.builtin_model {
-                    BuiltinModel::Random => {
-                        let config = ModelConfig::from_file(&dir.join("config.json"))?;
-                        Model::random(config, dtype, &device, cfg.seed)?
-                    }
-                    BuiltinModel::Sft => {
-                        load_model(&dir.join(builtin::SFT_MODEL_DIR), dtype, &device)?
-                    }
-                };
-                (model, dir.clone())
-            }
-            (None, None, None) => {
+        let initial = match (model_dir, &builtin) {
+            (Some(dir), _) => InitialModel::Dir(dir),
+            (None, Some(dir)) => match cfg.builtin_model {
+                BuiltinModel::Random => InitialModel::Random {
+                    dir: dir.clone(),
+                    seed: cfg.seed,
+                },
+                BuiltinModel::Sft => InitialModel::Dir(dir.join(builtin::SFT_MODEL_DIR)),
+            },
+            (None, None) => {
                 return Err(TrainError::Internal(
                     "no model given and no built-in task written".into(),
                 ))
             }
         };
-        let adapter_dir = match (resumed_adapter, &cfg.adapter) {
-            (Some(dir), _) => Some(dir),
-            (None, Some(spec)) => Some(resolve_adapter_dir(spec)?),
-            (None, None) => None,
+        // A LoRA checkpoint holds the adapter only, over the run's model; a full one the whole model.
+        let resumed_adapter = cfg
+            .resume
+            .clone()
+            .filter(|dir| dir.join(ADAPTER_FILES[0]).is_file());
+        let (model, model_dir) = match (&cfg.resume, &resumed_adapter) {
+            (Some(dir), None) => (load_model(dir, dtype, &device)?, dir.clone()),
+            _ => (initial.load(dtype, &device)?, initial.dir().to_path_buf()),
         };
+        let adapter_dir = resumed_adapter.or(adapter_dir);
         let model = attach_lora(model, adapter_dir, cfg.lora.clone(), cfg.seed)?;
         let tokenizer = TextTokenizer::from_dir(&model_dir)?;
         if tokenizer.vocab_size() > model.config.vocab_size {
@@ -201,6 +237,7 @@ impl Setup {
             tokenizer,
             builtin,
             output,
+            initial,
         })
     }
 
@@ -242,13 +279,15 @@ impl Setup {
         }
     }
 
-    /// The model as training starts, frozen: TRL's default reference. For LoRA the base with the
+    /// The model the run started from, frozen: TRL's default reference. For LoRA the base with the
     /// adapters off (no second copy of the weights); otherwise a copy, since training updates the
-    /// policy's weights in place.
-    pub fn initial_reference(&self) -> Result<Model> {
-        Ok(match self.model.lora() {
-            Some(_) => self.model.without_adapters(),
-            None => self.model.frozen_copy()?,
+    /// policy's weights in place (or, resumed, the starting model loaded again).
+    pub fn initial_reference(&self, cfg: &TrainConfig) -> Result<Model> {
+        Ok(match (self.model.lora(), &cfg.resume) {
+            (Some(_), _) => self.model.without_adapters(),
+            // Resumed: the policy has moved; the reference is the model the run began with.
+            (None, Some(_)) => self.initial.load(self.dtype, &self.device)?.detached(),
+            (None, None) => self.model.frozen_copy()?,
         })
     }
 
@@ -256,35 +295,45 @@ impl Setup {
     /// same tokenizer where it ships one. Other architectures are allowed (TRL allows any model that
     /// shares the tokenizer), with a warning.
     pub fn load_reference(&self, spec: &str) -> Result<Model> {
-        let dir = resolve_model_dir(spec)?;
-        let reference = load_model(&dir, self.dtype, &self.device)?;
-        let (policy, other) = (&self.model.config, &reference.config);
-        if other.vocab_size != policy.vocab_size {
+        load_reference(spec, &self.model, Some(&self.tokenizer))
+    }
+}
+
+/// The reference model `spec` (`--ref-model`), checked to fit `policy`: the same vocabulary size, and
+/// the same token ids as `tokenizer` where the reference ships a tokenizer. Other architectures are
+/// allowed (TRL allows any model that shares the tokenizer), with a warning.
+pub fn load_reference(
+    spec: &str,
+    policy: &Model,
+    tokenizer: Option<&TextTokenizer>,
+) -> Result<Model> {
+    let dir = resolve_model_dir(spec)?;
+    let reference = load_model(&dir, policy.dtype(), policy.device())?;
+    let (mine, theirs) = (&policy.config, &reference.config);
+    if theirs.vocab_size != mine.vocab_size {
+        return Err(TrainError::Reference(format!(
+            "--ref-model {spec}: its vocabulary has {} tokens, the policy's {}; the reference must \
+             score the policy's token ids",
+            theirs.vocab_size, mine.vocab_size
+        )));
+    }
+    if let (Some(tokenizer), true) = (tokenizer, dir.join("tokenizer.json").is_file()) {
+        if !TextTokenizer::from_dir(&dir)?.same_vocabulary(tokenizer) {
             return Err(TrainError::Reference(format!(
-                "--ref-model {spec}: its vocabulary has {} tokens, the policy's {}; the reference must \
-                 score the policy's token ids",
-                other.vocab_size, policy.vocab_size
+                "--ref-model {spec}: its tokenizer maps tokens to other ids than the policy's"
             )));
         }
-        if dir.join("tokenizer.json").is_file() {
-            let theirs = TextTokenizer::from_dir(&dir)?;
-            if !theirs.same_vocabulary(&self.tokenizer) {
-                return Err(TrainError::Reference(format!(
-                    "--ref-model {spec}: its tokenizer maps tokens to other ids than the policy's"
-                )));
-            }
-        }
-        if (other.family, other.hidden_size, other.num_layers())
-            != (policy.family, policy.hidden_size, policy.num_layers())
-        {
-            tracing::warn!(
-                reference = spec,
-                "the reference model's architecture differs from the policy's (allowed: it shares \
-                 the vocabulary)"
-            );
-        }
-        Ok(reference)
     }
+    if (theirs.family, theirs.hidden_size, theirs.num_layers())
+        != (mine.family, mine.hidden_size, mine.num_layers())
+    {
+        tracing::warn!(
+            reference = spec,
+            "the reference model's architecture differs from the policy's (allowed: it shares the \
+             vocabulary)"
+        );
+    }
+    Ok(reference.detached())
 }
 
 impl TrainConfig {
@@ -464,6 +513,16 @@ impl DataOrder {
     }
 }
 
+/// A run's training items (examples, pairs or prompts), what they are called and where they came from.
+pub struct TrainingData<'a, T> {
+    /// The items the data order walks.
+    pub items: &'a [T],
+    /// Their name in messages ("examples", "pairs", "prompts").
+    pub what: &'a str,
+    /// The file they were read from.
+    pub path: &'a Path,
+}
+
 /// What one optimizer step measured.
 pub struct StepReport {
     /// The step's loss: the micro-batches' losses, weighted as they were added.
@@ -503,9 +562,22 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// `examples`: data set size; `run`: the run's settings with its data's fingerprint (compared with
-    /// a resumed checkpoint's).
-    pub fn new(cfg: &TrainConfig, setup: &Setup, examples: usize, run: RunRecord) -> Result<Self> {
+    /// The trainer of a `recipe` run over `data`: checks that a step fits the data, records the run
+    /// (its settings, `extra` ones included, and the data's fingerprint) and, resuming, compares that
+    /// record with the checkpoint's and restores the optimizer and data position. Call it before any
+    /// long work (evaluation), so that a refused run stops at once.
+    pub fn new<T: Digest>(
+        cfg: &TrainConfig,
+        setup: &Setup,
+        recipe: Recipe,
+        data: &TrainingData<T>,
+        extra: RunRecord,
+    ) -> Result<Self> {
+        let examples = data.items.len();
+        cfg.check_data_size(examples, data.what, data.path)?;
+        let mut run = cfg.record(recipe);
+        run.extend(extra);
+        run.insert("data".into(), data_identity(data.items));
         let mut optimizer = AdamW::new(
             setup.model.parameters(),
             AdamWConfig {
@@ -518,7 +590,7 @@ impl Trainer {
             .max_steps
             .unwrap_or(((examples as f64 * cfg.epochs) / per_step as f64).ceil() as usize)
             .max(1);
-        let (start_step, epoch, cursor) = match &cfg.resume {
+        let (start_step, epoch, cursor, seed) = match &cfg.resume {
             Some(dir) => {
                 let state = TrainerState::read(dir)?;
                 check_resume(dir, &state.run, &run)?;
@@ -537,18 +609,25 @@ impl Trainer {
                     })?;
                 optimizer.load_state(&moments, state.step)?;
                 tracing::info!(step = state.step, dir = %dir.display(), "resumed");
-                (state.step, state.epoch, state.cursor)
+                // The order the position was saved in is the checkpoint's seed's.
+                (state.step, state.epoch, state.cursor, state.seed)
             }
-            None => (0, 0, 0),
+            None => (0, 0, 0, cfg.seed),
         };
-        let metrics = MetricsLog::open(&cfg.output_dir, start_step)?;
+        let same_dir = |checkpoint: &&PathBuf| {
+            let real = |p: &Path| std::fs::canonicalize(p).ok();
+            checkpoint.parent().and_then(real).is_some()
+                && checkpoint.parent().and_then(real) == real(&cfg.output_dir)
+        };
+        let kept_rows = cfg.resume.as_ref().filter(same_dir).map(|_| start_step);
+        let metrics = MetricsLog::open(&cfg.output_dir, kept_rows)?;
         let bar = progress_bar(max_steps, cfg.progress);
         bar.set_position(start_step as u64);
         Ok(Self {
             optimizer,
             max_steps,
             start_step,
-            data: DataOrder::new(examples, cfg.seed, epoch, cursor)?,
+            data: DataOrder::new(examples, seed, epoch, cursor)?,
             run,
             metrics,
             bar,
@@ -558,6 +637,18 @@ impl Trainer {
             last_loss: f64::NAN,
             last_good: None,
         })
+    }
+
+    /// The held-out metrics before training, from `measure`; none when resuming (the checkpoint's
+    /// model is not the one the run began with).
+    pub fn held_out_before(
+        &self,
+        measure: impl FnOnce() -> Result<Vec<(String, f64)>>,
+    ) -> Result<Vec<(String, f64)>> {
+        match self.start_step {
+            0 => measure(),
+            _ => Ok(Vec::new()),
+        }
     }
 
     /// Marks the start of a step (for its timing).
@@ -685,28 +776,34 @@ impl Trainer {
     }
 }
 
-/// `metrics.jsonl`: one JSON line per step. A resumed run first drops the rows after the step it
-/// resumes from (an older checkpoint's later steps are trained again), so every step appears once.
+/// `metrics.jsonl`: one JSON line per step. A run resumed from a checkpoint of this output directory
+/// keeps the rows up to the step it resumes from and drops the later ones (an older checkpoint's later
+/// steps are trained again), so every step appears once; any other run starts the file anew.
 struct MetricsLog {
     path: PathBuf,
     file: std::fs::File,
 }
 
 impl MetricsLog {
-    fn open(dir: &Path, start_step: usize) -> Result<Self> {
+    /// Opens `dir/metrics.jsonl`, keeping the rows up to step `keep` when given.
+    fn open(dir: &Path, keep: Option<usize>) -> Result<Self> {
         let path = dir.join("metrics.jsonl");
-        let kept = match (start_step, std::fs::read_to_string(&path)) {
-            (0, _) | (_, Err(_)) => String::new(),
-            (_, Ok(text)) => text
-                .lines()
-                .filter(|line| {
-                    serde_json::from_str::<serde_json::Value>(line)
-                        .ok()
-                        .and_then(|v| v["step"].as_u64())
-                        .is_some_and(|s| s as usize <= start_step)
-                })
-                .map(|line| format!("{line}\n"))
-                .collect(),
+        let kept = match keep {
+            None => String::new(),
+            Some(step) => match std::fs::read_to_string(&path) {
+                Ok(text) => text
+                    .lines()
+                    .filter(|line| {
+                        serde_json::from_str::<serde_json::Value>(line)
+                            .ok()
+                            .and_then(|v| v["step"].as_u64())
+                            .is_some_and(|s| s as usize <= step)
+                    })
+                    .map(|line| format!("{line}\n"))
+                    .collect(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+                Err(e) => return Err(TrainError::io("read", &path)(e)),
+            },
         };
         // Rewritten whole, through a temporary file and a rename, so a kill here loses no rows.
         let tmp = dir.join(format!(".metrics.jsonl{TMP_MARK}{}", std::process::id()));

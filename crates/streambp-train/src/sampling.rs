@@ -113,6 +113,11 @@ pub fn sample_group(
     cfg: &SamplingConfig,
     rng: &mut NormalRng,
 ) -> Result<Vec<Vec<u32>>> {
+    if prompt.is_empty() {
+        return Err(crate::TrainError::Internal(
+            "sampling needs a prompt of at least one token".into(),
+        ));
+    }
     let model = model.detached();
     let device: &Device = model.device();
     let mut cache = Cache {

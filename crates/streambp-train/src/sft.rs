@@ -4,11 +4,11 @@
 use streambp_objectives::Sft;
 
 use crate::batch::collate;
-use crate::checkpoint::data_identity;
+use crate::checkpoint::RunRecord;
 use crate::config::{Recipe, TrainConfig};
 use crate::data::{load_sft, pack};
 use crate::eval::{eval_accuracy, eval_rows};
-use crate::recipe::{Setup, StepAccumulator, Summary, Trainer};
+use crate::recipe::{Setup, StepAccumulator, Summary, Trainer, TrainingData};
 use crate::Result;
 
 /// Trains `cfg`'s model on its SFT data (the built-in arithmetic task by default).
@@ -26,16 +26,15 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
             "packed"
         );
     }
-    let eval = setup.eval_path(cfg).as_deref().map(eval_rows).transpose()?;
     tracing::info!(examples = examples.len(), data = %data.display(), "sft");
-    let before = match cfg.resume {
-        Some(_) => Vec::new(),
-        None => eval_accuracy(&setup, &eval)?,
+    let training = TrainingData {
+        items: &examples,
+        what: "examples",
+        path: &data,
     };
-    cfg.check_data_size(examples.len(), "examples", &data)?;
-    let mut run = cfg.record(Recipe::Sft);
-    run.insert("data".into(), data_identity(&examples));
-    let mut trainer = Trainer::new(cfg, &setup, examples.len(), run)?;
+    let mut trainer = Trainer::new(cfg, &setup, Recipe::Sft, &training, RunRecord::new())?;
+    let eval = setup.eval_path(cfg).as_deref().map(eval_rows).transpose()?;
+    let before = trainer.held_out_before(|| eval_accuracy(&setup, &eval))?;
 
     let model = &setup.model;
     for step in trainer.start_step..trainer.max_steps {
