@@ -14,8 +14,10 @@ use clap::Parser;
 use streambp_core::memory::{CountingAllocator, Meter};
 use streambp_core::{backward_with, estimate, Batch, ChunkPolicy, Chunks, Mode, Options, Problem};
 use streambp_models::device::{parse_budget, parse_device, parse_dtype};
+use streambp_models::LoraConfig;
 use streambp_models::{Model, ModelConfig};
 use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
+use streambp_train::config::LoraArgs;
 use streambp_train::optim::{AdamW, AdamWConfig};
 use streambp_train::plots::{draw, Chart, Series};
 
@@ -88,9 +90,15 @@ struct Args {
     /// Write the results as JSON lines here too, each as soon as its point is done.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// With --lora-r: every point is measured for full fine-tuning and for LoRA (a fresh adapter on the
+    /// same weights), side by side.
+    #[command(flatten)]
+    lora: LoraArgs,
 }
 
 struct Point {
+    /// What is trained: `full`, or `LoRA r=N`.
+    trained: String,
     mode: Mode,
     t: usize,
     /// Peak bytes above what was live before the backward (the weights).
@@ -180,7 +188,7 @@ fn optimizer_step(model: &Model, grads: &[(String, Tensor)]) -> anyhow::Result<(
 }
 
 fn run(
-    model: &Model,
+    (trained, model): (&str, &Model),
     work: &(Tensor, Box<dyn Objective>),
     mode: Mode,
     chunks: Chunks,
@@ -223,6 +231,7 @@ fn run(
         let peak = phases.iter().map(|(_, b, _)| *b).max().unwrap_or(0);
         if best.as_ref().is_none_or(|b| seconds < b.seconds) {
             best = Some(Point {
+                trained: trained.to_string(),
                 mode,
                 t,
                 peak,
@@ -262,9 +271,16 @@ fn given_chunks(args: &Args, t: usize) -> Chunks {
     }
 }
 
-/// The planner's view of one backward of this run at `t` tokens.
-fn problem<'a>(config: &'a ModelConfig, dtype: DType, args: &Args, t: usize) -> Problem<'a> {
+/// The planner's view of one backward of this run at `t` tokens (`lora`: what LoRA trains).
+fn problem<'a>(
+    config: &'a ModelConfig,
+    dtype: DType,
+    args: &Args,
+    t: usize,
+    lora: Option<&'a LoraConfig>,
+) -> Problem<'a> {
     Problem {
+        lora,
         config,
         batch: rows_of(&args.objective, args.group),
         seq_len: t,
@@ -277,8 +293,9 @@ fn problem<'a>(config: &'a ModelConfig, dtype: DType, args: &Args, t: usize) -> 
 /// `--predict`: the cost model's view of stream at each T, without building the model.
 fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
     // GiB for models of a card's size, MiB for the small ones.
+    let lora = args.lora.config()?;
     let weights = estimate(
-        problem(cfg, dtype, args, 1),
+        problem(cfg, dtype, args, 1, lora.as_ref()),
         Chunks {
             chunk: 1,
             logits_chunk: 1,
@@ -295,7 +312,7 @@ fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
     println!("| T | chunk | logits chunk | weights + gradients ({unit}) | head phase | layer phase | embedding phase | peak ({unit}) |");
     println!("|---|---|---|---|---|---|---|---|");
     for &t in &args.seq_lens {
-        let p = problem(cfg, dtype, args, t);
+        let p = problem(cfg, dtype, args, t, lora.as_ref());
         let chunks = match chunk_policy(args, t).chunks_for(p) {
             Ok(chunks) => chunks,
             Err(e) => {
@@ -321,7 +338,7 @@ fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
 /// The longest T (multiple of `step`) whose whole peak (weights included) fits `budget`, and the
 /// peak there, plus the first T tried that did not fit (`None` when `--t-max` stopped the search).
 fn max_t(
-    model: &Model,
+    (trained, model): (&str, &Model),
     args: &Args,
     mode: Mode,
     budget: u64,
@@ -331,7 +348,7 @@ fn max_t(
     let fits = |t: usize| -> anyhow::Result<Option<usize>> {
         // Chunks as given, else the planner's for this T and budget (when even its smallest chunks
         // are estimated not to fit, that T does not fit).
-        let problem = problem(&model.config, model.dtype(), args, t);
+        let problem = problem(&model.config, model.dtype(), args, t, model.lora());
         let chunks = match chunk_policy(args, t).chunks_for(problem) {
             Ok(chunks) => chunks,
             Err(e) => {
@@ -340,7 +357,15 @@ fn max_t(
             }
         };
         let work = workload(&args.objective, vocab, t, args.group, model.device())?;
-        let p = match run(model, &work, mode, chunks, 1, options(args), false) {
+        let p = match run(
+            (trained, model),
+            &work,
+            mode,
+            chunks,
+            1,
+            options(args),
+            false,
+        ) {
             Ok(p) => p,
             Err(e) if is_out_of_memory(&e) => {
                 eprintln!("  {mode} T={t} ({chunks:?}): out of memory");
@@ -391,7 +416,7 @@ fn max_t(
 /// One JSON line of results.
 fn point_json(args: &Args, p: &Point, c: &Chunks) -> serde_json::Value {
     serde_json::json!({
-        "objective": args.objective, "t": p.t, "mode": p.mode.to_string(), "chunk": c.chunk,
+        "objective": args.objective, "trained": p.trained, "t": p.t, "mode": p.mode.to_string(), "chunk": c.chunk,
         "logits_chunk": c.logits_chunk, "peak_bytes": p.peak, "base_bytes": p.base,
         "seconds": p.seconds, "loss": p.loss,
         "optimizer_step": p.optimizer.map(|(b, s)| serde_json::json!({"peak_bytes": b, "seconds": s})),
@@ -447,8 +472,17 @@ fn main() -> anyhow::Result<()> {
         logits_chunk: 64,
     };
     let vocab = model.config.vocab_size;
+    if args.lora.adapter.is_some() {
+        bail!("--adapter: the bench measures a fresh adapter (--lora-r), not a loaded one");
+    }
+    // Full fine-tuning, and LoRA on the same weights (a view of them: no second copy).
+    let mut trainings = vec![("full".to_string(), model.clone())];
+    if let Some(lora) = args.lora.config()? {
+        let label = format!("LoRA r={}", lora.r);
+        trainings.push((label, model.clone().with_lora(lora, None, 0)?));
+    }
     run(
-        &model,
+        ("full", &model),
         &workload("sft", vocab, 128, 1, model.device())?,
         Mode::Stream,
         warm,
@@ -463,12 +497,14 @@ fn main() -> anyhow::Result<()> {
             "Longest T whose peak (weights included) fits {:.0} MiB:",
             budget as f64 / (1 << 20) as f64
         );
-        println!("| mode | max T | peak there (MiB) | next T tried (over) |");
-        println!("|---|---|---|---|");
-        for &mode in &args.modes {
-            let (t, peak, over) = max_t(&model, &args, mode, budget)?;
-            let over = over.map_or("none tried (--t-max)".to_string(), |t| t.to_string());
-            println!("| {mode} | {t} | {:.1} | {over} |", mib(peak));
+        println!("| trained | mode | max T | peak there (MiB) | next T tried (over) |");
+        println!("|---|---|---|---|---|");
+        for (trained, m) in &trainings {
+            for &mode in &args.modes {
+                let (t, peak, over) = max_t((trained, m), &args, mode, budget)?;
+                let over = over.map_or("none tried (--t-max)".to_string(), |t| t.to_string());
+                println!("| {trained} | {mode} | {t} | {:.1} | {over} |", mib(peak));
+            }
         }
         return Ok(());
     }
@@ -485,9 +521,12 @@ fn main() -> anyhow::Result<()> {
     for &t in &args.seq_lens {
         let chunks = given_chunks(&args, t);
         let work = workload(&args.objective, vocab, t, args.group, model.device())?;
-        for &mode in &args.modes {
+        for (trained, mode) in trainings
+            .iter()
+            .flat_map(|(k, m)| args.modes.iter().map(move |&mode| ((k.as_str(), m), mode)))
+        {
             let p = match run(
-                &model,
+                trained,
                 &work,
                 mode,
                 chunks,
@@ -497,11 +536,11 @@ fn main() -> anyhow::Result<()> {
             ) {
                 Ok(p) => p,
                 Err(e) if is_out_of_memory(&e) => {
-                    eprintln!("T={t} {mode}: out of memory");
-                    out_of_memory.push((t, mode));
+                    eprintln!("T={t} {} {mode}: out of memory", trained.0);
+                    out_of_memory.push((t, trained.0.to_string(), mode));
                     let line = serde_json::json!({
-                        "objective": args.objective, "t": t, "mode": mode.to_string(),
-                        "out_of_memory": true,
+                        "objective": args.objective, "trained": trained.0, "t": t,
+                        "mode": mode.to_string(), "out_of_memory": true,
                     });
                     write_json(&mut json, &line)?;
                     continue;
@@ -509,7 +548,8 @@ fn main() -> anyhow::Result<()> {
                 Err(e) => return Err(e),
             };
             eprintln!(
-                "T={t} {mode}: peak {:.1} MiB, {:.3} s",
+                "T={t} {} {mode}: peak {:.1} MiB, {:.3} s",
+                p.trained,
                 mib(p.peak),
                 p.seconds
             );
@@ -525,14 +565,20 @@ fn main() -> anyhow::Result<()> {
     }
 
     println!();
-    println!("| T | mode | chunk | activation peak (MiB) | vs checkpoint | vs full | seconds | vs checkpoint | planner estimate error |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| T | trained | mode | chunk | peak above the weights (MiB) | vs checkpoint | vs full | seconds | vs checkpoint | planner estimate error |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let lora_of = |trained: &str| {
+        trainings
+            .iter()
+            .find(|(k, _)| k == trained)
+            .and_then(|(_, m)| m.lora())
+    };
     for (p, chunks) in &points {
         let same_t = |m: Mode| {
             points
                 .iter()
                 .map(|(q, _)| q)
-                .find(|q| q.t == p.t && q.mode == m)
+                .find(|q| q.t == p.t && q.mode == m && q.trained == p.trained)
         };
         let ratio = |other: Option<&Point>, f: &dyn Fn(&Point) -> f64| {
             other
@@ -541,15 +587,17 @@ fn main() -> anyhow::Result<()> {
         };
         // The planner's cost model of stream's whole peak, against the measured whole peak.
         let estimate_error = if p.mode == Mode::Stream {
-            let est = estimate(problem(&model.config, dtype, &args, p.t), *chunks).peak() as f64;
+            let problem = problem(&model.config, dtype, &args, p.t, lora_of(&p.trained));
+            let est = estimate(problem, *chunks).peak() as f64;
             let measured = (p.peak + p.base) as f64;
             format!("{:+.1}%", 100.0 * (est - measured) / measured)
         } else {
             "-".into()
         };
         println!(
-            "| {} | {} | {} | {:.1} | {} | {} | {:.3} | {} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {} | {} | {:.3} | {} | {} |",
             p.t,
+            p.trained,
             p.mode,
             if p.mode == Mode::Stream {
                 chunks.chunk.to_string()
@@ -564,20 +612,51 @@ fn main() -> anyhow::Result<()> {
             estimate_error,
         );
     }
-    for (t, mode) in &out_of_memory {
-        println!("| {t} | {mode} | - | out of memory | - | - | - | - | - |");
+    for (t, trained, mode) in &out_of_memory {
+        println!("| {t} | {trained} | {mode} | - | out of memory | - | - | - | - | - |");
+    }
+    // LoRA beside full fine-tuning: what the frozen weights' gradients cost.
+    let grads_mib = mib(params * model.dtype().size_in_bytes());
+    for (p, _) in points.iter().filter(|(p, _)| p.trained != "full") {
+        let full = points
+            .iter()
+            .map(|(q, _)| q)
+            .find(|q| q.t == p.t && q.mode == p.mode && q.trained == "full");
+        if let Some(full) = full {
+            println!(
+                "T={} {}: {} peak {:.1} MiB, full fine-tuning {:.1} MiB: {:.1} MiB less (full gradients {grads_mib:.1} MiB); time {:.3} s vs {:.3} s ({:.2}x)",
+                p.t,
+                p.mode,
+                p.trained,
+                mib(p.peak),
+                mib(full.peak),
+                mib(full.peak) - mib(p.peak),
+                p.seconds,
+                full.seconds,
+                p.seconds / full.seconds
+            );
+        }
     }
     if let Some(dir) = &args.plot {
         std::fs::create_dir_all(dir)?;
         let series = |value: &dyn Fn(&Point) -> f64| -> Vec<Series> {
-            [Mode::Stream, Mode::Checkpoint, Mode::Full]
-                .into_iter()
-                .filter(|m| args.modes.contains(m))
-                .map(|m| Series {
-                    label: m.to_string(),
+            let kinds: Vec<&String> = trainings.iter().map(|(k, _)| k).collect();
+            kinds
+                .iter()
+                .flat_map(|k| {
+                    [Mode::Stream, Mode::Checkpoint, Mode::Full]
+                        .into_iter()
+                        .filter(|m| args.modes.contains(m))
+                        .map(move |m| (*k, m))
+                })
+                .map(|(k, m)| Series {
+                    label: match kinds.len() {
+                        1 => m.to_string(),
+                        _ => format!("{m} ({k})"),
+                    },
                     points: points
                         .iter()
-                        .filter(|(p, _)| p.mode == m)
+                        .filter(|(p, _)| p.mode == m && &p.trained == k)
                         .map(|(p, _)| (p.t as f64, value(p)))
                         .collect(),
                 })

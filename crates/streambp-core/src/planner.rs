@@ -25,7 +25,7 @@
 //! large to run here.
 
 use candle_core::DType;
-use streambp_models::ModelConfig;
+use streambp_models::{LoraConfig, ModelConfig, Projection};
 
 use crate::engine::Chunks;
 use crate::error::{EngineError, Result};
@@ -45,6 +45,9 @@ pub struct Problem<'a> {
     /// accelerator (see [`crate::Options::offloads_from`]). The device then holds the last layer's output
     /// during the head and one layer's input at a time during the layers.
     pub offloaded: bool,
+    /// LoRA: only these adapters are trained (frozen base weights get no gradient, the head and the
+    /// embedding none either); `None`: every weight is.
+    pub lora: Option<&'a LoraConfig>,
 }
 
 impl<'a> Problem<'a> {
@@ -61,6 +64,7 @@ impl<'a> Problem<'a> {
             seq_len,
             dtype: model.dtype(),
             offloaded: options.offloads_from(model.device()),
+            lora: model.lora(),
         }
     }
 }
@@ -110,6 +114,27 @@ impl Estimate {
     }
 }
 
+/// The number of adapter values LoRA with `lora` adds to a model of `cfg`: `r · (in + out)` for every
+/// target projection of every layer.
+pub fn adapter_count(cfg: &ModelConfig, lora: &LoraConfig) -> u64 {
+    let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+    let (q, kv) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
+    let per_layer: usize = lora
+        .targets
+        .iter()
+        .map(|p| match p {
+            Projection::Q => d + q,
+            Projection::K | Projection::V => d + kv,
+            Projection::O => q + d,
+            Projection::Gate | Projection::Up | Projection::Down => d + f,
+        })
+        .sum();
+    (lora.r * per_layer * cfg.num_layers()) as u64
+}
+
 fn parameter_count(cfg: &ModelConfig) -> u64 {
     cfg.parameter_shapes()
         .iter()
@@ -138,7 +163,19 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let in_flight = params.saturating_sub(vocab * d) / layers.max(1) + vocab * d;
     // The rope tables (cos and sin for every position), built once per backward.
     let rope = 2 * t * cfg.head_dim as u64 * e;
-    let resident = params * 2 * e + in_flight * (grad_bytes - e) + rope;
+    // Full fine-tuning: weights and their gradients. LoRA: the frozen weights, and the adapters with
+    // their gradients (f32, or f64 for an f64 model); the head's and the table's gradients never exist.
+    let (resident, head_grad, table_grad) = match p.lora {
+        None => (
+            params * 2 * e + in_flight * (grad_bytes - e) + rope,
+            vocab * d * grad_bytes,
+            vocab * d * (e + grad_bytes),
+        ),
+        Some(lora) => {
+            let adapter_bytes = f32b.max(e) * 2 * adapter_count(cfg, lora);
+            (params * e + adapter_bytes + rope, 0, 0)
+        }
+    };
 
     // `[b, T, d]` hidden states; the checkpoints on the device: `L + 1` in the head, `L` when the
     // last layer's backward starts (one fewer per layer after it), one at a time when offloaded.
@@ -150,7 +187,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // adds the raw logits, the rounded VJP and temporaries (fitted).
     let half_logits = if half { 4 * e } else { 0 };
     let logits = b * lc * vocab * (4 * f32b.max(e) + half_logits);
-    let head_phase = checkpoints(layers + 1) + hidden + logits + vocab * d * grad_bytes;
+    let head_phase = checkpoints(layers + 1) + hidden + logits + head_grad;
 
     let c = (chunks.chunk as u64).min(t);
     // The attention op scores a chunk against one block of keys at a time.
@@ -166,8 +203,15 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // The embedding's VJP (written out): the incoming `[b, T, d]` gradient and its scaled rows, the
     // table's gradient (model dtype; an f32 copy of it for half precision) and its sum with the
     // accumulated one.
-    let half_table = if half { f32b } else { 0 };
-    let embedding_phase = 2 * hidden + vocab * d * (e + half_table + grad_bytes);
+    let half_table = if half && table_grad > 0 {
+        vocab * d * f32b
+    } else {
+        0
+    };
+    let embedding_phase = match p.lora {
+        Some(_) => 0,
+        None => 2 * hidden + table_grad + half_table,
+    };
     Estimate {
         resident,
         head_phase,

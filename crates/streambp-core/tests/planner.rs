@@ -32,6 +32,7 @@ fn problem(cfg: &ModelConfig, t: usize, dtype: DType) -> Problem<'_> {
         seq_len: t,
         dtype,
         offloaded: false,
+        lora: None,
     }
 }
 

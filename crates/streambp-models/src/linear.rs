@@ -17,7 +17,7 @@ pub struct Linear {
     /// The weight and bias are constants (a LoRA model's base): the backward computes the input's
     /// gradient only.
     pub frozen: bool,
-    /// The LoRA adapter, where one sits on this projection.
+    /// The LoRA adapter, where one sits on this projection (its base is then always frozen).
     pub lora: Option<LoraAdapter>,
 }
 
@@ -48,22 +48,20 @@ impl Linear {
         };
         let rows: usize = lead.iter().product();
         let x2 = x.reshape((rows, *inner))?;
-        let y = match self.frozen {
-            true => crate::op::frozen_linear(&x2, &self.weight, self.bias.as_ref())?,
-            false => {
+        let y = match (&self.lora, self.frozen) {
+            (Some(adapter), _) => {
+                let batch_rows = if lead.len() > 1 { lead[0] } else { 1 };
+                let base = (&self.weight, self.bias.as_ref());
+                adapter.forward(&x2, base, batch_rows, start, dropout_key)?
+            }
+            (None, true) => crate::op::frozen_linear(&x2, &self.weight, self.bias.as_ref())?,
+            (None, false) => {
                 let y = x2.matmul(&self.weight.t()?)?;
                 match &self.bias {
                     Some(b) => y.broadcast_add(b)?,
                     None => y,
                 }
             }
-        };
-        let y = match &self.lora {
-            Some(adapter) => {
-                let batch_rows = if lead.len() > 1 { lead[0] } else { 1 };
-                (y + adapter.delta(&x2, batch_rows, start, dropout_key)?)?
-            }
-            None => y,
         };
         let mut out_shape = lead.to_vec();
         out_shape.push(self.weight.dim(0)?);

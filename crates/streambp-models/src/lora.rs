@@ -190,17 +190,19 @@ impl LoraAdapter {
         }
     }
 
-    /// `s · (dropout(x) Aᵀ) Bᵀ` for the flattened input `x` `[n, in]` of tokens `start..` of a batch
-    /// of `rows` rows (dropout only when the batch carries a dropout key), in `x`'s dtype: the
-    /// adapter's f32 weights are cast to it, as autocast does, and their gradients come back in f32.
-    pub fn delta(
+    /// `x Wᵀ (+ b) + s · (dropout(x) Aᵀ) Bᵀ` for the flattened input `x` `[n, in]` of tokens `start..`
+    /// of a batch of `rows` rows, with the frozen `weight` and `bias` of the projection it sits on
+    /// (dropout only when the batch carries a dropout key), in `x`'s dtype: the adapter's f32 weights
+    /// are cast to it, as autocast does, and their gradients come back in f32.
+    pub fn forward(
         &self,
         x: &Tensor,
+        (weight, bias): (&Tensor, Option<&Tensor>),
         rows: usize,
         start: usize,
         dropout_key: Option<u64>,
     ) -> Result<Tensor> {
-        let x = match dropout_key {
+        let dropped = match dropout_key {
             Some(key) if self.dropout > 0.0 => {
                 let (n, features) = x.dims2()?;
                 let mask = dropout_mask(
@@ -221,7 +223,8 @@ impl LoraAdapter {
         };
         let a = self.a.to_dtype(x.dtype())?;
         let b = self.b.to_dtype(x.dtype())?;
-        Ok((x.matmul(&a.t()?)?.matmul(&b.t()?)? * self.scale)?)
+        let u = dropped.matmul(&a.t()?)?;
+        Ok(crate::op::lora_linear(x, weight, bias, &u, &b, self.scale)?)
     }
 }
 

@@ -99,3 +99,93 @@ pub(crate) fn frozen_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) 
         out: Precomputed::new(out),
     })
 }
+
+/// `x Wᵀ + b + s·(u Bᵀ)` with `W`, `b` frozen and `u = dropout(x) Aᵀ` the adapter's down-projection:
+/// one LoRA projection as one op. Its backward gives `x` its gradient through the frozen weight,
+/// `g W`, and `u` and `B` theirs, `s·g B` and `s·gᵀ u`; the graph holds its output only (not the
+/// `[n, out]` adapter term, its scaled copy and the sum that composing it would keep).
+struct LoraLinear {
+    weight: Tensor,
+    scale: f64,
+    out: Precomputed,
+}
+
+impl candle_core::CustomOp3 for LoraLinear {
+    fn name(&self) -> &'static str {
+        "streambp-lora-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        self.out.cpu()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        self.out.cuda()
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        u: &Tensor,
+        b: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let scaled = (grad * self.scale)?;
+        let grad_x = grad.matmul(&self.weight)?;
+        let grad_u = scaled.matmul(&b.detach())?;
+        let grad_b = scaled.t()?.matmul(&u.detach())?;
+        Ok((Some(grad_x), Some(grad_u), Some(grad_b)))
+    }
+}
+
+/// `x Wᵀ (+ b) + s·(u Bᵀ)` for `x` `[n, in]`, the frozen `weight` `[out, in]` (and `bias`), the
+/// adapter's `u` `[n, r]` and `lora_b` `[out, r]`: differentiable in `x`, `u` and `lora_b`, the sum
+/// formed as PEFT forms it (`base + (u Bᵀ)·s`).
+pub(crate) fn lora_linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    u: &Tensor,
+    lora_b: &Tensor,
+    scale: f64,
+) -> CResult<Tensor> {
+    let weight = weight.detach();
+    let out = {
+        let base = x.detach().matmul(&weight.t()?)?;
+        let base = match bias {
+            Some(b) => base.broadcast_add(&b.detach())?,
+            None => base,
+        };
+        (base + (u.detach().matmul(&lora_b.detach().t()?)? * scale)?)?
+    };
+    if !(x.track_op() || u.track_op() || lora_b.track_op()) {
+        return Ok(out);
+    }
+    x.apply_op3(
+        u,
+        lora_b,
+        LoraLinear {
+            weight,
+            scale,
+            out: Precomputed::new(out),
+        },
+    )
+}
