@@ -379,3 +379,61 @@ fn bad_adapters_are_clear_errors() {
         .to_string();
     assert!(err.contains("lora"), "{err}");
 }
+
+/// An adapter streambp writes after changing it (fresh `A`, random `B`), with the logits streambp
+/// computes with it on the fixture's SFT batch: `scripts/make_lora_fixtures.py --check DIR` loads it
+/// in PEFT and compares. The files go to `STREAMBP_PEFT_CHECK_DIR` when set (a manual cross-check;
+/// docs/lora.md records its result), else to a temporary directory.
+#[test]
+fn writes_an_adapter_for_the_peft_cross_check() {
+    let family = "qwen3";
+    let base = load_model(&fixture_dir(family), DType::F64, &Device::Cpu).unwrap();
+    let config = LoraConfig {
+        r: 3,
+        alpha: 5.0,
+        targets: vec![
+            streambp_models::Projection::K,
+            streambp_models::Projection::O,
+            streambp_models::Projection::Up,
+        ],
+        use_rslora: true,
+        dropout: 0.0,
+    };
+    let model = base.with_lora(config, None, 11).unwrap();
+    let mut rng = streambp_models::init::NormalRng::new(5);
+    for (name, var) in model.parameters() {
+        if name.contains("lora_B") {
+            let t = rng
+                .tensor(var.dims(), 0.0, 0.3, DType::F32, &Device::Cpu)
+                .unwrap();
+            var.set(&t.to_dtype(DType::F64).unwrap()).unwrap();
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = std::env::var_os("STREAMBP_PEFT_CHECK_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| tmp.path().to_path_buf());
+    std::fs::create_dir_all(&dir).unwrap();
+    save_adapter(&model, None, &dir).unwrap();
+    let r = reference(family);
+    let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
+    let logits = model
+        .detached()
+        .forward(&ids, Some(&r["attention_mask"]))
+        .unwrap();
+    let tensors = HashMap::from([("logits".to_string(), logits)]);
+    streambp_models::save_safetensors(&tensors, &dir.join("logits.safetensors")).unwrap();
+    let check = serde_json::json!({"family": family, "logits": "logits.safetensors"});
+    std::fs::write(dir.join("check.json"), check.to_string()).unwrap();
+    // The adapter it wrote reads back as the model it came from.
+    let again = load_adapter(&dir, &Device::Cpu).unwrap();
+    let reloaded = load_model(&fixture_dir(family), DType::F64, &Device::Cpu)
+        .unwrap()
+        .with_lora(again.config, Some(again.tensors), 0)
+        .unwrap();
+    let logits2 = reloaded
+        .detached()
+        .forward(&ids, Some(&r["attention_mask"]))
+        .unwrap();
+    assert!(masked_rel_err(&logits2, &tensors["logits"], &r["attention_mask"]) < 1e-12);
+}
