@@ -160,6 +160,11 @@ pub struct TrainArgs {
     /// directory, <output-dir>/merged.
     #[arg(long)]
     merge: bool,
+    /// Data parallel (under mpiexec): 0 all-reduces gradients, 1 also shards AdamW's state over the
+    /// ranks, 2 also shards the gradients, reduced layer by layer as the backward finishes each
+    /// [default: 0].
+    #[arg(long)]
+    zero: Option<streambp_train::parallel::ZeroStage>,
 }
 
 #[derive(clap::Args)]
@@ -287,6 +292,7 @@ impl TrainArgs {
             lora: self.lora.config()?,
             adapter: self.lora.adapter,
             merge: self.merge,
+            zero: self.zero.unwrap_or(d.zero),
         })
     }
 }

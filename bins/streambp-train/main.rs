@@ -9,8 +9,8 @@ use streambp_train::config::Recipe;
 use streambp_train::dpo::run_dpo;
 use streambp_train::grad::run_grad;
 use streambp_train::grpo::run_grpo;
-use streambp_train::recipe::Summary;
 use streambp_train::sft::run_sft;
+use streambp_train::trainer::Summary;
 use streambp_train::TrainError;
 
 use args::{Cli, Command};
@@ -18,8 +18,11 @@ use args::{Cli, Command};
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
-/// The final summary of a run.
+/// The final summary of a run (rank 0's to print).
 fn report(recipe: &str, summary: &Summary) {
+    if streambp_dist::world().rank() != 0 {
+        return;
+    }
     println!(
         "{recipe}: {} steps in {:.1} s, loss {:.4} -> {:.4}",
         summary.steps, summary.seconds, summary.first_loss, summary.last_loss
@@ -80,31 +83,44 @@ fn one_line(e: &anyhow::Error) -> String {
 }
 
 fn run() -> anyhow::Result<()> {
+    // Under mpiexec the other ranks log warnings only: rank 0 speaks for the run.
+    let level = match streambp_dist::launched_rank() {
+        0 => "info",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = streambp_train::config_file::expand_config(std::env::args().collect())?;
+    // The ranks of a data-parallel run (one process without mpiexec); kept until the end.
+    let start = |device: &str| streambp_dist::init(device.starts_with("cuda"));
     match Cli::parse_from(args).command {
         Command::Sft(args) => {
             let cfg = args.into_config(Recipe::Sft)?;
+            let _ranks = start(&cfg.device)?;
             report("sft", &run_sft(&cfg).context("sft failed")?);
         }
         Command::Dpo(args) => {
             let cfg = args.into_config(Recipe::Dpo)?;
+            let _ranks = start(&cfg.device)?;
             report("dpo", &run_dpo(&cfg).context("dpo failed")?);
         }
         Command::Grpo { train, grpo } => {
             let builtin = train.model.is_none() && train.data.is_none();
             let cfg = train.into_config(Recipe::Grpo)?;
             let g = grpo.into_config(builtin);
+            let _ranks = start(&cfg.device)?;
             report("grpo", &run_grpo(&cfg, &g).context("grpo failed")?);
         }
         Command::Grad(args) => {
+            if streambp_dist::launched_ranks().is_some_and(|n| n > 1) {
+                anyhow::bail!("grad runs in one process: start it without mpiexec");
+            }
             let report = run_grad(&args).context("grad failed")?;
             println!("{}", serde_json::to_string(&report)?);
         }

@@ -20,6 +20,7 @@ use std::ops::Range;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var, D};
 use streambp_models::attention::EarlierKeys;
+use streambp_models::lora::DropoutKey;
 use streambp_models::{DecoderLayer, KeyBlock, Layout, Model};
 use streambp_objectives::Objective;
 
@@ -78,7 +79,7 @@ pub struct Options {
     pub offload_checkpoints: bool,
     /// LoRA dropout on, its masks derived from this key (the trainer's seed, step and micro-batch);
     /// every mode sees the same masks. `None`: no dropout.
-    pub dropout_key: Option<u64>,
+    pub dropout: Option<DropoutKey>,
 }
 
 impl Options {
@@ -166,6 +167,49 @@ pub fn backward_with(
     chunks: Chunks,
     options: Options,
 ) -> Result<Gradients> {
+    backward_impl(model, batch, objective, mode, chunks, options, None)
+}
+
+/// Receives groups of parameter gradients as soon as the backward has finished them: a layer's when
+/// its backward is done (top layer first), then the rest (embedding, final norm, head) at the end. A
+/// data-parallel trainer reduces them across ranks there, one collective per layer, and keeps only its
+/// shard, so a rank never holds the whole model's gradients.
+pub trait FinishedGradients {
+    /// One group's finished gradients, in the model's parameter order and dtype.
+    fn take(&mut self, grads: Vec<(String, Tensor)>) -> Result<()>;
+}
+
+/// [`backward_with`], handing every parameter's gradient to `finished` group by group as soon as it is
+/// complete instead of returning them (the result's `grads` is empty).
+pub fn backward_into(
+    model: &Model,
+    batch: Batch,
+    objective: &dyn Objective,
+    mode: Mode,
+    chunks: Chunks,
+    options: Options,
+    finished: &mut dyn FinishedGradients,
+) -> Result<Gradients> {
+    backward_impl(
+        model,
+        batch,
+        objective,
+        mode,
+        chunks,
+        options,
+        Some(finished),
+    )
+}
+
+fn backward_impl(
+    model: &Model,
+    batch: Batch,
+    objective: &dyn Objective,
+    mode: Mode,
+    chunks: Chunks,
+    options: Options,
+    mut finished: Option<&mut dyn FinishedGradients>,
+) -> Result<Gradients> {
     let (b, t) = batch.input_ids.dims2()?;
     if objective.targets().dims() != [b, t] {
         return Err(EngineError::Shape(format!(
@@ -176,7 +220,7 @@ pub fn backward_with(
     if chunks.chunk == 0 || chunks.logits_chunk == 0 {
         return Err(EngineError::Plan("chunk sizes must be at least 1".into()));
     }
-    let layout = match options.dropout_key {
+    let layout = match options.dropout {
         Some(key) => batch.layout()?.with_dropout(key),
         None => batch.layout()?,
     };
@@ -232,6 +276,9 @@ pub fn backward_with(
                     _ => layer_backward_whole(layer, &x, &grad, &layout, &mut sink, model, index)?,
                 };
                 sink.seal(model.layer_parameters(index).iter())?;
+                if let Some(hook) = finished.as_mut() {
+                    hook.take(sink.take(model.layer_parameters(index))?)?;
+                }
             }
             peaks.record("layers");
             embedding_backward(model, batch.input_ids, &grad, &mut sink)?;
@@ -240,9 +287,13 @@ pub fn backward_with(
         }
     };
     let metrics = objective.metrics(&logp)?;
+    let mut grads = sink.finish(model)?;
+    if let Some(hook) = finished {
+        hook.take(std::mem::take(&mut grads))?;
+    }
     Ok(Gradients {
         loss,
-        grads: sink.finish(model)?,
+        grads,
         logp,
         metrics,
         phases: peaks,
@@ -670,13 +721,32 @@ fn required(store: &GradStore, t: &Tensor, what: &str) -> Result<Tensor> {
 /// alive) and in f32 for half-precision models (so chunking does not add rounding).
 struct GradSink {
     acc: HashMap<String, Tensor>,
+    /// Parameters whose finished gradients were handed on ([`FinishedGradients`]).
+    taken: std::collections::HashSet<String>,
 }
 
 impl GradSink {
     fn new() -> Self {
         Self {
             acc: HashMap::new(),
+            taken: Default::default(),
         }
+    }
+
+    /// Hands over the (sealed) gradients of `params`, in their order; a parameter that got none is an
+    /// error, as in [`GradSink::finish`].
+    fn take(&mut self, params: &[(String, Var)]) -> Result<Vec<(String, Tensor)>> {
+        params
+            .iter()
+            .map(|(name, var)| {
+                let g = self
+                    .acc
+                    .remove(name)
+                    .ok_or_else(|| EngineError::MissingGradient(name.clone()))?;
+                self.taken.insert(name.clone());
+                Ok((name.clone(), g.to_dtype(var.dtype())?))
+            })
+            .collect()
     }
 
     /// Adds the gradients `store` holds for `params`.
@@ -727,6 +797,7 @@ impl GradSink {
         model
             .parameters()
             .iter()
+            .filter(|(name, _)| !self.taken.contains(name))
             .map(|(name, var)| {
                 let g = self
                     .acc

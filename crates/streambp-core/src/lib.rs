@@ -34,8 +34,8 @@ pub mod memory;
 pub mod planner;
 
 pub use engine::{
-    backward, backward_with, forward_logprobs, target_logprobs, Batch, Chunks, Gradients, Mode,
-    Options,
+    backward, backward_into, backward_with, forward_logprobs, target_logprobs, Batch, Chunks,
+    FinishedGradients, Gradients, Mode, Options,
 };
 pub use error::{EngineError, Result};
 pub use planner::{estimate, plan_for_budget, ChunkPolicy, Estimate, Problem};

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
+use crate::lora::DropoutKey;
 use crate::rope::Rotary;
 
 /// The real tokens and document boundaries of a `[batch, T]` batch.
@@ -24,7 +25,7 @@ pub struct Layout {
     seq_len: usize,
     /// Where the LoRA dropout masks of this batch come from (seed, step, micro-batch); `None`: no
     /// dropout (evaluation, reference models, sampling).
-    dropout_key: Option<u64>,
+    dropout: Option<DropoutKey>,
 }
 
 /// Rope tables this layout has built, per rotary table and dtype: every layer and chunk of a backward
@@ -82,7 +83,7 @@ impl Layout {
             packing,
             rope: RopeCache::default(),
             seq_len: 0,
-            dropout_key: None,
+            dropout: None,
         })
     }
 
@@ -94,14 +95,14 @@ impl Layout {
     }
 
     /// The same layout with LoRA dropout on, its masks derived from `key` (see [`crate::lora`]).
-    pub fn with_dropout(mut self, key: u64) -> Self {
-        self.dropout_key = Some(key);
+    pub fn with_dropout(mut self, key: DropoutKey) -> Self {
+        self.dropout = Some(key);
         self
     }
 
-    /// The key of this batch's LoRA dropout masks, when dropout is on.
-    pub fn dropout_key(&self) -> Option<u64> {
-        self.dropout_key
+    /// Where this batch's LoRA dropout masks come from, when dropout is on.
+    pub fn dropout_key(&self) -> Option<DropoutKey> {
+        self.dropout
     }
 
     /// `(cos, sin)` rope tables for tokens `start..start + len`: `[len, head_dim]`, or `[batch, 1, len,

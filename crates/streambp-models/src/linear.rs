@@ -4,7 +4,7 @@
 use candle_core::Tensor;
 
 use crate::error::{ModelError, Result};
-use crate::lora::LoraAdapter;
+use crate::lora::{DropoutKey, LoraAdapter};
 
 /// A projection's weight and optional bias, applied as `x Wᵀ + b`, plus an adapter's
 /// `s · (dropout(x) Aᵀ) Bᵀ` where it has one.
@@ -38,8 +38,13 @@ impl Linear {
     }
 
     /// [`Linear::forward`] for the tokens `start..` of a `[b, len, in]` input, whose adapter's dropout
-    /// masks come from `dropout_key` (none without a key).
-    pub fn forward_at(&self, x: &Tensor, start: usize, dropout_key: Option<u64>) -> Result<Tensor> {
+    /// masks come from `dropout` (none without a key).
+    pub fn forward_at(
+        &self,
+        x: &Tensor,
+        start: usize,
+        dropout: Option<DropoutKey>,
+    ) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let Some((inner, lead)) = dims.split_last() else {
             return Err(ModelError::Input(
@@ -52,7 +57,7 @@ impl Linear {
             (Some(adapter), _) => {
                 let batch_rows = if lead.len() > 1 { lead[0] } else { 1 };
                 let base = (&self.weight, self.bias.as_ref());
-                adapter.forward(&x2, base, batch_rows, start, dropout_key)?
+                adapter.forward(&x2, base, batch_rows, start, dropout)?
             }
             (None, true) => crate::op::frozen_linear(&x2, &self.weight, self.bias.as_ref())?,
             (None, false) => {

@@ -200,9 +200,9 @@ impl LoraAdapter {
         (weight, bias): (&Tensor, Option<&Tensor>),
         rows: usize,
         start: usize,
-        dropout_key: Option<u64>,
+        dropout: Option<DropoutKey>,
     ) -> Result<Tensor> {
-        let dropped = match dropout_key {
+        let dropped = match dropout {
             Some(key) if self.dropout > 0.0 => {
                 let (n, features) = x.dims2()?;
                 let mask = dropout_mask(
@@ -244,11 +244,22 @@ pub fn kaiming_uniform(
     Ok(Tensor::from_vec(values, (r, features), device)?.to_dtype(dtype)?)
 }
 
+/// Where a batch's LoRA dropout masks come from: its key (seed, optimizer step, micro-batch) and the
+/// place of its first row among the rows of every rank (data-parallel ranks get different masks, as
+/// different rows of one batch do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DropoutKey {
+    /// The key the masks are hashed from.
+    pub key: u64,
+    /// The index of the batch's first row in the global batch.
+    pub first_row: usize,
+}
+
 /// Where an adapter's input sits, which decides its dropout mask.
 #[derive(Debug, Clone, Copy)]
 pub struct DropoutSite {
-    /// The batch's dropout key (seed, step, micro-batch).
-    pub key: u64,
+    /// The batch's dropout key (seed, step, micro-batch) and its first row's place.
+    pub key: DropoutKey,
     /// The decoder layer.
     pub layer: usize,
     /// The projection.
@@ -277,10 +288,10 @@ pub fn dropout_mask(
 ) -> Result<Tensor> {
     let keep = 1.0 / (1.0 - p);
     let threshold = (p * (u64::MAX as f64)) as u64;
-    let base = mix(site.key ^ mix(((site.layer as u64) << 8) | site.projection as u64));
+    let base = mix(site.key.key ^ mix(((site.layer as u64) << 8) | site.projection as u64));
     let mut values = Vec::with_capacity(rows * len * features);
     for row in 0..rows {
-        let row_key = mix(base ^ mix(row as u64));
+        let row_key = mix(base ^ mix((site.key.first_row + row) as u64));
         for t in 0..len {
             let token_key = mix(row_key ^ ((site.start + t) as u64));
             values.extend(
@@ -307,7 +318,10 @@ mod tests {
     #[test]
     fn masks_depend_on_token_indices_not_on_chunks() {
         let site = DropoutSite {
-            key: 7,
+            key: DropoutKey {
+                key: 7,
+                first_row: 0,
+            },
             layer: 1,
             projection: Projection::Up,
             start: 0,
@@ -341,7 +355,13 @@ mod tests {
         let kept = kept.to_scalar::<f64>().unwrap();
         assert!((kept - 0.75).abs() < 0.1, "{kept}");
         let other = dropout_mask(
-            DropoutSite { key: 8, ..site },
+            DropoutSite {
+                key: DropoutKey {
+                    key: 8,
+                    first_row: 0,
+                },
+                ..site
+            },
             0.25,
             (2, 12, 16),
             DType::F64,

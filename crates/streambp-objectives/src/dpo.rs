@@ -23,6 +23,8 @@ pub struct Dpo {
     beta: f64,
     /// Weight of the chosen completions' mean token NLL (0: plain DPO).
     sft_weight: f64,
+    /// What the chosen rows' summed NLL is divided by (None: their target tokens).
+    nll_tokens: Option<f64>,
 }
 
 impl Dpo {
@@ -74,6 +76,7 @@ impl Dpo {
             reference: Tensor::from_vec(reference, 2 * pairs, device)?,
             beta,
             sft_weight: 0.0,
+            nll_tokens: None,
         })
     }
 
@@ -88,13 +91,35 @@ impl Dpo {
         Ok(self)
     }
 
+    /// Divides the chosen rows' summed NLL by `tokens` instead of their own target tokens. A
+    /// data-parallel step splits one micro-batch over ranks: each rank passes the micro-batch's chosen
+    /// tokens over the number of ranks, so the ranks' terms average to the whole micro-batch's mean.
+    pub fn with_nll_tokens(mut self, tokens: f64) -> Result<Self> {
+        if !tokens.is_finite() || tokens <= 0.0 {
+            return Err(ObjectiveError::Batch(format!(
+                "the NLL's token count must be positive, got {tokens}"
+            )));
+        }
+        self.nll_tokens = Some(tokens);
+        Ok(self)
+    }
+
+    /// The chosen rows' target tokens (what the NLL's mean is over on one process).
+    pub fn chosen_tokens(&self) -> Result<f64> {
+        let mask = self.targets.mask.narrow(0, 0, self.pairs)?;
+        Ok(mask
+            .sum_all()?
+            .to_dtype(candle_core::DType::F64)?
+            .to_scalar::<f64>()?)
+    }
+
     /// Mean token NLL of the chosen rows.
     fn chosen_nll(&self, logp: &Tensor) -> Result<Tensor> {
         let mask = self.targets.mask.narrow(0, 0, self.pairs)?;
-        let tokens = mask
-            .sum_all()?
-            .to_dtype(candle_core::DType::F64)?
-            .to_scalar::<f64>()?;
+        let tokens = match self.nll_tokens {
+            Some(t) => t,
+            None => self.chosen_tokens()?,
+        };
         let sum = (logp.narrow(0, 0, self.pairs)? * mask.to_dtype(logp.dtype())?)?.sum_all()?;
         Ok((sum.neg()? / tokens)?)
     }

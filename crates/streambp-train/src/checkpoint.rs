@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use streambp_dist::{Communicator, SingleProcess};
 use streambp_models::adapter::save_adapter;
 use streambp_models::{save_safetensors, Model};
 
@@ -75,6 +76,8 @@ const MUST_MATCH: &[&str] = &[
     "--lora-target",
     "--use-rslora",
     "--adapter",
+    "--zero",
+    "ranks",
 ];
 
 /// Compares the checkpoint's run with the one resuming it: refuses when a setting that must match
@@ -198,22 +201,51 @@ pub struct CheckpointFiles<'a> {
     pub tokenizer_files: &'a [PathBuf],
     /// Further text files: `(name, contents)`.
     pub extra: &'a [(&'a str, String)],
-    /// Optimizer state, for a resumable checkpoint.
-    pub optimizer: Option<&'a HashMap<String, Tensor>>,
 }
 
 /// Writes a checkpoint into `dir` atomically (weights under their HF names, tied embeddings once).
 pub fn save_checkpoint(files: &CheckpointFiles, dir: &Path) -> Result<()> {
+    let pid = u64::from(std::process::id());
+    save_checkpoint_shared(&SingleProcess, pid, Some(files), &[], dir)
+}
+
+/// Writes a checkpoint into `dir` atomically from every rank of a run: rank 0 (`main`) writes the
+/// model, config, tokenizer and extra files, every rank its own tensor files (`own`: its optimizer
+/// shard), all into one hidden directory named after the run's `job`, which rank 0 renames into place
+/// once every rank is done. A failed save removes that directory; a killed one leaves it for the next
+/// run's cleanup.
+pub fn save_checkpoint_shared(
+    comm: &dyn Communicator,
+    job: u64,
+    main: Option<&CheckpointFiles>,
+    own: &[(String, HashMap<String, Tensor>)],
+    dir: &Path,
+) -> Result<()> {
     let parent = dir.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(TrainError::io("create", parent))?;
     let name = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "checkpoint".into());
-    let pid = std::process::id();
-    let tmp = parent.join(format!(".{name}{TMP_MARK}{pid}"));
-    let written = write_into(files, &tmp).and_then(|()| replace(&tmp, dir, parent, &name, pid));
-    if written.is_err() && tmp.exists() {
+    let tmp = parent.join(format!(".{name}{TMP_MARK}{job}"));
+    let barrier = || comm.barrier().map_err(TrainError::from);
+    let mut written = match main {
+        Some(files) => std::fs::create_dir_all(parent)
+            .map_err(TrainError::io("create", parent))
+            .and_then(|()| write_into(files, &tmp)),
+        None => Ok(()),
+    };
+    barrier()?;
+    if written.is_ok() {
+        written = own
+            .iter()
+            .try_for_each(|(file, tensors)| save_tensors(&on_host(tensors)?, &tmp.join(file)));
+    }
+    barrier()?;
+    if written.is_ok() && main.is_some() {
+        written = sync_directory(&tmp, true).and_then(|()| replace(&tmp, dir, parent, &name, job));
+    }
+    barrier()?;
+    if written.is_err() && tmp.exists() && main.is_some() {
         // Disk full or a failed copy: leave no half-written directory behind.
         let _ = std::fs::remove_dir_all(&tmp);
     }
@@ -231,7 +263,15 @@ pub fn save_checkpoint(files: &CheckpointFiles, dir: &Path) -> Result<()> {
     })
 }
 
-/// Writes every file of the checkpoint into the (new, empty) directory `tmp`.
+/// `tensors` copied to host memory (what a file is written from).
+fn on_host(tensors: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    tensors
+        .iter()
+        .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
+        .collect()
+}
+
+/// Writes rank 0's files of the checkpoint into the (new, empty) directory `tmp`.
 fn write_into(files: &CheckpointFiles, tmp: &Path) -> Result<()> {
     if tmp.exists() {
         std::fs::remove_dir_all(tmp).map_err(TrainError::io("remove", tmp))?;
@@ -240,11 +280,13 @@ fn write_into(files: &CheckpointFiles, tmp: &Path) -> Result<()> {
     match files.model.lora() {
         Some(_) => save_adapter(files.model, files.base_model, tmp)?,
         None => {
-            let mut tensors: HashMap<String, Tensor> = HashMap::new();
-            for (n, t) in files.model.weights() {
-                tensors.insert(n.clone(), t.detach().to_device(&Device::Cpu)?);
-            }
-            save_tensors(&tensors, &tmp.join("model.safetensors"))?;
+            let tensors: HashMap<String, Tensor> = files
+                .model
+                .weights()
+                .iter()
+                .map(|(n, t)| (n.clone(), t.detach()))
+                .collect();
+            save_tensors(&on_host(&tensors)?, &tmp.join("model.safetensors"))?;
             write_config(
                 files.config_json,
                 files.model.dtype(),
@@ -261,14 +303,7 @@ fn write_into(files: &CheckpointFiles, tmp: &Path) -> Result<()> {
         let path = tmp.join(file);
         std::fs::write(&path, text).map_err(TrainError::io("write", &path))?;
     }
-    if let Some(state) = files.optimizer {
-        let cpu: HashMap<String, Tensor> = state
-            .iter()
-            .map(|(k, v)| Ok((k.clone(), v.to_device(&Device::Cpu)?)))
-            .collect::<Result<_>>()?;
-        save_tensors(&cpu, &tmp.join(OPTIMIZER_FILE))?;
-    }
-    sync_directory(tmp, true)
+    Ok(())
 }
 
 /// Flushes `dir` (and with `files`, every file in it) to the disk, so that a checkpoint renamed into
@@ -290,7 +325,7 @@ fn sync_directory(dir: &Path, files: bool) -> Result<()> {
 
 /// Puts the complete `tmp` in the place of `dir`, moving an older `dir` aside until then (and back,
 /// should the new one fail to move in).
-fn replace(tmp: &Path, dir: &Path, parent: &Path, name: &str, pid: u32) -> Result<()> {
+fn replace(tmp: &Path, dir: &Path, parent: &Path, name: &str, pid: u64) -> Result<()> {
     if dir.exists() {
         let old = parent.join(format!(".{name}{OLD_MARK}{pid}"));
         std::fs::rename(dir, &old).map_err(TrainError::io("move aside", dir))?;

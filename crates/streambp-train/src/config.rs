@@ -11,6 +11,7 @@ use streambp_objectives::GrpoLossType;
 
 use crate::data::Overflow;
 use crate::optim::Schedule;
+use crate::parallel::ZeroStage;
 use crate::sampling::SamplingConfig;
 use crate::{Result, TrainError};
 
@@ -108,6 +109,8 @@ pub struct TrainConfig {
     pub adapter: Option<String>,
     /// With LoRA: also write the model with the adapter merged in (`<output-dir>/merged`).
     pub merge: bool,
+    /// What each data-parallel rank keeps (ZeRO 0, 1 or 2); nothing changes with one process.
+    pub zero: ZeroStage,
 }
 
 /// GRPO's settings beyond the shared ones.
@@ -179,6 +182,7 @@ impl TrainConfig {
             lora: None,
             adapter: None,
             merge: false,
+            zero: ZeroStage::Zero0,
         };
         if !builtin {
             return own;
@@ -485,13 +489,26 @@ impl TrainConfig {
     }
 
     /// Refuses a step that would need more examples than the data holds (the batch would repeat
-    /// examples within one step).
-    pub fn check_data_size(&self, examples: usize, what: &str, data: &Path) -> Result<()> {
-        let per_step = self.examples_per_step()?;
+    /// examples within one step); `ranks` data-parallel processes each take `--batch-size` rows.
+    pub fn check_data_size(
+        &self,
+        examples: usize,
+        what: &str,
+        data: &Path,
+        ranks: usize,
+    ) -> Result<()> {
+        let per_step = self.examples_per_step()?.saturating_mul(ranks);
+        let product = match ranks {
+            1 => format!("{} × {} = {per_step}", self.batch_size, self.grad_accum),
+            n => format!(
+                "{} × {} × {n} ranks = {per_step}",
+                self.batch_size, self.grad_accum
+            ),
+        };
         require(
             per_step <= examples,
             "--batch-size × --grad-accum",
-            format!("{} × {} = {per_step}", self.batch_size, self.grad_accum),
+            product,
             &format!(
                 "is more than the {examples} {what} of {} (a step would repeat {what}); \
                  lower --batch-size or --grad-accum",

@@ -12,8 +12,9 @@ use crate::config::{Recipe, TrainConfig};
 use crate::data::{encode_pair, read_jsonl, text_field, Example, LoadReport, Overflow, Text};
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::sequence_logps;
-use crate::recipe::{Setup, StepAccumulator, Summary, Trainer, TrainingData};
+use crate::recipe::Setup;
 use crate::tokenizer::TextTokenizer;
+use crate::trainer::{Summary, Trainer, TrainingData};
 use crate::{Result, TrainError};
 
 /// A tokenized preference pair.
@@ -163,12 +164,15 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
     let before = trainer.held_out_before(|| held_out(&setup))?;
     let model = &setup.model;
     let mut reference_scores = cfg.scorer(&reference);
+    let world = setup.comm.world_size();
     for step in trainer.start_step..trainer.max_steps {
-        trainer.begin_step();
-        let picked = trainer.data.take(cfg.examples_per_step()?);
-        let micro_batches = picked.len().div_ceil(cfg.batch_size) as f64;
-        let mut acc = StepAccumulator::default();
-        for (m, micro) in picked.chunks(cfg.batch_size).enumerate() {
+        trainer.begin_step(step);
+        let picked = trainer.data.take(trainer.global_step_items(cfg)?);
+        // Every rank's micro-batch is a mean over its pairs, all of one size: the step's loss is the
+        // mean of all of them, over micro-batches and ranks.
+        let weight = 1.0 / (picked.len() / cfg.batch_size) as f64;
+        for (m, global) in picked.chunks(cfg.batch_size * world).enumerate() {
+            let (micro, first) = trainer.local(global);
             let group: Vec<&Pair> = micro.iter().map(|&i| &pairs[i]).collect();
             let c = stack(&group, setup.tokenizer.pad_id);
             let t = c.tensors(&setup.device)?;
@@ -190,11 +194,19 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
                 &setup.device,
             )?
             .with_sft_weight(cfg.sft_weight)?;
-            // Micro-batches of equal size: the step's loss is the mean of their means.
-            let out = cfg.backward(model, t.batch(), &dpo, (step, m))?;
-            acc.add(out, c.tokens(), 1.0 / micro_batches)?;
+            // The NLL is a mean over the whole micro-batch's chosen tokens, whichever rank holds them.
+            let dpo = match (cfg.sft_weight > 0.0, world) {
+                (true, 2..) => {
+                    let tokens = setup.comm.sum(dpo.chosen_tokens()?)?;
+                    dpo.with_nll_tokens(tokens / world as f64)?
+                }
+                _ => dpo,
+            };
+            // Chosen and rejected rows of the pairs from `first` on (dropout masks by row).
+            let rows = (m, 2 * first);
+            trainer.backward(cfg, model, t.batch(), &dpo, rows, c.tokens(), weight)?;
         }
-        trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
+        trainer.finish_step(cfg, &setup)?;
     }
     trainer.finish(cfg, &setup, before, || held_out(&setup))
 }

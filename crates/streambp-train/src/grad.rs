@@ -14,8 +14,10 @@ use crate::batch_file::load_batch;
 use crate::config::LoraArgs;
 use crate::device::{parse_device, parse_dtype};
 use crate::logprobs::scorer;
-use crate::recipe::{attach_lora, dropout_key, load_reference};
+use crate::recipe::{attach_lora, load_reference};
+use crate::trainer::dropout_key;
 use crate::{Result, TrainError};
+use streambp_models::lora::DropoutKey;
 
 /// Default chunk sizes when neither explicit sizes nor a budget are given: the query chunk, in tokens.
 pub const DEFAULT_CHUNK: usize = 512;
@@ -181,7 +183,10 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     let (b, t) = batch.input_ids.dims2()?;
     let options = Options {
         offload_checkpoints: args.offload_checkpoints,
-        dropout_key: Some(dropout_key(args.seed, 0, 0)),
+        dropout: Some(DropoutKey {
+            key: dropout_key(args.seed, 0, 0),
+            first_row: 0,
+        }),
     };
     // A budget picks the chunks unless they are given.
     let policy = match (args.chunk, args.logits_chunk, args.memory_budget) {

@@ -14,9 +14,10 @@ use crate::config::{GrpoConfig, Recipe, TrainConfig};
 use crate::data::{read_jsonl, Example, LoadReport, Overflow, Row};
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::token_logps;
-use crate::recipe::{Setup, StepAccumulator, Summary, Trainer, TrainingData};
+use crate::recipe::Setup;
 use crate::rewards::{group_advantages, parse_reward, Reward};
 use crate::sampling::sample_group;
+use crate::trainer::{Summary, Trainer, TrainingData};
 use crate::{Result, TrainError};
 
 /// One group of rollouts: the completions of one prompt, collated into right-padded rows (the loss on
@@ -158,25 +159,28 @@ fn rollout(
 }
 
 /// New rollouts for a step: `batch_size × grad_accum` prompts, a group each, sampled from a generator
-/// seeded by the step (so a resumed run draws what the uninterrupted one drew). Their reward metrics
-/// go into `acc`; with several iterations per batch, the sampling policy's log-probs are kept.
+/// seeded by the step and the prompt's place in the step (so a resumed run, or one on another number
+/// of ranks, draws what the uninterrupted one on one process drew): this rank's prompts `picked`, the
+/// first at place `first`. Their reward metrics go to the trainer; with several iterations per batch,
+/// the sampling policy's log-probs are kept.
 #[allow(clippy::too_many_arguments)]
 fn draw_rollouts(
     setup: &Setup,
     cfg: &TrainConfig,
     g: &GrpoConfig,
     prompts: &[Prompt],
-    picked: &[usize],
+    (picked, first): (&[usize], usize),
     rewards: &[Box<dyn Reward>],
     step: usize,
-    acc: &mut StepAccumulator,
+    trainer: &mut Trainer,
 ) -> Result<Vec<Rollouts>> {
-    let seed = cfg.seed ^ 0x5eed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    let mut rng = NormalRng::new(seed);
+    let step_seed = cfg.seed ^ 0x5eed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let mut totals = vec![0.0; rewards.len()];
     let mut policy_scores = cfg.scorer(&setup.model);
     let mut batch = Vec::with_capacity(picked.len());
-    for &i in picked {
+    for (k, &i) in picked.iter().enumerate() {
+        let mut rng =
+            NormalRng::new(step_seed ^ ((first + k) as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9));
         let mut r = rollout(setup, &prompts[i], rewards, g, &mut rng, &mut totals)?;
         if g.num_iterations > 1 {
             let t = r.rows.tensors(&setup.device)?;
@@ -192,12 +196,12 @@ fn draw_rollouts(
     }
     let completions = (picked.len() * g.group_size) as f64;
     for (r, total) in rewards.iter().zip(&totals) {
-        acc.add_metric(r.name(), total / completions);
+        trainer.add_metric(r.name(), total / completions);
     }
     let all: Vec<f64> = batch.iter().flat_map(|r| r.rewards.clone()).collect();
-    acc.add_metric("reward", all.iter().sum::<f64>() / all.len() as f64);
+    trainer.add_metric("reward", all.iter().sum::<f64>() / all.len() as f64);
     let lengths: Vec<usize> = batch.iter().flat_map(|r| r.lengths.clone()).collect();
-    acc.add_metric(
+    trainer.add_metric(
         "completion_length",
         lengths.iter().sum::<usize>() as f64 / lengths.len() as f64,
     );
@@ -255,16 +259,31 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     let mut pending: Vec<Rollouts> = Vec::new();
     // Mean reward of each batch of rollouts, for the summary.
     let mut reward_history: Vec<f64> = Vec::new();
+    let mut first_group = 0;
     for step in trainer.start_step..trainer.max_steps {
-        trainer.begin_step();
-        let mut acc = StepAccumulator::default();
-        if step.is_multiple_of(g.num_iterations) || pending.is_empty() {
-            let picked = trainer.data.take(cfg.examples_per_step()?);
-            pending = draw_rollouts(&setup, cfg, g, &prompts, &picked, &rewards, step, &mut acc)?;
-            reward_history.extend(acc.metric("reward"));
+        trainer.begin_step(step);
+        let fresh = step.is_multiple_of(g.num_iterations) || pending.is_empty();
+        if fresh {
+            // Each rank samples its own prompts' groups; a group stays on one rank.
+            let picked = trainer.data.take(trainer.global_step_items(cfg)?);
+            let (mine, first) = trainer.local(&picked);
+            let (mine, step_seed) = (mine.to_vec(), step);
+            let local = (mine.as_slice(), first);
+            pending = draw_rollouts(
+                &setup,
+                cfg,
+                g,
+                &prompts,
+                local,
+                &rewards,
+                step_seed,
+                &mut trainer,
+            )?;
+            first_group = first;
         }
-        let groups = pending.len() as f64;
-        for (m, r) in pending.iter().enumerate() {
+        // Each group's loss is a mean over its sequences; the step averages every rank's groups.
+        let weight = 1.0 / (pending.len() * setup.comm.world_size()) as f64;
+        for (k, r) in pending.iter().enumerate() {
             let t = r.rows.tensors(&setup.device)?;
             let mask = Some(&t.attention_mask);
             let ref_logps = match &mut reference_scores {
@@ -287,11 +306,21 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 model.config.vocab_size,
                 &setup.device,
             )?;
-            // Each group's loss is a mean over its sequences; the step averages the groups.
-            let out = cfg.backward(model, t.batch(), &objective, (step, m))?;
-            acc.add(out, r.rows.tokens(), 1.0 / groups)?;
+            let group = (first_group + k, 0);
+            trainer.backward(
+                cfg,
+                model,
+                t.batch(),
+                &objective,
+                group,
+                r.rows.tokens(),
+                weight,
+            )?;
         }
-        trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
+        let metrics = trainer.finish_step(cfg, &setup)?;
+        if fresh {
+            reward_history.extend(metrics.iter().find(|(n, _)| n == "reward").map(|(_, v)| *v));
+        }
     }
     // Training reward: mean over the first and the last (up to) five batches of rollouts.
     let window = reward_history.len().clamp(1, 5);

@@ -36,12 +36,14 @@ pub mod grpo;
 pub mod logprobs;
 pub mod optim;
 pub mod output;
+pub mod parallel;
 pub mod plots;
 pub mod recipe;
 pub mod rewards;
 pub mod sampling;
 pub mod sft;
 pub mod tokenizer;
+pub mod trainer;
 
 /// Typed errors of the trainer library: each variant says what went wrong and names the flag, file,
 /// line or path a user has to fix.
@@ -126,6 +128,10 @@ pub enum TrainError {
     /// From a candle tensor op.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// A collective between the ranks of a data-parallel job failed (a rank died, or the
+    /// communication library did).
+    #[error("collective between ranks: {0}")]
+    Collective(#[from] streambp_dist::DistError),
 }
 
 impl TrainError {

@@ -45,6 +45,61 @@ struct Slot {
 }
 
 /// AdamW over a model's parameters: one pair of moments per parameter, updated in place.
+/// Which elements of a parameter (shard) weight decay applies to.
+pub enum Decay<'a> {
+    /// None of them (biases, norms).
+    None,
+    /// All of them.
+    All,
+    /// Where the 0/1 mask (same length, the state's dtype) is 1: a flat shard mixing parameters.
+    Mask(&'a Tensor),
+}
+
+/// A parameter's (or shard's) AdamW moments, updated in place.
+pub struct Moments<'a> {
+    /// The first moment.
+    pub m: &'a mut Tensor,
+    /// The second moment.
+    pub v: &'a mut Tensor,
+}
+
+impl AdamWConfig {
+    /// One AdamW update of the values `p` with the gradient `g` (both in the moments' dtype) at rate
+    /// `lr`, with the step's bias corrections `(1 − β1ᵗ, 1 − β2ᵗ)`: the new values (torch's AdamW,
+    /// decoupled decay first). The one update both the whole-parameter and the sharded optimizer use.
+    pub fn update(
+        &self,
+        p: Tensor,
+        g: &Tensor,
+        moments: Moments,
+        lr: f64,
+        (bc1, bc2): (f64, f64),
+        decay: Decay,
+    ) -> Result<Tensor> {
+        let p = match (decay, self.weight_decay != 0.0) {
+            (_, false) | (Decay::None, _) => p,
+            (Decay::All, true) => (p * (1.0 - lr * self.weight_decay))?,
+            (Decay::Mask(mask), true) => {
+                (&p * (mask * (-lr * self.weight_decay))?.affine(1.0, 1.0)?)?
+            }
+        };
+        *moments.m = ((&*moments.m * self.beta1)? + (g * (1.0 - self.beta1))?)?;
+        *moments.v = ((&*moments.v * self.beta2)? + (g.sqr()? * (1.0 - self.beta2))?)?;
+        let denom = ((&*moments.v / bc2)?.sqrt()? + self.eps)?;
+        let update = ((&*moments.m / bc1)? / denom)?;
+        Ok((p - (update * lr)?)?)
+    }
+
+    /// The bias corrections of update number `step` (from 1).
+    pub fn bias_corrections(&self, step: usize) -> (f64, f64) {
+        (
+            1.0 - self.beta1.powi(step as i32),
+            1.0 - self.beta2.powi(step as i32),
+        )
+    }
+}
+
+/// AdamW over whole parameters.
 pub struct AdamW {
     /// The hyperparameters.
     pub config: AdamWConfig,
@@ -96,8 +151,7 @@ impl AdamW {
         }
         self.step += 1;
         let c = self.config;
-        let bc1 = 1.0 - c.beta1.powi(self.step as i32);
-        let bc2 = 1.0 - c.beta2.powi(self.step as i32);
+        let (bc1, bc2) = c.bias_corrections(self.step);
         for (slot, (name, g)) in self.slots.iter_mut().zip(grads) {
             if *name != slot.name {
                 return Err(TrainError::Internal(format!(
@@ -106,16 +160,16 @@ impl AdamW {
                 )));
             }
             let sd = slot.m.dtype();
-            let g = g.to_dtype(sd)?;
-            let mut p = slot.var.as_tensor().detach().to_dtype(sd)?;
-            if slot.decay && c.weight_decay != 0.0 {
-                p = (p * (1.0 - lr * c.weight_decay))?;
-            }
-            slot.m = ((&slot.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
-            slot.v = ((&slot.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
-            let denom = ((&slot.v / bc2)?.sqrt()? + c.eps)?;
-            let update = ((&slot.m / bc1)? / denom)?;
-            let p = (p - (update * lr)?)?;
+            let p = slot.var.as_tensor().detach().to_dtype(sd)?;
+            let decay = match slot.decay {
+                true => Decay::All,
+                false => Decay::None,
+            };
+            let moments = Moments {
+                m: &mut slot.m,
+                v: &mut slot.v,
+            };
+            let p = c.update(p, &g.to_dtype(sd)?, moments, lr, (bc1, bc2), decay)?;
             slot.var.set(&p.to_dtype(slot.var.dtype())?)?;
         }
         Ok(())

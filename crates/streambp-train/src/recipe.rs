@@ -2,28 +2,25 @@
 //! seeded data order, and the optimizer step with clipping, schedule, metrics, progress bar, checkpoints
 //! and resume. The recipes (`sft.rs`, `dpo.rs`, `grpo.rs`) are each one readable loop over these.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use streambp_core::{backward_with, Batch, ChunkPolicy, Chunks, Gradients, Options, Problem};
+use streambp_core::{ChunkPolicy, Chunks, Options, Problem};
+use streambp_dist::Communicator;
 use streambp_models::adapter::load_adapter;
 use streambp_models::hub::ADAPTER_FILES;
+use streambp_models::lora::DropoutKey;
 use streambp_models::{
     load_model, resolve_adapter_dir, resolve_model_dir, LoraConfig, Model, ModelConfig,
 };
-use streambp_objectives::Objective;
 
-use crate::checkpoint::{
-    check_resume, data_identity, save_checkpoint, CheckpointFiles, Digest, RunRecord, TrainerState,
-    OPTIMIZER_FILE, STATE_FILE,
-};
+use crate::checkpoint::{CheckpointFiles, RunRecord};
 use crate::config::{BuiltinModel, Recipe, TrainConfig};
 use crate::device::{parse_device, parse_dtype};
-use crate::optim::{clip_grad_norm, learning_rate, AdamW, AdamWConfig};
-use crate::output::{OutputDir, TMP_MARK};
+use crate::output::OutputDir;
 use crate::tokenizer::TextTokenizer;
+use crate::trainer::dropout_key;
 use crate::{Result, TrainError};
 
 /// The built-in task: files shipped in the repo, embedded so the binary works from anywhere.
@@ -86,25 +83,6 @@ pub fn materialize_builtin(dir: &Path) -> Result<PathBuf> {
     Ok(dir.to_path_buf())
 }
 
-/// What a finished run reports.
-#[derive(Debug, Clone)]
-pub struct Summary {
-    /// The step the run ended at (resumed steps included).
-    pub steps: usize,
-    /// The loss of the first step this process took (after a resume, the first step after it).
-    pub first_loss: f64,
-    /// The loss of the last step.
-    pub last_loss: f64,
-    /// Held-out metric before and after (exact-match accuracy; DPO: also preference accuracy).
-    pub before: Vec<(String, f64)>,
-    /// The held-out metrics of the trained model, named like `before`.
-    pub after: Vec<(String, f64)>,
-    /// The final checkpoint's directory (`<output-dir>/final`).
-    pub output_dir: PathBuf,
-    /// Wall-clock seconds from the trainer's start to the end of the run.
-    pub seconds: f64,
-}
-
 /// The model, tokenizer, output directory and data paths of a run.
 pub struct Setup {
     /// The device the model and batches live on (`--device`).
@@ -119,10 +97,12 @@ pub struct Setup {
     pub tokenizer: TextTokenizer,
     /// The built-in task's directory, when the run uses any part of it.
     pub builtin: Option<PathBuf>,
-    /// The checked output directory, locked while the run lives.
-    pub output: OutputDir,
+    /// The checked output directory, locked while the run lives (rank 0's; `None` on the others).
+    pub output: Option<OutputDir>,
     /// Where the model the run started from comes from (a resumed run's reference is that model).
     pub initial: InitialModel,
+    /// The run's ranks (one process, or MPI's world).
+    pub comm: Arc<dyn Communicator>,
 }
 
 /// Where a run's starting model comes from.
@@ -163,7 +143,12 @@ impl Setup {
     /// Validates `cfg` for `recipe`, prepares the output directory, then loads the model and tokenizer.
     pub fn new(cfg: &TrainConfig, recipe: Recipe) -> Result<Self> {
         cfg.validate(recipe)?;
-        let device = parse_device(&cfg.device)?;
+        let comm = streambp_dist::world();
+        // Data parallel on GPUs: each rank on its node's GPU of its local rank.
+        let device = match (cfg.device.as_str(), comm.world_size()) {
+            ("cuda", n) if n > 1 => parse_device(&format!("cuda:{}", streambp_dist::local_rank()))?,
+            (spec, _) => parse_device(spec)?,
+        };
         let dtype = parse_dtype(&cfg.dtype)?;
         // Resolve what the run reads before anything is written.
         let model_dir = cfg.model.as_deref().map(resolve_model_dir).transpose()?;
@@ -172,12 +157,18 @@ impl Setup {
             .as_deref()
             .map(resolve_adapter_dir)
             .transpose()?;
-        let output = OutputDir::prepare(&cfg.output_dir)?;
-        let builtin = if cfg.model.is_none() || cfg.data.is_none() {
-            Some(materialize_builtin(&cfg.output_dir.join("builtin-task"))?)
-        } else {
-            None
+        // Rank 0 checks, locks and fills the output directory; the others read what it wrote.
+        let is_main = comm.rank() == 0;
+        let output = is_main
+            .then(|| OutputDir::prepare(&cfg.output_dir))
+            .transpose()?;
+        let builtin_dir = cfg.output_dir.join("builtin-task");
+        let builtin = match (cfg.model.is_none() || cfg.data.is_none(), is_main) {
+            (true, true) => Some(materialize_builtin(&builtin_dir)?),
+            (true, false) => Some(builtin_dir),
+            (false, _) => None,
         };
+        comm.barrier()?;
         let initial = match (model_dir, &builtin) {
             (Some(dir), _) => InitialModel::Dir(dir),
             (None, Some(dir)) => match cfg.builtin_model {
@@ -238,6 +229,7 @@ impl Setup {
             builtin,
             output,
             initial,
+            comm,
         })
     }
 
@@ -275,7 +267,6 @@ impl Setup {
             config_json,
             tokenizer_files: &self.tokenizer.files,
             extra: &[],
-            optimizer: None,
         }
     }
 
@@ -349,23 +340,17 @@ impl TrainConfig {
     }
 
     /// The engine's backward of `objective` on `batch` as this run is configured.
-    /// `micro` is the micro-batch's index in optimizer step `step`: with LoRA dropout, its masks
-    /// derive from (seed, step, micro), so every mode and every recomputation sees the same ones.
-    pub fn backward(
-        &self,
-        model: &Model,
-        batch: Batch,
-        objective: &dyn Objective,
-        (step, micro): (usize, usize),
-    ) -> Result<Gradients> {
-        let chunks = self.chunks_for(model, batch.input_ids)?;
-        let options = Options {
-            dropout_key: Some(dropout_key(self.seed, step, micro)),
+    /// The engine options of micro-batch `micro` of optimizer step `step`, whose rows start at
+    /// `first_row` of the global batch: with LoRA dropout, its masks derive from (seed, step, micro)
+    /// and each row's place, so every mode, every recomputation and every rank count sees the same.
+    pub fn options_for(&self, step: usize, micro: usize, first_row: usize) -> Options {
+        Options {
+            dropout: Some(DropoutKey {
+                key: dropout_key(self.seed, step, micro),
+                first_row,
+            }),
             ..self.options()
-        };
-        Ok(backward_with(
-            model, batch, objective, self.mode, chunks, options,
-        )?)
+        }
     }
 
     /// Log-probs under a frozen `model`, streamed with this run's chunks.
@@ -379,7 +364,7 @@ impl TrainConfig {
     fn options(&self) -> Options {
         Options {
             offload_checkpoints: self.offload_checkpoints,
-            dropout_key: None,
+            dropout: None,
         }
     }
 
@@ -428,6 +413,7 @@ impl TrainConfig {
         put("--use-rslora", lora.map(|l| l.use_rslora).into());
         put("--lora-dropout", lora.map(|l| l.dropout).into());
         put("--adapter", self.adapter.clone().into());
+        put("--zero", self.zero.to_string().into());
         run
     }
 }
@@ -449,456 +435,4 @@ pub fn attach_lora(
         (None, Some(lora)) => model.with_lora(lora, None, seed)?,
         (None, None) => model,
     })
-}
-
-/// The key of the LoRA dropout masks of micro-batch `micro` of optimizer step `step` (distinct for
-/// every pair; the masks hash it with each token's place).
-pub fn dropout_key(seed: u64, step: usize, micro: usize) -> u64 {
-    seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ((step as u64) << 20) ^ micro as u64
-}
-
-/// A seeded permutation (Fisher-Yates over SplitMix64), so runs are reproducible.
-fn shuffled(n: usize, seed: u64) -> Vec<usize> {
-    let mut rng = streambp_models::init::NormalRng::new(seed);
-    let mut idx: Vec<usize> = (0..n).collect();
-    for i in (1..n).rev() {
-        let j = (rng.uniform() * (i + 1) as f64) as usize;
-        idx.swap(i, j.min(i));
-    }
-    idx
-}
-
-/// Walks the data in a new seeded order every epoch; its position is part of a checkpoint.
-pub struct DataOrder {
-    len: usize,
-    seed: u64,
-    order: Vec<usize>,
-    /// Passes over the data begun, counted from 0.
-    pub epoch: u64,
-    /// Position of the next example in the current epoch's order.
-    pub cursor: usize,
-}
-
-impl DataOrder {
-    /// The order of `len` examples at `cursor` in epoch `epoch` (a cursor past the end is an error: the
-    /// data is not the one the position was saved with).
-    pub fn new(len: usize, seed: u64, epoch: u64, cursor: usize) -> Result<Self> {
-        if len == 0 || cursor > len {
-            return Err(TrainError::Checkpoint(format!(
-                "data position {cursor} does not fit data of {len} examples"
-            )));
-        }
-        Ok(Self {
-            len,
-            seed,
-            order: shuffled(len, seed.wrapping_add(epoch)),
-            epoch,
-            cursor,
-        })
-    }
-
-    /// The next `n` example indices.
-    pub fn take(&mut self, n: usize) -> Vec<usize> {
-        let mut out = Vec::with_capacity(n);
-        while out.len() < n {
-            if self.cursor == self.len {
-                self.epoch += 1;
-                self.order = shuffled(self.len, self.seed.wrapping_add(self.epoch));
-                self.cursor = 0;
-            }
-            out.push(self.order[self.cursor]);
-            self.cursor += 1;
-        }
-        out
-    }
-}
-
-/// A run's training items (examples, pairs or prompts), what they are called and where they came from.
-pub struct TrainingData<'a, T> {
-    /// The items the data order walks.
-    pub items: &'a [T],
-    /// Their name in messages ("examples", "pairs", "prompts").
-    pub what: &'a str,
-    /// The file they were read from.
-    pub path: &'a Path,
-}
-
-/// What one optimizer step measured.
-pub struct StepReport {
-    /// The step's loss: the micro-batches' losses, weighted as they were added.
-    pub loss: f64,
-    /// The step's gradient of every parameter, summed over its micro-batches, not yet clipped.
-    pub grads: Vec<(String, Tensor)>,
-    /// Real (unpadded) tokens of the step.
-    pub tokens: usize,
-    /// The highest backward peak of the step's micro-batches, in bytes (0 when not measured).
-    pub peak_bytes: usize,
-    /// Objective metrics (DPO rewards …), averaged over the step's micro-batches.
-    pub metrics: Vec<(String, f64)>,
-}
-
-/// The optimizer step and its bookkeeping: clipping, schedule, AdamW, metrics.jsonl, progress bar,
-/// periodic atomic checkpoints with resumable state.
-pub struct Trainer {
-    /// AdamW over the policy's parameters.
-    pub optimizer: AdamW,
-    /// The step the run ends at: `--max-steps`, or `--epochs` over the data.
-    pub max_steps: usize,
-    /// The first step to take: 0, or the resumed checkpoint's step.
-    pub start_step: usize,
-    /// Which examples come next.
-    pub data: DataOrder,
-    /// The run's settings, written into every resumable checkpoint.
-    run: RunRecord,
-    metrics: MetricsLog,
-    bar: indicatif::ProgressBar,
-    started: Instant,
-    step_started: Instant,
-    /// The loss of the first step this process took (NaN before it).
-    pub first_loss: f64,
-    /// The loss of the latest step.
-    pub last_loss: f64,
-    last_good: Option<PathBuf>,
-}
-
-impl Trainer {
-    /// The trainer of a `recipe` run over `data`: checks that a step fits the data, records the run
-    /// (its settings, `extra` ones included, and the data's fingerprint) and, resuming, compares that
-    /// record with the checkpoint's and restores the optimizer and data position. Call it before any
-    /// long work (evaluation), so that a refused run stops at once.
-    pub fn new<T: Digest>(
-        cfg: &TrainConfig,
-        setup: &Setup,
-        recipe: Recipe,
-        data: &TrainingData<T>,
-        extra: RunRecord,
-    ) -> Result<Self> {
-        let examples = data.items.len();
-        cfg.check_data_size(examples, data.what, data.path)?;
-        let mut run = cfg.record(recipe);
-        run.extend(extra);
-        run.insert("data".into(), data_identity(data.items));
-        let mut optimizer = AdamW::new(
-            setup.model.parameters(),
-            AdamWConfig {
-                weight_decay: cfg.weight_decay,
-                ..Default::default()
-            },
-        )?;
-        let per_step = cfg.examples_per_step()?;
-        let max_steps = cfg
-            .max_steps
-            .unwrap_or(((examples as f64 * cfg.epochs) / per_step as f64).ceil() as usize)
-            .max(1);
-        let (start_step, epoch, cursor, seed) = match &cfg.resume {
-            Some(dir) => {
-                let state = TrainerState::read(dir)?;
-                check_resume(dir, &state.run, &run)?;
-                if state.step >= max_steps {
-                    return Err(TrainError::Checkpoint(format!(
-                        "{} is at step {}, and the run ends at step {max_steps}: nothing left to \
-                         train (raise --max-steps)",
-                        dir.display(),
-                        state.step
-                    )));
-                }
-                let path = dir.join(OPTIMIZER_FILE);
-                let moments =
-                    candle_core::safetensors::load(&path, &setup.device).map_err(|e| {
-                        TrainError::Checkpoint(format!("cannot read {}: {e}", path.display()))
-                    })?;
-                optimizer.load_state(&moments, state.step)?;
-                tracing::info!(step = state.step, dir = %dir.display(), "resumed");
-                // The order the position was saved in is the checkpoint's seed's.
-                (state.step, state.epoch, state.cursor, state.seed)
-            }
-            None => (0, 0, 0, cfg.seed),
-        };
-        let same_dir = |checkpoint: &&PathBuf| {
-            let real = |p: &Path| std::fs::canonicalize(p).ok();
-            checkpoint.parent().and_then(real).is_some()
-                && checkpoint.parent().and_then(real) == real(&cfg.output_dir)
-        };
-        let kept_rows = cfg.resume.as_ref().filter(same_dir).map(|_| start_step);
-        let metrics = MetricsLog::open(&cfg.output_dir, kept_rows)?;
-        let bar = progress_bar(max_steps, cfg.progress);
-        bar.set_position(start_step as u64);
-        Ok(Self {
-            optimizer,
-            max_steps,
-            start_step,
-            data: DataOrder::new(examples, seed, epoch, cursor)?,
-            run,
-            metrics,
-            bar,
-            started: Instant::now(),
-            step_started: Instant::now(),
-            first_loss: f64::NAN,
-            last_loss: f64::NAN,
-            last_good: None,
-        })
-    }
-
-    /// The held-out metrics before training, from `measure`; none when resuming (the checkpoint's
-    /// model is not the one the run began with).
-    pub fn held_out_before(
-        &self,
-        measure: impl FnOnce() -> Result<Vec<(String, f64)>>,
-    ) -> Result<Vec<(String, f64)>> {
-        match self.start_step {
-            0 => measure(),
-            _ => Ok(Vec::new()),
-        }
-    }
-
-    /// Marks the start of a step (for its timing).
-    pub fn begin_step(&mut self) {
-        self.step_started = Instant::now();
-    }
-
-    /// Clips, schedules and applies the step's gradients, logs it, and checkpoints when due. A
-    /// non-finite loss stops the run before any update, naming the last good checkpoint.
-    pub fn finish_step(
-        &mut self,
-        cfg: &TrainConfig,
-        setup: &Setup,
-        step: usize,
-        report: StepReport,
-    ) -> Result<()> {
-        let StepReport {
-            loss,
-            mut grads,
-            tokens,
-            peak_bytes,
-            metrics,
-        } = report;
-        if !loss.is_finite() {
-            self.bar.abandon();
-            return Err(TrainError::NonFiniteLoss {
-                loss,
-                step: step + 1,
-                last_good: self
-                    .last_good
-                    .as_ref()
-                    .map(|p| p.display().to_string())
-                    .unwrap_or_else(|| "none yet".into()),
-            });
-        }
-        let grad_norm = clip_grad_norm(&mut grads, cfg.max_grad_norm)?;
-        let lr = learning_rate(cfg.schedule, cfg.lr, step, cfg.warmup_steps, self.max_steps);
-        self.optimizer.apply(&grads, lr)?;
-        if step == self.start_step {
-            self.first_loss = loss;
-        }
-        self.last_loss = loss;
-        let seconds = self.step_started.elapsed().as_secs_f64();
-        let mut record = serde_json::json!({
-            "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-            "tokens_per_sec": tokens as f64 / seconds, "peak_bytes": peak_bytes, "seconds": seconds,
-            "epoch": self.data.epoch,
-        });
-        for (k, v) in &metrics {
-            record[k] = serde_json::json!(v);
-        }
-        self.metrics.write(&record)?;
-        self.bar.set_message(format!(
-            "loss {loss:.4} lr {lr:.2e} {:.0} tok/s peak {:.0} MiB",
-            tokens as f64 / seconds,
-            peak_bytes as f64 / (1 << 20) as f64
-        ));
-        self.bar.inc(1);
-        if cfg.save_every > 0
-            && (step + 1).is_multiple_of(cfg.save_every)
-            && step + 1 < self.max_steps
-        {
-            let dir = cfg.output_dir.join(format!("checkpoint-{}", step + 1));
-            let state = TrainerState {
-                step: step + 1,
-                epoch: self.data.epoch,
-                cursor: self.data.cursor,
-                seed: cfg.seed,
-                run: self.run.clone(),
-            };
-            let state = serde_json::to_string_pretty(&state)
-                .map_err(|e| TrainError::Internal(format!("trainer state: {e}")))?;
-            let config_json = setup.model_dir.join("config.json");
-            let files = CheckpointFiles {
-                extra: &[(STATE_FILE, state)],
-                optimizer: Some(&self.optimizer.state()),
-                ..setup.checkpoint_files(cfg, &config_json)
-            };
-            save_checkpoint(&files, &dir)?;
-            self.last_good = Some(dir);
-        }
-        Ok(())
-    }
-
-    /// Ends the run: the final checkpoint (weights, config, tokenizer) in `output_dir/final`, then its
-    /// summary with the held-out metrics `before` and those `after` measures on the trained model.
-    pub fn finish(
-        &self,
-        cfg: &TrainConfig,
-        setup: &Setup,
-        before: Vec<(String, f64)>,
-        after: impl FnOnce() -> Result<Vec<(String, f64)>>,
-    ) -> Result<Summary> {
-        self.bar.finish();
-        let dir = cfg.output_dir.join("final");
-        let config_json = setup.model_dir.join("config.json");
-        save_checkpoint(&setup.checkpoint_files(cfg, &config_json), &dir)?;
-        if cfg.merge {
-            // The adapter merged into the base: a plain HF model, for tools that know no PEFT.
-            let merged = Model::from_tensors(
-                setup.model.config.clone(),
-                setup.model.merged_weights()?.into_iter().collect(),
-            )?;
-            let files = CheckpointFiles {
-                model: &merged,
-                ..setup.checkpoint_files(cfg, &config_json)
-            };
-            save_checkpoint(&files, &cfg.output_dir.join("merged"))?;
-        }
-        // The run is saved; a chart that cannot be drawn costs nothing but the chart.
-        let plots = cfg.output_dir.join("plots");
-        if let Err(e) = crate::plots::plot_metrics(&cfg.output_dir.join("metrics.jsonl"), &plots) {
-            tracing::warn!(error = %e, "no metrics plot");
-        }
-        let seconds = self.started.elapsed().as_secs_f64();
-        Ok(Summary {
-            steps: self.max_steps,
-            first_loss: self.first_loss,
-            last_loss: self.last_loss,
-            before,
-            after: after()?,
-            output_dir: dir,
-            seconds,
-        })
-    }
-}
-
-/// `metrics.jsonl`: one JSON line per step. A run resumed from a checkpoint of this output directory
-/// keeps the rows up to the step it resumes from and drops the later ones (an older checkpoint's later
-/// steps are trained again), so every step appears once; any other run starts the file anew.
-struct MetricsLog {
-    path: PathBuf,
-    file: std::fs::File,
-}
-
-impl MetricsLog {
-    /// Opens `dir/metrics.jsonl`, keeping the rows up to step `keep` when given.
-    fn open(dir: &Path, keep: Option<usize>) -> Result<Self> {
-        let path = dir.join("metrics.jsonl");
-        let kept = match keep {
-            None => String::new(),
-            Some(step) => match std::fs::read_to_string(&path) {
-                Ok(text) => text
-                    .lines()
-                    .filter(|line| {
-                        serde_json::from_str::<serde_json::Value>(line)
-                            .ok()
-                            .and_then(|v| v["step"].as_u64())
-                            .is_some_and(|s| s as usize <= step)
-                    })
-                    .map(|line| format!("{line}\n"))
-                    .collect(),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-                Err(e) => return Err(TrainError::io("read", &path)(e)),
-            },
-        };
-        // Rewritten whole, through a temporary file and a rename, so a kill here loses no rows.
-        let tmp = dir.join(format!(".metrics.jsonl{TMP_MARK}{}", std::process::id()));
-        std::fs::write(&tmp, kept).map_err(TrainError::io("write", &tmp))?;
-        std::fs::rename(&tmp, &path).map_err(TrainError::io("write", &path))?;
-        let file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .map_err(TrainError::io("open", &path))?;
-        Ok(Self { path, file })
-    }
-
-    fn write(&mut self, record: &serde_json::Value) -> Result<()> {
-        writeln!(self.file, "{record}").map_err(TrainError::io("write", &self.path))
-    }
-}
-
-/// Sums the micro-batches of one optimizer step into its report.
-#[derive(Default)]
-pub struct StepAccumulator {
-    grads: Option<Vec<(String, Tensor)>>,
-    loss: f64,
-    tokens: usize,
-    peak: usize,
-    metrics: Vec<(String, f64)>,
-}
-
-impl StepAccumulator {
-    /// Adds one micro-batch's backward, its loss, gradients and metrics scaled by `weight` (1 when the
-    /// objective already normalised over the whole step, `1 / micro-batches` to average means).
-    pub fn add(&mut self, out: streambp_core::Gradients, tokens: usize, weight: f64) -> Result<()> {
-        self.loss += out.loss * weight;
-        self.tokens += tokens;
-        self.peak = self.peak.max(out.phases.overall_peak().unwrap_or(0));
-        for (name, value) in out.metrics {
-            self.add_metric(&name, value * weight);
-        }
-        let grads = match weight {
-            1.0 => out.grads,
-            w => out
-                .grads
-                .into_iter()
-                .map(|(n, g)| Ok((n, (g * w)?)))
-                .collect::<Result<Vec<_>>>()?,
-        };
-        self.grads = Some(match self.grads.take() {
-            None => grads,
-            Some(acc) => acc
-                .into_iter()
-                .zip(grads)
-                .map(|((n, a), (_, g))| Ok((n, (a + g)?)))
-                .collect::<Result<Vec<_>>>()?,
-        });
-        Ok(())
-    }
-
-    /// The value of a metric of the step so far.
-    pub fn metric(&self, name: &str) -> Option<f64> {
-        self.metrics
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| *v)
-    }
-
-    /// Adds to a metric of the step (created at 0).
-    pub fn add_metric(&mut self, name: &str, value: f64) {
-        match self.metrics.iter_mut().find(|(n, _)| n == name) {
-            Some((_, acc)) => *acc += value,
-            None => self.metrics.push((name.to_string(), value)),
-        }
-    }
-
-    /// The step's report; an internal error when no micro-batch was added.
-    pub fn into_report(self) -> Result<StepReport> {
-        Ok(StepReport {
-            loss: self.loss,
-            grads: self.grads.ok_or_else(|| {
-                TrainError::Internal("an optimizer step without a micro-batch".into())
-            })?,
-            tokens: self.tokens,
-            peak_bytes: self.peak,
-            metrics: self.metrics,
-        })
-    }
-}
-
-fn progress_bar(steps: usize, visible: bool) -> indicatif::ProgressBar {
-    if !visible {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(steps as u64);
-    if let Ok(style) = indicatif::ProgressStyle::with_template(
-        "{bar:30} {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
-    ) {
-        bar.set_style(style);
-    }
-    bar
 }

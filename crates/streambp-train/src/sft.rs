@@ -8,7 +8,8 @@ use crate::checkpoint::RunRecord;
 use crate::config::{Recipe, TrainConfig};
 use crate::data::{load_sft, pack};
 use crate::eval::{eval_accuracy, eval_rows};
-use crate::recipe::{Setup, StepAccumulator, Summary, Trainer, TrainingData};
+use crate::recipe::Setup;
+use crate::trainer::{Summary, Trainer, TrainingData};
 use crate::Result;
 
 /// Trains `cfg`'s model on its SFT data (the built-in arithmetic task by default).
@@ -38,26 +39,35 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
 
     let model = &setup.model;
     for step in trainer.start_step..trainer.max_steps {
-        trainer.begin_step();
-        let picked = trainer.data.take(cfg.examples_per_step()?);
-        // The loss is the mean over every target token of the step, across its micro-batches.
-        let targets: usize = picked.iter().map(|&i| examples[i].targets()).sum();
-        let mut acc = StepAccumulator::default();
-        for (m, micro) in picked.chunks(cfg.batch_size).enumerate() {
-            let rows: Vec<_> = micro.iter().map(|&i| &examples[i]).collect();
+        trainer.begin_step(step);
+        let picked = trainer.data.take(trainer.global_step_items(cfg)?);
+        let micro_batches: Vec<_> = picked
+            .chunks(cfg.batch_size * setup.comm.world_size())
+            .map(|global| trainer.local(global))
+            .collect();
+        // The loss is the mean over every target token of the step, across its micro-batches and
+        // ranks: this rank's count, summed over ranks before the backward.
+        let mine: usize = micro_batches
+            .iter()
+            .flat_map(|(rows, _)| rows.iter())
+            .map(|&i| examples[i].targets())
+            .sum();
+        let targets = setup.comm.sum(mine as f64)?;
+        for (m, (rows, first_row)) in micro_batches.into_iter().enumerate() {
+            let rows: Vec<_> = rows.iter().map(|&i| &examples[i]).collect();
             let c = collate(&rows, setup.tokenizer.pad_id);
             let sft = Sft::new(
                 &c.labels,
                 model.config.vocab_size,
-                Some(targets as f64),
+                Some(targets),
                 &setup.device,
             )?;
             let tensors = c.tensors(&setup.device)?;
             // The objective already divides by the step's target tokens: weight 1.
-            let out = cfg.backward(model, tensors.batch(), &sft, (step, m))?;
-            acc.add(out, c.tokens(), 1.0)?;
+            let batch = tensors.batch();
+            trainer.backward(cfg, model, batch, &sft, (m, first_row), c.tokens(), 1.0)?;
         }
-        trainer.finish_step(cfg, &setup, step, acc.into_report()?)?;
+        trainer.finish_step(cfg, &setup)?;
     }
     trainer.finish(cfg, &setup, before, || eval_accuracy(&setup, &eval))
 }

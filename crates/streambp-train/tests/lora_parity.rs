@@ -46,14 +46,14 @@ fn backward(
     objective: &str,
     mode: Mode,
     (chunk, logits_chunk): (usize, usize),
-    dropout_key: Option<u64>,
+    dropout: Option<u64>,
 ) -> Gradients {
     let chunks = Chunks {
         chunk,
         logits_chunk,
     };
     let options = Options {
-        dropout_key,
+        dropout: dropout.map(|key| streambp_models::lora::DropoutKey { key, first_row: 0 }),
         ..Default::default()
     };
     let dir = fixture_dir(family);

@@ -1,0 +1,662 @@
+//! The optimizer step and its bookkeeping, shared by every recipe: the seeded data order, each
+//! micro-batch's backward (this rank's rows of the global batch), the step's reduction over ranks
+//! (ZeRO 0, 1 or 2, [`crate::parallel`]), clipping, schedule, AdamW, metrics.jsonl, progress bar,
+//! atomic checkpoints with resumable state, and the run's summary.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::Tensor;
+use streambp_core::{backward_into, backward_with, Batch, Gradients};
+use streambp_dist::Communicator;
+use streambp_models::Model;
+use streambp_objectives::Objective;
+
+use crate::checkpoint::{
+    check_resume, data_identity, save_checkpoint_shared, CheckpointFiles, Digest, RunRecord,
+    TrainerState, OPTIMIZER_FILE, STATE_FILE,
+};
+use crate::config::{Recipe, TrainConfig};
+use crate::optim::{clip_grad_norm, learning_rate, AdamW, AdamWConfig};
+use crate::output::TMP_MARK;
+use crate::parallel::{clip_sharded, Buckets, ShardedAdamW, ShardedGradients, ZeroStage};
+use crate::recipe::Setup;
+use crate::{Result, TrainError};
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// The step the run ended at (resumed steps included).
+    pub steps: usize,
+    /// The loss of the first step this process took (after a resume, the first step after it).
+    pub first_loss: f64,
+    /// The loss of the last step.
+    pub last_loss: f64,
+    /// Held-out metric before and after (exact-match accuracy; DPO: also preference accuracy).
+    pub before: Vec<(String, f64)>,
+    /// The held-out metrics of the trained model, named like `before`.
+    pub after: Vec<(String, f64)>,
+    /// The final checkpoint's directory (`<output-dir>/final`).
+    pub output_dir: PathBuf,
+    /// Wall-clock seconds from the trainer's start to the end of the run.
+    pub seconds: f64,
+}
+
+/// The key of the LoRA dropout masks of micro-batch `micro` of optimizer step `step` (distinct for
+/// every pair; the masks hash it with each token's place).
+pub fn dropout_key(seed: u64, step: usize, micro: usize) -> u64 {
+    seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ((step as u64) << 20) ^ micro as u64
+}
+
+/// A seeded permutation (Fisher-Yates over SplitMix64), so runs are reproducible.
+fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut rng = streambp_models::init::NormalRng::new(seed);
+    let mut idx: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = (rng.uniform() * (i + 1) as f64) as usize;
+        idx.swap(i, j.min(i));
+    }
+    idx
+}
+
+/// Walks the data in a new seeded order every epoch; its position is part of a checkpoint.
+pub struct DataOrder {
+    len: usize,
+    seed: u64,
+    order: Vec<usize>,
+    /// Passes over the data begun, counted from 0.
+    pub epoch: u64,
+    /// Position of the next example in the current epoch's order.
+    pub cursor: usize,
+}
+
+impl DataOrder {
+    /// The order of `len` examples at `cursor` in epoch `epoch` (a cursor past the end is an error: the
+    /// data is not the one the position was saved with).
+    pub fn new(len: usize, seed: u64, epoch: u64, cursor: usize) -> Result<Self> {
+        if len == 0 || cursor > len {
+            return Err(TrainError::Checkpoint(format!(
+                "data position {cursor} does not fit data of {len} examples"
+            )));
+        }
+        Ok(Self {
+            len,
+            seed,
+            order: shuffled(len, seed.wrapping_add(epoch)),
+            epoch,
+            cursor,
+        })
+    }
+
+    /// The seed the order is drawn from.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The next `n` example indices.
+    pub fn take(&mut self, n: usize) -> Vec<usize> {
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            if self.cursor == self.len {
+                self.epoch += 1;
+                self.order = shuffled(self.len, self.seed.wrapping_add(self.epoch));
+                self.cursor = 0;
+            }
+            out.push(self.order[self.cursor]);
+            self.cursor += 1;
+        }
+        out
+    }
+}
+
+/// A run's training items (examples, pairs or prompts), what they are called and where they came from.
+pub struct TrainingData<'a, T> {
+    /// The items the data order walks.
+    pub items: &'a [T],
+    /// Their name in messages ("examples", "pairs", "prompts").
+    pub what: &'a str,
+    /// The file they were read from.
+    pub path: &'a Path,
+}
+
+/// A step's loss, real tokens and metrics over all ranks.
+struct StepTotals {
+    loss: f64,
+    tokens: usize,
+    metrics: Vec<(String, f64)>,
+}
+
+/// The optimizer of a run: over whole parameters (one process, ZeRO-0), or over this rank's shards.
+enum Optimizer {
+    Whole(AdamW),
+    Sharded(ShardedAdamW),
+}
+
+impl Optimizer {
+    /// What a checkpoint keeps of it on this rank: `(file name, tensors)`.
+    fn state(&self, rank: usize, world: usize) -> (String, HashMap<String, Tensor>) {
+        match self {
+            Optimizer::Whole(o) => (OPTIMIZER_FILE.to_string(), o.state()),
+            Optimizer::Sharded(o) => (shard_file(rank, world), o.state()),
+        }
+    }
+}
+
+/// The file of rank `rank`'s optimizer shard in a checkpoint of a `world`-rank run.
+pub fn shard_file(rank: usize, world: usize) -> String {
+    format!("optimizer-rank-{rank}-of-{world}.safetensors")
+}
+
+/// What the step's micro-batches have added up on this rank.
+#[derive(Default)]
+struct StepSums {
+    /// Whole gradients (ZeRO-0 and 1), weighted as added.
+    grads: Option<Vec<(String, Tensor)>>,
+    loss: f64,
+    tokens: usize,
+    peak: usize,
+    /// The objectives' metrics, weighted like the loss: summed over ranks.
+    summed: Vec<(String, f64)>,
+    /// The recipe's own metrics (rewards…), each rank's mean: averaged over ranks.
+    averaged: Vec<(String, f64)>,
+    micro_batches: usize,
+}
+
+fn add_to(list: &mut Vec<(String, f64)>, name: &str, value: f64) {
+    match list.iter_mut().find(|(n, _)| n == name) {
+        Some((_, acc)) => *acc += value,
+        None => list.push((name.to_string(), value)),
+    }
+}
+
+fn weighted(grads: Vec<(String, Tensor)>, weight: f64) -> Result<Vec<(String, Tensor)>> {
+    match weight {
+        1.0 => Ok(grads),
+        w => grads.into_iter().map(|(n, g)| Ok((n, (g * w)?))).collect(),
+    }
+}
+
+/// The optimizer step and its bookkeeping: each micro-batch's backward on this rank's rows, the
+/// step's reduction over ranks, clipping, schedule, AdamW, metrics.jsonl, progress bar, periodic atomic
+/// checkpoints with resumable state.
+pub struct Trainer {
+    optimizer: Optimizer,
+    /// The step the run ends at: `--max-steps`, or `--epochs` over the data.
+    pub max_steps: usize,
+    /// The first step to take: 0, or the resumed checkpoint's step.
+    pub start_step: usize,
+    /// Which examples come next (the global order, the same on every rank).
+    pub data: DataOrder,
+    /// The run's settings, written into every resumable checkpoint.
+    run: RunRecord,
+    /// metrics.jsonl (rank 0).
+    metrics: Option<MetricsLog>,
+    bar: indicatif::ProgressBar,
+    started: Instant,
+    step_started: Instant,
+    /// The loss of the first step this process took (NaN before it).
+    pub first_loss: f64,
+    /// The loss of the latest step.
+    pub last_loss: f64,
+    last_good: Option<PathBuf>,
+    comm: Arc<dyn Communicator>,
+    zero: ZeroStage,
+    buckets: Arc<Buckets>,
+    /// ZeRO-2: the gradient shards the engine's backward reduces into, layer by layer.
+    shards: Option<ShardedGradients>,
+    sums: StepSums,
+    step: usize,
+    /// Rank 0's process id: names the temporary directories every rank writes a checkpoint into.
+    job: u64,
+}
+
+impl Trainer {
+    /// The trainer of a `recipe` run over `data`: checks that a step fits the data, records the run
+    /// (its settings, `extra` ones included, the data's fingerprint, the number of ranks) and,
+    /// resuming, compares that record with the checkpoint's and restores the optimizer (this rank's
+    /// shard) and data position. Call it before any long work (evaluation), so that a refused run
+    /// stops at once.
+    pub fn new<T: Digest>(
+        cfg: &TrainConfig,
+        setup: &Setup,
+        recipe: Recipe,
+        data: &TrainingData<T>,
+        extra: RunRecord,
+    ) -> Result<Self> {
+        let comm = setup.comm.clone();
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let examples = data.items.len();
+        let per_step = cfg.examples_per_step()?.saturating_mul(world);
+        cfg.check_data_size(examples, data.what, data.path, world)?;
+        let mut run = cfg.record(recipe);
+        run.extend(extra);
+        run.insert("data".into(), data_identity(data.items));
+        run.insert("ranks".into(), world.into());
+        let model = &setup.model;
+        let buckets = Arc::new(Buckets::new(model, world, rank));
+        let adamw = AdamWConfig {
+            weight_decay: cfg.weight_decay,
+            ..Default::default()
+        };
+        let mut optimizer = match cfg.zero {
+            ZeroStage::Zero0 => Optimizer::Whole(AdamW::new(model.parameters(), adamw)?),
+            _ => Optimizer::Sharded(ShardedAdamW::new(model, buckets.clone(), adamw)?),
+        };
+        let max_steps = cfg
+            .max_steps
+            .unwrap_or(((examples as f64 * cfg.epochs) / per_step as f64).ceil() as usize)
+            .max(1);
+        let (start_step, epoch, cursor, seed) = match &cfg.resume {
+            Some(dir) => {
+                let state = TrainerState::read(dir)?;
+                check_resume(dir, &state.run, &run)?;
+                if state.step >= max_steps {
+                    return Err(TrainError::Checkpoint(format!(
+                        "{} is at step {}, and the run ends at step {max_steps}: nothing left to \
+                         train (raise --max-steps)",
+                        dir.display(),
+                        state.step
+                    )));
+                }
+                let (file, _) = optimizer.state(rank, world);
+                let path = dir.join(&file);
+                let moments =
+                    candle_core::safetensors::load(&path, &setup.device).map_err(|e| {
+                        TrainError::Checkpoint(format!("cannot read {}: {e}", path.display()))
+                    })?;
+                match &mut optimizer {
+                    Optimizer::Whole(o) => o.load_state(&moments, state.step)?,
+                    Optimizer::Sharded(o) => o.load_state(&moments, state.step)?,
+                }
+                tracing::info!(step = state.step, dir = %dir.display(), "resumed");
+                // The order the position was saved in is the checkpoint's seed's.
+                (state.step, state.epoch, state.cursor, state.seed)
+            }
+            None => (0, 0, 0, cfg.seed),
+        };
+        let same_dir = |checkpoint: &&PathBuf| {
+            let real = |p: &Path| std::fs::canonicalize(p).ok();
+            checkpoint.parent().and_then(real).is_some()
+                && checkpoint.parent().and_then(real) == real(&cfg.output_dir)
+        };
+        let kept_rows = cfg.resume.as_ref().filter(same_dir).map(|_| start_step);
+        let metrics = match rank {
+            0 => Some(MetricsLog::open(&cfg.output_dir, kept_rows)?),
+            _ => None,
+        };
+        let bar = progress_bar(max_steps, cfg.progress && rank == 0);
+        bar.set_position(start_step as u64);
+        let job = comm.broadcast(u64::from(std::process::id()))?;
+        let shards = (cfg.zero == ZeroStage::Zero2)
+            .then(|| ShardedGradients::new(buckets.clone(), comm.clone()));
+        Ok(Self {
+            optimizer,
+            max_steps,
+            start_step,
+            data: DataOrder::new(examples, seed, epoch, cursor)?,
+            run,
+            metrics,
+            bar,
+            started: Instant::now(),
+            step_started: Instant::now(),
+            first_loss: f64::NAN,
+            last_loss: f64::NAN,
+            last_good: None,
+            comm,
+            zero: cfg.zero,
+            buckets,
+            shards,
+            sums: StepSums::default(),
+            step: start_step,
+            job,
+        })
+    }
+
+    /// Whether this process is rank 0 (which writes metrics, checkpoints' models and the summary).
+    pub fn is_main(&self) -> bool {
+        self.comm.rank() == 0
+    }
+
+    /// The held-out metrics before training, from `measure` (on rank 0); none when resuming (the
+    /// checkpoint's model is not the one the run began with).
+    pub fn held_out_before(
+        &self,
+        measure: impl FnOnce() -> Result<Vec<(String, f64)>>,
+    ) -> Result<Vec<(String, f64)>> {
+        match (self.start_step, self.is_main()) {
+            (0, true) => measure(),
+            _ => Ok(Vec::new()),
+        }
+    }
+
+    /// This rank's share of a global micro-batch (`global`, whose length the ranks divide: each rank's
+    /// `--batch-size` rows), and the index of its first row in it.
+    pub fn local<'a, T>(&self, global: &'a [T]) -> (&'a [T], usize) {
+        let n = global.len() / self.comm.world_size();
+        let first = self.comm.rank() * n;
+        (&global[first..first + n], first)
+    }
+
+    /// The examples one optimizer step takes from the data, on all ranks together.
+    pub fn global_step_items(&self, cfg: &TrainConfig) -> Result<usize> {
+        Ok(cfg.examples_per_step()? * self.comm.world_size())
+    }
+
+    /// Marks the start of step `step` (for its timing and its dropout masks).
+    pub fn begin_step(&mut self, step: usize) {
+        self.step = step;
+        self.step_started = Instant::now();
+    }
+
+    /// One micro-batch's backward on this rank's rows: `micro` is its index in the step (the same
+    /// on every rank), `first_row` its rows' place in the global micro-batch (so that LoRA dropout
+    /// masks differ across ranks as across rows), `tokens` its real tokens, `weight` its share of the
+    /// step's loss (the objective's normalisation already global: 1 for SFT, one over the global
+    /// micro-batches for means). With ZeRO-2 its gradients are reduced over ranks layer by layer here.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &mut self,
+        cfg: &TrainConfig,
+        model: &Model,
+        batch: Batch,
+        objective: &dyn Objective,
+        (micro, first_row): (usize, usize),
+        tokens: usize,
+        weight: f64,
+    ) -> Result<()> {
+        let chunks = cfg.chunks_for(model, batch.input_ids)?;
+        let options = cfg.options_for(self.step, micro, first_row);
+        let out: Gradients = match self.shards.as_mut() {
+            Some(shards) => {
+                shards.weight = weight;
+                backward_into(model, batch, objective, cfg.mode, chunks, options, shards)?
+            }
+            None => backward_with(model, batch, objective, cfg.mode, chunks, options)?,
+        };
+        let s = &mut self.sums;
+        s.micro_batches += 1;
+        s.loss += out.loss * weight;
+        s.tokens += tokens;
+        s.peak = s.peak.max(out.phases.overall_peak().unwrap_or(0));
+        for (name, value) in &out.metrics {
+            add_to(&mut s.summed, name, value * weight);
+        }
+        if self.shards.is_none() {
+            let grads = weighted(out.grads, weight)?;
+            s.grads = Some(match s.grads.take() {
+                None => grads,
+                Some(acc) => acc
+                    .into_iter()
+                    .zip(grads)
+                    .map(|((n, a), (_, g))| Ok((n, (a + g)?)))
+                    .collect::<Result<Vec<_>>>()?,
+            });
+        }
+        Ok(())
+    }
+
+    /// Adds this rank's value of a metric of the step (its mean over this rank's items); the step
+    /// reports the mean over ranks.
+    pub fn add_metric(&mut self, name: &str, value: f64) {
+        add_to(&mut self.sums.averaged, name, value);
+    }
+
+    /// The step's loss and metrics, summed (or averaged) over ranks.
+    fn reduce_metrics(&self, sums: &StepSums) -> Result<StepTotals> {
+        let sum = |x: f64| self.comm.sum(x).map_err(TrainError::from);
+        let world = self.comm.world_size() as f64;
+        let loss = sum(sums.loss)?;
+        let tokens = sum(sums.tokens as f64)? as usize;
+        let mut metrics = Vec::new();
+        for (k, v) in &sums.summed {
+            metrics.push((k.clone(), sum(*v)?));
+        }
+        for (k, v) in &sums.averaged {
+            metrics.push((k.clone(), sum(*v)? / world));
+        }
+        Ok(StepTotals {
+            loss,
+            tokens,
+            metrics,
+        })
+    }
+
+    /// Reduces the step's gradients over ranks, clips, schedules and applies them, logs the step, and
+    /// checkpoints when due; returns the step's metrics (over all ranks). A non-finite loss stops the
+    /// run before any update, naming the last good checkpoint.
+    pub fn finish_step(&mut self, cfg: &TrainConfig, setup: &Setup) -> Result<Vec<(String, f64)>> {
+        let step = self.step;
+        let mut sums = std::mem::take(&mut self.sums);
+        if sums.micro_batches == 0 {
+            return Err(TrainError::Internal(
+                "an optimizer step without a micro-batch".into(),
+            ));
+        }
+        let StepTotals {
+            loss,
+            tokens,
+            metrics,
+        } = self.reduce_metrics(&sums)?;
+        if !loss.is_finite() {
+            self.bar.abandon();
+            return Err(TrainError::NonFiniteLoss {
+                loss,
+                step: step + 1,
+                last_good: self
+                    .last_good
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|| "none yet".into()),
+            });
+        }
+        let lr = learning_rate(cfg.schedule, cfg.lr, step, cfg.warmup_steps, self.max_steps);
+        let comm = self.comm.clone();
+        let grad_norm = match (&mut self.optimizer, self.zero) {
+            (Optimizer::Whole(adamw), _) => {
+                let local = sums.grads.take().unwrap_or_default();
+                let mut grads = match comm.world_size() {
+                    1 => local,
+                    _ => self.buckets.all_reduce(comm.as_ref(), local)?,
+                };
+                let norm = clip_grad_norm(&mut grads, cfg.max_grad_norm)?;
+                adamw.apply(&grads, lr)?;
+                norm
+            }
+            (Optimizer::Sharded(adamw), zero) => {
+                let mut shards = match (zero, self.shards.as_mut()) {
+                    (ZeroStage::Zero2, Some(s)) => s.take()?,
+                    _ => {
+                        // ZeRO-1: the whole step's gradients, reduced bucket by bucket.
+                        let grads = sums.grads.take().unwrap_or_default();
+                        let mut sharded = ShardedGradients::new(self.buckets.clone(), comm.clone());
+                        for group in self.buckets.groups(grads) {
+                            sharded.add(&group)?;
+                        }
+                        sharded.take()?
+                    }
+                };
+                let norm = clip_sharded(comm.as_ref(), &mut shards, cfg.max_grad_norm)?;
+                adamw.apply(comm.as_ref(), &shards, lr)?;
+                norm
+            }
+        };
+        if step == self.start_step {
+            self.first_loss = loss;
+        }
+        self.last_loss = loss;
+        let seconds = self.step_started.elapsed().as_secs_f64();
+        if let Some(log) = self.metrics.as_mut() {
+            let mut record = serde_json::json!({
+                "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                "tokens_per_sec": tokens as f64 / seconds, "peak_bytes": sums.peak,
+                "seconds": seconds, "epoch": self.data.epoch,
+            });
+            for (k, v) in &metrics {
+                record[k] = serde_json::json!(v);
+            }
+            log.write(&record)?;
+        }
+        self.bar.set_message(format!(
+            "loss {loss:.4} lr {lr:.2e} {:.0} tok/s peak {:.0} MiB",
+            tokens as f64 / seconds,
+            sums.peak as f64 / (1 << 20) as f64
+        ));
+        self.bar.inc(1);
+        if cfg.save_every > 0
+            && (step + 1).is_multiple_of(cfg.save_every)
+            && step + 1 < self.max_steps
+        {
+            let dir = cfg.output_dir.join(format!("checkpoint-{}", step + 1));
+            self.save(cfg, setup, &dir, step + 1)?;
+            self.last_good = Some(dir);
+        }
+        Ok(metrics)
+    }
+
+    /// A resumable checkpoint of step `step` in `dir`: the model (or adapter), tokenizer and trainer
+    /// state from rank 0, every rank's optimizer state (its shard, or rank 0's whole one).
+    fn save(&self, cfg: &TrainConfig, setup: &Setup, dir: &Path, step: usize) -> Result<()> {
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let state = TrainerState {
+            step,
+            epoch: self.data.epoch,
+            cursor: self.data.cursor,
+            seed: self.data.seed(),
+            run: self.run.clone(),
+        };
+        let state = serde_json::to_string_pretty(&state)
+            .map_err(|e| TrainError::Internal(format!("trainer state: {e}")))?;
+        let config_json = setup.model_dir.join("config.json");
+        let extra = [(STATE_FILE, state)];
+        let files = CheckpointFiles {
+            extra: &extra,
+            ..setup.checkpoint_files(cfg, &config_json)
+        };
+        // Whole moments are the same on every rank: rank 0 writes them; shards come from their ranks.
+        let own = match (&self.optimizer, rank) {
+            (Optimizer::Whole(_), r) if r > 0 => Vec::new(),
+            _ => vec![self.optimizer.state(rank, world)],
+        };
+        let main = (rank == 0).then_some(&files);
+        save_checkpoint_shared(self.comm.as_ref(), self.job, main, &own, dir)
+    }
+
+    /// Ends the run: the final checkpoint (weights or adapter, config, tokenizer) in
+    /// `output_dir/final` (and the merged model with `--merge`) written by rank 0, then its summary
+    /// with the held-out metrics `before` and those `after` measures on the trained model (rank 0).
+    pub fn finish(
+        &self,
+        cfg: &TrainConfig,
+        setup: &Setup,
+        before: Vec<(String, f64)>,
+        after: impl FnOnce() -> Result<Vec<(String, f64)>>,
+    ) -> Result<Summary> {
+        self.bar.finish();
+        let dir = cfg.output_dir.join("final");
+        let config_json = setup.model_dir.join("config.json");
+        let files = setup.checkpoint_files(cfg, &config_json);
+        let main = self.is_main().then_some(&files);
+        save_checkpoint_shared(self.comm.as_ref(), self.job, main, &[], &dir)?;
+        if cfg.merge && self.is_main() {
+            // The adapter merged into the base: a plain HF model, for tools that know no PEFT.
+            let merged = Model::from_tensors(
+                setup.model.config.clone(),
+                setup.model.merged_weights()?.into_iter().collect(),
+            )?;
+            let files = CheckpointFiles {
+                model: &merged,
+                ..setup.checkpoint_files(cfg, &config_json)
+            };
+            save_checkpoint_shared(
+                &streambp_dist::SingleProcess,
+                self.job,
+                Some(&files),
+                &[],
+                &cfg.output_dir.join("merged"),
+            )?;
+        }
+        if self.is_main() {
+            // The run is saved; a chart that cannot be drawn costs nothing but the chart.
+            let plots = cfg.output_dir.join("plots");
+            if let Err(e) =
+                crate::plots::plot_metrics(&cfg.output_dir.join("metrics.jsonl"), &plots)
+            {
+                tracing::warn!(error = %e, "no metrics plot");
+            }
+        }
+        let seconds = self.started.elapsed().as_secs_f64();
+        Ok(Summary {
+            steps: self.max_steps,
+            first_loss: self.first_loss,
+            last_loss: self.last_loss,
+            before,
+            after: match self.is_main() {
+                true => after()?,
+                false => Vec::new(),
+            },
+            output_dir: dir,
+            seconds,
+        })
+    }
+}
+
+/// `metrics.jsonl`: one JSON line per step. A run resumed from a checkpoint of this output directory
+/// keeps the rows up to the step it resumes from and drops the later ones (an older checkpoint's later
+/// steps are trained again), so every step appears once; any other run starts the file anew.
+struct MetricsLog {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl MetricsLog {
+    /// Opens `dir/metrics.jsonl`, keeping the rows up to step `keep` when given.
+    fn open(dir: &Path, keep: Option<usize>) -> Result<Self> {
+        let path = dir.join("metrics.jsonl");
+        let kept = match keep {
+            None => String::new(),
+            Some(step) => match std::fs::read_to_string(&path) {
+                Ok(text) => text
+                    .lines()
+                    .filter(|line| {
+                        serde_json::from_str::<serde_json::Value>(line)
+                            .ok()
+                            .and_then(|v| v["step"].as_u64())
+                            .is_some_and(|s| s as usize <= step)
+                    })
+                    .map(|line| format!("{line}\n"))
+                    .collect(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+                Err(e) => return Err(TrainError::io("read", &path)(e)),
+            },
+        };
+        // Rewritten whole, through a temporary file and a rename, so a kill here loses no rows.
+        let tmp = dir.join(format!(".metrics.jsonl{TMP_MARK}{}", std::process::id()));
+        std::fs::write(&tmp, kept).map_err(TrainError::io("write", &tmp))?;
+        std::fs::rename(&tmp, &path).map_err(TrainError::io("write", &path))?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(TrainError::io("open", &path))?;
+        Ok(Self { path, file })
+    }
+
+    fn write(&mut self, record: &serde_json::Value) -> Result<()> {
+        writeln!(self.file, "{record}").map_err(TrainError::io("write", &self.path))
+    }
+}
+
+fn progress_bar(steps: usize, visible: bool) -> indicatif::ProgressBar {
+    if !visible {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(steps as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{bar:30} {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+    ) {
+        bar.set_style(style);
+    }
+    bar
+}
