@@ -1,7 +1,8 @@
 //! Data-parallel training under `mpiexec`: two ranks train exactly as one process does on the same
-//! global batches (SFT, DPO with an NLL term, GRPO; ZeRO 0, 1 and 2; gradient accumulation), each
-//! rank's optimizer shard holds half of the moments, and a job that loses a rank fails, leaves no
-//! half-written checkpoint and resumes to the uninterrupted run's numbers.
+//! global batches (SFT, DPO with an NLL term, GRPO; ZeRO 0, 1 and 2; gradient accumulation; the
+//! built-in rows differ in length, so the ranks' token counts differ), each rank's optimizer shard
+//! holds half of the moments, and a job that loses a rank fails naming it, leaves no half-written
+//! checkpoint, resumes to the uninterrupted run's numbers and refuses another number of ranks.
 //!
 //! Needs the `mpi` feature and MPICH's `mpiexec` on the PATH; without them the tests say so and pass,
 //! unless `STREAMBP_REQUIRE_MPI=1` (CI) makes that a failure.
@@ -148,7 +149,11 @@ fn dpo_with_nll_on_two_ranks_is_one_process() {
         return;
     }
     assert_two_ranks_match_one(
-        |b| format!("dpo --max-steps 3 --batch-size {b} --sft-weight 0.5 --chunk 5 --seed 2"),
+        |b| {
+            format!(
+                "dpo --max-steps 3 --batch-size {b} --grad-accum 2 --sft-weight 0.5 --chunk 5 --seed 2"
+            )
+        },
         2,
     );
 }
@@ -253,7 +258,8 @@ fn losing_a_rank_fails_the_job_and_it_resumes_exactly() {
 
     let out = tempfile::tempdir().unwrap();
     let mut job = command(2, out.path(), args)
-        .stdout(Stdio::null())
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -275,9 +281,12 @@ fn losing_a_rank_fails_the_job_and_it_resumes_exactly() {
     let failed = job.wait_with_output().unwrap();
     let pid = killed.expect("the job ended before rank 1 could be killed");
     assert!(!failed.status.success(), "a job that lost a rank succeeded");
-    // The launcher names the process that died (MPICH's hydra: its pid and signal).
-    let report = String::from_utf8_lossy(&failed.stderr);
-    assert!(report.contains(&pid.to_string()), "{report}");
+    // The launcher names the process that died (MPICH's hydra: its pid and signal), and the job's
+    // log which rank that process was.
+    let report = [&failed.stdout, &failed.stderr].map(|s| String::from_utf8_lossy(s).into_owned());
+    let report = report.join("\n");
+    assert!(report.contains(&format!("rank 1: pid {pid}")), "{report}");
+    assert!(report.contains(&format!("PID {pid} ")), "{report}");
     assert!(!out.path().join("final").exists());
 
     // The next run cleans up whatever save was interrupted and reproduces the uninterrupted losses.
@@ -293,4 +302,19 @@ fn losing_a_rank_fails_the_job_and_it_resumes_exactly() {
         &out.path().join("final/model.safetensors"),
     );
     assert_eq!(diff, 0.0, "resumed weights differ by {diff:e}");
+
+    // Its sharded optimizer state resumes on two ranks only.
+    let other = tempfile::tempdir().unwrap();
+    let checkpoint = out.path().join("checkpoint-36");
+    let refused = command(1, other.path(), args)
+        .arg("--resume")
+        .arg(&checkpoint)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let report = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        report.contains("ranks: 2 in the checkpoint's run, 1 now"),
+        "{report}"
+    );
 }

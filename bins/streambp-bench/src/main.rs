@@ -4,6 +4,8 @@
 //!
 //! `cargo run --release -p streambp-bench -- --config benches/configs/qwen3-small.json --seq-lens 1024,2048`
 
+mod world;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -19,6 +21,7 @@ use streambp_models::{Model, ModelConfig};
 use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
 use streambp_train::config::LoraArgs;
 use streambp_train::optim::{AdamW, AdamWConfig};
+use streambp_train::parallel::ZeroStage;
 use streambp_train::plots::{draw, Chart, Series};
 
 #[global_allocator]
@@ -94,6 +97,14 @@ struct Args {
     /// same weights), side by side.
     #[command(flatten)]
     lora: LoraArgs,
+    /// Data-parallel training steps on this many ranks (the bench relaunches itself under `mpiexec`;
+    /// a build with `--features mpi`): per-rank peak, optimizer state, gradients and step time for
+    /// each --zero stage, stream mode, one sequence of T per rank.
+    #[arg(long)]
+    world: Option<usize>,
+    /// With --world: the ZeRO stages, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
+    zero: Vec<ZeroStage>,
 }
 
 struct Point {
@@ -446,6 +457,14 @@ fn mib(b: usize) -> f64 {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(ranks) = args.world {
+        if ranks == 0 {
+            bail!("--world 0: the number of ranks is at least 1");
+        }
+        if let Some(status) = world::relaunch(ranks)? {
+            std::process::exit(status.code().unwrap_or(1));
+        }
+    }
     let dtype = parse_dtype(&args.dtype)?;
     let mut cfg = ModelConfig::from_file(&args.config)?;
     if let Some(n) = args.layers {
@@ -454,8 +473,38 @@ fn main() -> anyhow::Result<()> {
     if args.predict {
         return predict(&cfg, dtype, &args);
     }
-    let device = parse_device(&args.device)?;
+    let device = match (parse_device(&args.device)?, args.world) {
+        // One GPU per rank of the node.
+        (Device::Cuda(_), Some(_)) => Device::new_cuda(streambp_dist::local_rank())?,
+        (device, _) => device,
+    };
+    // Seeded: every rank builds the same weights.
     let model = Model::random(cfg, dtype, &device, 0)?;
+    if let Some(ranks) = args.world {
+        let _guard = streambp_dist::init(device.is_cuda())?;
+        let world = streambp_dist::world().world_size();
+        if world != ranks {
+            bail!("--world {ranks}, but the launcher started {world} rank(s)");
+        }
+        let rank0 = streambp_dist::world().rank() == 0;
+        let mut json = args
+            .json
+            .as_ref()
+            .filter(|_| rank0)
+            .map(std::fs::File::create)
+            .transpose()?;
+        let vocab = model.config.vocab_size;
+        return world::run_world(
+            &model,
+            &args.seq_lens,
+            &args.zero,
+            |t| {
+                let work = workload(&args.objective, vocab, t, args.group, model.device())?;
+                Ok((work, given_chunks(&args, t)))
+            },
+            |line| write_json(&mut json, &line),
+        );
+    }
     let params: usize = model.parameters().iter().map(|(_, v)| v.elem_count()).sum();
     println!(
         "objective {}, model {} ({:.1}M parameters, {} layers), dtype {dtype:?}, device {}, logits chunk {}",

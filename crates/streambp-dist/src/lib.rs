@@ -130,6 +130,7 @@ pub fn init(cuda: bool) -> Result<Guard> {
     {
         if mpi::launched() {
             let (comm, universe) = mpi::MpiCommunicator::start()?;
+            log_processes(&comm)?;
             let comm: Arc<dyn Communicator> = match cuda {
                 #[cfg(feature = "nccl")]
                 true => Arc::new(nccl::NcclCommunicator::start(comm)?),
@@ -160,6 +161,22 @@ pub fn init(cuda: bool) -> Result<Guard> {
             _ => Ok(Guard {}),
         }
     }
+}
+
+/// Logs (on rank 0) every rank's process id: the launcher names a process that dies by its pid.
+#[cfg(feature = "mpi")]
+fn log_processes(comm: &dyn Communicator) -> Result<()> {
+    let own = Tensor::new(&[f64::from(std::process::id())], &candle_core::Device::Cpu)?;
+    let pids = comm.all_gather(&own)?.to_vec1::<f64>()?;
+    if comm.rank() == 0 {
+        let list: Vec<String> = pids
+            .iter()
+            .enumerate()
+            .map(|(rank, pid)| format!("rank {rank}: pid {pid}"))
+            .collect();
+        tracing::info!("processes: {}", list.join(", "));
+    }
+    Ok(())
 }
 
 /// Makes `comm` the process's communicator (tests and library users with their own engine).

@@ -123,12 +123,13 @@ impl AdamW {
         let slots = params
             .iter()
             .map(|(name, var)| {
-                let zeros = var.zeros_like()?.to_dtype(state_dtype(var.dtype()))?;
+                // Two allocations: the moments are held apart from the first update on anyway.
+                let zeros = || var.zeros_like()?.to_dtype(state_dtype(var.dtype()));
                 Ok(Slot {
                     name: name.clone(),
                     var: var.clone(),
-                    m: zeros.clone(),
-                    v: zeros,
+                    m: zeros()?,
+                    v: zeros()?,
                     decay: decays(name),
                 })
             })

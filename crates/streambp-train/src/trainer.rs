@@ -3,26 +3,24 @@
 //! (ZeRO 0, 1 or 2, [`crate::parallel`]), clipping, schedule, AdamW, metrics.jsonl, progress bar,
 //! atomic checkpoints with resumable state, and the run's summary.
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::Tensor;
-use streambp_core::{backward_into, backward_with, Batch, Gradients};
+use streambp_core::Batch;
 use streambp_dist::Communicator;
 use streambp_models::Model;
 use streambp_objectives::Objective;
 
 use crate::checkpoint::{
     check_resume, data_identity, save_checkpoint_shared, CheckpointFiles, Digest, RunRecord,
-    TrainerState, OPTIMIZER_FILE, STATE_FILE,
+    TrainerState, STATE_FILE,
 };
 use crate::config::{Recipe, TrainConfig};
-use crate::optim::{clip_grad_norm, learning_rate, AdamW, AdamWConfig};
+use crate::optim::{learning_rate, AdamWConfig};
 use crate::output::TMP_MARK;
-use crate::parallel::{clip_sharded, Buckets, ShardedAdamW, ShardedGradients, ZeroStage};
+use crate::parallel::DataParallel;
 use crate::recipe::Setup;
 use crate::{Result, TrainError};
 
@@ -129,32 +127,9 @@ struct StepTotals {
     metrics: Vec<(String, f64)>,
 }
 
-/// The optimizer of a run: over whole parameters (one process, ZeRO-0), or over this rank's shards.
-enum Optimizer {
-    Whole(AdamW),
-    Sharded(ShardedAdamW),
-}
-
-impl Optimizer {
-    /// What a checkpoint keeps of it on this rank: `(file name, tensors)`.
-    fn state(&self, rank: usize, world: usize) -> (String, HashMap<String, Tensor>) {
-        match self {
-            Optimizer::Whole(o) => (OPTIMIZER_FILE.to_string(), o.state()),
-            Optimizer::Sharded(o) => (shard_file(rank, world), o.state()),
-        }
-    }
-}
-
-/// The file of rank `rank`'s optimizer shard in a checkpoint of a `world`-rank run.
-pub fn shard_file(rank: usize, world: usize) -> String {
-    format!("optimizer-rank-{rank}-of-{world}.safetensors")
-}
-
 /// What the step's micro-batches have added up on this rank.
 #[derive(Default)]
 struct StepSums {
-    /// Whole gradients (ZeRO-0 and 1), weighted as added.
-    grads: Option<Vec<(String, Tensor)>>,
     loss: f64,
     tokens: usize,
     peak: usize,
@@ -172,18 +147,11 @@ fn add_to(list: &mut Vec<(String, f64)>, name: &str, value: f64) {
     }
 }
 
-fn weighted(grads: Vec<(String, Tensor)>, weight: f64) -> Result<Vec<(String, Tensor)>> {
-    match weight {
-        1.0 => Ok(grads),
-        w => grads.into_iter().map(|(n, g)| Ok((n, (g * w)?))).collect(),
-    }
-}
-
 /// The optimizer step and its bookkeeping: each micro-batch's backward on this rank's rows, the
 /// step's reduction over ranks, clipping, schedule, AdamW, metrics.jsonl, progress bar, periodic atomic
 /// checkpoints with resumable state.
 pub struct Trainer {
-    optimizer: Optimizer,
+    parallel: DataParallel,
     /// The step the run ends at: `--max-steps`, or `--epochs` over the data.
     pub max_steps: usize,
     /// The first step to take: 0, or the resumed checkpoint's step.
@@ -203,10 +171,6 @@ pub struct Trainer {
     pub last_loss: f64,
     last_good: Option<PathBuf>,
     comm: Arc<dyn Communicator>,
-    zero: ZeroStage,
-    buckets: Arc<Buckets>,
-    /// ZeRO-2: the gradient shards the engine's backward reduces into, layer by layer.
-    shards: Option<ShardedGradients>,
     sums: StepSums,
     step: usize,
     /// Rank 0's process id: names the temporary directories every rank writes a checkpoint into.
@@ -235,16 +199,11 @@ impl Trainer {
         run.extend(extra);
         run.insert("data".into(), data_identity(data.items));
         run.insert("ranks".into(), world.into());
-        let model = &setup.model;
-        let buckets = Arc::new(Buckets::new(model, world, rank));
         let adamw = AdamWConfig {
             weight_decay: cfg.weight_decay,
             ..Default::default()
         };
-        let mut optimizer = match cfg.zero {
-            ZeroStage::Zero0 => Optimizer::Whole(AdamW::new(model.parameters(), adamw)?),
-            _ => Optimizer::Sharded(ShardedAdamW::new(model, buckets.clone(), adamw)?),
-        };
+        let mut parallel = DataParallel::new(&setup.model, comm.clone(), cfg.zero, adamw)?;
         let max_steps = cfg
             .max_steps
             .unwrap_or(((examples as f64 * cfg.epochs) / per_step as f64).ceil() as usize)
@@ -261,16 +220,7 @@ impl Trainer {
                         state.step
                     )));
                 }
-                let (file, _) = optimizer.state(rank, world);
-                let path = dir.join(&file);
-                let moments =
-                    candle_core::safetensors::load(&path, &setup.device).map_err(|e| {
-                        TrainError::Checkpoint(format!("cannot read {}: {e}", path.display()))
-                    })?;
-                match &mut optimizer {
-                    Optimizer::Whole(o) => o.load_state(&moments, state.step)?,
-                    Optimizer::Sharded(o) => o.load_state(&moments, state.step)?,
-                }
+                parallel.load_state(dir, state.step, &setup.device)?;
                 tracing::info!(step = state.step, dir = %dir.display(), "resumed");
                 // The order the position was saved in is the checkpoint's seed's.
                 (state.step, state.epoch, state.cursor, state.seed)
@@ -290,10 +240,8 @@ impl Trainer {
         let bar = progress_bar(max_steps, cfg.progress && rank == 0);
         bar.set_position(start_step as u64);
         let job = comm.broadcast(u64::from(std::process::id()))?;
-        let shards = (cfg.zero == ZeroStage::Zero2)
-            .then(|| ShardedGradients::new(buckets.clone(), comm.clone()));
         Ok(Self {
-            optimizer,
+            parallel,
             max_steps,
             start_step,
             data: DataOrder::new(examples, seed, epoch, cursor)?,
@@ -306,9 +254,6 @@ impl Trainer {
             last_loss: f64::NAN,
             last_good: None,
             comm,
-            zero: cfg.zero,
-            buckets,
-            shards,
             sums: StepSums::default(),
             step: start_step,
             job,
@@ -369,13 +314,9 @@ impl Trainer {
     ) -> Result<()> {
         let chunks = cfg.chunks_for(model, batch.input_ids)?;
         let options = cfg.options_for(self.step, micro, first_row);
-        let out: Gradients = match self.shards.as_mut() {
-            Some(shards) => {
-                shards.weight = weight;
-                backward_into(model, batch, objective, cfg.mode, chunks, options, shards)?
-            }
-            None => backward_with(model, batch, objective, cfg.mode, chunks, options)?,
-        };
+        let out = self
+            .parallel
+            .backward(model, batch, objective, cfg.mode, chunks, options, weight)?;
         let s = &mut self.sums;
         s.micro_batches += 1;
         s.loss += out.loss * weight;
@@ -383,17 +324,6 @@ impl Trainer {
         s.peak = s.peak.max(out.phases.overall_peak().unwrap_or(0));
         for (name, value) in &out.metrics {
             add_to(&mut s.summed, name, value * weight);
-        }
-        if self.shards.is_none() {
-            let grads = weighted(out.grads, weight)?;
-            s.grads = Some(match s.grads.take() {
-                None => grads,
-                Some(acc) => acc
-                    .into_iter()
-                    .zip(grads)
-                    .map(|((n, a), (_, g))| Ok((n, (a + g)?)))
-                    .collect::<Result<Vec<_>>>()?,
-            });
         }
         Ok(())
     }
@@ -429,7 +359,7 @@ impl Trainer {
     /// run before any update, naming the last good checkpoint.
     pub fn finish_step(&mut self, cfg: &TrainConfig, setup: &Setup) -> Result<Vec<(String, f64)>> {
         let step = self.step;
-        let mut sums = std::mem::take(&mut self.sums);
+        let sums = std::mem::take(&mut self.sums);
         if sums.micro_batches == 0 {
             return Err(TrainError::Internal(
                 "an optimizer step without a micro-batch".into(),
@@ -453,36 +383,7 @@ impl Trainer {
             });
         }
         let lr = learning_rate(cfg.schedule, cfg.lr, step, cfg.warmup_steps, self.max_steps);
-        let comm = self.comm.clone();
-        let grad_norm = match (&mut self.optimizer, self.zero) {
-            (Optimizer::Whole(adamw), _) => {
-                let local = sums.grads.take().unwrap_or_default();
-                let mut grads = match comm.world_size() {
-                    1 => local,
-                    _ => self.buckets.all_reduce(comm.as_ref(), local)?,
-                };
-                let norm = clip_grad_norm(&mut grads, cfg.max_grad_norm)?;
-                adamw.apply(&grads, lr)?;
-                norm
-            }
-            (Optimizer::Sharded(adamw), zero) => {
-                let mut shards = match (zero, self.shards.as_mut()) {
-                    (ZeroStage::Zero2, Some(s)) => s.take()?,
-                    _ => {
-                        // ZeRO-1: the whole step's gradients, reduced bucket by bucket.
-                        let grads = sums.grads.take().unwrap_or_default();
-                        let mut sharded = ShardedGradients::new(self.buckets.clone(), comm.clone());
-                        for group in self.buckets.groups(grads) {
-                            sharded.add(&group)?;
-                        }
-                        sharded.take()?
-                    }
-                };
-                let norm = clip_sharded(comm.as_ref(), &mut shards, cfg.max_grad_norm)?;
-                adamw.apply(comm.as_ref(), &shards, lr)?;
-                norm
-            }
-        };
+        let grad_norm = self.parallel.step(cfg.max_grad_norm, lr)?;
         if step == self.start_step {
             self.first_loss = loss;
         }
@@ -519,7 +420,6 @@ impl Trainer {
     /// A resumable checkpoint of step `step` in `dir`: the model (or adapter), tokenizer and trainer
     /// state from rank 0, every rank's optimizer state (its shard, or rank 0's whole one).
     fn save(&self, cfg: &TrainConfig, setup: &Setup, dir: &Path, step: usize) -> Result<()> {
-        let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let state = TrainerState {
             step,
             epoch: self.data.epoch,
@@ -536,11 +436,8 @@ impl Trainer {
             ..setup.checkpoint_files(cfg, &config_json)
         };
         // Whole moments are the same on every rank: rank 0 writes them; shards come from their ranks.
-        let own = match (&self.optimizer, rank) {
-            (Optimizer::Whole(_), r) if r > 0 => Vec::new(),
-            _ => vec![self.optimizer.state(rank, world)],
-        };
-        let main = (rank == 0).then_some(&files);
+        let own: Vec<_> = self.parallel.state().into_iter().collect();
+        let main = (self.comm.rank() == 0).then_some(&files);
         save_checkpoint_shared(self.comm.as_ref(), self.job, main, &own, dir)
     }
 

@@ -1,0 +1,158 @@
+//! `--world N`: data-parallel training steps on N ranks (the bench relaunches itself under
+//! `mpiexec -n N`), one per ZeRO stage and T: each rank's peak memory over the step, the optimizer
+//! state and gradients it holds (counted by the allocator, and as tensor sizes), and the step's time.
+//! Every rank streams its own sequence of T tokens, as it would with a global batch of N sequences.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use candle_core::{Device, Tensor};
+use streambp_core::memory::Meter;
+use streambp_core::{Batch, Chunks, Mode, Options};
+use streambp_dist::Communicator;
+use streambp_models::Model;
+use streambp_objectives::Objective;
+use streambp_train::optim::AdamWConfig;
+use streambp_train::parallel::{DataParallel, ZeroStage};
+
+/// Runs this command again as `ranks` processes under `mpiexec` (when not already launched by it) and
+/// returns its exit status; `None` when this process is one of the ranks.
+pub fn relaunch(ranks: usize) -> anyhow::Result<Option<std::process::ExitStatus>> {
+    if streambp_dist::launched_by_mpi() {
+        return Ok(None);
+    }
+    if !cfg!(feature = "mpi") {
+        bail!("--world: this build has no MPI (cargo build --release -p streambp-bench --features mpi)");
+    }
+    let exe = std::env::current_exe().context("finding the bench's executable")?;
+    let status = Command::new("mpiexec")
+        .args(["-n", &ranks.to_string()])
+        .arg(exe)
+        .args(std::env::args_os().skip(1))
+        .status()
+        .context("running mpiexec (install MPICH or Open MPI)")?;
+    Ok(Some(status))
+}
+
+/// One rank's measurements of one step.
+struct StepPoint {
+    /// Peak bytes during the step (backward, reduction, update) above the weights.
+    peak: usize,
+    /// Allocator bytes the optimizer's state takes (its moments, allocated when it is created).
+    optimizer: usize,
+    /// Allocator bytes held after the backward: the gradients (whole, or this rank's shards).
+    gradients: usize,
+    /// The same two as tensor sizes ([`DataParallel::held_bytes`]).
+    held: (usize, usize),
+    seconds: f64,
+}
+
+/// Two steps of `zero` on this rank (the first warms up); the second is measured.
+fn measure(
+    comm: &Arc<dyn Communicator>,
+    model: &Model,
+    work: &(Tensor, Box<dyn Objective>),
+    zero: ZeroStage,
+    chunks: Chunks,
+) -> anyhow::Result<StepPoint> {
+    let meter = Meter::for_device(model.device());
+    let weights = meter.current_bytes().unwrap_or(0);
+    let mut parallel = DataParallel::new(model, comm.clone(), zero, AdamWConfig::default())?;
+    let optimizer = meter.current_bytes().unwrap_or(0).saturating_sub(weights);
+    let (ids, objective) = work;
+    let mut point = None;
+    for _ in 0..2 {
+        comm.barrier()?;
+        let before = meter.current_bytes().unwrap_or(0);
+        meter.reset_peak();
+        let start = Instant::now();
+        let batch = Batch::new(ids, None);
+        let options = Options::default();
+        parallel.backward(
+            model,
+            batch,
+            objective.as_ref(),
+            Mode::Stream,
+            chunks,
+            options,
+            1.0,
+        )?;
+        let gradients = meter.current_bytes().unwrap_or(0).saturating_sub(before);
+        let held = parallel.held_bytes();
+        // Learning rate 0: the moments move, the weights stay.
+        parallel.step(0.0, 0.0)?;
+        model.device().synchronize()?;
+        point = Some(StepPoint {
+            peak: meter.peak_bytes().unwrap_or(0).saturating_sub(weights),
+            optimizer,
+            gradients,
+            held: (held.optimizer, held.gradients),
+            seconds: start.elapsed().as_secs_f64(),
+        });
+    }
+    point.context("no step")
+}
+
+/// Every rank's value of `x`, in rank order.
+fn gathered(comm: &dyn Communicator, x: f64) -> anyhow::Result<Vec<f64>> {
+    let own = Tensor::new(&[x], &Device::Cpu)?;
+    Ok(comm.all_gather(&own)?.to_vec1::<f64>()?)
+}
+
+fn mib(b: f64) -> f64 {
+    b / (1 << 20) as f64
+}
+
+/// The `--world` table: for each T and ZeRO stage, the largest per-rank figure over the ranks.
+pub fn run_world(
+    model: &Model,
+    seq_lens: &[usize],
+    stages: &[ZeroStage],
+    workload: impl Fn(usize) -> anyhow::Result<((Tensor, Box<dyn Objective>), Chunks)>,
+    mut json: impl FnMut(serde_json::Value) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let comm = streambp_dist::world();
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let params: usize = model.parameters().iter().map(|(_, v)| v.elem_count()).sum();
+    if rank == 0 {
+        println!(
+            "{world} ranks ({}), {:.1}M trainable parameters, one sequence per rank",
+            comm.name(),
+            params as f64 / 1e6
+        );
+        println!();
+        println!("| T | ZeRO | peak per rank (MiB) | optimizer state per rank (MiB) | gradients per rank (MiB) | step seconds |");
+        println!("|---|---|---|---|---|---|");
+    }
+    for &t in seq_lens {
+        let (work, chunks) = workload(t)?;
+        for &zero in stages {
+            let p = measure(&comm, model, &work, zero, chunks)?;
+            let max = |x: f64| -> anyhow::Result<f64> {
+                Ok(gathered(comm.as_ref(), x)?.into_iter().fold(0.0, f64::max))
+            };
+            let peak = max(p.peak as f64)?;
+            let optimizer = max(p.optimizer as f64)?;
+            let gradients = max(p.gradients as f64)?;
+            let held = (max(p.held.0 as f64)?, max(p.held.1 as f64)?);
+            let seconds = max(p.seconds)?;
+            if rank == 0 {
+                println!(
+                    "| {t} | {zero} | {:.1} | {:.2} | {:.2} | {seconds:.3} |",
+                    mib(peak),
+                    mib(optimizer),
+                    mib(gradients)
+                );
+                json(serde_json::json!({
+                    "world": world, "t": t, "zero": zero.to_string(), "chunk": chunks.chunk,
+                    "peak_bytes": peak, "optimizer_bytes": optimizer, "gradient_bytes": gradients,
+                    "optimizer_tensor_bytes": held.0, "gradient_tensor_bytes": held.1,
+                    "seconds": seconds,
+                }))?;
+            }
+        }
+    }
+    Ok(())
+}

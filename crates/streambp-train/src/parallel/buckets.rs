@@ -1,0 +1,224 @@
+//! The trainable parameters grouped in buckets (one per decoder layer, one for the rest), each
+//! flattened in the model's parameter order, zero-padded to a multiple of the ranks and split into one
+//! shard per rank: what ZeRO-1/2 reduce-scatter, update and all-gather.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor};
+use streambp_dist::Communicator;
+use streambp_models::Model;
+
+use crate::{Result, TrainError};
+
+/// One group of parameters, flattened and sharded.
+#[derive(Debug, Clone)]
+pub(super) struct Bucket {
+    /// Indices into the model's trainable parameters, in order.
+    pub(super) params: Vec<usize>,
+    /// Their shapes.
+    pub(super) shapes: Vec<Vec<usize>>,
+    /// Elements before padding.
+    len: usize,
+    /// Elements after padding to a multiple of the number of ranks.
+    pub(super) padded: usize,
+}
+
+/// The trainable parameters' buckets, and what this rank owns of them.
+#[derive(Debug, Clone)]
+pub struct Buckets {
+    pub(super) buckets: Vec<Bucket>,
+    /// The bucket of each parameter and its position there, by name.
+    of_param: HashMap<String, (usize, usize)>,
+    pub(super) world: usize,
+    rank: usize,
+    /// What gradients are summed in: f32, or f64 for an f64 model.
+    pub(super) dtype: DType,
+}
+
+impl Buckets {
+    /// The buckets of `model`'s trainable parameters for `world` ranks.
+    pub fn new(model: &Model, world: usize, rank: usize) -> Self {
+        let params = model.parameters();
+        let index: HashMap<&str, usize> = params
+            .iter()
+            .enumerate()
+            .map(|(i, (n, _))| (n.as_str(), i))
+            .collect();
+        let mut groups: Vec<Vec<usize>> = (0..model.layers.len())
+            .map(|l| {
+                model
+                    .layer_parameters(l)
+                    .iter()
+                    .map(|(n, _)| index[n.as_str()])
+                    .collect()
+            })
+            .collect();
+        let in_layers: std::collections::HashSet<usize> =
+            groups.iter().flatten().copied().collect();
+        groups.push(
+            (0..params.len())
+                .filter(|i| !in_layers.contains(i))
+                .collect(),
+        );
+        let mut of_param = HashMap::new();
+        let buckets = groups
+            .into_iter()
+            .filter(|g| !g.is_empty())
+            .enumerate()
+            .map(|(b, group)| {
+                let shapes: Vec<Vec<usize>> =
+                    group.iter().map(|&i| params[i].1.dims().to_vec()).collect();
+                let len = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+                for (at, &i) in group.iter().enumerate() {
+                    of_param.insert(params[i].0.clone(), (b, at));
+                }
+                Bucket {
+                    params: group,
+                    shapes,
+                    len,
+                    padded: len.div_ceil(world) * world,
+                }
+            })
+            .collect();
+        let dtype = match model.dtype() {
+            DType::F64 => DType::F64,
+            _ => DType::F32,
+        };
+        Self {
+            buckets,
+            of_param,
+            world,
+            rank,
+            dtype,
+        }
+    }
+
+    /// The number of buckets.
+    pub fn len(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Whether there is no bucket (a model without trainable parameters).
+    pub fn is_empty(&self) -> bool {
+        self.buckets.is_empty()
+    }
+
+    /// The bucket of one group's gradients (every parameter of one bucket, in any order), flattened in
+    /// the bucket's order and zero-padded.
+    fn flatten(&self, grads: &[(String, Tensor)]) -> Result<(usize, Tensor)> {
+        let place = |name: &str| {
+            self.of_param
+                .get(name)
+                .copied()
+                .ok_or_else(|| TrainError::Internal(format!("no bucket holds {name}")))
+        };
+        let (b, _) = place(&grads[0].0)?;
+        let bucket = &self.buckets[b];
+        let mut ordered: Vec<Option<Tensor>> = vec![None; bucket.params.len()];
+        for (name, g) in grads {
+            match place(name)? {
+                (in_b, at) if in_b == b && ordered[at].is_none() => {
+                    ordered[at] = Some(g.flatten_all()?.to_dtype(self.dtype)?)
+                }
+                _ => {
+                    return Err(TrainError::Internal(format!(
+                        "gradient of {name} handed with bucket {b}'s twice or out of its bucket"
+                    )))
+                }
+            }
+        }
+        let tensors: Vec<Tensor> = ordered
+            .into_iter()
+            .enumerate()
+            .map(|(at, t)| {
+                t.ok_or_else(|| {
+                    TrainError::Internal(format!("bucket {b}: no gradient for its parameter {at}"))
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok((b, self.pad(b, Tensor::cat(&tensors, 0)?)?))
+    }
+
+    pub(super) fn pad(&self, b: usize, flat: Tensor) -> Result<Tensor> {
+        let extra = self.buckets[b].padded - self.buckets[b].len;
+        Ok(match extra {
+            0 => flat,
+            n => Tensor::cat(&[&flat, &Tensor::zeros(n, flat.dtype(), flat.device())?], 0)?,
+        })
+    }
+
+    /// This rank's shard of the flat, padded `flat` of bucket `b`.
+    pub(super) fn shard(&self, b: usize, flat: &Tensor) -> Result<Tensor> {
+        let n = self.buckets[b].padded / self.world;
+        Ok(flat.narrow(0, self.rank * n, n)?)
+    }
+
+    /// The sum over ranks of one group's gradients (`grads`, named in the model's order), scaled by
+    /// `weight`: this rank's shard of its bucket.
+    pub fn reduce_scatter(
+        &self,
+        comm: &dyn Communicator,
+        grads: &[(String, Tensor)],
+        weight: f64,
+    ) -> Result<(usize, Tensor)> {
+        let (b, flat) = self.flatten(grads)?;
+        let flat = match weight {
+            1.0 => flat,
+            w => (flat * w)?,
+        };
+        Ok((b, comm.reduce_scatter_sum(&flat)?))
+    }
+
+    /// Whole-model gradients sorted into the buckets' groups, in bucket order (a gradient no bucket
+    /// holds is left out).
+    pub fn groups(&self, grads: Vec<(String, Tensor)>) -> Vec<Vec<(String, Tensor)>> {
+        let mut by_bucket: Vec<Vec<(String, Tensor)>> = vec![Vec::new(); self.buckets.len()];
+        for (name, g) in grads {
+            if let Some(&(b, _)) = self.of_param.get(&name) {
+                by_bucket[b].push((name, g));
+            }
+        }
+        by_bucket
+    }
+
+    /// Every parameter's gradient summed over ranks (ZeRO-0), one all-reduce per bucket (so the step
+    /// holds one bucket's copy beyond the gradients, not the whole model's); returned in `grads`' order.
+    pub fn all_reduce(
+        &self,
+        comm: &dyn Communicator,
+        grads: Vec<(String, Tensor)>,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let names: Vec<String> = grads.iter().map(|(n, _)| n.clone()).collect();
+        let mut summed: HashMap<String, Tensor> = HashMap::with_capacity(names.len());
+        for group in self.groups(grads).into_iter().filter(|g| !g.is_empty()) {
+            let (b, flat) = self.flatten(&group)?;
+            let flat = comm.all_reduce_sum(&flat)?;
+            let offsets: Vec<usize> = self.buckets[b]
+                .shapes
+                .iter()
+                .scan(0, |at, shape| {
+                    let start = *at;
+                    *at += shape.iter().product::<usize>();
+                    Some(start)
+                })
+                .collect();
+            for (name, g) in group {
+                let at = offsets[self.of_param[&name].1];
+                let part = flat
+                    .narrow(0, at, g.elem_count())?
+                    .reshape(g.shape())?
+                    .to_dtype(g.dtype())?;
+                summed.insert(name, part);
+            }
+        }
+        names
+            .into_iter()
+            .map(|name| {
+                let g = summed.remove(&name).ok_or_else(|| {
+                    TrainError::Internal(format!("no bucket holds the gradient of {name}"))
+                })?;
+                Ok((name, g))
+            })
+            .collect()
+    }
+}
