@@ -122,12 +122,14 @@ fn assert_two_ranks_match_one(args_with_batch: impl Fn(usize) -> String, b: usiz
         run(2, two.path(), &args);
         for key in ["loss", "grad_norm"] {
             let diff = max_logged_diff(one.path(), two.path(), key);
+            eprintln!("`{args}`: {key} differs by {diff:e}");
             assert!(diff < 1e-12, "`{args}`: {key} differs by {diff:e}");
         }
         let diff = max_weight_diff(
             &one.path().join("final/model.safetensors"),
             &two.path().join("final/model.safetensors"),
         );
+        eprintln!("`{args}`: final weights differ by {diff:e}");
         assert!(diff < 1e-12, "`{args}`: final weights differ by {diff:e}");
     }
 }

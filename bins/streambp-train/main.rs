@@ -50,6 +50,10 @@ fn report(recipe: &str, summary: &Summary) {
 }
 
 fn main() -> std::process::ExitCode {
+    // Ranks sharing a node share its cores (set before any thread pool starts).
+    if let Some(threads) = streambp_dist::threads_per_rank() {
+        std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    }
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -456,6 +456,10 @@ fn mib(b: usize) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Ranks sharing a node share its cores (set before any thread pool starts).
+    if let Some(threads) = streambp_dist::threads_per_rank() {
+        std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    }
     let args = Args::parse();
     if let Some(ranks) = args.world {
         if ranks == 0 {
