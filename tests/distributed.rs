@@ -14,24 +14,8 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 
-/// Whether these tests can run here; panics where CI requires them and they cannot.
 fn mpi_available() -> bool {
-    let launcher = Command::new("mpiexec")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    let why = match (cfg!(feature = "mpi"), launcher) {
-        (true, true) => return true,
-        (false, _) => "built without the `mpi` feature",
-        (true, false) => "no `mpiexec` on the PATH",
-    };
-    if std::env::var("STREAMBP_REQUIRE_MPI").is_ok_and(|v| v == "1") {
-        panic!("STREAMBP_REQUIRE_MPI=1 but the distributed tests cannot run: {why}");
-    }
-    eprintln!("skipped: {why} (cargo test --features mpi, with MPICH installed)");
-    false
+    streambp_testkit::mpi_available(cfg!(feature = "mpi"))
 }
 
 /// `streambp-train <args> --output-dir out`, on `ranks` processes (`mpiexec -n ranks`) or plainly.

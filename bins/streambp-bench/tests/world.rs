@@ -4,25 +4,10 @@
 //! Needs the `mpi` feature and `mpiexec`; without them the test says so and passes, unless
 //! `STREAMBP_REQUIRE_MPI=1` (CI) makes that a failure.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 fn mpi_available() -> bool {
-    let launcher = Command::new("mpiexec")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    let why = match (cfg!(feature = "mpi"), launcher) {
-        (true, true) => return true,
-        (false, _) => "built without the `mpi` feature",
-        (true, false) => "no `mpiexec` on the PATH",
-    };
-    if std::env::var("STREAMBP_REQUIRE_MPI").is_ok_and(|v| v == "1") {
-        panic!("STREAMBP_REQUIRE_MPI=1 but the test cannot run: {why}");
-    }
-    eprintln!("skipped: {why} (cargo test --features mpi, with MPICH installed)");
-    false
+    streambp_testkit::mpi_available(cfg!(feature = "mpi"))
 }
 
 #[test]

@@ -58,3 +58,26 @@ pub fn masked_rel_err(a: &Tensor, b: &Tensor, mask: &Tensor) -> f64 {
     let scale = b.abs().unwrap().broadcast_mul(&m).unwrap();
     max_of(diff) / max_of(scale).max(f64::MIN_POSITIVE)
 }
+
+/// Whether a test that launches ranks with `mpiexec` can run: the test binary was built with the `mpi`
+/// feature (`built_with_mpi`: the caller's `cfg!(feature = "mpi")`) and `mpiexec` is on the PATH.
+/// Otherwise it says why and returns false (the test passes without running), unless
+/// `STREAMBP_REQUIRE_MPI=1` (CI), where it panics: there the tests must not skip.
+pub fn mpi_available(built_with_mpi: bool) -> bool {
+    let launcher = std::process::Command::new("mpiexec")
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    let why = match (built_with_mpi, launcher) {
+        (true, true) => return true,
+        (false, _) => "built without the `mpi` feature",
+        (true, false) => "no `mpiexec` on the PATH",
+    };
+    if std::env::var("STREAMBP_REQUIRE_MPI").is_ok_and(|v| v == "1") {
+        panic!("STREAMBP_REQUIRE_MPI=1 but the distributed tests cannot run: {why}");
+    }
+    eprintln!("skipped: {why} (cargo test --features mpi, with MPICH installed)");
+    false
+}
