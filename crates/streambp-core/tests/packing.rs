@@ -1,12 +1,14 @@
 //! Packed rows (several documents per row, positions restarting at 0 at each, transformers'
 //! padding-free convention) compute exactly what the documents compute as rows of their own: same
-//! loss, same gradients, in every mode and for every family (Gemma3's window included).
+//! loss, same gradients, in every mode and for every family (Gemma3's window included), full
+//! fine-tuning and LoRA alike.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{fixture, worst_grad_err, Fixture, FAMILIES};
+use common::{fixture, fixture_dir, worst_grad_err, Fixture, FAMILIES};
 use streambp_core::{backward, Batch, Chunks, Gradients, Mode};
+use streambp_models::adapter::load_adapter;
 use streambp_objectives::Sft;
 
 /// The fixture's three right-padded rows as two packed rows: `[doc 1, doc 2]` and `[doc 0, padding]`.
@@ -86,7 +88,27 @@ fn run_packed(f: &Fixture, p: &Packed, mode: Mode, chunk: usize, logits_chunk: u
 #[test]
 fn packed_rows_equal_separate_rows_in_every_mode() {
     for family in FAMILIES {
-        let f = fixture(family, DType::F64);
+        assert_packing_is_exact(family, fixture(family, DType::F64));
+    }
+}
+
+/// The same with the family's PEFT adapter (non-zero `B`, so every adapter tensor has a gradient): the
+/// adapters' gradients, the only ones, agree as well.
+#[test]
+fn lora_packed_rows_equal_separate_rows_in_every_mode() {
+    for family in FAMILIES {
+        let mut f = fixture(family, DType::F64);
+        let adapter = load_adapter(&fixture_dir(family).join("lora"), &Device::Cpu).unwrap();
+        f.model = f
+            .model
+            .with_lora(adapter.config, Some(adapter.tensors), 0)
+            .unwrap();
+        assert_packing_is_exact(family, f);
+    }
+}
+
+fn assert_packing_is_exact(family: &str, f: Fixture) {
+    {
         let separate = f.run(Mode::Full, 1, 1);
         let packed = pack(&f);
         for (mode, chunk, logits_chunk) in [
