@@ -118,7 +118,13 @@ const CASES: &[Case] = &[
     ),
     // Files.
     case("sft --data {dir}/missing.jsonl", 2, "--data {dir}/missing.jsonl: no such file"),
-    case("sft --data {dir}", 2, "is a directory; expected a file"),
+    case("sft --data {dir}/final_is_file", 1, "final_is_file: holds no .jsonl, .json or .parquet file"),
+    case("sft --data {dir}/splits --split validation", 1, "no split \"validation\" (splits found: \"test\", \"train\")"),
+    case("sft --data {dir}/small.jsonl --data-config en", 2, "--data-config en: applies to --data naming a directory or a hub dataset"),
+    case("sft --eval-split test", 2, "--eval-split test: needs --eval-data, or --data naming a directory"),
+    case("sft --split=", 2, "--split: a name, not empty"),
+    case("dpo --dataset-text-field body", 2, "--dataset-text-field: applies to sft only"),
+    case("sft --data not/a/dataset/id", 2, "no such file or directory, and not a hub dataset id"),
     case("sft --eval-data {dir}/missing.jsonl", 2, "--eval-data {dir}/missing.jsonl: no such file"),
     case("sft --eval-data {dir}/empty_prompt.jsonl --max-steps 1", 1, "empty_prompt.jsonl line 1: the prompt is empty"),
     case("grpo --data {dir}/empty_prompt.jsonl --reward format:x", 1, "empty_prompt.jsonl line 1: the prompt is empty"),
@@ -229,11 +235,14 @@ fn prepare(dir: &Path) {
             )
         })
         .collect();
-    std::fs::write(dir.join("small.jsonl"), small).unwrap();
+    std::fs::write(dir.join("small.jsonl"), &small).unwrap();
     let mut latin1 = b"{\"text\": \"1+1=2\"}\n{\"text\": \"caf".to_vec();
     latin1.extend([0xe9, b'"', b'}', b'\n']);
     std::fs::write(dir.join("latin1.jsonl"), latin1).unwrap();
     std::fs::write(dir.join("a_file"), "not a directory").unwrap();
+    std::fs::create_dir_all(dir.join("splits")).unwrap();
+    std::fs::write(dir.join("splits/train.jsonl"), &small).unwrap();
+    std::fs::write(dir.join("splits/test.jsonl"), small).unwrap();
     std::fs::write(
         dir.join("empty_prompt.jsonl"),
         "{\"prompt\": \"\", \"completion\": \"1\"}\n",

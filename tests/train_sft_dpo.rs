@@ -159,7 +159,8 @@ fn bad_data_is_reported_by_line() {
     );
     let err = run_on(&format!("{good}{{\"question\": \"1+2=\"}}\n"));
     assert!(
-        err.contains("line 2") && err.contains("\"prompt\" and \"completion\", or \"text\""),
+        err.contains("line 2")
+            && err.contains("\"prompt\" and \"completion\", or a \"text\" string"),
         "{err}"
     );
     let err = run_on("\n\n");
@@ -180,18 +181,22 @@ fn overlong_examples_are_skipped_or_truncated() {
     let builtin = streambp_train::recipe::materialize_builtin(dir.path()).unwrap();
     let tok = streambp_train::tokenizer::TextTokenizer::from_dir(&builtin).unwrap();
     let path = dir.path().join("d.jsonl");
+    let source = |p: &Path| streambp_train::dataset::DataSource::file(p).unwrap();
     std::fs::write(
         &path,
         "{\"prompt\": \"12+34=\", \"completion\": \"46\"}\n{\"text\": \"1+1=2\"}\n",
     )
     .unwrap();
-    let skip = streambp_train::data::load_sft(&path, &tok, 6, Overflow::Skip).unwrap();
+    let skip =
+        streambp_train::data::load_sft(&source(&path), &tok, 6, Overflow::Skip, "text").unwrap();
     assert_eq!(skip.len(), 1);
-    let cut = streambp_train::data::load_sft(&path, &tok, 8, Overflow::Truncate).unwrap();
+    let cut = streambp_train::data::load_sft(&source(&path), &tok, 8, Overflow::Truncate, "text")
+        .unwrap();
     assert_eq!(cut.len(), 2);
     assert_eq!(cut[0].input_ids.len(), 8);
     // prompt tokens carry no loss; the completion ends with EOS.
-    let full = streambp_train::data::load_sft(&path, &tok, 64, Overflow::Truncate).unwrap();
+    let full = streambp_train::data::load_sft(&source(&path), &tok, 64, Overflow::Truncate, "text")
+        .unwrap();
     assert_eq!(full[0].labels[..6], [-100; 6]);
     assert_eq!(*full[0].input_ids.last().unwrap(), tok.eos_id);
 
@@ -203,20 +208,27 @@ fn overlong_examples_are_skipped_or_truncated() {
         "{\"prompt\": \"12+34=\", \"chosen\": \"46\", \"rejected\": \"47\"}\n",
     )
     .unwrap();
-    let cut = load_pairs(&path, &tok, 8, Overflow::Truncate).unwrap();
+    let cut = load_pairs(&source(&path), &tok, 8, Overflow::Truncate).unwrap();
     assert_eq!(cut[0].chosen.input_ids.len(), 8);
     assert_eq!(cut[0].rejected.input_ids.len(), 8);
     assert_eq!(cut[0].chosen.targets(), 2);
-    let skip = load_pairs(&path, &tok, 8, Overflow::Skip).err().unwrap();
+    let skip = load_pairs(&source(&path), &tok, 8, Overflow::Skip)
+        .err()
+        .unwrap();
     assert!(skip.to_string().contains("no pairs left"), "{skip}");
-    let nothing_left = load_pairs(&path, &tok, 6, Overflow::Truncate)
+    let nothing_left = load_pairs(&source(&path), &tok, 6, Overflow::Truncate)
         .err()
         .unwrap();
     assert!(
         nothing_left.to_string().contains("no pairs left"),
         "{nothing_left}"
     );
-    assert_eq!(load_pairs(&path, &tok, 9, Overflow::Skip).unwrap().len(), 1);
+    assert_eq!(
+        load_pairs(&source(&path), &tok, 9, Overflow::Skip)
+            .unwrap()
+            .len(),
+        1
+    );
 }
 
 /// A run stopped after a checkpoint and resumed from it follows the uninterrupted run's loss curve:

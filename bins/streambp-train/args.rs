@@ -57,14 +57,29 @@ pub struct TrainArgs {
     /// grpo, the shipped SFT checkpoint of the task for dpo].
     #[arg(long)]
     pub model: Option<String>,
-    /// Training data, JSONL in TRL's formats: sft messages, prompt/completion or text; dpo
-    /// prompt/chosen/rejected; grpo prompt (other columns go to the rewards) [default: the built-in
-    /// arithmetic task].
+    /// Training data in TRL's formats (sft: messages, prompt/completion or text; dpo:
+    /// prompt/chosen/rejected or chosen/rejected with the prompt implicit; grpo: prompt, other columns
+    /// go to the rewards): a .jsonl, .json or .parquet file, a directory of shards, or a hub dataset id
+    /// such as trl-lib/Capybara [default: the built-in arithmetic task].
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Prompt/completion JSONL scored by exact-match accuracy of greedy answers before and after.
+    /// The split of --data to train on, where it is a directory or a hub dataset [default: train].
+    #[arg(long)]
+    split: Option<String>,
+    /// The configuration of a data set that has several (its top-level directory).
+    #[arg(long)]
+    data_config: Option<String>,
+    /// sft: the column trained on as plain text where a row has none of TRL's fields [default: text].
+    #[arg(long)]
+    dataset_text_field: Option<String>,
+    /// Prompt/completion rows scored by exact-match accuracy of greedy answers before and after: a
+    /// file, directory or hub dataset id like --data.
     #[arg(long)]
     eval_data: Option<PathBuf>,
+    /// The split of the held-out data (of --eval-data, or else of --data) [default with --eval-data
+    /// naming a directory or hub dataset: test].
+    #[arg(long)]
+    eval_split: Option<String>,
     /// Where metrics.jsonl and checkpoints go [default: runs/sft, runs/dpo or runs/grpo].
     #[arg(long)]
     output_dir: Option<PathBuf>,
@@ -225,6 +240,12 @@ impl TrainArgs {
             "dpo",
         )?;
         only_for(
+            "--dataset-text-field",
+            self.dataset_text_field.is_some(),
+            &[Recipe::Sft],
+            "sft",
+        )?;
+        only_for(
             "--ref-model",
             self.ref_model.is_some(),
             &[Recipe::Dpo],
@@ -261,7 +282,11 @@ impl TrainArgs {
             model: self.model,
             builtin_model: d.builtin_model,
             data: self.data,
+            split: self.split.unwrap_or(d.split),
+            data_config: self.data_config,
+            text_field: self.dataset_text_field.unwrap_or(d.text_field),
             eval_data: self.eval_data,
+            eval_split: self.eval_split,
             output_dir: self.output_dir.unwrap_or(d.output_dir),
             max_steps,
             epochs: self.epochs.unwrap_or(d.epochs),

@@ -3,7 +3,7 @@
 //! refuse. The defaults live here too ([`TrainConfig::defaults`], [`GrpoConfig::defaults`]), those of
 //! the built-in task included.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use streambp_core::{Chunks, Mode};
 use streambp_models::{LoraConfig, ModelError, Projection};
@@ -44,10 +44,21 @@ pub struct TrainConfig {
     pub model: Option<String>,
     /// What the built-in model starts from when `model` is `None`.
     pub builtin_model: BuiltinModel,
-    /// Training JSONL; `None`: the built-in arithmetic task.
+    /// Training data: a JSONL, JSON or Parquet file, a directory of shards or a hub dataset id;
+    /// `None`: the built-in arithmetic task.
     pub data: Option<PathBuf>,
-    /// JSONL scored before and after (prompt/completion: exact-match accuracy of greedy answers).
+    /// The split of `data` to train on (a directory or hub data set).
+    pub split: String,
+    /// The configuration of a data set that has several (its top-level directory).
+    pub data_config: Option<String>,
+    /// The column SFT trains on as plain text where a row has no other TRL field (TRL's
+    /// `dataset_text_field`).
+    pub text_field: String,
+    /// Held-out prompt/completion rows scored before and after (exact-match accuracy of greedy
+    /// answers): a file, directory or hub id like `data`.
     pub eval_data: Option<PathBuf>,
+    /// The split of the held-out data; given without `eval_data`, a split of `data`.
+    pub eval_split: Option<String>,
     /// Where `metrics.jsonl`, the plots and the checkpoints go.
     pub output_dir: PathBuf,
     /// Optimizer steps; `None`: `epochs` passes over the data.
@@ -150,7 +161,11 @@ impl TrainConfig {
             model: None,
             builtin_model: BuiltinModel::Random,
             data: None,
+            split: "train".into(),
+            data_config: None,
+            text_field: "text".into(),
             eval_data: None,
+            eval_split: None,
             output_dir: format!("runs/{}", recipe.name()).into(),
             max_steps: None,
             epochs: 1.0,
@@ -307,17 +322,17 @@ fn require(ok: bool, flag: &str, value: impl std::fmt::Display, expected: &str) 
     }
 }
 
-/// A file a flag names must exist before the run starts.
-fn require_file(flag: &str, path: &Option<PathBuf>) -> Result<()> {
+/// The data a flag names must be there before the run starts: a file, a directory, or a hub dataset
+/// id (`owner/name`, resolved when the data is read).
+fn require_data(flag: &str, path: &Option<PathBuf>) -> Result<()> {
     match path {
-        Some(p) if !p.is_file() => Err(TrainError::flag(
-            flag,
-            p.display(),
-            match p.is_dir() {
-                true => "is a directory; expected a file",
-                false => "no such file",
-            },
-        )),
+        Some(p) if !p.exists() && !crate::dataset::looks_like_hub_id(&p.to_string_lossy()) => {
+            Err(TrainError::flag(
+                flag,
+                p.display(),
+                "no such file or directory, and not a hub dataset id (owner/name)",
+            ))
+        }
         _ => Ok(()),
     }
 }
@@ -460,8 +475,33 @@ impl TrainConfig {
             .map_err(|e| TrainError::flag("--dtype", &self.dtype, reason(e)))?;
         crate::device::parse_device(&self.device)
             .map_err(|e| TrainError::flag("--device", &self.device, reason(e)))?;
-        require_file("--data", &self.data)?;
-        require_file("--eval-data", &self.eval_data)?;
+        require_data("--data", &self.data)?;
+        require_data("--eval-data", &self.eval_data)?;
+        for (flag, value) in [
+            ("--split", Some(&self.split)),
+            ("--eval-split", self.eval_split.as_ref()),
+            ("--data-config", self.data_config.as_ref()),
+            ("--dataset-text-field", Some(&self.text_field)),
+        ] {
+            if let Some(v) = value {
+                require(!v.trim().is_empty(), flag, v, "a name, not empty")?;
+            }
+        }
+        let names_a_data_set = |d: &Option<PathBuf>| d.as_ref().is_some_and(|p| !p.is_file());
+        if self.data_config.is_some() && !names_a_data_set(&self.data) {
+            return Err(TrainError::flag(
+                "--data-config",
+                self.data_config.as_deref().unwrap_or_default(),
+                "applies to --data naming a directory or a hub dataset, not a file",
+            ));
+        }
+        if self.eval_split.is_some() && self.eval_data.is_none() && !names_a_data_set(&self.data) {
+            return Err(TrainError::flag(
+                "--eval-split",
+                self.eval_split.as_deref().unwrap_or_default(),
+                "needs --eval-data, or --data naming a directory or a hub dataset",
+            ));
+        }
         if let Some(dir) = &self.resume {
             let state = dir.join(crate::checkpoint::STATE_FILE);
             require(
@@ -494,7 +534,7 @@ impl TrainConfig {
         &self,
         examples: usize,
         what: &str,
-        data: &Path,
+        data: &str,
         ranks: usize,
     ) -> Result<()> {
         let per_step = self.examples_per_step()?.saturating_mul(ranks);
@@ -512,7 +552,7 @@ impl TrainConfig {
             &format!(
                 "is more than the {examples} {what} of {} (a step would repeat {what}); \
                  lower --batch-size or --grad-accum",
-                data.display()
+                data
             ),
         )
     }

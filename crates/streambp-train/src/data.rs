@@ -1,11 +1,11 @@
-//! TRL-style JSONL data for SFT: `prompt` + `completion` (loss on the completion only) or `text` (loss
-//! on every token). A malformed line is an error naming its line number; sequences over the length
-//! limit are truncated or skipped, and the log says how many.
-
-use std::path::Path;
+//! TRL-style rows for SFT: `messages` (loss on the assistant turns), `prompt` + `completion` (loss on
+//! the completion only) or `text` (loss on every token), from any [`DataSource`]. A malformed row is
+//! an error naming its file and line or row; sequences over the length limit are truncated or skipped,
+//! and the log says how many.
 
 use streambp_objectives::IGNORE_INDEX;
 
+use crate::dataset::DataSource;
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
 
@@ -130,34 +130,6 @@ impl std::str::FromStr for Overflow {
     }
 }
 
-/// A JSONL file's rows (JSON objects) with their line numbers; blank lines are skipped. A line that is
-/// not UTF-8, not JSON or not an object is an error naming the file and line.
-pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, Row)>> {
-    let bytes = std::fs::read(path).map_err(TrainError::io("read", path))?;
-    let mut rows = Vec::new();
-    for (i, line) in bytes.split(|&b| b == b'\n').enumerate() {
-        let at = || format!("{} line {}", path.display(), i + 1);
-        let line = std::str::from_utf8(line).map_err(|e| {
-            TrainError::data(
-                at(),
-                format!("not valid UTF-8 (at byte {} of the line)", e.valid_up_to()),
-            )
-        })?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        match serde_json::from_str(line) {
-            Ok(serde_json::Value::Object(o)) => rows.push((i + 1, o)),
-            Ok(_) => return Err(TrainError::data(at(), "expected a JSON object")),
-            Err(e) => return Err(TrainError::data(at(), format!("not valid JSON: {e}"))),
-        }
-    }
-    if rows.is_empty() {
-        return Err(TrainError::data(path.display(), "holds no examples"));
-    }
-    Ok(rows)
-}
-
 /// One data row: its columns by name.
 pub type Row = serde_json::Map<String, serde_json::Value>;
 
@@ -185,8 +157,8 @@ impl LoadReport {
     }
 
     /// Warns about what was cut, dropped or unknown among the `what` (examples, pairs, prompts) of
-    /// `path`, and refuses the file when none of them is `kept`. `limit` names the length limit.
-    pub fn finish(&self, path: &Path, what: &str, kept: usize, limit: &str) -> Result<()> {
+    /// `source`, and refuses it when none of them is `kept`. `limit` names the length limit.
+    pub fn finish(&self, source: &DataSource, what: &str, kept: usize, limit: &str) -> Result<()> {
         if let Some(first) = &self.first_unknown {
             tracing::warn!(
                 count = self.unknown,
@@ -205,7 +177,7 @@ impl LoadReport {
         }
         match kept {
             0 => Err(TrainError::data(
-                path.display(),
+                source.name(),
                 format!("no {what} left to train on ({limit})"),
             )),
             _ => Ok(()),
@@ -214,6 +186,7 @@ impl LoadReport {
 }
 
 /// A field of a data row: plain text, or a conversation (a list of `{role, content}` messages).
+#[derive(Debug, Clone)]
 pub enum Text {
     /// A string, tokenized as it is.
     Plain(String),
@@ -221,17 +194,37 @@ pub enum Text {
     Messages(Vec<serde_json::Value>),
 }
 
-/// The field `key` of the row at `location`, if present.
+/// The field `key` of the row at `location`, if present (null counts as absent: a Parquet column
+/// other rows fill). Messages in ShareGPT's `{from, value}` form become `{role, content}`, as TRL's
+/// `maybe_convert_to_chatml` does.
 pub fn text_field(row: &Row, key: &str, location: &str) -> Result<Option<Text>> {
     match row.get(key) {
-        None => Ok(None),
+        None | Some(serde_json::Value::Null) => Ok(None),
         Some(serde_json::Value::String(s)) => Ok(Some(Text::Plain(s.clone()))),
-        Some(serde_json::Value::Array(m)) => Ok(Some(Text::Messages(m.clone()))),
+        Some(serde_json::Value::Array(m)) => {
+            Ok(Some(Text::Messages(m.iter().map(to_chatml).collect())))
+        }
         Some(_) => Err(TrainError::data(
             location,
             format!("{key:?} must be a string or a list of messages"),
         )),
     }
+}
+
+/// A message with ShareGPT's keys (`from`, `value`) under ChatML's (`role`, `content`).
+fn to_chatml(message: &serde_json::Value) -> serde_json::Value {
+    let serde_json::Value::Object(m) = message else {
+        return message.clone();
+    };
+    let mut m = m.clone();
+    for (from, to) in [("from", "role"), ("value", "content")] {
+        if !m.contains_key(to) {
+            if let Some(v) = m.remove(from) {
+                m.insert(to.to_string(), v);
+            }
+        }
+    }
+    serde_json::Value::Object(m)
 }
 
 /// Prompt and completion token ids of a (prompt, reply) pair. Plain text: the completion ends with EOS,
@@ -265,34 +258,40 @@ pub fn encode_pair(
     }
 }
 
-/// Tokenized SFT examples from a JSONL file in TRL's formats: `messages` (a conversation; the loss is on
-/// its assistant turns, like TRL's `assistant_only_loss`), `prompt` + `completion` (strings or messages;
-/// loss on the completion), or `text` (loss on every token). Plain completions end with EOS.
+/// Tokenized SFT examples in TRL's formats: `messages` (or ShareGPT's `conversations`; the loss is on
+/// the assistant turns, like TRL's `assistant_only_loss`), `prompt` + `completion` (strings or
+/// messages; loss on the completion), or the `text_field` column (`text` by default; loss on every
+/// token). Plain completions end with EOS.
 pub fn load_sft(
-    path: &Path,
+    source: &DataSource,
     tokenizer: &TextTokenizer,
     max_length: usize,
     overflow: Overflow,
+    text_field_name: &str,
 ) -> Result<Vec<Example>> {
-    let rows = read_jsonl(path)?;
-    let mut out = Vec::with_capacity(rows.len());
+    let mut out = Vec::new();
     let mut report = LoadReport::default();
     let mut final_turn_only = 0usize;
-    for (line, row) in &rows {
-        let where_ = format!("{} line {line}", path.display());
-        let field = |k: &str| text_field(row, k, &where_);
+    for row in source.rows() {
+        let (at, row) = row?;
+        let where_ = at.to_string();
+        let field = |k: &str| text_field(&row, k, &where_);
+        let messages = match field("messages")? {
+            Some(m) => Some(m),
+            None => field("conversations")?,
+        };
         let mut example = match (
-            field("messages")?,
+            messages,
             field("prompt")?,
             field("completion")?,
-            field("text")?,
+            field(text_field_name)?,
         ) {
-            (Some(Text::Messages(m)), None, None, None) => {
+            (Some(Text::Messages(m)), None, None, _) => {
                 let (example, whole) = encode_conversation(tokenizer, &m, &where_)?;
                 final_turn_only += usize::from(!whole);
                 example
             }
-            (None, Some(p), Some(c), None) => {
+            (None, Some(p), Some(c), _) => {
                 let (p, c) = encode_pair(tokenizer, p, c, &where_)?;
                 Example::from_pair(p, c)
             }
@@ -304,7 +303,10 @@ pub fn load_sft(
             _ => {
                 return Err(TrainError::data(
                     &where_,
-                    "expected \"messages\", \"prompt\" and \"completion\", or \"text\"",
+                    format!(
+                    "expected \"messages\" (or \"conversations\"), \"prompt\" and \"completion\", \
+                         or a {text_field_name:?} string (--dataset-text-field)"
+                ),
                 ))
             }
         };
@@ -335,7 +337,7 @@ pub fn load_sft(
         );
     }
     report.finish(
-        path,
+        source,
         "examples",
         out.len(),
         &format!("--max-length {max_length}"),

@@ -1,15 +1,14 @@
 //! The DPO recipe (TRL's sigmoid loss): pairs of completions of one prompt, a frozen reference model
 //! (default: a copy of the initial policy, as in TRL), one readable loop over `recipe.rs`.
 
-use std::path::Path;
-
 use streambp_models::Model;
 use streambp_objectives::{Dpo, TokenTargets};
 
 use crate::batch::{collate, Collated};
 use crate::checkpoint::{Digest, Fingerprint, RunRecord};
 use crate::config::{Recipe, TrainConfig};
-use crate::data::{encode_pair, read_jsonl, text_field, Example, LoadReport, Overflow, Text};
+use crate::data::{encode_pair, text_field, Example, LoadReport, Overflow, Text};
+use crate::dataset::DataSource;
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::sequence_logps;
 use crate::recipe::Setup;
@@ -32,34 +31,44 @@ impl Digest for Pair {
     }
 }
 
-/// Pairs from TRL's `prompt` + `chosen` + `rejected` JSONL: strings (EOS ends each completion) or
-/// conversations rendered with the chat template. A pair longer than `max_length` is skipped or, as
-/// TRL's default `keep_start` truncation does, cut to its first `max_length` tokens per side (and
-/// skipped when a side has no completion token left).
+/// Pairs in TRL's preference formats: `prompt` + `chosen` + `rejected`, or `chosen` + `rejected` with
+/// the prompt implicit in both (their shared start, as TRL's `maybe_extract_prompt` finds it, also
+/// when a `prompt` column of the other kind sits beside conversations); strings (EOS ends each
+/// completion) or conversations rendered with the chat template. A pair longer than `max_length` is
+/// skipped or, as TRL's default `keep_start` truncation does, cut to its first `max_length` tokens per
+/// side (and skipped when a side has no completion token left).
 pub fn load_pairs(
-    path: &Path,
+    source: &DataSource,
     tok: &TextTokenizer,
     max_length: usize,
     overflow: Overflow,
 ) -> Result<Vec<Pair>> {
-    let rows = read_jsonl(path)?;
-    let mut pairs = Vec::with_capacity(rows.len());
+    let mut pairs = Vec::new();
     let mut report = LoadReport::default();
-    for (line, row) in &rows {
-        let where_ = format!("{} line {line}", path.display());
-        let field = |k: &str| -> Result<Text> {
-            text_field(row, k, &where_)?.ok_or_else(|| {
+    for row in source.rows() {
+        let (at, row) = row?;
+        let where_ = at.to_string();
+        let need = |k: &str| -> Result<Text> {
+            text_field(&row, k, &where_)?.ok_or_else(|| {
                 TrainError::data(
                     &where_,
-                    format!("expected fields \"prompt\", \"chosen\" and \"rejected\" (no {k:?})"),
+                    format!(
+                        "expected \"chosen\" and \"rejected\" (and \"prompt\" unless both hold it) \
+                         (no {k:?})"
+                    ),
                 )
             })
         };
-        let side = |reply: &str| -> Result<Example> {
-            let (prompt, completion) = encode_pair(tok, field("prompt")?, field(reply)?, &where_)?;
-            Ok(Example::from_pair(prompt, completion))
+        let (chosen, rejected) = (need("chosen")?, need("rejected")?);
+        let (prompt, chosen, rejected) = match text_field(&row, "prompt", &where_)? {
+            Some(prompt) if same_kind(&prompt, &chosen) => (prompt, chosen, rejected),
+            _ => extract_prompt(chosen, rejected, &where_)?,
         };
-        let (mut chosen, mut rejected) = (side("chosen")?, side("rejected")?);
+        let side = |reply: Text| -> Result<Example> {
+            let (p, completion) = encode_pair(tok, prompt.clone(), reply, &where_)?;
+            Ok(Example::from_pair(p, completion))
+        };
+        let (mut chosen, mut rejected) = (side(chosen)?, side(rejected)?);
         report.note_unknown(tok, &chosen.input_ids, &where_);
         report.note_unknown(tok, &rejected.input_ids, &where_);
         if chosen.input_ids.len() > max_length || rejected.input_ids.len() > max_length {
@@ -79,12 +88,71 @@ pub fn load_pairs(
         pairs.push(Pair { chosen, rejected });
     }
     report.finish(
-        path,
+        source,
         "pairs",
         pairs.len(),
         &format!("--max-length {max_length}"),
     )?;
     Ok(pairs)
+}
+
+fn same_kind(a: &Text, b: &Text) -> bool {
+    matches!(
+        (a, b),
+        (Text::Plain(_), Text::Plain(_)) | (Text::Messages(_), Text::Messages(_))
+    )
+}
+
+/// The prompt `chosen` and `rejected` share, and what each adds, as TRL's `extract_prompt` cuts them:
+/// at the first message (conversations) or character (strings) where they differ, a space before that
+/// character going with the completions; where one holds the other, before the shorter's last item.
+fn extract_prompt(chosen: Text, rejected: Text, where_: &str) -> Result<(Text, Text, Text)> {
+    fn cut<T: PartialEq + Clone>(c: &[T], r: &[T], is_space: impl Fn(&T) -> bool) -> Option<usize> {
+        let n = c.len().min(r.len());
+        let first_difference = (0..n).find(|&i| c[i] != r[i]);
+        match first_difference {
+            Some(i) if i > 0 && is_space(&c[i - 1]) => Some(i - 1),
+            Some(i) => Some(i),
+            None => n.checked_sub(1),
+        }
+    }
+    let none = || {
+        TrainError::data(
+            where_,
+            "no \"prompt\", and \"chosen\" or \"rejected\" is empty: no prompt to find in them",
+        )
+    };
+    match (chosen, rejected) {
+        (Text::Messages(c), Text::Messages(r)) => {
+            let at = cut(&c, &r, |_| false).ok_or_else(none)?;
+            if at == 0 {
+                return Err(TrainError::data(
+                    where_,
+                    "no \"prompt\", and the conversations \"chosen\" and \"rejected\" differ from \
+                     their first message: no shared prompt",
+                ));
+            }
+            Ok((
+                Text::Messages(c[..at].to_vec()),
+                Text::Messages(c[at..].to_vec()),
+                Text::Messages(r[at..].to_vec()),
+            ))
+        }
+        (Text::Plain(c), Text::Plain(r)) => {
+            let (cc, rc): (Vec<char>, Vec<char>) = (c.chars().collect(), r.chars().collect());
+            let at = cut(&cc, &rc, |ch| *ch == ' ').ok_or_else(none)?;
+            let text = |chars: &[char]| chars.iter().collect::<String>();
+            Ok((
+                Text::Plain(text(&cc[..at])),
+                Text::Plain(text(&cc[at..])),
+                Text::Plain(text(&rc[at..])),
+            ))
+        }
+        _ => Err(TrainError::data(
+            where_,
+            "\"chosen\" and \"rejected\" must both be strings or both be conversations",
+        )),
+    }
 }
 
 /// Stacks `pairs` as `[chosen…, rejected…]` right-padded rows.
@@ -132,18 +200,22 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
         Some(spec) => setup.load_reference(spec)?,
         None => setup.initial_reference(cfg)?,
     };
-    let data = setup.data_path(&cfg.data, "dpo.jsonl")?;
+    let data = setup.data_source(cfg, "dpo.jsonl")?;
     let pairs = load_pairs(&data, &setup.tokenizer, cfg.max_length, cfg.overflow)?;
     let eval_pairs = match cfg.data {
         None => Some(load_pairs(
-            &setup.data_path(&None, "dpo_test.jsonl")?,
+            &setup.builtin_file("dpo_test.jsonl")?,
             &setup.tokenizer,
             cfg.max_length,
             cfg.overflow,
         )?),
         Some(_) => None,
     };
-    let eval = setup.eval_path(cfg).as_deref().map(eval_rows).transpose()?;
+    let eval = setup
+        .eval_source(cfg)?
+        .as_ref()
+        .map(eval_rows)
+        .transpose()?;
     let held_out = |setup: &Setup| -> Result<Vec<(String, f64)>> {
         let mut m = eval_accuracy(setup, &eval)?;
         if let Some(p) = &eval_pairs {
@@ -154,11 +226,16 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
         }
         Ok(m)
     };
-    tracing::info!(pairs = pairs.len(), data = %data.display(), beta = cfg.beta, "dpo");
+    tracing::info!(
+        pairs = pairs.len(),
+        data = data.name(),
+        beta = cfg.beta,
+        "dpo"
+    );
     let training = TrainingData {
         items: &pairs,
         what: "pairs",
-        path: &data,
+        source: data.name(),
     };
     let mut trainer = Trainer::new(cfg, &setup, Recipe::Dpo, &training, RunRecord::new())?;
     let before = trainer.held_out_before(|| held_out(&setup))?;

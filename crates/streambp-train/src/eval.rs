@@ -1,11 +1,9 @@
 //! Held-out evaluation shared by the recipes: exact-match accuracy of greedy answers on
 //! prompt/completion rows, before and after training.
 
-use std::path::Path;
-
 use streambp_models::Model;
 
-use crate::data::read_jsonl;
+use crate::dataset::DataSource;
 use crate::generate::greedy;
 use crate::recipe::Setup;
 use crate::tokenizer::TextTokenizer;
@@ -25,21 +23,21 @@ pub fn accuracy(model: &Model, tok: &TextTokenizer, rows: &[(String, String)]) -
     Ok(correct as f64 / rows.len().max(1) as f64)
 }
 
-/// Prompt/completion rows of an evaluation file.
-pub fn eval_rows(path: &Path) -> Result<Vec<(String, String)>> {
-    read_jsonl(path)?
-        .iter()
-        .map(|(line, r)| {
+/// Prompt/completion rows of held-out data.
+pub fn eval_rows(source: &DataSource) -> Result<Vec<(String, String)>> {
+    source
+        .rows()
+        .map(|row| {
+            let (at, r) = row?;
             let field = |k: &str| r.get(k).and_then(|v| v.as_str()).map(String::from);
-            let at = || format!("{} line {line}", path.display());
             match (field("prompt"), field("completion")) {
                 (Some(p), _) if p.is_empty() => Err(TrainError::data(
-                    at(),
+                    at,
                     "the prompt is empty (no token to answer after)",
                 )),
                 (Some(p), Some(c)) => Ok((p, c)),
                 _ => Err(TrainError::data(
-                    at(),
+                    at,
                     "eval data needs \"prompt\" and \"completion\" strings",
                 )),
             }

@@ -2,8 +2,6 @@
 //! score them with the reward functions, normalise rewards within the group into advantages, and take
 //! `num_iterations` optimizer steps on those rollouts (old log-probs fixed before the first one).
 
-use std::path::Path;
-
 use serde_json::Value;
 use streambp_models::init::NormalRng;
 use streambp_objectives::{Grpo, GrpoBatch};
@@ -11,7 +9,8 @@ use streambp_objectives::{Grpo, GrpoBatch};
 use crate::batch::{collate, Collated};
 use crate::checkpoint::{Digest, Fingerprint, RunRecord};
 use crate::config::{GrpoConfig, Recipe, TrainConfig};
-use crate::data::{read_jsonl, Example, LoadReport, Overflow, Row};
+use crate::data::{text_field, Example, LoadReport, Overflow, Row, Text};
+use crate::dataset::DataSource;
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::token_logps;
 use crate::recipe::Setup;
@@ -57,7 +56,7 @@ impl Digest for Prompt {
 /// prompt that leaves no room for `max_new_tokens` within `max_length` is skipped or cut from the left
 /// (TRL keeps a prompt's end).
 fn load_prompts(
-    path: &Path,
+    source: &DataSource,
     setup: &Setup,
     cfg: &TrainConfig,
     g: &GrpoConfig,
@@ -66,13 +65,18 @@ fn load_prompts(
     let room = cfg.max_length - g.sampling.max_new_tokens;
     let mut report = LoadReport::default();
     let mut prompts = Vec::new();
-    for (line, row) in read_jsonl(path)? {
-        let where_ = format!("{} line {line}", path.display());
-        let Some(Value::String(text)) = row.get("prompt") else {
-            return Err(TrainError::data(
-                where_,
-                "GRPO data needs a \"prompt\" string",
-            ));
+    for row in source.rows() {
+        let (at, row) = row?;
+        let where_ = at.to_string();
+        let text = match text_field(&row, "prompt", &where_)? {
+            Some(Text::Plain(text)) => text,
+            Some(Text::Messages(messages)) => render_prompt(&setup.tokenizer, messages, &where_)?,
+            None => {
+                return Err(TrainError::data(
+                    where_,
+                    "GRPO data needs a \"prompt\" (a string or a list of messages)",
+                ))
+            }
         };
         for column in rewards.iter().filter_map(|r| r.column()) {
             if !row.contains_key(column) {
@@ -82,7 +86,7 @@ fn load_prompts(
                 ));
             }
         }
-        let mut ids = setup.tokenizer.encode(text)?;
+        let mut ids = setup.tokenizer.encode(&text)?;
         if ids.is_empty() {
             return Err(TrainError::data(
                 where_,
@@ -104,8 +108,55 @@ fn load_prompts(
         "--max-length {} minus --max-new-tokens {}, keeping a prompt's end",
         cfg.max_length, g.sampling.max_new_tokens
     );
-    report.finish(path, "prompts", prompts.len(), &limit)?;
+    report.finish(source, "prompts", prompts.len(), &limit)?;
     Ok(prompts)
+}
+
+/// A conversational prompt as text, as TRL renders it: with the generation prompt after a user turn,
+/// continuing the final message after an assistant turn (the template's rendering of the whole
+/// conversation, cut before its end-of-turn).
+fn render_prompt(
+    tok: &crate::tokenizer::TextTokenizer,
+    messages: Vec<Value>,
+    where_: &str,
+) -> Result<String> {
+    let in_context = |e: TrainError| TrainError::data(where_, e.to_string());
+    let chat = tok.chat_template().map_err(in_context)?;
+    let last_role = messages
+        .last()
+        .and_then(|m| m.get("role"))
+        .and_then(|r| r.as_str())
+        .unwrap_or_default()
+        .to_string();
+    match last_role.as_str() {
+        "assistant" => {
+            let content = messages
+                .last()
+                .and_then(|m| m.get("content"))
+                .and_then(|c| c.as_str())
+                .unwrap_or_default()
+                .to_string();
+            let whole = chat
+                .render(&Value::from(messages), false)
+                .map_err(in_context)?;
+            // Continue the final message: keep the rendering up to the end of its content.
+            match whole.rfind(&content) {
+                Some(at) if !content.is_empty() => Ok(whole[..at + content.len()].to_string()),
+                _ => Err(TrainError::data(
+                    where_,
+                    "the prompt ends with an assistant message the chat template does not render \
+                     as it is written: cannot continue it",
+                )),
+            }
+        }
+        "user" | "system" | "tool" => chat
+            .render(&Value::from(messages), true)
+            .map_err(in_context),
+        other => Err(TrainError::data(
+            where_,
+            format!("the prompt's last message has role {other:?}; expected user or assistant"),
+        )),
+    }
 }
 
 /// Samples a group of completions of `prompt`, scores them (adding each reward's scores to
@@ -229,7 +280,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         .map(|s| parse_reward(s))
         .collect::<Result<Vec<_>>>()?;
     let setup = Setup::new(cfg, Recipe::Grpo)?;
-    let data = setup.data_path(&cfg.data, "train.jsonl")?;
+    let data = setup.data_source(cfg, "train.jsonl")?;
     let prompts = load_prompts(&data, &setup, cfg, g, &rewards)?;
     let reference = (cfg.beta != 0.0)
         .then(|| setup.initial_reference(cfg))
@@ -238,7 +289,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     let training = TrainingData {
         items: &prompts,
         what: "prompts",
-        path: &data,
+        source: data.name(),
     };
     let extra = g.record(&reward_specs);
     let mut trainer = Trainer::new(cfg, &setup, Recipe::Grpo, &training, extra)?;
@@ -252,7 +303,11 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
              on, so the run differs from an uninterrupted one from here"
         );
     }
-    let eval = setup.eval_path(cfg).as_deref().map(eval_rows).transpose()?;
+    let eval = setup
+        .eval_source(cfg)?
+        .as_ref()
+        .map(eval_rows)
+        .transpose()?;
     let before = trainer.held_out_before(|| eval_accuracy(&setup, &eval))?;
     let model = &setup.model;
     let mut reference_scores = reference.as_ref().map(|m| cfg.scorer(m));

@@ -27,6 +27,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod config_file;
 pub mod data;
+pub mod dataset;
 pub mod device;
 pub mod dpo;
 pub mod eval;

@@ -17,6 +17,7 @@ use streambp_models::{
 
 use crate::checkpoint::{CheckpointFiles, RunRecord};
 use crate::config::{BuiltinModel, Recipe, TrainConfig};
+use crate::dataset::DataSource;
 use crate::device::{parse_device, parse_dtype};
 use crate::output::OutputDir;
 use crate::tokenizer::TextTokenizer;
@@ -233,24 +234,38 @@ impl Setup {
         })
     }
 
-    /// `given`, or the built-in task's `file`.
-    pub fn data_path(&self, given: &Option<PathBuf>, file: &str) -> Result<PathBuf> {
-        match (given, &self.builtin) {
-            (Some(path), _) => Ok(path.clone()),
-            (None, Some(dir)) => Ok(dir.join(file)),
-            (None, None) => Err(TrainError::Internal(format!(
+    /// The training data: `--data` (its `--split` and `--data-config`), or the built-in task's `file`.
+    pub fn data_source(&self, cfg: &TrainConfig, file: &str) -> Result<DataSource> {
+        match &cfg.data {
+            Some(spec) => DataSource::resolve(spec, &cfg.split, cfg.data_config.as_deref()),
+            None => self.builtin_file(file),
+        }
+    }
+
+    /// A file of the built-in task.
+    pub fn builtin_file(&self, file: &str) -> Result<DataSource> {
+        match &self.builtin {
+            Some(dir) => DataSource::file(&dir.join(file)),
+            None => Err(TrainError::Internal(format!(
                 "no data given and no built-in {file}"
             ))),
         }
     }
 
-    /// The held-out prompt/completion file: `--eval-data`, or the built-in task's test split when the
-    /// run trains on the built-in data.
-    pub fn eval_path(&self, cfg: &TrainConfig) -> Option<PathBuf> {
-        match (&cfg.eval_data, &cfg.data, &self.builtin) {
-            (Some(path), _, _) => Some(path.clone()),
-            (None, None, Some(dir)) => Some(dir.join("test.jsonl")),
-            _ => None,
+    /// The held-out prompt/completion rows: `--eval-data` (its `--eval-split`, by default `test`), a
+    /// split of `--data` (`--eval-split`), or the built-in task's test split when the run trains on
+    /// the built-in data.
+    pub fn eval_source(&self, cfg: &TrainConfig) -> Result<Option<DataSource>> {
+        let split = cfg.eval_split.as_deref();
+        match (&cfg.eval_data, split, &cfg.data) {
+            (Some(spec), split, _) => {
+                DataSource::resolve(spec, split.unwrap_or("test"), None).map(Some)
+            }
+            (None, Some(split), Some(spec)) => {
+                DataSource::resolve(spec, split, cfg.data_config.as_deref()).map(Some)
+            }
+            (None, _, None) if self.builtin.is_some() => self.builtin_file("test.jsonl").map(Some),
+            _ => Ok(None),
         }
     }
 

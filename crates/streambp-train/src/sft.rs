@@ -15,8 +15,9 @@ use crate::Result;
 /// Trains `cfg`'s model on its SFT data (the built-in arithmetic task by default).
 pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
     let setup = Setup::new(cfg, Recipe::Sft)?;
-    let data = setup.data_path(&cfg.data, "train.jsonl")?;
-    let mut examples = load_sft(&data, &setup.tokenizer, cfg.max_length, cfg.overflow)?;
+    let data = setup.data_source(cfg, "train.jsonl")?;
+    let tok = &setup.tokenizer;
+    let mut examples = load_sft(&data, tok, cfg.max_length, cfg.overflow, &cfg.text_field)?;
     if cfg.packing {
         let before = examples.len();
         examples = pack(examples, cfg.max_length);
@@ -27,14 +28,18 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
             "packed"
         );
     }
-    tracing::info!(examples = examples.len(), data = %data.display(), "sft");
+    tracing::info!(examples = examples.len(), data = data.name(), "sft");
     let training = TrainingData {
         items: &examples,
         what: "examples",
-        path: &data,
+        source: data.name(),
     };
     let mut trainer = Trainer::new(cfg, &setup, Recipe::Sft, &training, RunRecord::new())?;
-    let eval = setup.eval_path(cfg).as_deref().map(eval_rows).transpose()?;
+    let eval = setup
+        .eval_source(cfg)?
+        .as_ref()
+        .map(eval_rows)
+        .transpose()?;
     let before = trainer.held_out_before(|| eval_accuracy(&setup, &eval))?;
 
     let model = &setup.model;

@@ -116,8 +116,8 @@ pub struct TrainingData<'a, T> {
     pub items: &'a [T],
     /// Their name in messages ("examples", "pairs", "prompts").
     pub what: &'a str,
-    /// The file they were read from.
-    pub path: &'a Path,
+    /// Where they were read from (a file, or a data set and its split).
+    pub source: &'a str,
 }
 
 /// A step's loss, real tokens and metrics over all ranks.
@@ -194,7 +194,7 @@ impl Trainer {
         let (rank, world) = (comm.rank(), comm.world_size());
         let examples = data.items.len();
         let per_step = cfg.examples_per_step()?.saturating_mul(world);
-        cfg.check_data_size(examples, data.what, data.path, world)?;
+        cfg.check_data_size(examples, data.what, data.source, world)?;
         let mut run = cfg.record(recipe);
         run.extend(extra);
         run.insert("data".into(), data_identity(data.items));

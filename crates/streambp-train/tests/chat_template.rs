@@ -1,17 +1,17 @@
 //! Chat templates: rendered like transformers' apply_chat_template (Python string methods,
 //! raise_exception, add_generation_prompt), split into prompt and reply, and used for messages data.
 
+mod common;
+
+use common::{arithmetic_tokenizer_with_template, msg};
 use streambp_train::chat::ChatTemplate;
 use streambp_train::data::{load_sft, Overflow};
+use streambp_train::dataset::DataSource;
 use streambp_train::tokenizer::TextTokenizer;
 
 const CHATML: &str = "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('the first message must not be the assistant') }}{% endif %}\
 {% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'].strip() + '<|im_end|>\\n' }}{% endfor %}\
 {% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
-
-fn msg(role: &str, content: &str) -> serde_json::Value {
-    serde_json::json!({"role": role, "content": content})
-}
 
 #[test]
 fn chatml_renders_and_splits_like_transformers() {
@@ -34,19 +34,6 @@ fn chatml_renders_and_splits_like_transformers() {
         err.to_string().contains("must not be the assistant"),
         "{err}"
     );
-}
-
-/// The arithmetic task's tokenizer with `template` as its chat template (written with characters the
-/// tokenizer knows).
-fn arithmetic_tokenizer_with_template(dir: &std::path::Path, template: &str) -> TextTokenizer {
-    let builtin = streambp_train::recipe::materialize_builtin(dir).unwrap();
-    let mut config: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(builtin.join("tokenizer_config.json")).unwrap(),
-    )
-    .unwrap();
-    config["chat_template"] = template.into();
-    std::fs::write(builtin.join("tokenizer_config.json"), config.to_string()).unwrap();
-    TextTokenizer::from_dir(&builtin).unwrap()
 }
 
 /// The trained text of each example: the decoded runs of labelled tokens.
@@ -79,7 +66,14 @@ fn messages_train_every_assistant_turn() {
             .collect::<String>(),
     )
     .unwrap();
-    let examples = load_sft(&data, &tok, 64, Overflow::Truncate).unwrap();
+    let examples = load_sft(
+        &DataSource::file(&data).unwrap(),
+        &tok,
+        64,
+        Overflow::Truncate,
+        "text",
+    )
+    .unwrap();
     assert_eq!(tok.decode(&examples[0].input_ids).unwrap(), "12+3=15");
     assert_eq!(examples[0].labels[..5], [-100; 5]);
     let trained: Vec<u32> = examples[0].labels[5..].iter().map(|&l| l as u32).collect();
@@ -101,10 +95,16 @@ fn messages_train_every_assistant_turn() {
         serde_json::json!({"messages": [msg("user", "1+1")]}).to_string(),
     )
     .unwrap();
-    let err = load_sft(&data, &tok, 64, Overflow::Truncate)
-        .err()
-        .unwrap()
-        .to_string();
+    let err = load_sft(
+        &DataSource::file(&data).unwrap(),
+        &tok,
+        64,
+        Overflow::Truncate,
+        "text",
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(
         err.contains("line 1") && err.contains("no assistant message"),
         "{err}"
@@ -114,10 +114,16 @@ fn messages_train_every_assistant_turn() {
     )
     .unwrap();
     std::fs::write(&data, rows[0].to_string()).unwrap();
-    let err = load_sft(&data, &plain, 64, Overflow::Truncate)
-        .err()
-        .unwrap()
-        .to_string();
+    let err = load_sft(
+        &DataSource::file(&data).unwrap(),
+        &plain,
+        64,
+        Overflow::Truncate,
+        "text",
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(
         err.contains("line 1") && err.contains("no chat_template"),
         "{err}"
@@ -149,7 +155,14 @@ fn templates_that_rewrite_earlier_turns_train_the_final_turn() {
     let data = dir.path().join("chat.jsonl");
     let row = serde_json::json!({"messages": [msg("user", "1+1"), msg("assistant", "2"), msg("user", "3+4"), msg("assistant", "7")]});
     std::fs::write(&data, row.to_string()).unwrap();
-    let examples = load_sft(&data, &tok, 64, Overflow::Truncate).unwrap();
+    let examples = load_sft(
+        &DataSource::file(&data).unwrap(),
+        &tok,
+        64,
+        Overflow::Truncate,
+        "text",
+    )
+    .unwrap();
     assert_eq!(tok.decode(&examples[0].input_ids).unwrap(), "1+1=23+4=+7");
     assert_eq!(trained_runs(&tok, &examples[0].labels), ["+7"]);
 }

@@ -1,5 +1,25 @@
 //! Helpers shared by this crate's tests.
 
-#![allow(unused_imports)]
+#![allow(unused_imports, dead_code)]
 
 pub use streambp_testkit::*;
+
+use streambp_train::tokenizer::TextTokenizer;
+
+/// A chat message.
+pub fn msg(role: &str, content: &str) -> serde_json::Value {
+    serde_json::json!({"role": role, "content": content})
+}
+
+/// The arithmetic task's tokenizer with `template` as its chat template (written with characters the
+/// tokenizer knows).
+pub fn arithmetic_tokenizer_with_template(dir: &std::path::Path, template: &str) -> TextTokenizer {
+    let builtin = streambp_train::recipe::materialize_builtin(dir).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(builtin.join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    config["chat_template"] = template.into();
+    std::fs::write(builtin.join("tokenizer_config.json"), config.to_string()).unwrap();
+    TextTokenizer::from_dir(&builtin).unwrap()
+}

@@ -1,0 +1,367 @@
+//! Data the way TRL users have it: Parquet files (written here with the `parquet` crate, in the
+//! layout `datasets` writes: strings, and conversations as lists of `{content, role}` structs), JSON
+//! arrays, directories of shards and hub dataset ids read offline from the hub cache, give exactly the
+//! examples the same rows give as JSONL; errors name the shard and row.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use common::{arithmetic_tokenizer_with_template, msg};
+use parquet::basic::Compression;
+use parquet::data_type::{ByteArray, ByteArrayType};
+use parquet::file::properties::WriterProperties;
+use parquet::file::writer::SerializedFileWriter;
+use parquet::schema::parser::parse_message_type;
+use serde_json::{json, Value};
+use streambp_train::data::{load_sft, Example, Overflow};
+use streambp_train::dataset::DataSource;
+use streambp_train::dpo::load_pairs;
+use streambp_train::tokenizer::TextTokenizer;
+
+/// A column's Parquet type: `datasets`' for a string, or for a list of messages.
+fn column_schema(name: &str, rows: &[Value]) -> String {
+    let conversation = rows.iter().any(|r| r[name].is_array());
+    match conversation {
+        true => format!(
+            "optional group {name} (LIST) {{ repeated group list {{ optional group element {{ \
+             optional binary content (STRING); optional binary role (STRING); }} }} }}"
+        ),
+        false => format!("optional binary {name} (STRING);"),
+    }
+}
+
+/// Writes `rows` (objects whose values are strings or lists of messages) as a Parquet file with
+/// `columns`, `rows_per_group` rows in each row group (so reading crosses row groups), snappy.
+fn write_parquet(path: &Path, columns: &[&str], rows: &[Value], rows_per_group: usize) {
+    let fields: Vec<String> = columns.iter().map(|c| column_schema(c, rows)).collect();
+    let schema = parse_message_type(&format!("message schema {{ {} }}", fields.join(" "))).unwrap();
+    let props = WriterProperties::builder()
+        .set_compression(Compression::SNAPPY)
+        .build();
+    let file = std::fs::File::create(path).unwrap();
+    let mut writer = SerializedFileWriter::new(file, Arc::new(schema), Arc::new(props)).unwrap();
+    for group in rows.chunks(rows_per_group) {
+        let mut row_group = writer.next_row_group().unwrap();
+        // Leaves in schema order: a string column is one; a conversation two (content, role).
+        let leaves: Vec<(&str, Option<&str>)> = columns
+            .iter()
+            .flat_map(|c| match rows.iter().any(|r| r[*c].is_array()) {
+                true => vec![(*c, Some("content")), (*c, Some("role"))],
+                false => vec![(*c, None)],
+            })
+            .collect();
+        for (column, key) in leaves {
+            let (mut values, mut defs, mut reps) = (Vec::new(), Vec::new(), Vec::new());
+            for row in group {
+                match (&row[column], key) {
+                    (Value::Null, _) => {
+                        defs.push(0);
+                        reps.push(0);
+                    }
+                    (Value::String(s), None) => {
+                        values.push(ByteArray::from(s.as_str()));
+                        defs.push(1);
+                    }
+                    (Value::Array(messages), Some(key)) => {
+                        if messages.is_empty() {
+                            defs.push(1);
+                            reps.push(0);
+                        }
+                        for (i, m) in messages.iter().enumerate() {
+                            values.push(ByteArray::from(m[key].as_str().unwrap()));
+                            defs.push(4);
+                            reps.push(i16::from(i > 0));
+                        }
+                    }
+                    (other, _) => panic!("{column}: unsupported test value {other}"),
+                }
+            }
+            let mut col = row_group.next_column().unwrap().unwrap();
+            let reps = key.map(|_| reps.as_slice());
+            col.typed::<ByteArrayType>()
+                .write_batch(&values, Some(&defs), reps)
+                .unwrap();
+            col.close().unwrap();
+        }
+        row_group.close().unwrap();
+    }
+    writer.close().unwrap();
+}
+
+fn write_jsonl(path: &Path, rows: &[Value]) {
+    let text: String = rows.iter().map(|r| format!("{r}\n")).collect();
+    std::fs::write(path, text).unwrap();
+}
+
+/// A tokenizer whose template renders `user` turns as `content=` and the rest as they are.
+fn tokenizer(dir: &Path) -> TextTokenizer {
+    let template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}={% else %}{{ m['content'] }}{% endif %}{% endfor %}";
+    arithmetic_tokenizer_with_template(dir, template)
+}
+
+fn sft_examples(source: &DataSource, tok: &TextTokenizer) -> Vec<Example> {
+    load_sft(source, tok, 64, Overflow::Truncate, "text").unwrap()
+}
+
+#[test]
+fn parquet_and_json_arrays_give_the_examples_jsonl_gives() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = tokenizer(&dir.path().join("tok"));
+    let chat = |q: &str, a: &str| json!([msg("user", q), msg("assistant", a)]);
+    // SFT, each of TRL's formats.
+    let formats: [(&str, Vec<&str>, Vec<Value>); 4] = [
+        (
+            "messages",
+            vec!["messages"],
+            (0..7)
+                .map(|i| json!({"messages": chat(&format!("{i}+1"), &format!("{}", i + 1))}))
+                .collect(),
+        ),
+        (
+            "prompt-completion",
+            vec!["prompt", "completion"],
+            (0..7)
+                .map(|i| json!({"prompt": format!("{i}+2="), "completion": format!("{}", i + 2)}))
+                .collect(),
+        ),
+        (
+            "conversational prompt-completion",
+            vec!["prompt", "completion"],
+            (0..7)
+                .map(|i| {
+                    json!({"prompt": [msg("user", &format!("{i}+3"))],
+                           "completion": [msg("assistant", &format!("{}", i + 3))]})
+                })
+                .collect(),
+        ),
+        (
+            "text",
+            vec!["text"],
+            (0..7)
+                .map(|i| json!({"text": format!("{i}+4={}", i + 4)}))
+                .collect(),
+        ),
+    ];
+    for (name, columns, rows) in &formats {
+        let jsonl = dir.path().join(format!("{name}.jsonl"));
+        let parquet = dir.path().join(format!("{name}.parquet"));
+        let array = dir.path().join(format!("{name}.json"));
+        write_jsonl(&jsonl, rows);
+        write_parquet(&parquet, columns, rows, 3);
+        std::fs::write(&array, Value::from(rows.clone()).to_string()).unwrap();
+        let expected = sft_examples(&DataSource::file(&jsonl).unwrap(), &tok);
+        assert_eq!(expected.len(), 7, "{name}");
+        for other in [&parquet, &array] {
+            let got = sft_examples(&DataSource::file(other).unwrap(), &tok);
+            assert_eq!(got, expected, "{name}: {}", other.display());
+        }
+    }
+
+    // DPO: explicit prompts, conversations, and prompts implicit in both sides (strings, and
+    // conversations beside a string `prompt` column, as in ultrafeedback_binarized).
+    let pair_formats: [(&str, Vec<&str>, Vec<Value>); 3] = [
+        (
+            "explicit",
+            vec!["prompt", "chosen", "rejected"],
+            (0..5)
+                .map(|i| json!({"prompt": format!("{i}+1="), "chosen": format!("{}", i + 1), "rejected": "0"}))
+                .collect(),
+        ),
+        (
+            "implicit strings",
+            vec!["chosen", "rejected"],
+            (0..5)
+                .map(|i| json!({"chosen": format!("{i}+1={}", i + 1), "rejected": format!("{i}+1=0")}))
+                .collect(),
+        ),
+        (
+            "implicit conversations",
+            vec!["prompt", "chosen", "rejected"],
+            (0..5)
+                .map(|i| {
+                    json!({"prompt": format!("{i}+1"),
+                           "chosen": chat(&format!("{i}+1"), &format!("{}", i + 1)),
+                           "rejected": chat(&format!("{i}+1"), "0")})
+                })
+                .collect(),
+        ),
+    ];
+    for (name, columns, rows) in &pair_formats {
+        let jsonl = dir.path().join(format!("pairs {name}.jsonl"));
+        let parquet = dir.path().join(format!("pairs {name}.parquet"));
+        write_jsonl(&jsonl, rows);
+        write_parquet(&parquet, columns, rows, 2);
+        let load = |path: &Path| {
+            load_pairs(&DataSource::file(path).unwrap(), &tok, 64, Overflow::Skip).unwrap()
+        };
+        let (expected, got) = (load(&jsonl), load(&parquet));
+        assert_eq!(expected.len(), 5);
+        for (e, g) in expected.iter().zip(&got) {
+            assert_eq!((&e.chosen, &e.rejected), (&g.chosen, &g.rejected), "{name}");
+        }
+        // The prompt is where the two sides part: "i+1=" for every format.
+        let first = &expected[1];
+        let prompt_len = first
+            .chosen
+            .labels
+            .iter()
+            .take_while(|&&l| l == -100)
+            .count();
+        assert_eq!(
+            tok.decode(&first.chosen.input_ids[..prompt_len]).unwrap(),
+            "1+1=",
+            "{name}"
+        );
+        assert_eq!(
+            tok.decode(&first.rejected.input_ids[prompt_len..])
+                .unwrap()
+                .replace("<eos>", ""),
+            "0",
+            "{name}"
+        );
+    }
+}
+
+/// `data/<split>-NNNNN-of-NNNNN.parquet` shards of `rows`, as `push_to_hub` lays them out.
+fn write_sharded(root: &Path, split: &str, rows: &[Value], shards: usize) {
+    std::fs::create_dir_all(root.join("data")).unwrap();
+    let per = rows.len().div_ceil(shards);
+    for (i, part) in rows.chunks(per).enumerate() {
+        let name = format!("data/{split}-{i:05}-of-{shards:05}.parquet");
+        write_parquet(&root.join(name), &["prompt", "completion"], part, 2);
+    }
+}
+
+fn rows(n: usize, offset: usize) -> Vec<Value> {
+    (0..n)
+        .map(|i| json!({"prompt": format!("{}+1=", i + offset), "completion": format!("{}", i + offset + 1)}))
+        .collect()
+}
+
+#[test]
+fn directories_and_hub_ids_resolve_their_splits_offline() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = tokenizer(&dir.path().join("tok"));
+    let (train, test) = (rows(9, 0), rows(4, 50));
+    let expected = |rows: &[Value]| {
+        let file = dir.path().join("expected.jsonl");
+        write_jsonl(&file, rows);
+        sft_examples(&DataSource::file(&file).unwrap(), &tok)
+    };
+    let (train_examples, test_examples) = (expected(&train), expected(&test));
+
+    // A local directory of shards.
+    let local = dir.path().join("local");
+    write_sharded(&local, "train", &train, 2);
+    write_sharded(&local, "test", &test, 1);
+    std::fs::write(local.join("README.md"), "# a data set\n").unwrap();
+    let source = DataSource::resolve(&local, "train", None).unwrap();
+    assert_eq!(source.shards().len(), 2);
+    assert_eq!(sft_examples(&source, &tok), train_examples);
+    let source = DataSource::resolve(&local, "test", None).unwrap();
+    assert_eq!(sft_examples(&source, &tok), test_examples);
+
+    // The same files as the hub cache holds a dataset's snapshot, read with HF_HUB_OFFLINE=1.
+    let home = dir.path().join("hf-home");
+    let repo = home.join("hub/datasets--someone--arith");
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
+    let snapshot = repo.join("snapshots/0123abcd");
+    write_sharded(&snapshot, "train", &train, 3);
+    write_sharded(&snapshot, "test", &test, 1);
+    std::env::set_var("HF_HOME", &home);
+    std::env::set_var("HF_HUB_OFFLINE", "1");
+    let id = Path::new("someone/arith");
+    let source = DataSource::resolve(id, "train", None).unwrap();
+    assert_eq!(source.shards().len(), 3);
+    assert_eq!(sft_examples(&source, &tok), train_examples);
+    let source = DataSource::resolve(id, "test", None).unwrap();
+    assert_eq!(sft_examples(&source, &tok), test_examples);
+    let err = DataSource::resolve(id, "validation", None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no split \"validation\" (splits found: \"test\", \"train\")"),
+        "{err}"
+    );
+    let err = DataSource::resolve(Path::new("someone/other"), "train", None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("not in the hub cache") && err.contains("HF_HUB_OFFLINE"),
+        "{err}"
+    );
+}
+
+#[test]
+fn errors_name_the_shard_and_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = tokenizer(&dir.path().join("tok"));
+    let mut bad = rows(6, 0);
+    bad[4]["completion"] = Value::Null;
+    let file = dir.path().join("bad.parquet");
+    write_parquet(&file, &["prompt", "completion"], &bad, 2);
+    let err = load_sft(
+        &DataSource::file(&file).unwrap(),
+        &tok,
+        64,
+        Overflow::Truncate,
+        "text",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("bad.parquet row 4: expected"), "{err}");
+
+    let corrupt = dir.path().join("corrupt.parquet");
+    std::fs::write(&corrupt, b"PAR1 this is not parquet").unwrap();
+    let err = load_sft(
+        &DataSource::file(&corrupt).unwrap(),
+        &tok,
+        64,
+        Overflow::Truncate,
+        "text",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("corrupt.parquet: not a readable Parquet file"),
+        "{err}"
+    );
+
+    let array = dir.path().join("rows.json");
+    std::fs::write(&array, r#"[{"text": "1+1=2"}, 7]"#).unwrap();
+    let err = load_sft(
+        &DataSource::file(&array).unwrap(),
+        &tok,
+        64,
+        Overflow::Truncate,
+        "text",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("rows.json row 1: expected a JSON object"),
+        "{err}"
+    );
+
+    // --dataset-text-field names the column plain rows train on.
+    let body = dir.path().join("body.jsonl");
+    write_jsonl(&body, &[json!({"body": "1+1=2"})]);
+    let source = DataSource::file(&body).unwrap();
+    let err = load_sft(&source, &tok, 64, Overflow::Truncate, "text")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("body.jsonl line 1") && err.contains("--dataset-text-field"),
+        "{err}"
+    );
+    let examples = load_sft(&source, &tok, 64, Overflow::Truncate, "body").unwrap();
+    assert_eq!(
+        tok.decode(&examples[0].input_ids)
+            .unwrap()
+            .replace("<eos>", ""),
+        "1+1=2"
+    );
+}
