@@ -36,6 +36,7 @@ fn toml_config_mirrors_flags_and_typed_flags_win() {
         std::fs::read_to_string(out.join("metrics.jsonl"))
             .unwrap()
             .lines()
+            .filter(|l| l.contains("\"loss\""))
             .count(),
         2
     );

@@ -123,6 +123,8 @@ const CASES: &[Case] = &[
     case("sft --data {dir}/small.jsonl --data-config en", 2, "--data-config en: applies to --data naming a directory or a hub dataset"),
     case("sft --eval-split test", 2, "--eval-split test: needs --eval-data, or --data naming a directory"),
     case("sft --split=", 2, "--split: a name, not empty"),
+    case("sft --data {dir}/small.jsonl --eval-every 2", 2, "--eval-every 2: needs held-out data: give --eval-data"),
+    case("sft --eval-every=-1", 2, "invalid value '-1' for '--eval-every <EVAL_EVERY>'"),
     case("dpo --dataset-text-field body", 2, "--dataset-text-field: applies to sft only"),
     case("sft --data not/a/dataset/id", 2, "no such file or directory, and not a hub dataset id"),
     case("sft --eval-data {dir}/missing.jsonl", 2, "--eval-data {dir}/missing.jsonl: no such file"),

@@ -46,15 +46,12 @@ fn run(ranks: usize, out: &Path, args: &str) -> Output {
     output
 }
 
-/// Each logged step's `key` (metrics.jsonl, written by rank 0).
+/// Each logged step's `key` (metrics.jsonl, written by rank 0; eval rows have their own keys).
 fn logged(out: &Path, key: &str) -> Vec<f64> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| {
-            let row: serde_json::Value = serde_json::from_str(l).unwrap();
-            row[key].as_f64().unwrap()
-        })
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()[key].as_f64())
         .collect()
 }
 

@@ -22,9 +22,9 @@ fn losses(out: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| {
+        .filter_map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+            Some((v["step"].as_u64().unwrap(), v["loss"].as_f64()?))
         })
         .collect()
 }

@@ -9,6 +9,11 @@ use streambp_train::config::{BuiltinModel, Recipe, TrainConfig};
 use streambp_train::data::Overflow;
 use streambp_train::optim::Schedule;
 use streambp_train::sft::run_sft;
+use streambp_train::tensorboard::read_scalars;
+
+// As in the binary: the steps' peak memory is counted (metrics.jsonl, TensorBoard).
+#[global_allocator]
+static ALLOC: streambp_core::memory::CountingAllocator = streambp_core::memory::CountingAllocator;
 
 /// A 12-step SFT run on the built-in task, small enough for a test.
 fn config(out: &Path) -> TrainConfig {
@@ -32,11 +37,7 @@ fn losses(dir: &Path) -> Vec<f64> {
     std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
         .collect()
 }
 
@@ -321,12 +322,21 @@ fn dpo_learns_fixed_preferences_and_reports_bad_pairs() {
         std::fs::read_to_string(dir.path().join("out/metrics.jsonl"))
             .unwrap()
             .lines()
-            .last()
+            .rfind(|l| l.contains("\"loss\""))
             .unwrap(),
     )
     .unwrap();
     assert!(last["rewards/margins"].as_f64().unwrap() > 0.5, "{last}");
     assert_eq!(last["rewards/accuracies"].as_f64().unwrap(), 1.0);
+    // TensorBoard shows the rewards as metrics.jsonl has them.
+    let scalars = read_scalars(&dir.path().join("out")).unwrap();
+    let margins: Vec<_> = scalars
+        .iter()
+        .filter(|(tag, _, _)| tag == "train/rewards/margins")
+        .collect();
+    assert_eq!(margins.len(), 25);
+    let logged = last["rewards/margins"].as_f64().unwrap() as f32;
+    assert_eq!(margins.last().map(|m| (m.1, m.2)), Some((25, logged)));
 
     std::fs::write(
         &data,
@@ -406,4 +416,79 @@ fn packing_fits_examples_into_rows_and_trains() {
     cfg.save_every = 0;
     let summary = run_sft(&cfg).unwrap();
     assert!(summary.last_loss < 0.8 * summary.first_loss, "{summary:?}");
+}
+
+/// `--eval-every`: the held-out loss and accuracy at step 0, every N steps and at the end, in
+/// metrics.jsonl beside the training rows and in the TensorBoard event file, which parses back with
+/// every logged scalar.
+#[test]
+fn eval_every_and_tensorboard_log_what_metrics_jsonl_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.max_steps = Some(5);
+    cfg.save_every = 0;
+    cfg.eval_every = 2;
+    run_sft(&cfg).unwrap();
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(dir.path().join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let eval: Vec<_> = rows
+        .iter()
+        .filter(|r| r.get("eval_loss").is_some())
+        .collect();
+    let steps: Vec<u64> = eval.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [0, 2, 4, 5], "before, every 2 steps, at the end");
+    let eval_loss: Vec<f64> = eval
+        .iter()
+        .map(|r| r["eval_loss"].as_f64().unwrap())
+        .collect();
+    assert!(eval_loss[3] < 0.8 * eval_loss[0], "{eval_loss:?}");
+    assert!(eval.iter().all(|r| r["eval_accuracy"].as_f64().is_some()));
+
+    let scalars = read_scalars(dir.path()).unwrap();
+    let series = |tag: &str| -> Vec<(i64, f32)> {
+        scalars
+            .iter()
+            .filter(|(t, _, _)| t == tag)
+            .map(|(_, step, v)| (*step, *v))
+            .collect()
+    };
+    let train: Vec<_> = rows.iter().filter(|r| r.get("loss").is_some()).collect();
+    for (tag, key) in [
+        ("train/loss", "loss"),
+        ("train/lr", "lr"),
+        ("train/grad_norm", "grad_norm"),
+        ("train/tokens_per_sec", "tokens_per_sec"),
+    ] {
+        let want: Vec<(i64, f32)> = train
+            .iter()
+            .map(|r| (r["step"].as_i64().unwrap(), r[key].as_f64().unwrap() as f32))
+            .collect();
+        assert_eq!(series(tag), want, "{tag}");
+    }
+    let peak_mib: Vec<(i64, f32)> = train
+        .iter()
+        .map(|r| {
+            let bytes = r["peak_bytes"].as_f64().unwrap();
+            assert!(bytes > 0.0, "{r}");
+            (
+                r["step"].as_i64().unwrap(),
+                (bytes / (1u64 << 20) as f64) as f32,
+            )
+        })
+        .collect();
+    assert_eq!(series("train/peak_mib"), peak_mib);
+    let want: Vec<(i64, f32)> = eval
+        .iter()
+        .map(|r| {
+            (
+                r["step"].as_i64().unwrap(),
+                r["eval_loss"].as_f64().unwrap() as f32,
+            )
+        })
+        .collect();
+    assert_eq!(series("eval/loss"), want);
+    assert_eq!(series("eval/accuracy").len(), 4);
 }

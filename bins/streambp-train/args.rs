@@ -151,6 +151,10 @@ pub struct TrainArgs {
     /// Save a checkpoint every N steps (0: only at the end) [default: 0].
     #[arg(long)]
     save_every: Option<usize>,
+    /// Measure the held-out metrics every N steps, into metrics.jsonl and TensorBoard (0: before
+    /// and after training only) [default: 0].
+    #[arg(long)]
+    eval_every: Option<usize>,
     /// Continue from a checkpoint-N directory of an earlier run (weights, optimizer, schedule, data
     /// position); give the same flags as that run.
     #[arg(long)]
@@ -309,6 +313,7 @@ impl TrainArgs {
             dtype: self.dtype.unwrap_or(d.dtype),
             device: self.device.unwrap_or(d.device),
             save_every: self.save_every.unwrap_or(d.save_every),
+            eval_every: self.eval_every.unwrap_or(d.eval_every),
             resume: self.resume,
             beta: self.beta.unwrap_or(d.beta),
             sft_weight: self.sft_weight.unwrap_or(d.sft_weight),

@@ -104,6 +104,8 @@ pub struct TrainConfig {
     pub device: String,
     /// Save a checkpoint every this many steps (0: only at the end).
     pub save_every: usize,
+    /// Measure the held-out metrics every this many steps (0: before and after training only).
+    pub eval_every: usize,
     /// Continue from this checkpoint (weights, optimizer, schedule, data position).
     pub resume: Option<PathBuf>,
     /// DPO: β (above 0). GRPO: the KL weight β (0: no reference model).
@@ -188,6 +190,7 @@ impl TrainConfig {
             dtype: "f32".into(),
             device: "cpu".into(),
             save_every: 0,
+            eval_every: 0,
             resume: None,
             // GRPO's KL weight is 0 by default, as in TRL.
             beta: if recipe == Recipe::Grpo { 0.0 } else { 0.1 },
@@ -502,6 +505,16 @@ impl TrainConfig {
                 "needs --eval-data, or --data naming a directory or a hub dataset",
             ));
         }
+        let held_out = self.eval_data.is_some()
+            || self.data.is_none()
+            || (self.eval_split.is_some() && names_a_data_set(&self.data));
+        require(
+            self.eval_every == 0 || held_out,
+            "--eval-every",
+            self.eval_every,
+            "needs held-out data: give --eval-data, or --eval-split of a --data directory or hub \
+             dataset",
+        )?;
         if let Some(dir) = &self.resume {
             let state = dir.join(crate::checkpoint::STATE_FILE);
             require(

@@ -215,7 +215,8 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
         .eval_source(cfg)?
         .as_ref()
         .map(eval_rows)
-        .transpose()?;
+        .transpose()?
+        .flatten();
     let held_out = |setup: &Setup| -> Result<Vec<(String, f64)>> {
         let mut m = eval_accuracy(setup, &eval)?;
         if let Some(p) = &eval_pairs {
@@ -284,6 +285,7 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
             trainer.backward(cfg, model, t.batch(), &dpo, rows, c.tokens(), weight)?;
         }
         trainer.finish_step(cfg, &setup)?;
+        trainer.evaluate_if_due(cfg, || held_out(&setup))?;
     }
     trainer.finish(cfg, &setup, before, || held_out(&setup))
 }

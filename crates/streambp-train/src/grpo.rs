@@ -307,7 +307,8 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         .eval_source(cfg)?
         .as_ref()
         .map(eval_rows)
-        .transpose()?;
+        .transpose()?
+        .flatten();
     let before = trainer.held_out_before(|| eval_accuracy(&setup, &eval))?;
     let model = &setup.model;
     let mut reference_scores = reference.as_ref().map(|m| cfg.scorer(m));
@@ -376,6 +377,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         if fresh {
             reward_history.extend(metrics.iter().find(|(n, _)| n == "reward").map(|(_, v)| *v));
         }
+        trainer.evaluate_if_due(cfg, || eval_accuracy(&setup, &eval))?;
     }
     // Training reward: mean over the first and the last (up to) five batches of rollouts.
     let window = reward_history.len().clamp(1, 5);
@@ -386,11 +388,12 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         mean(&reward_history[..window.min(reward_history.len())]),
     ));
     let last_reward = mean(&reward_history[reward_history.len().saturating_sub(window)..]);
-    trainer.finish(cfg, &setup, before, || {
-        let mut after = eval_accuracy(&setup, &eval)?;
-        after.push(("reward".into(), last_reward));
-        Ok(after)
-    })
+    // The training reward joins the summary, not the held-out metrics logged at the end.
+    let mut summary = trainer.finish(cfg, &setup, before, || eval_accuracy(&setup, &eval))?;
+    if trainer.is_main() {
+        summary.after.push(("reward".into(), last_reward));
+    }
+    Ok(summary)
 }
 
 impl GrpoConfig {

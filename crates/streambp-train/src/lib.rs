@@ -35,6 +35,7 @@ pub mod generate;
 pub mod grad;
 pub mod grpo;
 pub mod logprobs;
+pub mod metrics_log;
 pub mod optim;
 pub mod output;
 pub mod parallel;
@@ -43,6 +44,7 @@ pub mod recipe;
 pub mod rewards;
 pub mod sampling;
 pub mod sft;
+pub mod tensorboard;
 pub mod tokenizer;
 pub mod trainer;
 

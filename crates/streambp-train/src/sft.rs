@@ -7,7 +7,7 @@ use crate::batch::collate;
 use crate::checkpoint::RunRecord;
 use crate::config::{Recipe, TrainConfig};
 use crate::data::{load_sft, pack};
-use crate::eval::{eval_accuracy, eval_rows};
+use crate::eval::{eval_accuracy, eval_loss, eval_rows};
 use crate::recipe::Setup;
 use crate::trainer::{Summary, Trainer, TrainingData};
 use crate::Result;
@@ -35,12 +35,23 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
         source: data.name(),
     };
     let mut trainer = Trainer::new(cfg, &setup, Recipe::Sft, &training, RunRecord::new())?;
-    let eval = setup
-        .eval_source(cfg)?
+    let eval_source = setup.eval_source(cfg)?;
+    let eval = eval_source.as_ref().map(eval_rows).transpose()?.flatten();
+    let eval_examples = eval_source
         .as_ref()
-        .map(eval_rows)
+        .map(|s| load_sft(s, tok, cfg.max_length, cfg.overflow, &cfg.text_field))
         .transpose()?;
-    let before = trainer.held_out_before(|| eval_accuracy(&setup, &eval))?;
+    // TRL's eval loss on the held-out examples, and the accuracy of greedy answers where the rows
+    // are prompt/completion.
+    let held_out = || -> Result<Vec<(String, f64)>> {
+        let mut metrics = Vec::new();
+        if let Some(examples) = &eval_examples {
+            metrics.push(("loss".into(), eval_loss(&setup, cfg, examples)?));
+        }
+        metrics.extend(eval_accuracy(&setup, &eval)?);
+        Ok(metrics)
+    };
+    let before = trainer.held_out_before(held_out)?;
 
     let model = &setup.model;
     for step in trainer.start_step..trainer.max_steps {
@@ -73,6 +84,7 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
             trainer.backward(cfg, model, batch, &sft, (m, first_row), c.tokens(), 1.0)?;
         }
         trainer.finish_step(cfg, &setup)?;
+        trainer.evaluate_if_due(cfg, held_out)?;
     }
-    trainer.finish(cfg, &setup, before, || eval_accuracy(&setup, &eval))
+    trainer.finish(cfg, &setup, before, held_out)
 }

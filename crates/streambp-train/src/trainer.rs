@@ -3,7 +3,6 @@
 //! (ZeRO 0, 1 or 2, [`crate::parallel`]), clipping, schedule, AdamW, metrics.jsonl, progress bar,
 //! atomic checkpoints with resumable state, and the run's summary.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,8 +17,8 @@ use crate::checkpoint::{
     TrainerState, STATE_FILE,
 };
 use crate::config::{Recipe, TrainConfig};
+use crate::metrics_log::MetricsLog;
 use crate::optim::{learning_rate, AdamWConfig};
-use crate::output::TMP_MARK;
 use crate::parallel::DataParallel;
 use crate::recipe::Setup;
 use crate::{Result, TrainError};
@@ -232,9 +231,9 @@ impl Trainer {
             checkpoint.parent().and_then(real).is_some()
                 && checkpoint.parent().and_then(real) == real(&cfg.output_dir)
         };
-        let kept_rows = cfg.resume.as_ref().filter(same_dir).map(|_| start_step);
+        let continues = cfg.resume.as_ref().is_some_and(|dir| same_dir(&dir));
         let metrics = match rank {
-            0 => Some(MetricsLog::open(&cfg.output_dir, kept_rows)?),
+            0 => Some(MetricsLog::open(&cfg.output_dir, start_step, continues)?),
             _ => None,
         };
         let bar = progress_bar(max_steps, cfg.progress && rank == 0);
@@ -265,15 +264,46 @@ impl Trainer {
         self.comm.rank() == 0
     }
 
-    /// The held-out metrics before training, from `measure` (on rank 0); none when resuming (the
-    /// checkpoint's model is not the one the run began with).
+    /// The held-out metrics before training, from `measure` (on rank 0, logged as step 0's `eval/…`);
+    /// none when resuming (the checkpoint's model is not the one the run began with).
     pub fn held_out_before(
-        &self,
+        &mut self,
         measure: impl FnOnce() -> Result<Vec<(String, f64)>>,
     ) -> Result<Vec<(String, f64)>> {
-        match (self.start_step, self.is_main()) {
-            (0, true) => measure(),
-            _ => Ok(Vec::new()),
+        if self.start_step > 0 || !self.is_main() {
+            return Ok(Vec::new());
+        }
+        let before = measure()?;
+        self.log_eval(0, &before)?;
+        Ok(before)
+    }
+
+    /// After a step: the held-out metrics from `measure` when `--eval-every` makes this step one to
+    /// measure at (rank 0; the other ranks go on and wait for it at the next step's reduction). The
+    /// last step's are measured by [`Trainer::finish`].
+    pub fn evaluate_if_due(
+        &mut self,
+        cfg: &TrainConfig,
+        measure: impl FnOnce() -> Result<Vec<(String, f64)>>,
+    ) -> Result<()> {
+        let done = self.step + 1;
+        if cfg.eval_every == 0
+            || !done.is_multiple_of(cfg.eval_every)
+            || done >= self.max_steps
+            || !self.is_main()
+        {
+            return Ok(());
+        }
+        let metrics = measure()?;
+        let shown: Vec<String> = metrics.iter().map(|(k, v)| format!("{k} {v:.4}")).collect();
+        tracing::info!(step = done, "eval: {}", shown.join(", "));
+        self.log_eval(done, &metrics)
+    }
+
+    fn log_eval(&mut self, step: usize, metrics: &[(String, f64)]) -> Result<()> {
+        match (self.metrics.as_mut(), metrics.is_empty()) {
+            (Some(log), false) => log.write(step, "eval", metrics),
+            _ => Ok(()),
         }
     }
 
@@ -390,15 +420,21 @@ impl Trainer {
         self.last_loss = loss;
         let seconds = self.step_started.elapsed().as_secs_f64();
         if let Some(log) = self.metrics.as_mut() {
-            let mut record = serde_json::json!({
-                "step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                "tokens_per_sec": tokens as f64 / seconds, "peak_bytes": sums.peak,
-                "seconds": seconds, "epoch": self.data.epoch,
-            });
-            for (k, v) in &metrics {
-                record[k] = serde_json::json!(v);
-            }
-            log.write(&record)?;
+            let mut row: Vec<(String, f64)> = [
+                ("loss", loss),
+                ("lr", lr),
+                ("grad_norm", grad_norm),
+                ("tokens", tokens as f64),
+                ("tokens_per_sec", tokens as f64 / seconds),
+                ("peak_bytes", sums.peak as f64),
+                ("seconds", seconds),
+                ("epoch", self.data.epoch as f64),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+            row.extend(metrics.iter().cloned());
+            log.write(step + 1, "train", &row)?;
         }
         self.bar.set_message(format!(
             "loss {loss:.4} lr {lr:.2e} {:.0} tok/s peak {:.0} MiB",
@@ -445,7 +481,7 @@ impl Trainer {
     /// `output_dir/final` (and the merged model with `--merge`) written by rank 0, then its summary
     /// with the held-out metrics `before` and those `after` measures on the trained model (rank 0).
     pub fn finish(
-        &self,
+        &mut self,
         cfg: &TrainConfig,
         setup: &Setup,
         before: Vec<(String, f64)>,
@@ -484,64 +520,21 @@ impl Trainer {
                 tracing::warn!(error = %e, "no metrics plot");
             }
         }
+        let after = match self.is_main() {
+            true => after()?,
+            false => Vec::new(),
+        };
+        self.log_eval(self.max_steps, &after)?;
         let seconds = self.started.elapsed().as_secs_f64();
         Ok(Summary {
             steps: self.max_steps,
             first_loss: self.first_loss,
             last_loss: self.last_loss,
             before,
-            after: match self.is_main() {
-                true => after()?,
-                false => Vec::new(),
-            },
+            after,
             output_dir: dir,
             seconds,
         })
-    }
-}
-
-/// `metrics.jsonl`: one JSON line per step. A run resumed from a checkpoint of this output directory
-/// keeps the rows up to the step it resumes from and drops the later ones (an older checkpoint's later
-/// steps are trained again), so every step appears once; any other run starts the file anew.
-struct MetricsLog {
-    path: PathBuf,
-    file: std::fs::File,
-}
-
-impl MetricsLog {
-    /// Opens `dir/metrics.jsonl`, keeping the rows up to step `keep` when given.
-    fn open(dir: &Path, keep: Option<usize>) -> Result<Self> {
-        let path = dir.join("metrics.jsonl");
-        let kept = match keep {
-            None => String::new(),
-            Some(step) => match std::fs::read_to_string(&path) {
-                Ok(text) => text
-                    .lines()
-                    .filter(|line| {
-                        serde_json::from_str::<serde_json::Value>(line)
-                            .ok()
-                            .and_then(|v| v["step"].as_u64())
-                            .is_some_and(|s| s as usize <= step)
-                    })
-                    .map(|line| format!("{line}\n"))
-                    .collect(),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-                Err(e) => return Err(TrainError::io("read", &path)(e)),
-            },
-        };
-        // Rewritten whole, through a temporary file and a rename, so a kill here loses no rows.
-        let tmp = dir.join(format!(".metrics.jsonl{TMP_MARK}{}", std::process::id()));
-        std::fs::write(&tmp, kept).map_err(TrainError::io("write", &tmp))?;
-        std::fs::rename(&tmp, &path).map_err(TrainError::io("write", &path))?;
-        let file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .map_err(TrainError::io("open", &path))?;
-        Ok(Self { path, file })
-    }
-
-    fn write(&mut self, record: &serde_json::Value) -> Result<()> {
-        writeln!(self.file, "{record}").map_err(TrainError::io("write", &self.path))
     }
 }
 
