@@ -312,7 +312,23 @@ fn dpo_learns_fixed_preferences_and_reports_bad_pairs() {
     cfg.lr = 1e-3;
     cfg.schedule = Schedule::Constant;
     cfg.save_every = 0;
+    // Held-out pairs (here the training pairs) scored by preference accuracy every 10 steps.
+    cfg.eval_data = Some(data.clone());
+    cfg.eval_every = 10;
     let summary = streambp_train::dpo::run_dpo(&cfg).unwrap();
+    let eval: Vec<(i64, f64)> = std::fs::read_to_string(dir.path().join("out/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|r| Some((r["step"].as_i64()?, r["eval_preference_accuracy"].as_f64()?)))
+        .collect();
+    assert_eq!(
+        eval.iter().map(|e| e.0).collect::<Vec<_>>(),
+        [0, 10, 20, 25],
+        "{eval:?}"
+    );
+    assert_eq!(eval[0].1, 0.0, "ties: the policy starts as its reference");
+    assert_eq!(eval[3].1, 1.0, "{eval:?}");
     assert!(
         (summary.first_loss - std::f64::consts::LN_2).abs() < 1e-4,
         "policy = reference at start"

@@ -41,10 +41,15 @@ fn report(recipe: &str, summary: &Summary) {
                     100.0 * before,
                     100.0 * after
                 );
-            } else {
+            } else if name == "reward" {
                 println!("training {name} (first -> last rollouts): {before:.3} -> {after:.3}");
+            } else {
+                println!("held-out {name}: {before:.4} -> {after:.4}");
             }
         }
+    }
+    if let Some(peak) = streambp_core::memory::process_peak_bytes() {
+        println!("peak heap: {:.1} MiB", peak as f64 / (1u64 << 20) as f64);
     }
     println!("checkpoint: {}", summary.output_dir.display());
 }

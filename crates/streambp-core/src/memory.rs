@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 static CURRENT: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
+static PROCESS_PEAK: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
 /// `System` with a count of live bytes and of their peak.
@@ -18,6 +19,7 @@ pub struct CountingAllocator;
 fn grow(bytes: usize) {
     let now = CURRENT.fetch_add(bytes, Ordering::Relaxed) + bytes;
     PEAK.fetch_max(now, Ordering::Relaxed);
+    PROCESS_PEAK.fetch_max(now, Ordering::Relaxed);
 }
 
 // SAFETY: every call is forwarded to `System` unchanged; the counters are only bookkeeping.
@@ -73,6 +75,12 @@ pub fn peak_bytes() -> Option<usize> {
     is_counting().then(|| PEAK.load(Ordering::Relaxed))
 }
 
+/// The most live heap bytes since the process started (never reset: loading data, training and
+/// saving together).
+pub fn process_peak_bytes() -> Option<usize> {
+    is_counting().then(|| PROCESS_PEAK.load(Ordering::Relaxed))
+}
+
 /// Starts a new peak measurement from the current level.
 pub fn reset_peak() {
     PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
@@ -120,6 +128,12 @@ impl Meter {
             #[cfg(feature = "cuda")]
             Self::Cuda(m) => m.peak(),
         }
+    }
+
+    /// The most live heap bytes since the process started (never reset: loading data, training and
+    /// saving together).
+    pub fn process_peak_bytes() -> Option<usize> {
+        is_counting().then(|| PROCESS_PEAK.load(Ordering::Relaxed))
     }
 
     /// Starts a new peak measurement from the current level.
@@ -202,6 +216,12 @@ mod cuda_pool {
             let high = self.read(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?;
             let floor = self.floor.load(std::sync::atomic::Ordering::Relaxed);
             Some(high.max(floor).max(self.current()?))
+        }
+
+        /// The most live heap bytes since the process started (never reset: loading data, training and
+        /// saving together).
+        pub fn process_peak_bytes() -> Option<usize> {
+            is_counting().then(|| PROCESS_PEAK.load(Ordering::Relaxed))
         }
 
         /// Starts a new peak measurement from the current level.

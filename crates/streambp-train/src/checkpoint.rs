@@ -161,7 +161,12 @@ pub fn data_identity<T: Digest>(items: &[T]) -> serde_json::Value {
     for item in items {
         item.digest(&mut f);
     }
-    format!("{} items, fingerprint {}", items.len(), f.hex()).into()
+    identity(items.len(), &f)
+}
+
+/// The record of `count` items whose content gave `fingerprint`.
+pub fn identity(count: usize, fingerprint: &Fingerprint) -> serde_json::Value {
+    format!("{count} items, fingerprint {}", fingerprint.hex()).into()
 }
 
 /// Copies `config.json` with its dtype set to the one the weights are saved in, so that

@@ -6,6 +6,7 @@
 use streambp_objectives::IGNORE_INDEX;
 
 use crate::dataset::DataSource;
+use crate::token_store::ExampleSink;
 use crate::tokenizer::TextTokenizer;
 use crate::{Result, TrainError};
 
@@ -56,6 +57,19 @@ impl Example {
         self.position_ids.truncate(n);
     }
 
+    /// Documents side by side in one row ([`pack`]): positions restart at each, and each one's first
+    /// token is no target (nothing before it in its document predicts it).
+    pub fn join(documents: impl Iterator<Item = Example>) -> Example {
+        let mut row = Example::new(Vec::new(), Vec::new());
+        for e in documents {
+            row.input_ids.extend(&e.input_ids);
+            row.labels.push(IGNORE_INDEX);
+            row.labels.extend(&e.labels[1.min(e.labels.len())..]);
+            row.position_ids.extend(e.position_ids);
+        }
+        row
+    }
+
     /// Tokens with a loss (the first token is never predicted).
     pub fn targets(&self) -> usize {
         self.labels
@@ -71,17 +85,24 @@ impl Example {
 /// its first token is no target, so a packed row trains exactly as its examples would apart, with less
 /// padding. Deterministic: ties keep the input order.
 pub fn pack(examples: Vec<Example>, max_length: usize) -> Vec<Example> {
-    let examples: Vec<Example> = examples
+    let lengths: Vec<usize> = examples.iter().map(|e| e.input_ids.len()).collect();
+    let mut examples: Vec<Option<Example>> = examples.into_iter().map(Some).collect();
+    pack_plan(&lengths, max_length)
         .into_iter()
-        .filter(|e| !e.input_ids.is_empty())
-        .collect();
-    let mut order: Vec<usize> = (0..examples.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(examples[i].input_ids.len()));
+        .map(|members| Example::join(members.into_iter().filter_map(|i| examples[i].take())))
+        .collect()
+}
+
+/// [`pack`]'s rows from the examples' lengths alone: each row's example indices, in order (empty
+/// examples left out).
+pub fn pack_plan(lengths: &[usize], max_length: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lengths.len()).filter(|&i| lengths[i] > 0).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
     let mut rows: Vec<Vec<usize>> = Vec::new();
     // (room left, row) of every row, to find the fullest row that still fits in O(log rows).
     let mut room: std::collections::BTreeSet<(usize, usize)> = Default::default();
     for i in order {
-        let len = examples[i].input_ids.len();
+        let len = lengths[i];
         match room.range((len, 0)..).next().copied() {
             Some((left, row)) => {
                 room.remove(&(left, row));
@@ -94,20 +115,7 @@ pub fn pack(examples: Vec<Example>, max_length: usize) -> Vec<Example> {
             }
         }
     }
-    let mut examples: Vec<Option<Example>> = examples.into_iter().map(Some).collect();
-    rows.into_iter()
-        .map(|members| {
-            let mut row = Example::new(Vec::new(), Vec::new());
-            for i in members {
-                let e = examples[i].take().expect("each example is packed once");
-                row.input_ids.extend(&e.input_ids);
-                row.labels.push(IGNORE_INDEX);
-                row.labels.extend(&e.labels[1.min(e.labels.len())..]);
-                row.position_ids.extend(e.position_ids);
-            }
-            row
-        })
-        .collect()
+    rows
 }
 
 /// What to do with examples longer than the limit.
@@ -270,6 +278,20 @@ pub fn load_sft(
     text_field_name: &str,
 ) -> Result<Vec<Example>> {
     let mut out = Vec::new();
+    let limits = (max_length, overflow);
+    load_sft_into(source, tokenizer, limits, text_field_name, &mut out)?;
+    Ok(out)
+}
+
+/// [`load_sft`] into `out`, one example at a time (a [`crate::token_store::StoreWriter`] keeps a
+/// data set of any size on disk); `limits` are `--max-length` and `--overflow`.
+pub fn load_sft_into(
+    source: &DataSource,
+    tokenizer: &TextTokenizer,
+    (max_length, overflow): (usize, Overflow),
+    text_field_name: &str,
+    out: &mut impl ExampleSink,
+) -> Result<()> {
     let mut report = LoadReport::default();
     let mut final_turn_only = 0usize;
     for row in source.rows() {
@@ -327,7 +349,7 @@ pub fn load_sft(
             report.skipped += 1;
             continue;
         }
-        out.push(example);
+        out.push(example)?;
     }
     if final_turn_only > 0 {
         tracing::warn!(
@@ -339,10 +361,9 @@ pub fn load_sft(
     report.finish(
         source,
         "examples",
-        out.len(),
+        out.count(),
         &format!("--max-length {max_length}"),
-    )?;
-    Ok(out)
+    )
 }
 
 /// Ids and labels of a conversation with the loss on every assistant turn, and whether every turn

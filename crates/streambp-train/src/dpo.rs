@@ -202,21 +202,26 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
     };
     let data = setup.data_source(cfg, "dpo.jsonl")?;
     let pairs = load_pairs(&data, &setup.tokenizer, cfg.max_length, cfg.overflow)?;
-    let eval_pairs = match cfg.data {
-        None => Some(load_pairs(
-            &setup.builtin_file("dpo_test.jsonl")?,
-            &setup.tokenizer,
-            cfg.max_length,
-            cfg.overflow,
-        )?),
-        Some(_) => None,
+    // Held-out pairs (scored by preference accuracy): --eval-data's (or --eval-split's) when its
+    // rows are pairs, the built-in task's test pairs when training on the built-in task; held-out
+    // prompt/completion rows are scored by exact-match accuracy.
+    let eval_source = setup.eval_source(cfg)?;
+    let holds_pairs = |source: &DataSource| {
+        source.rows().next().is_some_and(|row| {
+            row.is_ok_and(|(_, r)| r.contains_key("chosen") && r.contains_key("rejected"))
+        })
     };
-    let eval = setup
-        .eval_source(cfg)?
-        .as_ref()
-        .map(eval_rows)
-        .transpose()?
-        .flatten();
+    let load =
+        |source: &DataSource| load_pairs(source, &setup.tokenizer, cfg.max_length, cfg.overflow);
+    let (eval_pairs, eval) = match &eval_source {
+        Some(source) if holds_pairs(source) => (Some(load(source)?), None),
+        Some(source) => (None, eval_rows(source)?),
+        None => (None, None),
+    };
+    let eval_pairs = match (eval_pairs, &cfg.data) {
+        (None, None) => Some(load(&setup.builtin_file("dpo_test.jsonl")?)?),
+        (pairs, _) => pairs,
+    };
     let held_out = |setup: &Setup| -> Result<Vec<(String, f64)>> {
         let mut m = eval_accuracy(setup, &eval)?;
         if let Some(p) = &eval_pairs {
@@ -233,11 +238,7 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
         beta = cfg.beta,
         "dpo"
     );
-    let training = TrainingData {
-        items: &pairs,
-        what: "pairs",
-        source: data.name(),
-    };
+    let training = TrainingData::of(&pairs, "pairs", data.name());
     let mut trainer = Trainer::new(cfg, &setup, Recipe::Dpo, &training, RunRecord::new())?;
     let before = trainer.held_out_before(|| held_out(&setup))?;
     let model = &setup.model;

@@ -286,11 +286,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         .then(|| setup.initial_reference(cfg))
         .transpose()?;
     tracing::info!(prompts = prompts.len(), group = g.group_size, rewards = ?reward_specs, "grpo");
-    let training = TrainingData {
-        items: &prompts,
-        what: "prompts",
-        source: data.name(),
-    };
+    let training = TrainingData::of(&prompts, "prompts", data.name());
     let extra = g.record(&reward_specs);
     let mut trainer = Trainer::new(cfg, &setup, Recipe::Grpo, &training, extra)?;
     if !trainer.start_step.is_multiple_of(g.num_iterations) {

@@ -45,6 +45,7 @@ pub mod rewards;
 pub mod sampling;
 pub mod sft;
 pub mod tensorboard;
+pub mod token_store;
 pub mod tokenizer;
 pub mod trainer;
 

@@ -89,12 +89,17 @@ impl OutputDir {
 }
 
 /// Whether `name` is one of the outputs a run writes through a hidden temporary: `checkpoint-N`,
-/// `final`, `merged` or `metrics.jsonl`. Cleanup touches nothing else a user keeps in the directory.
+/// `final`, `merged` or `metrics.jsonl`, or its tokenized data (`tokenized`, `packed`: only ever
+/// temporary). Cleanup touches nothing else a user keeps in the directory.
 fn is_run_output(name: &str) -> bool {
     let checkpoint = name
         .strip_prefix("checkpoint-")
         .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()));
-    checkpoint || matches!(name, "final" | "merged" | "metrics.jsonl")
+    checkpoint
+        || matches!(
+            name,
+            "final" | "merged" | "metrics.jsonl" | "tokenized" | "packed"
+        )
 }
 
 /// The run output a save's hidden temporary belongs to (`.checkpoint-5.tmp-123` → `checkpoint-5`);
@@ -103,6 +108,12 @@ fn save_target<'a>(name: &'a str, mark: &str) -> Option<&'a str> {
     let (head, pid) = name.strip_prefix('.')?.rsplit_once(mark)?;
     let pid_ok = !pid.is_empty() && pid.chars().all(|c| c.is_ascii_digit());
     (pid_ok && is_run_output(head)).then_some(head)
+}
+
+/// The hidden temporary path of the run output `name` in `dir` for this process
+/// (`.NAME.tmp-PID`), which [`clean_interrupted_saves`] removes if the process dies.
+pub fn temporary(dir: &Path, name: &str) -> std::path::PathBuf {
+    dir.join(format!(".{name}{TMP_MARK}{}", std::process::id()))
 }
 
 /// Removes every `.NAME.tmp-PID` in `dir` whose NAME is a run output ([`is_run_output`]), and puts

@@ -6,9 +6,11 @@ use streambp_objectives::Sft;
 use crate::batch::collate;
 use crate::checkpoint::RunRecord;
 use crate::config::{Recipe, TrainConfig};
-use crate::data::{load_sft, pack};
+use crate::data::{load_sft, load_sft_into};
 use crate::eval::{eval_accuracy, eval_loss, eval_rows};
+use crate::output::temporary;
 use crate::recipe::Setup;
+use crate::token_store::StoreWriter;
 use crate::trainer::{Summary, Trainer, TrainingData};
 use crate::Result;
 
@@ -17,10 +19,14 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
     let setup = Setup::new(cfg, Recipe::Sft)?;
     let data = setup.data_source(cfg, "train.jsonl")?;
     let tok = &setup.tokenizer;
-    let mut examples = load_sft(&data, tok, cfg.max_length, cfg.overflow, &cfg.text_field)?;
+    // Tokenized row by row onto disk, and read back by index: memory does not grow with the data.
+    let mut store = StoreWriter::create(&temporary(&cfg.output_dir, "tokenized"))?;
+    let limits = (cfg.max_length, cfg.overflow);
+    load_sft_into(&data, tok, limits, &cfg.text_field, &mut store)?;
+    let mut examples = store.finish()?;
     if cfg.packing {
         let before = examples.len();
-        examples = pack(examples, cfg.max_length);
+        examples = examples.packed(cfg.max_length, &temporary(&cfg.output_dir, "packed"))?;
         tracing::info!(
             examples = before,
             rows = examples.len(),
@@ -30,7 +36,8 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
     }
     tracing::info!(examples = examples.len(), data = data.name(), "sft");
     let training = TrainingData {
-        items: &examples,
+        count: examples.len(),
+        identity: examples.identity().clone(),
         what: "examples",
         source: data.name(),
     };
@@ -66,12 +73,12 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
         let mine: usize = micro_batches
             .iter()
             .flat_map(|(rows, _)| rows.iter())
-            .map(|&i| examples[i].targets())
+            .map(|&i| examples.get(i).targets())
             .sum();
         let targets = setup.comm.sum(mine as f64)?;
         for (m, (rows, first_row)) in micro_batches.into_iter().enumerate() {
-            let rows: Vec<_> = rows.iter().map(|&i| &examples[i]).collect();
-            let c = collate(&rows, setup.tokenizer.pad_id);
+            let rows: Vec<_> = rows.iter().map(|&i| examples.get(i)).collect();
+            let c = collate(&rows.iter().collect::<Vec<_>>(), setup.tokenizer.pad_id);
             let sft = Sft::new(
                 &c.labels,
                 model.config.vocab_size,

@@ -109,14 +109,29 @@ impl DataOrder {
     }
 }
 
-/// A run's training items (examples, pairs or prompts), what they are called and where they came from.
-pub struct TrainingData<'a, T> {
-    /// The items the data order walks.
-    pub items: &'a [T],
+/// A run's training items (examples, pairs or prompts): how many, their record for checkpoints, what
+/// they are called and where they came from.
+pub struct TrainingData<'a> {
+    /// How many items the data order walks.
+    pub count: usize,
+    /// Their number and fingerprint ([`data_identity`]), which a resumed run must match.
+    pub identity: serde_json::Value,
     /// Their name in messages ("examples", "pairs", "prompts").
     pub what: &'a str,
     /// Where they were read from (a file, or a data set and its split).
     pub source: &'a str,
+}
+
+impl<'a> TrainingData<'a> {
+    /// Items held in memory.
+    pub fn of<T: Digest>(items: &[T], what: &'a str, source: &'a str) -> Self {
+        Self {
+            count: items.len(),
+            identity: data_identity(items),
+            what,
+            source,
+        }
+    }
 }
 
 /// A step's loss, real tokens and metrics over all ranks.
@@ -182,21 +197,21 @@ impl Trainer {
     /// resuming, compares that record with the checkpoint's and restores the optimizer (this rank's
     /// shard) and data position. Call it before any long work (evaluation), so that a refused run
     /// stops at once.
-    pub fn new<T: Digest>(
+    pub fn new(
         cfg: &TrainConfig,
         setup: &Setup,
         recipe: Recipe,
-        data: &TrainingData<T>,
+        data: &TrainingData,
         extra: RunRecord,
     ) -> Result<Self> {
         let comm = setup.comm.clone();
         let (rank, world) = (comm.rank(), comm.world_size());
-        let examples = data.items.len();
+        let examples = data.count;
         let per_step = cfg.examples_per_step()?.saturating_mul(world);
         cfg.check_data_size(examples, data.what, data.source, world)?;
         let mut run = cfg.record(recipe);
         run.extend(extra);
-        run.insert("data".into(), data_identity(data.items));
+        run.insert("data".into(), data.identity.clone());
         run.insert("ranks".into(), world.into());
         let adamw = AdamWConfig {
             weight_decay: cfg.weight_decay,

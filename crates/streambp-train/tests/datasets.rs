@@ -295,6 +295,14 @@ fn directories_and_hub_ids_resolve_their_splits_offline() {
     );
 }
 
+/// The error loading the SFT examples of the file `path`.
+fn load_error(path: &Path, tok: &TextTokenizer) -> String {
+    let source = DataSource::file(path).unwrap();
+    load_sft(&source, tok, 64, Overflow::Truncate, "text")
+        .unwrap_err()
+        .to_string()
+}
+
 #[test]
 fn errors_name_the_shard_and_row() {
     let dir = tempfile::tempdir().unwrap();
@@ -303,28 +311,12 @@ fn errors_name_the_shard_and_row() {
     bad[4]["completion"] = Value::Null;
     let file = dir.path().join("bad.parquet");
     write_parquet(&file, &["prompt", "completion"], &bad, 2);
-    let err = load_sft(
-        &DataSource::file(&file).unwrap(),
-        &tok,
-        64,
-        Overflow::Truncate,
-        "text",
-    )
-    .unwrap_err()
-    .to_string();
+    let err = load_error(&file, &tok);
     assert!(err.contains("bad.parquet row 4: expected"), "{err}");
 
     let corrupt = dir.path().join("corrupt.parquet");
     std::fs::write(&corrupt, b"PAR1 this is not parquet").unwrap();
-    let err = load_sft(
-        &DataSource::file(&corrupt).unwrap(),
-        &tok,
-        64,
-        Overflow::Truncate,
-        "text",
-    )
-    .unwrap_err()
-    .to_string();
+    let err = load_error(&corrupt, &tok);
     assert!(
         err.contains("corrupt.parquet: not a readable Parquet file"),
         "{err}"
@@ -332,17 +324,20 @@ fn errors_name_the_shard_and_row() {
 
     let array = dir.path().join("rows.json");
     std::fs::write(&array, r#"[{"text": "1+1=2"}, 7]"#).unwrap();
-    let err = load_sft(
-        &DataSource::file(&array).unwrap(),
-        &tok,
-        64,
-        Overflow::Truncate,
-        "text",
-    )
-    .unwrap_err()
-    .to_string();
+    let err = load_error(&array, &tok);
     assert!(
         err.contains("rows.json row 1: expected a JSON object"),
+        "{err}"
+    );
+    // A JSON array is read element by element: a syntax error names the row it broke in.
+    std::fs::write(
+        &array,
+        r#"[{"text": "1+1=2"}, {"text": "2+2=4"}, {"text": 3+]"#,
+    )
+    .unwrap();
+    let err = load_error(&array, &tok);
+    assert!(
+        err.contains("rows.json: not a valid JSON array (at row 2)") && err.contains("column"),
         "{err}"
     );
 

@@ -5,6 +5,7 @@
 //! array excepted), and an error names the shard and its line (JSONL) or row (Parquet, JSON array).
 
 mod hub;
+mod json_array;
 mod parquet_rows;
 mod splits;
 
@@ -233,7 +234,7 @@ enum ShardRows {
     },
     Array {
         file: Arc<PathBuf>,
-        rows: std::iter::Enumerate<std::vec::IntoIter<serde_json::Value>>,
+        rows: std::iter::Enumerate<json_array::ArrayElements>,
     },
     Parquet(parquet_rows::ParquetRows),
 }
@@ -248,25 +249,10 @@ impl ShardRows {
                 file,
                 line: 0,
             },
-            Format::JsonArray => {
-                let value: serde_json::Value =
-                    serde_json::from_reader(std::io::BufReader::new(open()?)).map_err(|e| {
-                        TrainError::data(
-                            shard.path.display(),
-                            format!("not a valid JSON array: {e}"),
-                        )
-                    })?;
-                let serde_json::Value::Array(rows) = value else {
-                    return Err(TrainError::data(
-                        shard.path.display(),
-                        "expected a JSON array of objects",
-                    ));
-                };
-                Self::Array {
-                    file,
-                    rows: rows.into_iter().enumerate(),
-                }
-            }
+            Format::JsonArray => Self::Array {
+                rows: json_array::ArrayElements::start(open()?).enumerate(),
+                file,
+            },
             Format::Parquet => Self::Parquet(parquet_rows::ParquetRows::open(&shard.path)?),
         })
     }
@@ -316,8 +302,12 @@ impl ShardRows {
                     at: At::Row(i),
                 };
                 Some(match value {
-                    serde_json::Value::Object(o) => Ok((at, o)),
-                    _ => Err(TrainError::data(at, "expected a JSON object")),
+                    Ok(serde_json::Value::Object(o)) => Ok((at, o)),
+                    Ok(_) => Err(TrainError::data(at, "expected a JSON object")),
+                    Err(e) => Err(TrainError::data(
+                        file.display(),
+                        format!("not a valid JSON array (at row {i}): {e}"),
+                    )),
                 })
             }
             Self::Parquet(rows) => rows.next(),
