@@ -46,12 +46,15 @@ fn run(ranks: usize, out: &Path, args: &str) -> Output {
     output
 }
 
-/// Each logged step's `key` (metrics.jsonl, written by rank 0; eval rows have their own keys).
+/// Each training step's `key` (metrics.jsonl, written by rank 0; eval rows, which have no loss,
+/// left out).
 fn logged(out: &Path, key: &str) -> Vec<f64> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()[key].as_f64())
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|row| row.get("loss").is_some())
+        .filter_map(|row| row[key].as_f64())
         .collect()
 }
 

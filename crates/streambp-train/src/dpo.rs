@@ -11,7 +11,9 @@ use crate::data::{encode_pair, text_field, Example, LoadReport, Overflow, Text};
 use crate::dataset::DataSource;
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::sequence_logps;
+use crate::output::temporary;
 use crate::recipe::Setup;
+use crate::token_store::{ExampleSink, StoreWriter};
 use crate::tokenizer::TextTokenizer;
 use crate::trainer::{Summary, Trainer, TrainingData};
 use crate::{Result, TrainError};
@@ -43,7 +45,27 @@ pub fn load_pairs(
     max_length: usize,
     overflow: Overflow,
 ) -> Result<Vec<Pair>> {
-    let mut pairs = Vec::new();
+    let mut sides = Vec::new();
+    load_pairs_into(source, tok, (max_length, overflow), &mut sides)?;
+    let mut sides = sides.into_iter();
+    Ok(std::iter::from_fn(|| {
+        Some(Pair {
+            chosen: sides.next()?,
+            rejected: sides.next()?,
+        })
+    })
+    .collect())
+}
+
+/// [`load_pairs`] into `out`, one pair at a time as its chosen then its rejected example (a
+/// [`crate::token_store::StoreWriter`] keeps a data set of any size on disk: pair `i` is examples
+/// `2i` and `2i + 1`); `limits` are `--max-length` and `--overflow`.
+pub fn load_pairs_into(
+    source: &DataSource,
+    tok: &TextTokenizer,
+    (max_length, overflow): (usize, Overflow),
+    out: &mut impl ExampleSink,
+) -> Result<()> {
     let mut report = LoadReport::default();
     for row in source.rows() {
         let (at, row) = row?;
@@ -85,15 +107,15 @@ pub fn load_pairs(
             report.skipped += 1;
             continue;
         }
-        pairs.push(Pair { chosen, rejected });
+        out.push(chosen)?;
+        out.push(rejected)?;
     }
     report.finish(
         source,
         "pairs",
-        pairs.len(),
+        out.count() / 2,
         &format!("--max-length {max_length}"),
-    )?;
-    Ok(pairs)
+    )
 }
 
 fn same_kind(a: &Text, b: &Text) -> bool {
@@ -201,7 +223,16 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
         None => setup.initial_reference(cfg)?,
     };
     let data = setup.data_source(cfg, "dpo.jsonl")?;
-    let pairs = load_pairs(&data, &setup.tokenizer, cfg.max_length, cfg.overflow)?;
+    // Tokenized pair by pair onto disk and read back by index, as SFT's examples.
+    let mut store = StoreWriter::create(&temporary(&cfg.output_dir, "tokenized"))?;
+    let limits = (cfg.max_length, cfg.overflow);
+    load_pairs_into(&data, &setup.tokenizer, limits, &mut store)?;
+    let sides = store.finish()?;
+    let pairs = sides.len() / 2;
+    let pair = |i: usize| Pair {
+        chosen: sides.get(2 * i),
+        rejected: sides.get(2 * i + 1),
+    };
     // Held-out pairs (scored by preference accuracy): --eval-data's (or --eval-split's) when its
     // rows are pairs, the built-in task's test pairs when training on the built-in task; held-out
     // prompt/completion rows are scored by exact-match accuracy.
@@ -232,13 +263,13 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
         }
         Ok(m)
     };
-    tracing::info!(
-        pairs = pairs.len(),
-        data = data.name(),
-        beta = cfg.beta,
-        "dpo"
-    );
-    let training = TrainingData::of(&pairs, "pairs", data.name());
+    tracing::info!(pairs, data = data.name(), beta = cfg.beta, "dpo");
+    let training = TrainingData {
+        count: pairs,
+        identity: sides.identity().clone(),
+        what: "pairs",
+        source: data.name(),
+    };
     let mut trainer = Trainer::new(cfg, &setup, Recipe::Dpo, &training, RunRecord::new())?;
     let before = trainer.held_out_before(|| held_out(&setup))?;
     let model = &setup.model;
@@ -252,8 +283,8 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
         let weight = 1.0 / (picked.len() / cfg.batch_size) as f64;
         for (m, global) in picked.chunks(cfg.batch_size * world).enumerate() {
             let (micro, first) = trainer.local(global);
-            let group: Vec<&Pair> = micro.iter().map(|&i| &pairs[i]).collect();
-            let c = stack(&group, setup.tokenizer.pad_id);
+            let group: Vec<Pair> = micro.iter().map(|&i| pair(i)).collect();
+            let c = stack(&group.iter().collect::<Vec<_>>(), setup.tokenizer.pad_id);
             let t = c.tensors(&setup.device)?;
             let targets =
                 TokenTargets::from_labels(&c.labels, model.config.vocab_size, &setup.device)?;
