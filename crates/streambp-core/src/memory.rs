@@ -130,12 +130,6 @@ impl Meter {
         }
     }
 
-    /// The most live heap bytes since the process started (never reset: loading data, training and
-    /// saving together).
-    pub fn process_peak_bytes() -> Option<usize> {
-        is_counting().then(|| PROCESS_PEAK.load(Ordering::Relaxed))
-    }
-
     /// Starts a new peak measurement from the current level.
     pub fn reset_peak(&self) {
         match self {
@@ -216,12 +210,6 @@ mod cuda_pool {
             let high = self.read(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?;
             let floor = self.floor.load(std::sync::atomic::Ordering::Relaxed);
             Some(high.max(floor).max(self.current()?))
-        }
-
-        /// The most live heap bytes since the process started (never reset: loading data, training and
-        /// saving together).
-        pub fn process_peak_bytes() -> Option<usize> {
-            is_counting().then(|| PROCESS_PEAK.load(Ordering::Relaxed))
         }
 
         /// Starts a new peak measurement from the current level.
