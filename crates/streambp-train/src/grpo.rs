@@ -13,9 +13,11 @@ use crate::data::{text_field, Example, LoadReport, Overflow, Row, Text};
 use crate::dataset::DataSource;
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::token_logps;
+use crate::output::temporary;
 use crate::recipe::Setup;
 use crate::rewards::{group_advantages, parse_reward, Reward};
 use crate::sampling::sample_group;
+use crate::token_store::{RecordStore, RecordWriter};
 use crate::trainer::{Summary, Trainer, TrainingData};
 use crate::{Result, TrainError};
 
@@ -35,6 +37,7 @@ struct Rollouts {
 
 /// A prompt to sample from: its tokens (cut to fit `--max-length` with the completion) and its data row,
 /// which the rewards read.
+#[derive(serde::Serialize, serde::Deserialize)]
 struct Prompt {
     ids: Vec<u32>,
     row: Row,
@@ -54,17 +57,18 @@ impl Digest for Prompt {
 
 /// The prompts of a GRPO data file: rows with a `prompt` string and every column a reward reads. A
 /// prompt that leaves no room for `max_new_tokens` within `max_length` is skipped or cut from the left
-/// (TRL keeps a prompt's end).
+/// (TRL keeps a prompt's end). They go onto disk one at a time (a store in the output directory), so
+/// a prompt set of any size loads in bounded memory.
 fn load_prompts(
     source: &DataSource,
     setup: &Setup,
     cfg: &TrainConfig,
     g: &GrpoConfig,
     rewards: &[Box<dyn Reward>],
-) -> Result<Vec<Prompt>> {
+) -> Result<RecordStore> {
     let room = cfg.max_length - g.sampling.max_new_tokens;
     let mut report = LoadReport::default();
-    let mut prompts = Vec::new();
+    let mut prompts = RecordWriter::create(&temporary(&cfg.output_dir, "tokenized"))?;
     for row in source.rows() {
         let (at, row) = row?;
         let where_ = at.to_string();
@@ -102,14 +106,14 @@ fn load_prompts(
             ids.drain(..ids.len() - room);
             report.truncated += 1;
         }
-        prompts.push(Prompt { ids, row });
+        prompts.push(&Prompt { ids, row })?;
     }
     let limit = format!(
         "--max-length {} minus --max-new-tokens {}, keeping a prompt's end",
         cfg.max_length, g.sampling.max_new_tokens
     );
-    report.finish(source, "prompts", prompts.len(), &limit)?;
-    Ok(prompts)
+    report.finish(source, "prompts", prompts.count(), &limit)?;
+    prompts.finish()
 }
 
 /// A conversational prompt as text, as TRL renders it: with the generation prompt after a user turn,
@@ -219,7 +223,7 @@ fn draw_rollouts(
     setup: &Setup,
     cfg: &TrainConfig,
     g: &GrpoConfig,
-    prompts: &[Prompt],
+    prompts: &RecordStore,
     (picked, first): (&[usize], usize),
     rewards: &[Box<dyn Reward>],
     step: usize,
@@ -232,7 +236,8 @@ fn draw_rollouts(
     for (k, &i) in picked.iter().enumerate() {
         let mut rng =
             NormalRng::new(step_seed ^ ((first + k) as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9));
-        let mut r = rollout(setup, &prompts[i], rewards, g, &mut rng, &mut totals)?;
+        let prompt: Prompt = prompts.get(i)?;
+        let mut r = rollout(setup, &prompt, rewards, g, &mut rng, &mut totals)?;
         if g.num_iterations > 1 {
             let t = r.rows.tensors(&setup.device)?;
             let ids = &r.rows.input_ids;
@@ -286,7 +291,12 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         .then(|| setup.initial_reference(cfg))
         .transpose()?;
     tracing::info!(prompts = prompts.len(), group = g.group_size, rewards = ?reward_specs, "grpo");
-    let training = TrainingData::of(&prompts, "prompts", data.name());
+    let training = TrainingData {
+        count: prompts.len(),
+        identity: prompts.identity().clone(),
+        what: "prompts",
+        source: data.name(),
+    };
     let extra = g.record(&reward_specs);
     let mut trainer = Trainer::new(cfg, &setup, Recipe::Grpo, &training, extra)?;
     if !trainer.start_step.is_multiple_of(g.num_iterations) {
