@@ -139,8 +139,8 @@ impl Columns {
     }
 }
 
-/// A finished store's columns, mapped.
-struct Mapped {
+/// A finished store's columns, mapped: what [`TokenStore`] and [`RecordStore`] share.
+pub struct Mapped {
     maps: Vec<Option<Mmap>>,
     count: usize,
     identity: serde_json::Value,
@@ -149,6 +149,22 @@ struct Mapped {
 }
 
 impl Mapped {
+    /// The number of items.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Whether it holds no item.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// The record of the items for a checkpoint: their number and fingerprint, as
+    /// [`crate::checkpoint::data_identity`] gives for the same items in memory.
+    pub fn identity(&self) -> &serde_json::Value {
+        &self.identity
+    }
+
     /// Elements `[from, to)` of `column`, `width` bytes each (empty for an empty column).
     fn bytes(&self, column: usize, width: usize, from: usize, to: usize) -> &[u8] {
         self.maps[column]
@@ -223,30 +239,22 @@ impl ExampleSink for StoreWriter {
 /// Examples read from disk by index; the directory is removed when the store is dropped.
 pub struct TokenStore(Mapped);
 
+impl std::ops::Deref for TokenStore {
+    type Target = Mapped;
+
+    fn deref(&self) -> &Mapped {
+        &self.0
+    }
+}
+
 impl TokenStore {
-    /// The number of examples.
-    pub fn len(&self) -> usize {
-        self.0.count
-    }
-
-    /// Whether it holds no example.
-    pub fn is_empty(&self) -> bool {
-        self.0.count == 0
-    }
-
-    /// The record of the examples for a checkpoint: their number and fingerprint, as
-    /// [`crate::checkpoint::data_identity`] gives for the same examples in memory.
-    pub fn identity(&self) -> &serde_json::Value {
-        &self.0.identity
-    }
-
     /// Example `i`'s length in tokens.
     pub fn tokens(&self, i: usize) -> usize {
         let (from, to) = self.0.span(i);
         to - from
     }
 
-    /// Example `i` (an index below [`TokenStore::len`]), copied out of the maps.
+    /// Example `i` (an index below [`Mapped::len`]), copied out of the maps.
     pub fn get(&self, i: usize) -> Example {
         let (from, to) = self.0.span(i);
         Example {
@@ -305,23 +313,16 @@ impl RecordWriter {
 /// Items read from disk by index; the directory is removed when the store is dropped.
 pub struct RecordStore(Mapped);
 
+impl std::ops::Deref for RecordStore {
+    type Target = Mapped;
+
+    fn deref(&self) -> &Mapped {
+        &self.0
+    }
+}
+
 impl RecordStore {
-    /// The number of items.
-    pub fn len(&self) -> usize {
-        self.0.count
-    }
-
-    /// Whether it holds no item.
-    pub fn is_empty(&self) -> bool {
-        self.0.count == 0
-    }
-
-    /// The record of the items for a checkpoint, as [`crate::checkpoint::data_identity`] gives.
-    pub fn identity(&self) -> &serde_json::Value {
-        &self.0.identity
-    }
-
-    /// Item `i` (an index below [`RecordStore::len`]).
+    /// Item `i` (an index below [`Mapped::len`]).
     pub fn get<T: DeserializeOwned>(&self, i: usize) -> Result<T> {
         let (from, to) = self.0.span(i);
         serde_json::from_slice(self.0.bytes(0, 1, from, to))
