@@ -4,6 +4,7 @@
 //!
 //! `cargo run --release -p streambp-bench -- --config benches/configs/qwen3-small.json --seq-lens 1024,2048`
 
+mod peer;
 mod world;
 
 use std::io::Write;
@@ -105,6 +106,17 @@ struct Args {
     /// With --world: the ZeRO stages, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
     zero: Vec<ZeroStage>,
+    /// Instead of the sweep: each T's SFT step beside PyTorch + transformers' (without and with
+    /// gradient checkpointing) run by this Python (torch and transformers installed), alternating
+    /// the two for max(--repeats, 3) rounds and reporting medians and ratios.
+    #[arg(long)]
+    peer: Option<PathBuf>,
+    /// The peer's script [default: scripts/peer_bench.py of this checkout].
+    #[arg(long)]
+    peer_script: Option<PathBuf>,
+    /// With --peer: also write the table into this markdown file (between its marker lines).
+    #[arg(long)]
+    peer_doc: Option<PathBuf>,
 }
 
 struct Point {
@@ -455,6 +467,62 @@ fn mib(b: usize) -> f64 {
     b as f64 / (1 << 20) as f64
 }
 
+/// `--peer`: our SFT step beside the peer's at each T ([`peer`]).
+fn compare_with_peer(args: &Args, model: &Model, python: &std::path::Path) -> anyhow::Result<()> {
+    if args.objective != "sft" {
+        bail!("--peer times SFT steps (the peer's loss): give --objective sft");
+    }
+    let script = args
+        .peer_script
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(peer::DEFAULT_SCRIPT));
+    let mut runner = peer::Peer::start(python, &script, &args.config, &args.dtype)?;
+    let modes: Vec<String> = args.modes.iter().map(|m| m.to_string()).collect();
+    let vocab = model.config.vocab_size;
+    let rows = peer::compare(
+        &mut runner,
+        &args.seq_lens,
+        &modes,
+        args.repeats.max(3),
+        |t, mode| {
+            let work = workload("sft", vocab, t, 1, model.device())?;
+            let mode: Mode = mode.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+            let p = run(
+                ("full", model),
+                &work,
+                mode,
+                given_chunks(args, t),
+                1,
+                options(args),
+                false,
+            )?;
+            Ok(p.seconds)
+        },
+    )?;
+    let info = &runner.info;
+    let chunk = args.chunk.map_or("T/3".to_string(), |c| c.to_string());
+    let heading = format!(
+        "{}, {}, batch 1, SFT forward + backward; streambp chunk {chunk}, logits chunk {}; peer: torch {}, \
+         transformers {}, {} threads, {} attention; medians of {} alternated rounds, {} cores\n\n",
+        args.config.display(),
+        args.dtype,
+        args.logits_chunk,
+        info["torch"].as_str().unwrap_or("?"),
+        info["transformers"].as_str().unwrap_or("?"),
+        info["threads"],
+        info["attn"].as_str().unwrap_or("?"),
+        args.repeats.max(3),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+    );
+    let table = peer::table(&rows);
+    println!();
+    print!("{heading}{table}");
+    if let Some(doc) = &args.peer_doc {
+        peer::write_into(doc, &format!("{heading}{table}"))?;
+    }
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     // Ranks sharing a node share its cores (set before any thread pool starts).
     if let Some(threads) = streambp_dist::threads_per_rank() {
@@ -543,6 +611,10 @@ fn main() -> anyhow::Result<()> {
         Options::default(),
         false,
     )?;
+
+    if let Some(python) = &args.peer {
+        return compare_with_peer(&args, &model, python);
+    }
 
     if let Some(budget) = args.max_t_budget {
         println!();

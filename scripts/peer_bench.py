@@ -1,0 +1,97 @@
+"""The PyTorch peer of the bench: one forward + backward of a random-init transformers model, batch 1,
+SFT loss on every token (labels = inputs), with or without gradient checkpointing.
+
+Two ways to run it (torch + transformers from PyPI: `.venv/bin/pip install torch transformers`):
+
+    # standalone: JSON lines, one per (T, mode), the median of --repeats after a warm-up
+    python scripts/peer_bench.py --config benches/configs/qwen3-small.json --seqs 2048,4096
+
+    # as the bench's peer (streambp-bench --peer python): reads "T MODE" lines on stdin, answers one
+    # JSON line per request, so the bench can alternate the peer's steps with its own in one run
+    python scripts/peer_bench.py --config benches/configs/qwen3-small.json --serve
+
+MODE is `none` (transformers, no checkpointing) or `gc` (gradient checkpointing of every decoder
+layer with transformers' defaults: `activation_checkpointing_enable()`, formerly
+`gradient_checkpointing_enable()`). Threads: --threads (default: every core, as candle's CPU backend uses).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+p = argparse.ArgumentParser()
+p.add_argument("--config", required=True, help="an HF config.json (model_type picks the class)")
+p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+p.add_argument("--device", default="cpu")
+p.add_argument("--threads", type=int, default=os.cpu_count())
+p.add_argument("--attn", default="sdpa", help="transformers' attention implementation")
+p.add_argument("--seqs", default="1024,2048", help="standalone: sequence lengths")
+p.add_argument("--modes", default="none,gc", help="standalone: none, gc or both")
+p.add_argument("--repeats", type=int, default=3, help="standalone: timed steps per point")
+p.add_argument("--serve", action="store_true", help="answer 'T MODE' lines on stdin")
+a = p.parse_args()
+
+torch.set_num_threads(a.threads)
+dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+cfg = AutoConfig.from_pretrained(a.config)
+cfg._attn_implementation = a.attn
+torch.manual_seed(0)
+with torch.device(a.device):
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+model.train()
+# Dropout off, as in the bench (the configs have none; a pretrained config may).
+for module in model.modules():
+    if isinstance(module, torch.nn.Dropout):
+        module.p = 0.0
+
+
+def synchronize():
+    if a.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def step(t, mode):
+    """Seconds of one forward + backward at `t` tokens in `mode`."""
+    # transformers 5.2x renamed gradient_checkpointing_* to activation_checkpointing_*.
+    new_names = hasattr(model, "activation_checkpointing_enable")
+    if mode == "gc":
+        (model.activation_checkpointing_enable if new_names else model.gradient_checkpointing_enable)()
+    else:
+        (model.activation_checkpointing_disable if new_names else model.gradient_checkpointing_disable)()
+    # The bench's synthetic ids, the same formula.
+    ids = torch.tensor([[((i * 2654435761) >> 7) % cfg.vocab_size for i in range(t)]], device=a.device)
+    model.zero_grad(set_to_none=True)
+    synchronize()
+    start = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    synchronize()
+    seconds = time.perf_counter() - start
+    return seconds, loss.item()
+
+
+def info():
+    return dict(torch=torch.__version__, transformers=__import__("transformers").__version__,
+                threads=torch.get_num_threads(), attn=a.attn, dtype=a.dtype)
+
+
+if a.serve:
+    print(json.dumps(dict(ready=True, **info())), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        t, mode = line.split()
+        seconds, loss = step(int(t), mode)
+        print(json.dumps(dict(T=int(t), mode=mode, seconds=seconds, loss=loss)), flush=True)
+else:
+    for t in (int(s) for s in a.seqs.split(",")):
+        for mode in a.modes.split(","):
+            step(t, mode)  # warm-up
+            times = [step(t, mode)[0] for _ in range(a.repeats)]
+            print(json.dumps(dict(T=t, mode=mode, median_s=statistics.median(times), runs=times,
+                                  **info())), flush=True)
