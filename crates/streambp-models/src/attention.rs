@@ -16,6 +16,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
 
 use crate::error::Result;
 use crate::op::Precomputed;
+use crate::softmax_block;
 
 /// Keys per block: the score tensors of a query chunk are at most `heads × c × KEY_BLOCK`.
 pub const KEY_BLOCK: usize = 2048;
@@ -108,8 +109,9 @@ impl Blocks {
         Ok((k.narrow(2, r.start, r.n)?, v.narrow(2, r.start, r.n)?))
     }
 
-    /// Masked scores of all queries against the keys `k` of block `r`: `[b, kv_heads, group, c, n]`.
-    fn scores(&self, q: &Tensor, k: &Tensor, r: KeyRange) -> CResult<Tensor> {
+    /// Scores of all queries against the keys `k` of block `r` (`[b, kv_heads, group, c, n]`, in the
+    /// compute dtype), and the block's additive mask (`None`: every query reads every key).
+    fn scores(&self, q: &Tensor, k: &Tensor, r: KeyRange) -> CResult<(Tensor, Option<Tensor>)> {
         let (b, kv_heads, rows, _) = q.dims4()?;
         let s = q.matmul(&k.t()?)?.to_dtype(self.compute)?.reshape((
             b,
@@ -118,14 +120,11 @@ impl Blocks {
             rows / self.group,
             r.n,
         ))?;
-        match self
+        let mask = self
             .mask
             .bias(r.index, r.n, self.compute)
-            .map_err(to_candle)?
-        {
-            Some(bias) => s.broadcast_add(&bias),
-            None => Ok(s),
-        }
+            .map_err(to_candle)?;
+        Ok((s, mask))
     }
 
     /// `[b, kv_heads, group, c, n]` in the compute dtype as `[b, kv_heads, group·c, n]` in `dtype`.
@@ -149,14 +148,24 @@ impl Blocks {
         let mut state: Option<(Tensor, Tensor, Tensor)> = None;
         for r in self.ranges(k.dim(2)?)? {
             let (k, v) = self.keys_values(r, k, v)?;
-            let s = self.scores(q, &k, r)?;
-            let block_max = s.max_keepdim(D::Minus1)?;
-            let max = match &state {
-                Some((m, _, _)) => m.maximum(&block_max)?,
-                None => block_max,
+            let (s, mask) = self.scores(q, &k, r)?;
+            let before = state.as_ref().map(|(m, _, _)| m);
+            let (p, max, sum) = match softmax_block::forward(&s, mask.as_ref(), before)? {
+                Some(fused) => fused,
+                None => {
+                    let s = masked(&s, mask.as_ref())?;
+                    let block_max = s.max_keepdim(D::Minus1)?;
+                    let max = match before {
+                        Some(m) => m.maximum(&block_max)?,
+                        None => block_max,
+                    };
+                    let p = s.broadcast_sub(&max)?.exp()?;
+                    let sum = p.sum_keepdim(D::Minus1)?;
+                    (p, max, sum)
+                }
             };
-            let p = s.broadcast_sub(&max)?.exp()?;
-            let sum = p.sum_keepdim(D::Minus1)?;
+            // Only the probabilities go on: the scores' memory is free for the product.
+            drop((s, mask));
             let pv = self.grouped(&self.flat(&p, dtype)?.matmul(&v)?)?;
             state = Some(match state {
                 None => (max, sum, pv),
@@ -240,17 +249,30 @@ impl CustomOp3 for Attention {
         let (own_grad_k, own_grad_v) = (k.zeros_like()?, v.zeros_like()?);
         for r in b.ranges(k.dim(2)?)? {
             let (k_r, v_r) = b.keys_values(r, &k, &v)?;
-            let p = b
-                .scores(&q, &k_r, r)?
-                .broadcast_sub(&self.normalizer.max)?
-                .broadcast_sub(&self.normalizer.log_sum)?
-                .exp()?;
-            let grad_v_r = b.flat(&p, dtype)?.t()?.matmul(&grad)?;
+            let (s, mask) = b.scores(&q, &k_r, r)?;
             let grad_p = grad
                 .matmul(&v_r.t()?)?
                 .to_dtype(b.compute)?
-                .reshape(p.shape())?;
-            let grad_s = b.flat(&(p * grad_p.broadcast_sub(&dot)?)?, dtype)?;
+                .reshape(s.shape())?;
+            let normalizer = (&self.normalizer.max, &self.normalizer.log_sum);
+            let (p, grad_s) =
+                match softmax_block::backward(&s, mask.as_ref(), normalizer, &grad_p, &dot)? {
+                    Some(fused) => fused,
+                    None => {
+                        let p = masked(&s, mask.as_ref())?
+                            .broadcast_sub(normalizer.0)?
+                            .broadcast_sub(normalizer.1)?
+                            .exp()?;
+                        let grad_s = (&p * grad_p.broadcast_sub(&dot)?)?;
+                        (p, grad_s)
+                    }
+                };
+            // Each score-sized buffer is freed as soon as it is used: the scores and dP now, P after
+            // its product.
+            drop((s, mask, grad_p));
+            let grad_v_r = b.flat(&p, dtype)?.t()?.matmul(&grad)?;
+            drop(p);
+            let grad_s = b.flat(&grad_s, dtype)?;
             let dq = grad_s.matmul(&k_r)?.to_dtype(b.compute)?;
             grad_q = Some(match grad_q {
                 Some(acc) => (acc + dq)?,
@@ -269,6 +291,14 @@ impl CustomOp3 for Attention {
             .ok_or_else(|| candle_core::Error::Msg("no keys".into()))?
             .to_dtype(dtype)?;
         Ok((Some(grad_q), Some(own_grad_k), Some(own_grad_v)))
+    }
+}
+
+/// Scores with their mask added (the composed path).
+fn masked(s: &Tensor, mask: Option<&Tensor>) -> CResult<Tensor> {
+    match mask {
+        Some(mask) => s.broadcast_add(mask),
+        None => Ok(s.clone()),
     }
 }
 

@@ -32,6 +32,7 @@ pub mod model;
 pub mod norm;
 mod op;
 pub mod rope;
+mod softmax_block;
 
 pub use config::{Activation, Family, LayerKind, ModelConfig, NormStyle, RopeConfig, RopeScaling};
 pub use error::{ModelError, Result};

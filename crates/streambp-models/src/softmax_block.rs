@@ -1,0 +1,357 @@
+//! The attention op's element-wise work on one block of scores, as one pass per row on the CPU.
+//!
+//! Composed from tensor ops, a block's softmax reads and writes the `heads × c × keys` scores once per
+//! op: add the mask, take the maximum, subtract it, exponentiate, sum (forward); add the mask,
+//! subtract the maximum and the log-sum, exponentiate, subtract `Σ g ⊙ out`, multiply (backward). Here
+//! each row of scores is read once and its results written once, the row staying in cache between the
+//! steps, rows in parallel on rayon's pool. The arithmetic is the composed ops', in their order, so
+//! the results agree with them (to the last bit for the element-wise steps; sums may round apart).
+//!
+//! CPU only, f32 and f64: on another device or dtype the functions answer `None` and the op keeps its
+//! composed path (which is also the CUDA path until these have kernels of their own).
+//!
+//! Shapes: scores `s` and `dp` are `[b, kv_heads, group, c, n]`, the mask `[rows, 1, 1, c, n]` (rows =
+//! b or 1), the per-query values (`max`, `log_sum`, `dot`) `[b, kv_heads, group, c, 1]`.
+
+use candle_core::{DType, Storage, Tensor, WithDType};
+use num_traits::Float;
+use rayon::prelude::*;
+
+type CResult<T> = candle_core::Result<T>;
+
+/// Where a row of scores finds its mask row: rows are `[b, kv_heads, group, c]` flattened.
+#[derive(Clone, Copy)]
+struct RowMap {
+    /// `kv_heads × group × c`: rows per batch row.
+    per_batch: usize,
+    c: usize,
+    /// Whether the mask has a row per batch row (else one for all).
+    mask_per_batch: bool,
+}
+
+impl RowMap {
+    fn new(s: &Tensor, mask: Option<&Tensor>) -> CResult<Self> {
+        let (_, kv_heads, group, c, _) = s.dims5()?;
+        Ok(Self {
+            per_batch: kv_heads * group * c,
+            c,
+            mask_per_batch: mask.is_some_and(|m| m.dim(0).is_ok_and(|rows| rows > 1)),
+        })
+    }
+
+    /// The mask row of score row `r`.
+    fn mask_row(&self, r: usize) -> usize {
+        let batch = if self.mask_per_batch {
+            r / self.per_batch
+        } else {
+            0
+        };
+        batch * self.c + r % self.c
+    }
+}
+
+/// Runs `f` on the contiguous CPU data of `t` (`None` when `t` is not on the CPU).
+fn with_data<T: WithDType, R>(
+    t: &Tensor,
+    f: impl FnOnce(&[T]) -> CResult<R>,
+) -> CResult<Option<R>> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        return Ok(None);
+    };
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("softmax block: not contiguous".into()))?;
+    f(&cpu.as_slice::<T>()?[start..end]).map(Some)
+}
+
+/// Runs `f` on the data of an optional tensor (an empty slice for none).
+fn with_optional<T: WithDType, R>(
+    t: Option<&Tensor>,
+    f: impl FnOnce(&[T]) -> CResult<R>,
+) -> CResult<Option<R>> {
+    match t {
+        Some(t) => with_data(t, f),
+        None => f(&[]).map(Some),
+    }
+}
+
+/// Whether the fused path applies: CPU tensors of f32 or f64.
+fn applies(s: &Tensor) -> bool {
+    s.device().is_cpu() && matches!(s.dtype(), DType::F32 | DType::F64)
+}
+
+/// A block's forward softmax: with `v = s + mask`, each query's `max = max(prev_max, maxⱼ vⱼ)`,
+/// `p = exp(v − max)` and `sum = Σⱼ pⱼ`. Returns `(p, max, sum)`, or `None` off the CPU.
+pub(crate) fn forward(
+    s: &Tensor,
+    mask: Option<&Tensor>,
+    prev_max: Option<&Tensor>,
+) -> CResult<Option<(Tensor, Tensor, Tensor)>> {
+    if !applies(s) {
+        return Ok(None);
+    }
+    match s.dtype() {
+        DType::F32 => forward_as::<f32>(s, mask, prev_max),
+        _ => forward_as::<f64>(s, mask, prev_max),
+    }
+}
+
+fn forward_as<T: WithDType + Float + std::ops::AddAssign>(
+    s: &Tensor,
+    mask: Option<&Tensor>,
+    prev_max: Option<&Tensor>,
+) -> CResult<Option<(Tensor, Tensor, Tensor)>> {
+    let dims = s.dims().to_vec();
+    let n = dims[4];
+    let rows = s.elem_count() / n.max(1);
+    let map = RowMap::new(s, mask)?;
+    let (mut p, mut max, mut sum) = (
+        vec![T::zero(); rows * n],
+        vec![T::zero(); rows],
+        vec![T::zero(); rows],
+    );
+    let done = with_data::<T, _>(s, |s| {
+        with_optional::<T, _>(mask, |mask| {
+            with_optional::<T, _>(prev_max, |prev| {
+                p.par_chunks_mut(n.max(1))
+                    .zip(max.par_iter_mut())
+                    .zip(sum.par_iter_mut())
+                    .enumerate()
+                    .for_each(|(r, ((p, max), sum))| {
+                        // The masked scores, then their maximum, then the exponentials, in place.
+                        let row = &s[r * n..(r + 1) * n];
+                        match mask.is_empty() {
+                            true => p.copy_from_slice(row),
+                            false => {
+                                let bias = &mask[map.mask_row(r) * n..][..n];
+                                for ((out, &x), &b) in p.iter_mut().zip(row).zip(bias) {
+                                    *out = x + b;
+                                }
+                            }
+                        }
+                        let mut m = prev.get(r).copied().unwrap_or(T::neg_infinity());
+                        for &v in p.iter() {
+                            if v > m {
+                                m = v;
+                            }
+                        }
+                        let mut total = T::zero();
+                        for out in p.iter_mut() {
+                            *out = (*out - m).exp();
+                            total += *out;
+                        }
+                        *max = m;
+                        *sum = total;
+                    });
+                Ok(())
+            })
+        })
+    })?;
+    if done.flatten().flatten().is_none() {
+        return Ok(None);
+    }
+    let mut per_query = dims.clone();
+    per_query[4] = 1;
+    let device = s.device();
+    Ok(Some((
+        Tensor::from_vec(p, dims, device)?,
+        Tensor::from_vec(max, per_query.clone(), device)?,
+        Tensor::from_vec(sum, per_query, device)?,
+    )))
+}
+
+/// A block's backward: `p = exp(((s + mask) − max) − log_sum)` and `dS = p ⊙ (dp − dot)`. Returns
+/// `(p, dS)`, or `None` off the CPU.
+pub(crate) fn backward(
+    s: &Tensor,
+    mask: Option<&Tensor>,
+    (max, log_sum): (&Tensor, &Tensor),
+    dp: &Tensor,
+    dot: &Tensor,
+) -> CResult<Option<(Tensor, Tensor)>> {
+    if !applies(s) {
+        return Ok(None);
+    }
+    match s.dtype() {
+        DType::F32 => backward_as::<f32>(s, mask, (max, log_sum), dp, dot),
+        _ => backward_as::<f64>(s, mask, (max, log_sum), dp, dot),
+    }
+}
+
+fn backward_as<T: WithDType + Float + std::ops::AddAssign>(
+    s: &Tensor,
+    mask: Option<&Tensor>,
+    (max, log_sum): (&Tensor, &Tensor),
+    dp: &Tensor,
+    dot: &Tensor,
+) -> CResult<Option<(Tensor, Tensor)>> {
+    let dims = s.dims().to_vec();
+    let n = dims[4];
+    let rows = s.elem_count() / n.max(1);
+    let map = RowMap::new(s, mask)?;
+    // Per-query values: small, copied out.
+    let per_query = |t: &Tensor| t.flatten_all()?.to_dtype(s.dtype())?.to_vec1::<T>();
+    let (max, log_sum, dot) = (per_query(max)?, per_query(log_sum)?, per_query(dot)?);
+    let (mut p, mut ds) = (vec![T::zero(); rows * n], vec![T::zero(); rows * n]);
+    let done = with_data::<T, _>(s, |s| {
+        with_data::<T, _>(dp, |dp| {
+            with_optional::<T, _>(mask, |mask| {
+                p.par_chunks_mut(n.max(1))
+                    .zip(ds.par_chunks_mut(n.max(1)))
+                    .enumerate()
+                    .for_each(|(r, (p, ds))| {
+                        let (row, grad) = (&s[r * n..(r + 1) * n], &dp[r * n..(r + 1) * n]);
+                        // The masked scores into `p`, then probabilities and dS in one sweep.
+                        match mask.is_empty() {
+                            true => p.copy_from_slice(row),
+                            false => {
+                                let bias = &mask[map.mask_row(r) * n..][..n];
+                                for ((out, &x), &b) in p.iter_mut().zip(row).zip(bias) {
+                                    *out = x + b;
+                                }
+                            }
+                        }
+                        let (m, l, d) = (max[r], log_sum[r], dot[r]);
+                        for ((prob, ds), &g) in p.iter_mut().zip(ds.iter_mut()).zip(grad) {
+                            *prob = ((*prob - m) - l).exp();
+                            *ds = *prob * (g - d);
+                        }
+                    });
+                Ok(())
+            })
+        })
+    })?;
+    if done.flatten().flatten().is_none() {
+        return Ok(None);
+    }
+    let device = s.device();
+    Ok(Some((
+        Tensor::from_vec(p, dims.clone(), device)?,
+        Tensor::from_vec(ds, dims, device)?,
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, D};
+
+    /// Seeded values in [-3, 3) of `shape`.
+    fn values(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+        let mut rng = crate::init::NormalRng::new(seed);
+        let n: usize = shape.iter().product();
+        let v: Vec<f64> = (0..n).map(|_| 6.0 * rng.uniform() - 3.0).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)
+            .and_then(|t| t.to_dtype(dtype))
+            .unwrap()
+    }
+
+    /// The dtype's minimum, the masks' "no" (as the model's masks make it).
+    fn lowest(dtype: DType) -> f64 {
+        match dtype {
+            DType::F32 => f32::MIN as f64,
+            _ => f64::MIN,
+        }
+    }
+
+    /// A causal-like mask `[rows, 1, 1, c, n]`: 0 or the dtype's minimum.
+    fn mask(rows: usize, c: usize, n: usize, dtype: DType) -> Tensor {
+        let v: Vec<f64> = (0..rows * c * n)
+            .map(|i| {
+                let (row, key) = ((i / n) % c, i % n);
+                if key <= row + (i / (c * n)) {
+                    0.0
+                } else {
+                    lowest(dtype)
+                }
+            })
+            .collect();
+        Tensor::from_vec(v, (rows, 1, 1, c, n), &Device::Cpu)
+            .and_then(|t| t.to_dtype(dtype))
+            .unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+
+    /// The fused passes against the composed ops they replace, in f64 (≤ 1e-12) and f32, with and
+    /// without a mask (one for all rows, one per batch row, rows wholly masked included) and a
+    /// running maximum.
+    #[test]
+    fn fused_passes_equal_the_composed_ops() {
+        let (b, kv_heads, group, c, n) = (2, 2, 3, 5, 7);
+        let shape = [b, kv_heads, group, c, n];
+        for (dtype, bound) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+            let s = values(&shape, 1, dtype);
+            let dp = values(&shape, 2, dtype);
+            let dot = values(&[b, kv_heads, group, c, 1], 3, dtype);
+            let prev = values(&[b, kv_heads, group, c, 1], 4, dtype);
+            let mut masks = vec![None, Some(mask(1, c, n, dtype)), Some(mask(b, c, n, dtype))];
+            // A mask that hides every key from query 0.
+            let all = mask(1, c, n, dtype)
+                .slice_assign(
+                    &[0..1, 0..1, 0..1, 0..1, 0..n],
+                    &Tensor::full(lowest(dtype), (1, 1, 1, 1, n), &Device::Cpu)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap(),
+                )
+                .unwrap();
+            masks.push(Some(all));
+            for mask in &masks {
+                let v = match mask {
+                    Some(m) => s.broadcast_add(m).unwrap(),
+                    None => s.clone(),
+                };
+                for before in [None, Some(&prev)] {
+                    let (p, max, sum) = forward(&s, mask.as_ref(), before).unwrap().unwrap();
+                    let block_max = v.max_keepdim(D::Minus1).unwrap();
+                    let want_max = match before {
+                        Some(m) => m.maximum(&block_max).unwrap(),
+                        None => block_max,
+                    };
+                    let want_p = v.broadcast_sub(&want_max).unwrap().exp().unwrap();
+                    let want_sum = want_p.sum_keepdim(D::Minus1).unwrap();
+                    assert_eq!(max_diff(&max, &want_max), 0.0, "{dtype:?}");
+                    assert!(max_diff(&p, &want_p) <= bound, "{dtype:?}");
+                    assert!(max_diff(&sum, &want_sum) <= bound * n as f64, "{dtype:?}");
+                }
+                let log_sum = values(&[b, kv_heads, group, c, 1], 5, dtype);
+                let max = v.max_keepdim(D::Minus1).unwrap();
+                let (p, ds) = backward(&s, mask.as_ref(), (&max, &log_sum), &dp, &dot)
+                    .unwrap()
+                    .unwrap();
+                let want_p = v
+                    .broadcast_sub(&max)
+                    .unwrap()
+                    .broadcast_sub(&log_sum)
+                    .unwrap()
+                    .exp()
+                    .unwrap();
+                let want_ds = (&want_p * dp.broadcast_sub(&dot).unwrap()).unwrap();
+                assert!(max_diff(&p, &want_p) <= bound, "{dtype:?}");
+                assert!(max_diff(&ds, &want_ds) <= bound, "{dtype:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn other_dtypes_keep_the_composed_path() {
+        let s = values(&[1, 1, 1, 2, 3], 1, DType::BF16);
+        assert!(forward(&s, None, None).unwrap().is_none());
+    }
+}
