@@ -310,6 +310,7 @@ fn problem<'a>(
         dtype,
         // Offloading moves the checkpoints off an accelerator; on the CPU they stay where they were.
         offloaded: args.offload_checkpoints && args.device != "cpu",
+        host: args.device == "cpu",
     }
 }
 

@@ -562,14 +562,26 @@ fn head_chunk(
     let z = detached
         .soft_cap(&h2.matmul(&weight.t()?)?)?
         .to_dtype(compute)?;
-    let lse = z.log_sum_exp(D::Minus1)?;
     let idx = targets.reshape((n, 1))?.contiguous()?;
-    let logp = (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
-    let g = grad_of(&logp)?.to_dtype(compute)?.reshape((n, 1))?;
-    let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
-    let mut dz = p
-        .broadcast_mul(&g.neg()?)?
-        .scatter_add(&idx, &g, D::Minus1)?;
+    // On the CPU two passes per row (crate::head_softmax); elsewhere the same with tensor ops.
+    let (logp, mut dz) = match crate::head_softmax::log_softmax_rows(&z, &idx)? {
+        Some(rows) => {
+            let logp = rows.logp.reshape((b, c))?;
+            let g = grad_of(&logp)?.to_dtype(compute)?;
+            let dz = rows.logit_grad(&g)?;
+            (logp, dz)
+        }
+        None => {
+            let lse = z.log_sum_exp(D::Minus1)?;
+            let logp = (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
+            let g = grad_of(&logp)?.to_dtype(compute)?.reshape((n, 1))?;
+            let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
+            let dz = p
+                .broadcast_mul(&g.neg()?)?
+                .scatter_add(&idx, &g, D::Minus1)?;
+            (logp, dz)
+        }
+    };
     if let Some(slope) = detached.soft_cap_slope(&z)? {
         dz = (dz * slope)?;
     }

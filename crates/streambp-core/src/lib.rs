@@ -30,6 +30,7 @@
 
 pub mod engine;
 pub mod error;
+mod head_softmax;
 pub mod memory;
 pub mod planner;
 

@@ -48,6 +48,9 @@ pub struct Problem<'a> {
     /// LoRA: only these adapters are trained (frozen base weights get no gradient, the head and the
     /// embedding none either); `None`: every weight is.
     pub lora: Option<&'a LoraConfig>,
+    /// The device is the host CPU, where the head's softmax runs as hand-written passes that hold
+    /// fewer logits-sized buffers than the tensor ops other devices run.
+    pub host: bool,
 }
 
 impl<'a> Problem<'a> {
@@ -65,6 +68,7 @@ impl<'a> Problem<'a> {
             dtype: model.dtype(),
             offloaded: options.offloads_from(model.device()),
             lora: model.lora(),
+            host: model.device().is_cpu(),
         }
     }
 }
@@ -183,10 +187,12 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let checkpoints = |n: u64| if p.offloaded { hidden } else { n * hidden };
 
     let lc = (chunks.logits_chunk as u64).min(t);
-    // The scores in the compute dtype, their softmax, its VJP and the target scatter; half precision
-    // adds the raw logits, the rounded VJP and temporaries (fitted).
+    // The scores in the compute dtype, their softmax, its VJP and the target scatter (on the host: the
+    // scores, the probabilities turned into the VJP in place, and its transpose for the weight's
+    // product); half precision adds the raw logits, the rounded VJP and temporaries (fitted).
     let half_logits = if half { 4 * e } else { 0 };
-    let logits = b * lc * vocab * (4 * f32b.max(e) + half_logits);
+    let buffers = if p.host { 3 } else { 4 };
+    let logits = b * lc * vocab * (buffers * f32b.max(e) + half_logits);
     let head_phase = checkpoints(layers + 1) + hidden + logits + head_grad;
 
     let c = (chunks.chunk as u64).min(t);

@@ -33,6 +33,7 @@ fn problem(cfg: &ModelConfig, t: usize, dtype: DType) -> Problem<'_> {
         dtype,
         offloaded: false,
         lora: None,
+        host: true,
     }
 }
 

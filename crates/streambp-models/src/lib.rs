@@ -19,6 +19,7 @@
 pub mod adapter;
 pub mod attention;
 pub mod config;
+pub mod cpu;
 pub mod device;
 pub mod error;
 pub mod hub;

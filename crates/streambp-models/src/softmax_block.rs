@@ -13,9 +13,11 @@
 //! Shapes: scores `s` and `dp` are `[b, kv_heads, group, c, n]`, the mask `[rows, 1, 1, c, n]` (rows =
 //! b or 1), the per-query values (`max`, `log_sum`, `dot`) `[b, kv_heads, group, c, 1]`.
 
-use candle_core::{DType, Storage, Tensor, WithDType};
+use candle_core::{DType, Tensor, WithDType};
 use num_traits::Float;
 use rayon::prelude::*;
+
+use crate::cpu::{fusable, with_data, with_optional};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -50,38 +52,6 @@ impl RowMap {
     }
 }
 
-/// Runs `f` on the contiguous CPU data of `t` (`None` when `t` is not on the CPU).
-fn with_data<T: WithDType, R>(
-    t: &Tensor,
-    f: impl FnOnce(&[T]) -> CResult<R>,
-) -> CResult<Option<R>> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        return Ok(None);
-    };
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("softmax block: not contiguous".into()))?;
-    f(&cpu.as_slice::<T>()?[start..end]).map(Some)
-}
-
-/// Runs `f` on the data of an optional tensor (an empty slice for none).
-fn with_optional<T: WithDType, R>(
-    t: Option<&Tensor>,
-    f: impl FnOnce(&[T]) -> CResult<R>,
-) -> CResult<Option<R>> {
-    match t {
-        Some(t) => with_data(t, f),
-        None => f(&[]).map(Some),
-    }
-}
-
-/// Whether the fused path applies: CPU tensors of f32 or f64.
-fn applies(s: &Tensor) -> bool {
-    s.device().is_cpu() && matches!(s.dtype(), DType::F32 | DType::F64)
-}
-
 /// A block's forward softmax: with `v = s + mask`, each query's `max = max(prev_max, maxⱼ vⱼ)`,
 /// `p = exp(v − max)` and `sum = Σⱼ pⱼ`. Returns `(p, max, sum)`, or `None` off the CPU.
 pub(crate) fn forward(
@@ -89,7 +59,7 @@ pub(crate) fn forward(
     mask: Option<&Tensor>,
     prev_max: Option<&Tensor>,
 ) -> CResult<Option<(Tensor, Tensor, Tensor)>> {
-    if !applies(s) {
+    if !fusable(s) {
         return Ok(None);
     }
     match s.dtype() {
@@ -171,7 +141,7 @@ pub(crate) fn backward(
     dp: &Tensor,
     dot: &Tensor,
 ) -> CResult<Option<(Tensor, Tensor)>> {
-    if !applies(s) {
+    if !fusable(s) {
         return Ok(None);
     }
     match s.dtype() {
