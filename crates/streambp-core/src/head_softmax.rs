@@ -114,29 +114,28 @@ impl HeadRows {
     /// `dz = g·(onehot(target) − p)` (`[n, V]`, in the logits' dtype) for `g` = dLoss/dlogp (`[n]`),
     /// written over the probabilities.
     pub(crate) fn logit_grad(self, g: &Tensor) -> CResult<Tensor> {
-        let n = self.targets.len();
-        let shape = (n, self.vocab);
-        let grad = |dtype| g.flatten_all()?.to_dtype(dtype)?.to_device(&Device::Cpu);
         let dz = match self.probs {
-            Probs::F32(p) => {
-                let g = grad(candle_core::DType::F32)?.to_vec1::<f32>()?;
-                Tensor::from_vec(
-                    into_grad(p, &g, &self.targets, self.vocab),
-                    shape,
-                    &Device::Cpu,
-                )?
-            }
-            Probs::F64(p) => {
-                let g = grad(candle_core::DType::F64)?.to_vec1::<f64>()?;
-                Tensor::from_vec(
-                    into_grad(p, &g, &self.targets, self.vocab),
-                    shape,
-                    &Device::Cpu,
-                )?
-            }
+            Probs::F32(p) => grad_over(p, g, &self.targets, self.vocab)?,
+            Probs::F64(p) => grad_over(p, g, &self.targets, self.vocab)?,
         };
         dz.to_device(&self.device)
     }
+}
+
+/// [`into_grad`] of `p` with `g` read in `p`'s dtype, as a `[n, V]` tensor.
+fn grad_over<T: WithDType + Float + std::ops::AddAssign + std::ops::MulAssign>(
+    p: Vec<T>,
+    g: &Tensor,
+    targets: &[u32],
+    vocab: usize,
+) -> CResult<Tensor> {
+    let g = g
+        .flatten_all()?
+        .to_dtype(T::DTYPE)?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<T>()?;
+    let shape = (targets.len(), vocab);
+    Tensor::from_vec(into_grad(p, &g, targets, vocab), shape, &Device::Cpu)
 }
 
 /// `p·(−g)` per row, then `+ g` at the row's target, in place.
