@@ -64,20 +64,24 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step(step);
         let picked = trainer.data.take(trainer.global_step_items(cfg)?);
+        // This rank's rows of each micro-batch, read from the store once for the step.
         let micro_batches: Vec<_> = picked
             .chunks(cfg.batch_size * setup.comm.world_size())
-            .map(|global| trainer.local(global))
+            .map(|global| {
+                let (rows, first_row) = trainer.local(global);
+                let rows: Vec<_> = rows.iter().map(|&i| examples.get(i)).collect();
+                (rows, first_row)
+            })
             .collect();
         // The loss is the mean over every target token of the step, across its micro-batches and
         // ranks: this rank's count, summed over ranks before the backward.
         let mine: usize = micro_batches
             .iter()
             .flat_map(|(rows, _)| rows.iter())
-            .map(|&i| examples.get(i).targets())
+            .map(|e| e.targets())
             .sum();
         let targets = setup.comm.sum(mine as f64)?;
         for (m, (rows, first_row)) in micro_batches.into_iter().enumerate() {
-            let rows: Vec<_> = rows.iter().map(|&i| examples.get(i)).collect();
             let c = collate(&rows.iter().collect::<Vec<_>>(), setup.tokenizer.pad_id);
             let sft = Sft::new(
                 &c.labels,
