@@ -13,6 +13,23 @@ use cudarc::nccl::safe::{Comm, Id, ReduceOp};
 use crate::mpi::MpiCommunicator;
 use crate::{check_flat, Communicator, DistError, Result};
 
+/// An element type NCCL reduces and candle keeps in CUDA memory (f32, f64).
+trait Element:
+    cudarc::nccl::NcclType
+    + candle_core::cuda_backend::CudaDType
+    + cudarc::driver::DeviceRepr
+    + cudarc::driver::ValidAsZeroBits
+{
+}
+
+impl<T> Element for T where
+    T: cudarc::nccl::NcclType
+        + candle_core::cuda_backend::CudaDType
+        + cudarc::driver::DeviceRepr
+        + cudarc::driver::ValidAsZeroBits
+{
+}
+
 /// NCCL for tensors, MPI for the rest.
 pub struct NcclCommunicator {
     mpi: MpiCommunicator,
@@ -71,12 +88,7 @@ impl NcclCommunicator {
     }
 
     /// Runs `op` on `x`'s device memory into a new buffer of `len` elements, as a tensor of `x`'s device.
-    fn collective<
-        T: cudarc::nccl::NcclType
-            + candle_core::cuda_backend::CudaDType
-            + cudarc::driver::DeviceRepr
-            + cudarc::driver::ValidAsZeroBits,
-    >(
+    fn collective<T: Element>(
         &self,
         x: &Tensor,
         len: usize,
@@ -113,16 +125,7 @@ impl NcclCommunicator {
         ))
     }
 
-    fn typed<
-        T: cudarc::nccl::NcclType
-            + candle_core::cuda_backend::CudaDType
-            + cudarc::driver::DeviceRepr
-            + cudarc::driver::ValidAsZeroBits,
-    >(
-        &self,
-        x: &Tensor,
-        kind: Kind,
-    ) -> Result<Tensor> {
+    fn typed<T: Element>(&self, x: &Tensor, kind: Kind) -> Result<Tensor> {
         let world = self.world_size();
         let n = x.elem_count();
         let len = match kind {

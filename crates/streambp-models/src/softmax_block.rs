@@ -21,9 +21,14 @@ use crate::cpu::{fusable, with_data, with_optional};
 
 type CResult<T> = candle_core::Result<T>;
 
-/// Where a row of scores finds its mask row: rows are `[b, kv_heads, group, c]` flattened.
+/// The scores as rows (`[b, kv_heads, group, c]` flattened, `n` keys each) and where each finds its
+/// mask row.
 #[derive(Clone, Copy)]
 struct RowMap {
+    /// Rows of scores.
+    rows: usize,
+    /// Keys per row.
+    n: usize,
     /// `kv_heads × group × c`: rows per batch row.
     per_batch: usize,
     c: usize,
@@ -33,8 +38,10 @@ struct RowMap {
 
 impl RowMap {
     fn new(s: &Tensor, mask: Option<&Tensor>) -> CResult<Self> {
-        let (_, kv_heads, group, c, _) = s.dims5()?;
+        let (b, kv_heads, group, c, n) = s.dims5()?;
         Ok(Self {
+            rows: b * kv_heads * group * c,
+            n,
             per_batch: kv_heads * group * c,
             c,
             mask_per_batch: mask.is_some_and(|m| m.dim(0).is_ok_and(|rows| rows > 1)),
@@ -49,6 +56,20 @@ impl RowMap {
             0
         };
         batch * self.c + r % self.c
+    }
+
+    /// Row `r` of the scores `s` plus its mask row (none for an empty `mask`) into `out`.
+    fn masked_row<T: WithDType + Float>(&self, out: &mut [T], s: &[T], mask: &[T], r: usize) {
+        let n = out.len();
+        let row = &s[r * n..(r + 1) * n];
+        if mask.is_empty() {
+            out.copy_from_slice(row);
+            return;
+        }
+        let bias = &mask[self.mask_row(r) * n..][..n];
+        for ((o, &x), &b) in out.iter_mut().zip(row).zip(bias) {
+            *o = x + b;
+        }
     }
 }
 
@@ -73,10 +94,8 @@ fn forward_as<T: WithDType + Float + std::ops::AddAssign>(
     mask: Option<&Tensor>,
     prev_max: Option<&Tensor>,
 ) -> CResult<Option<(Tensor, Tensor, Tensor)>> {
-    let dims = s.dims().to_vec();
-    let n = dims[4];
-    let rows = s.elem_count() / n.max(1);
     let map = RowMap::new(s, mask)?;
+    let (dims, n, rows) = (s.dims().to_vec(), map.n, map.rows);
     let (mut p, mut max, mut sum) = (
         vec![T::zero(); rows * n],
         vec![T::zero(); rows],
@@ -91,16 +110,7 @@ fn forward_as<T: WithDType + Float + std::ops::AddAssign>(
                     .enumerate()
                     .for_each(|(r, ((p, max), sum))| {
                         // The masked scores, then their maximum, then the exponentials, in place.
-                        let row = &s[r * n..(r + 1) * n];
-                        match mask.is_empty() {
-                            true => p.copy_from_slice(row),
-                            false => {
-                                let bias = &mask[map.mask_row(r) * n..][..n];
-                                for ((out, &x), &b) in p.iter_mut().zip(row).zip(bias) {
-                                    *out = x + b;
-                                }
-                            }
-                        }
+                        map.masked_row(p, s, mask, r);
                         let mut m = prev.get(r).copied().unwrap_or(T::neg_infinity());
                         for &v in p.iter() {
                             if v > m {
@@ -157,10 +167,8 @@ fn backward_as<T: WithDType + Float + std::ops::AddAssign>(
     dp: &Tensor,
     dot: &Tensor,
 ) -> CResult<Option<(Tensor, Tensor)>> {
-    let dims = s.dims().to_vec();
-    let n = dims[4];
-    let rows = s.elem_count() / n.max(1);
     let map = RowMap::new(s, mask)?;
+    let (dims, n, rows) = (s.dims().to_vec(), map.n, map.rows);
     // Per-query values: small, copied out.
     let per_query = |t: &Tensor| t.flatten_all()?.to_dtype(s.dtype())?.to_vec1::<T>();
     let (max, log_sum, dot) = (per_query(max)?, per_query(log_sum)?, per_query(dot)?);
@@ -172,17 +180,9 @@ fn backward_as<T: WithDType + Float + std::ops::AddAssign>(
                     .zip(ds.par_chunks_mut(n.max(1)))
                     .enumerate()
                     .for_each(|(r, (p, ds))| {
-                        let (row, grad) = (&s[r * n..(r + 1) * n], &dp[r * n..(r + 1) * n]);
+                        let grad = &dp[r * n..(r + 1) * n];
                         // The masked scores into `p`, then probabilities and dS in one sweep.
-                        match mask.is_empty() {
-                            true => p.copy_from_slice(row),
-                            false => {
-                                let bias = &mask[map.mask_row(r) * n..][..n];
-                                for ((out, &x), &b) in p.iter_mut().zip(row).zip(bias) {
-                                    *out = x + b;
-                                }
-                            }
-                        }
+                        map.masked_row(p, s, mask, r);
                         let (m, l, d) = (max[r], log_sum[r], dot[r]);
                         for ((prob, ds), &g) in p.iter_mut().zip(ds.iter_mut()).zip(grad) {
                             *prob = ((*prob - m) - l).exp();

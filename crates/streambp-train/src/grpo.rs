@@ -126,20 +126,18 @@ fn render_prompt(
 ) -> Result<String> {
     let in_context = |e: TrainError| TrainError::data(where_, e.to_string());
     let chat = tok.chat_template().map_err(in_context)?;
-    let last_role = messages
-        .last()
-        .and_then(|m| m.get("role"))
-        .and_then(|r| r.as_str())
-        .unwrap_or_default()
-        .to_string();
-    match last_role.as_str() {
+    // A field of the final message ("" where absent).
+    let last = |key: &str| {
+        messages
+            .last()
+            .and_then(|m| m.get(key))
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_string()
+    };
+    match last("role").as_str() {
         "assistant" => {
-            let content = messages
-                .last()
-                .and_then(|m| m.get("content"))
-                .and_then(|c| c.as_str())
-                .unwrap_or_default()
-                .to_string();
+            let content = last("content");
             let whole = chat
                 .render(&Value::from(messages), false)
                 .map_err(in_context)?;

@@ -3,10 +3,8 @@
 
 mod common;
 
-use common::{arithmetic_tokenizer_with_template, msg};
+use common::{arithmetic_tokenizer_with_template, msg, sft_file};
 use streambp_train::chat::ChatTemplate;
-use streambp_train::data::{load_sft, Overflow};
-use streambp_train::dataset::DataSource;
 use streambp_train::tokenizer::TextTokenizer;
 
 const CHATML: &str = "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('the first message must not be the assistant') }}{% endif %}\
@@ -66,14 +64,7 @@ fn messages_train_every_assistant_turn() {
             .collect::<String>(),
     )
     .unwrap();
-    let examples = load_sft(
-        &DataSource::file(&data).unwrap(),
-        &tok,
-        64,
-        Overflow::Truncate,
-        "text",
-    )
-    .unwrap();
+    let examples = sft_file(&data, &tok).unwrap();
     assert_eq!(tok.decode(&examples[0].input_ids).unwrap(), "12+3=15");
     assert_eq!(examples[0].labels[..5], [-100; 5]);
     let trained: Vec<u32> = examples[0].labels[5..].iter().map(|&l| l as u32).collect();
@@ -95,16 +86,7 @@ fn messages_train_every_assistant_turn() {
         serde_json::json!({"messages": [msg("user", "1+1")]}).to_string(),
     )
     .unwrap();
-    let err = load_sft(
-        &DataSource::file(&data).unwrap(),
-        &tok,
-        64,
-        Overflow::Truncate,
-        "text",
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let err = sft_file(&data, &tok).unwrap_err().to_string();
     assert!(
         err.contains("line 1") && err.contains("no assistant message"),
         "{err}"
@@ -114,16 +96,7 @@ fn messages_train_every_assistant_turn() {
     )
     .unwrap();
     std::fs::write(&data, rows[0].to_string()).unwrap();
-    let err = load_sft(
-        &DataSource::file(&data).unwrap(),
-        &plain,
-        64,
-        Overflow::Truncate,
-        "text",
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let err = sft_file(&data, &plain).unwrap_err().to_string();
     assert!(
         err.contains("line 1") && err.contains("no chat_template"),
         "{err}"
@@ -155,14 +128,7 @@ fn templates_that_rewrite_earlier_turns_train_the_final_turn() {
     let data = dir.path().join("chat.jsonl");
     let row = serde_json::json!({"messages": [msg("user", "1+1"), msg("assistant", "2"), msg("user", "3+4"), msg("assistant", "7")]});
     std::fs::write(&data, row.to_string()).unwrap();
-    let examples = load_sft(
-        &DataSource::file(&data).unwrap(),
-        &tok,
-        64,
-        Overflow::Truncate,
-        "text",
-    )
-    .unwrap();
+    let examples = sft_file(&data, &tok).unwrap();
     assert_eq!(tok.decode(&examples[0].input_ids).unwrap(), "1+1=23+4=+7");
     assert_eq!(trained_runs(&tok, &examples[0].labels), ["+7"]);
 }

@@ -8,14 +8,14 @@ mod common;
 use std::path::Path;
 use std::sync::Arc;
 
-use common::{arithmetic_tokenizer_with_template, msg};
+use common::{arithmetic_tokenizer_with_template, msg, sft_examples, sft_file};
 use parquet::basic::Compression;
 use parquet::data_type::{ByteArray, ByteArrayType};
 use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::parser::parse_message_type;
 use serde_json::{json, Value};
-use streambp_train::data::{load_sft, Example, Overflow};
+use streambp_train::data::{load_sft, Overflow};
 use streambp_train::dataset::DataSource;
 use streambp_train::dpo::load_pairs;
 use streambp_train::tokenizer::TextTokenizer;
@@ -101,10 +101,6 @@ fn tokenizer(dir: &Path) -> TextTokenizer {
     arithmetic_tokenizer_with_template(dir, template)
 }
 
-fn sft_examples(source: &DataSource, tok: &TextTokenizer) -> Vec<Example> {
-    load_sft(source, tok, 64, Overflow::Truncate, "text").unwrap()
-}
-
 #[test]
 fn parquet_and_json_arrays_give_the_examples_jsonl_gives() {
     let dir = tempfile::tempdir().unwrap();
@@ -151,10 +147,10 @@ fn parquet_and_json_arrays_give_the_examples_jsonl_gives() {
         write_jsonl(&jsonl, rows);
         write_parquet(&parquet, columns, rows, 3);
         std::fs::write(&array, Value::from(rows.clone()).to_string()).unwrap();
-        let expected = sft_examples(&DataSource::file(&jsonl).unwrap(), &tok);
+        let expected = sft_file(&jsonl, &tok).unwrap();
         assert_eq!(expected.len(), 7, "{name}");
         for other in [&parquet, &array] {
-            let got = sft_examples(&DataSource::file(other).unwrap(), &tok);
+            let got = sft_file(other, &tok).unwrap();
             assert_eq!(got, expected, "{name}: {}", other.display());
         }
     }
@@ -248,7 +244,7 @@ fn directories_and_hub_ids_resolve_their_splits_offline() {
     let expected = |rows: &[Value]| {
         let file = dir.path().join("expected.jsonl");
         write_jsonl(&file, rows);
-        sft_examples(&DataSource::file(&file).unwrap(), &tok)
+        sft_file(&file, &tok).unwrap()
     };
     let (train_examples, test_examples) = (expected(&train), expected(&test));
 
@@ -259,9 +255,9 @@ fn directories_and_hub_ids_resolve_their_splits_offline() {
     std::fs::write(local.join("README.md"), "# a data set\n").unwrap();
     let source = DataSource::resolve(&local, "train", None).unwrap();
     assert_eq!(source.shards().len(), 2);
-    assert_eq!(sft_examples(&source, &tok), train_examples);
+    assert_eq!(sft_examples(&source, &tok).unwrap(), train_examples);
     let source = DataSource::resolve(&local, "test", None).unwrap();
-    assert_eq!(sft_examples(&source, &tok), test_examples);
+    assert_eq!(sft_examples(&source, &tok).unwrap(), test_examples);
 
     // The same files as the hub cache holds a dataset's snapshot, read with HF_HUB_OFFLINE=1.
     let home = dir.path().join("hf-home");
@@ -276,9 +272,9 @@ fn directories_and_hub_ids_resolve_their_splits_offline() {
     let id = Path::new("someone/arith");
     let source = DataSource::resolve(id, "train", None).unwrap();
     assert_eq!(source.shards().len(), 3);
-    assert_eq!(sft_examples(&source, &tok), train_examples);
+    assert_eq!(sft_examples(&source, &tok).unwrap(), train_examples);
     let source = DataSource::resolve(id, "test", None).unwrap();
-    assert_eq!(sft_examples(&source, &tok), test_examples);
+    assert_eq!(sft_examples(&source, &tok).unwrap(), test_examples);
     let err = DataSource::resolve(id, "validation", None)
         .unwrap_err()
         .to_string();
@@ -295,14 +291,6 @@ fn directories_and_hub_ids_resolve_their_splits_offline() {
     );
 }
 
-/// The error loading the SFT examples of the file `path`.
-fn load_error(path: &Path, tok: &TextTokenizer) -> String {
-    let source = DataSource::file(path).unwrap();
-    load_sft(&source, tok, 64, Overflow::Truncate, "text")
-        .unwrap_err()
-        .to_string()
-}
-
 #[test]
 fn errors_name_the_shard_and_row() {
     let dir = tempfile::tempdir().unwrap();
@@ -311,12 +299,12 @@ fn errors_name_the_shard_and_row() {
     bad[4]["completion"] = Value::Null;
     let file = dir.path().join("bad.parquet");
     write_parquet(&file, &["prompt", "completion"], &bad, 2);
-    let err = load_error(&file, &tok);
+    let err = sft_file(&file, &tok).unwrap_err().to_string();
     assert!(err.contains("bad.parquet row 4: expected"), "{err}");
 
     let corrupt = dir.path().join("corrupt.parquet");
     std::fs::write(&corrupt, b"PAR1 this is not parquet").unwrap();
-    let err = load_error(&corrupt, &tok);
+    let err = sft_file(&corrupt, &tok).unwrap_err().to_string();
     assert!(
         err.contains("corrupt.parquet: not a readable Parquet file"),
         "{err}"
@@ -324,7 +312,7 @@ fn errors_name_the_shard_and_row() {
 
     let array = dir.path().join("rows.json");
     std::fs::write(&array, r#"[{"text": "1+1=2"}, 7]"#).unwrap();
-    let err = load_error(&array, &tok);
+    let err = sft_file(&array, &tok).unwrap_err().to_string();
     assert!(
         err.contains("rows.json row 1: expected a JSON object"),
         "{err}"
@@ -335,7 +323,7 @@ fn errors_name_the_shard_and_row() {
         r#"[{"text": "1+1=2"}, {"text": "2+2=4"}, {"text": 3+]"#,
     )
     .unwrap();
-    let err = load_error(&array, &tok);
+    let err = sft_file(&array, &tok).unwrap_err().to_string();
     assert!(
         err.contains("rows.json: not a valid JSON array (at row 2)") && err.contains("column"),
         "{err}"
@@ -345,9 +333,7 @@ fn errors_name_the_shard_and_row() {
     let body = dir.path().join("body.jsonl");
     write_jsonl(&body, &[json!({"body": "1+1=2"})]);
     let source = DataSource::file(&body).unwrap();
-    let err = load_sft(&source, &tok, 64, Overflow::Truncate, "text")
-        .unwrap_err()
-        .to_string();
+    let err = sft_examples(&source, &tok).unwrap_err().to_string();
     assert!(
         err.contains("body.jsonl line 1") && err.contains("--dataset-text-field"),
         "{err}"

@@ -2,7 +2,7 @@
 //! `hf-hub` (its cache, `HF_HOME`, token and endpoint, as model loading does), or, with
 //! `HF_HUB_OFFLINE=1`, read from the cache's snapshot of the `main` revision alone.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use hf_hub::api::sync::ApiBuilder;
 use hf_hub::{Cache, Repo, RepoType};
@@ -80,26 +80,6 @@ pub fn cached_files(cache: &Cache, id: &str) -> Option<Vec<(String, PathBuf)>> {
     let root = cache.path().join(repo.folder_name());
     let commit = std::fs::read_to_string(root.join("refs").join("main")).ok()?;
     let snapshot = root.join("snapshots").join(commit.trim());
-    let mut files = Vec::new();
-    walk(&snapshot, &snapshot, &mut files);
-    files.sort();
+    let files = super::local_files(&snapshot).ok()?;
     (!files.is_empty()).then_some(files)
-}
-
-fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            walk(root, &path, out);
-        } else if let Ok(rel) = path.strip_prefix(root) {
-            let rel: Vec<String> = rel
-                .components()
-                .map(|c| c.as_os_str().to_string_lossy().into_owned())
-                .collect();
-            out.push((rel.join("/"), path.clone()));
-        }
-    }
 }

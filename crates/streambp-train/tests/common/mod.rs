@@ -4,7 +4,25 @@
 
 pub use streambp_testkit::*;
 
+use streambp_train::data::{load_sft, Example, Overflow};
+use streambp_train::dataset::DataSource;
 use streambp_train::tokenizer::TextTokenizer;
+
+/// The SFT examples of `source` with the tests' limits: 64 tokens, truncated, plain text in `text`.
+pub fn sft_examples(
+    source: &DataSource,
+    tok: &TextTokenizer,
+) -> streambp_train::Result<Vec<Example>> {
+    load_sft(source, tok, 64, Overflow::Truncate, "text")
+}
+
+/// [`sft_examples`] of the data file `path`.
+pub fn sft_file(
+    path: &std::path::Path,
+    tok: &TextTokenizer,
+) -> streambp_train::Result<Vec<Example>> {
+    sft_examples(&DataSource::file(path).unwrap(), tok)
+}
 
 /// A chat message.
 pub fn msg(role: &str, content: &str) -> serde_json::Value {
