@@ -59,6 +59,7 @@ fn main() -> std::process::ExitCode {
     if let Some(threads) = streambp_dist::threads_per_rank() {
         std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     }
+    streambp_core::settle_thread_settings();
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -529,6 +529,7 @@ fn main() -> anyhow::Result<()> {
     if let Some(threads) = streambp_dist::threads_per_rank() {
         std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     }
+    streambp_core::settle_thread_settings();
     let args = Args::parse();
     if let Some(ranks) = args.world {
         if ranks == 0 {

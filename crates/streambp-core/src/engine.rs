@@ -26,6 +26,7 @@ use streambp_objectives::Objective;
 
 use crate::error::{EngineError, Result};
 use crate::memory::PhaseLog;
+use crate::workers::on_workers;
 
 /// How the backward is computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -225,23 +226,28 @@ fn backward_impl(
         None => batch.layout()?,
     };
     let mut sink = GradSink::new();
-    let mut peaks = PhaseLog::start_on(model.device());
+    let device = model.device();
+    let mut peaks = PhaseLog::start_on(device);
 
     let (loss, logp) = match mode {
         Mode::Full => {
-            let out = full_backward(model, batch, &layout, objective, &mut sink)?;
+            let out = on_workers(device, || {
+                full_backward(model, batch, &layout, objective, &mut sink)
+            })?;
             peaks.record("full");
             out
         }
         Mode::Stream | Mode::Checkpoint => {
             let detached = model.detached();
-            let mut inputs = forward_checkpoints(
-                &detached,
-                batch.input_ids,
-                &layout,
-                chunks.chunk,
-                options.offload_checkpoints,
-            )?;
+            let mut inputs = on_workers(device, || {
+                forward_checkpoints(
+                    &detached,
+                    batch.input_ids,
+                    &layout,
+                    chunks.chunk,
+                    options.offload_checkpoints,
+                )
+            })?;
             peaks.record("forward");
             let last = inputs
                 .pop()
@@ -250,8 +256,9 @@ fn backward_impl(
                 Mode::Stream => chunks.logits_chunk,
                 _ => t,
             };
-            let (loss, logp, mut grad) =
-                head_backward(model, &last, objective, logits_chunk, &mut sink)?;
+            let (loss, logp, mut grad) = on_workers(device, || {
+                head_backward(model, &last, objective, logits_chunk, &mut sink)
+            })?;
             drop(last);
             // The final norm and an untied head are done; a tied head still gets the embedding
             // phase's gradient.
@@ -262,7 +269,7 @@ fn backward_impl(
                     .pop()
                     .expect("one checkpoint per layer")
                     .to_device(model.device())?;
-                grad = match mode {
+                grad = on_workers(device, || match mode {
                     Mode::Stream => layer_backward_streamed(
                         layer,
                         &x,
@@ -272,16 +279,18 @@ fn backward_impl(
                         &mut sink,
                         model,
                         index,
-                    )?,
-                    _ => layer_backward_whole(layer, &x, &grad, &layout, &mut sink, model, index)?,
-                };
+                    ),
+                    _ => layer_backward_whole(layer, &x, &grad, &layout, &mut sink, model, index),
+                })?;
                 sink.seal(model.layer_parameters(index).iter())?;
                 if let Some(hook) = finished.as_mut() {
                     hook.take(sink.take(model.layer_parameters(index))?)?;
                 }
             }
             peaks.record("layers");
-            embedding_backward(model, batch.input_ids, &grad, &mut sink)?;
+            on_workers(device, || {
+                embedding_backward(model, batch.input_ids, &grad, &mut sink)
+            })?;
             peaks.record("embedding");
             (loss, logp)
         }
@@ -334,16 +343,18 @@ pub fn forward_logprobs(
 ) -> Result<Tensor> {
     let detached = model.detached();
     let layout = batch.layout()?;
-    let mut h = detached.embed(batch.input_ids)?;
-    for layer in &detached.layers {
-        h = layer_forward_streamed(layer, &h, &layout, chunks.chunk)?;
-    }
-    head_logprobs(
-        &detached,
-        &h,
-        targets,
-        &chunk_ranges(h.dim(1)?, chunks.logits_chunk),
-    )
+    on_workers(model.device(), || {
+        let mut h = detached.embed(batch.input_ids)?;
+        for layer in &detached.layers {
+            h = layer_forward_streamed(layer, &h, &layout, chunks.chunk)?;
+        }
+        head_logprobs(
+            &detached,
+            &h,
+            targets,
+            &chunk_ranges(h.dim(1)?, chunks.logits_chunk),
+        )
+    })
 }
 
 /// Target log-probs `[batch, T]` of the last layer's output `last` under a detached model's final norm

@@ -10,6 +10,8 @@
 //! - [`planner`]: the cost model of the streamed backward's peak ([`estimate`], [`Estimate`],
 //!   [`Problem`]) and the chunks that fit a memory budget ([`plan_for_budget`], [`ChunkPolicy`]).
 //! - [`memory`]: the counting allocator, per-device meters and the per-phase peak log.
+//! - [`workers`]: each phase's host work on rayon's workers ([`on_workers`]), and the thread settings
+//!   of candle's CPU backend a binary fixes at start ([`settle_thread_settings`]).
 //!
 //! The engine knows no model family and no checkpoint name: it drives any
 //! [`streambp_models::Model`] through its layers and parameter roles, and any
@@ -33,6 +35,7 @@ pub mod error;
 mod head_softmax;
 pub mod memory;
 pub mod planner;
+pub mod workers;
 
 pub use engine::{
     backward, backward_into, backward_with, forward_logprobs, target_logprobs, Batch, Chunks,
@@ -40,3 +43,4 @@ pub use engine::{
 };
 pub use error::{EngineError, Result};
 pub use planner::{estimate, plan_for_budget, ChunkPolicy, Estimate, Problem};
+pub use workers::{on_workers, settle_thread_settings};

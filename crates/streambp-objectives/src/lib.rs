@@ -46,8 +46,9 @@ pub enum ObjectiveError {
 /// `Result` with [`ObjectiveError`].
 pub type Result<T> = std::result::Result<T, ObjectiveError>;
 
-/// A loss over target log-probabilities.
-pub trait Objective {
+/// A loss over target log-probabilities. `Send + Sync` so the engine can evaluate it on a worker
+/// thread.
+pub trait Objective: Send + Sync {
     /// Short name (`sft`, `dpo`, `grpo`).
     fn name(&self) -> &str;
 

@@ -1,0 +1,45 @@
+//! Where the engine's host work runs, and the two thread settings of candle's CPU backend.
+//!
+//! On the CPU every matrix product fans out over rayon's worker threads. Called from a thread outside
+//! that pool, each product hands its work to a sleeping worker and puts the caller to sleep until it
+//! is done: two wake-ups per product, thousands of products per step. Run from a worker, the caller
+//! is one of the threads doing the product and the other joins it by work stealing. So the engine
+//! runs each phase on a worker ([`on_workers`]) and comes back to the caller's thread between
+//! phases, where the hooks that may talk to other processes (a data-parallel reduction) run.
+
+use candle_core::Device;
+
+/// Runs `work` on one of rayon's worker threads (the caller waits) when `device` is the host and
+/// the caller is not a worker already; elsewhere (an accelerator's kernels are queued by the
+/// caller) it runs in place.
+pub fn on_workers<R: Send>(device: &Device, work: impl FnOnce() -> R + Send) -> R {
+    if device.is_cpu() && rayon::current_thread_index().is_none() {
+        rayon::scope(|_| work())
+    } else {
+        work()
+    }
+}
+
+/// Sets, for this process, the thread settings candle's CPU backend reads from the environment, unless
+/// the user has set them:
+/// - `RAYON_NUM_THREADS` to the thread count candle would pick (its physical cores): left unset,
+///   candle recounts the cores, reading `/proc/cpuinfo`, at every matrix product;
+/// - `CANDLE_BARRIER_POOL_SPIN_LIMIT` to 200: after each large element-wise op, candle's second
+///   pool spins 25,000 times by default before sleeping, on a core the next product's workers need
+///   (measured in docs/benchmarks.md).
+///
+/// Call it first thing in `main`, before any other thread exists: it writes the process environment.
+pub fn settle_thread_settings() {
+    let settings = [
+        (
+            "RAYON_NUM_THREADS",
+            candle_core::utils::get_num_threads().to_string(),
+        ),
+        ("CANDLE_BARRIER_POOL_SPIN_LIMIT", "200".to_string()),
+    ];
+    for (key, value) in settings {
+        if std::env::var_os(key).is_none() {
+            std::env::set_var(key, value);
+        }
+    }
+}
