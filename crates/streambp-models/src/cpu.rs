@@ -36,3 +36,19 @@ pub fn with_optional<T: WithDType, R>(
 pub fn fusable(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
+
+/// The data of a custom op's CPU input (which the caller made contiguous).
+pub fn input_data<'a, T: WithDType>(
+    storage: &'a candle_core::CpuStorage,
+    layout: &candle_core::Layout,
+) -> CResult<&'a [T]> {
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("CPU op: input not contiguous".into()))?;
+    Ok(&storage.as_slice::<T>()?[start..end])
+}
+
+/// A CPU tensor of `shape` holding `data`, on `like`'s device.
+pub fn tensor_from<T: WithDType>(data: Vec<T>, like: &Tensor) -> CResult<Tensor> {
+    Tensor::from_vec(data, like.shape(), like.device())
+}

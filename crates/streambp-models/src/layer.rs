@@ -15,6 +15,7 @@ use crate::linear::Linear;
 use crate::lora::Projection;
 use crate::norm::RmsNorm;
 use crate::rope::{apply_rope, Rotary};
+use crate::swiglu::swiglu;
 
 /// Head counts and score transforms of the attention core.
 #[derive(Debug, Clone, Copy)]
@@ -280,16 +281,13 @@ impl DecoderLayer {
         let key = layout.dropout_key();
         let h = self.pre_mlp_norm.forward(x)?;
         let gate = self.gate_proj.forward_at(&h, start, key)?;
-        let gate = match self.activation {
-            Activation::Silu => candle_nn::ops::silu(&gate)?,
-            Activation::GeluTanh => gelu_tanh(&gate)?,
-            Activation::Gelu => gelu_erf(&gate)?,
+        let up = self.up_proj.forward_at(&h, start, key)?;
+        let gated = match self.activation {
+            Activation::Silu => swiglu(&gate, &up)?,
+            Activation::GeluTanh => (gelu_tanh(&gate)? * up)?,
+            Activation::Gelu => (gelu_erf(&gate)? * up)?,
         };
-        let m = self.down_proj.forward_at(
-            &(gate * self.up_proj.forward_at(&h, start, key)?)?,
-            start,
-            key,
-        )?;
+        let m = self.down_proj.forward_at(&gated, start, key)?;
         match &self.post_mlp_norm {
             Some(n) => n.forward(&m),
             None => Ok(m),

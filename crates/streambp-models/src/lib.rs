@@ -34,6 +34,7 @@ pub mod norm;
 mod op;
 pub mod rope;
 mod softmax_block;
+mod swiglu;
 
 pub use config::{Activation, Family, LayerKind, ModelConfig, NormStyle, RopeConfig, RopeScaling};
 pub use error::{ModelError, Result};

@@ -3,11 +3,21 @@
 //!
 //! Inverse frequencies and angles are computed in f64 and only then cast to the model dtype: the f64
 //! path is then exact, and lower precisions get the correctly rounded table.
+//!
+//! On the CPU in f32/f64 the rotation is one op with its backward written out ([`FusedRope`]: one
+//! pass each way); elsewhere it is composed from differentiable tensor ops (seven, each with a buffer,
+//! and their backward).
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, WithDType, D};
+use num_traits::Float;
+use rayon::prelude::*;
 
 use crate::config::{RopeConfig, RopeScaling};
+use crate::cpu::{fusable, input_data, tensor_from, with_data};
 use crate::error::Result;
+
+type CResult<T> = candle_core::Result<T>;
 
 /// The inverse frequencies of one rotary table.
 #[derive(Debug, Clone, PartialEq)]
@@ -105,11 +115,176 @@ impl Rotary {
 
 /// Applies rope to `x` of shape `[batch, heads, len, head_dim]` with tables `[len, head_dim]` (or
 /// `[batch, 1, len, head_dim]`, one table per row).
-/// Built from differentiable ops (candle's fused rope records no backward).
+/// Differentiable in `x` (candle's fused rope records no backward).
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (_, heads, len, head_dim) = x.dims4()?;
+    if fusable(x) && head_dim > 0 && cos.dtype() == x.dtype() && sin.dtype() == x.dtype() {
+        let op = FusedRope {
+            head_dim,
+            cos: cos.detach().contiguous()?,
+            sin: sin.detach().contiguous()?,
+            rows_per_batch: heads * len,
+            len,
+            per_batch: cos.rank() == 4,
+        };
+        return Ok(x.contiguous()?.apply_op1(op)?);
+    }
+    composed_rope(x, cos, sin)
+}
+
+/// [`apply_rope`] from tensor ops (every device and dtype).
+fn composed_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;
     let x1 = x.narrow(D::Minus1, 0, half)?;
     let x2 = x.narrow(D::Minus1, half, half)?;
     let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
     Ok((x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?)
+}
+
+/// Rope as one CPU op on `x` `[b, heads, len, hd]` (contiguous), with the rotation written out per
+/// row: for halves `x = [x₁, x₂]`, `y = [x₁c₁ − x₂s₁, x₂c₂ + x₁s₂]` (the composed ops' arithmetic,
+/// `x·cos + rotate_half(x)·sin`), and its transpose for the gradient,
+/// `dx = [g₁c₁ + g₂s₂, g₂c₂ − g₁s₁]`.
+struct FusedRope {
+    /// `[len, hd]` or `[b, 1, len, hd]`.
+    cos: Tensor,
+    sin: Tensor,
+    /// `heads × len`: rows of `x` per batch row.
+    rows_per_batch: usize,
+    len: usize,
+    /// Whether the tables hold one table per batch row (packing).
+    per_batch: bool,
+    head_dim: usize,
+}
+
+impl FusedRope {
+    /// The table row of `x`'s row `r`.
+    fn table_row(&self, r: usize) -> usize {
+        let batch = match self.per_batch {
+            true => r / self.rows_per_batch,
+            false => 0,
+        };
+        batch * self.len + r % self.len
+    }
+
+    /// `x` rotated forward (`inverse` false) or by the transpose (the gradient, `inverse` true).
+    fn rotate<T: WithDType + Float>(&self, x: &[T], inverse: bool) -> CResult<Vec<T>> {
+        let rotated = with_data::<T, _>(&self.cos, |cos| {
+            with_data::<T, _>(&self.sin, |sin| {
+                let hd = self.head_dim;
+                let half = hd / 2;
+                let mut y = vec![T::zero(); x.len()];
+                y.par_chunks_mut(hd)
+                    .zip(x.par_chunks(hd))
+                    .enumerate()
+                    .with_min_len(16)
+                    .for_each(|(r, (y, x))| {
+                        let t = self.table_row(r) * hd;
+                        let (c, s) = (&cos[t..t + hd], &sin[t..t + hd]);
+                        for i in 0..half {
+                            let (x1, x2) = (x[i], x[half + i]);
+                            if inverse {
+                                y[i] = x1 * c[i] + x2 * s[half + i];
+                                y[half + i] = x2 * c[half + i] - x1 * s[i];
+                            } else {
+                                y[i] = x1 * c[i] + (-x2) * s[i];
+                                y[half + i] = x2 * c[half + i] + x1 * s[half + i];
+                            }
+                        }
+                    });
+                Ok(y)
+            })
+        })?
+        .flatten();
+        rotated.ok_or_else(|| candle_core::Error::Msg("rope: tables off the CPU".into()))
+    }
+}
+
+impl CustomOp1 for FusedRope {
+    fn name(&self) -> &'static str {
+        "streambp-rope"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let y = match xs.dtype() {
+            DType::F32 => {
+                f32::to_cpu_storage_owned(self.rotate::<f32>(input_data(xs, xl)?, false)?)
+            }
+            DType::F64 => {
+                f64::to_cpu_storage_owned(self.rotate::<f64>(input_data(xs, xl)?, false)?)
+            }
+            other => candle_core::bail!("rope op: {other:?} is not f32 or f64"),
+        };
+        Ok((y, xl.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
+        let dx = match x.dtype() {
+            DType::F32 => with_data::<f32, _>(g, |g| tensor_from(self.rotate(g, true)?, x))?,
+            _ => with_data::<f64, _>(g, |g| tensor_from(self.rotate(g, true)?, x))?,
+        };
+        Ok(dx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    /// The fused rotation and the composed one: equal outputs and input gradients in f64, with one
+    /// table for all rows and with one table per batch row (packing), on a strided input.
+    #[test]
+    fn the_fused_rope_matches_the_composed_one_in_f64() {
+        let dev = Device::Cpu;
+        let (b, heads, len, hd) = (2, 3, 5, 8);
+        let rotary = Rotary::new(
+            &RopeConfig {
+                theta: 10_000.0,
+                scaling: RopeScaling::None,
+            },
+            hd,
+        );
+        let shared = rotary
+            .tables((0..len).map(|p| p as f64), len, DType::F64, &dev)
+            .unwrap();
+        let positions = (0..b * len).map(|i| ((i * 7) % 11) as f64);
+        let (cos, sin) = rotary.tables(positions, b * len, DType::F64, &dev).unwrap();
+        let per_row = (
+            cos.reshape((b, 1, len, hd)).unwrap(),
+            sin.reshape((b, 1, len, hd)).unwrap(),
+        );
+        for (cos, sin) in [shared, per_row] {
+            let x = Var::from_tensor(
+                &Tensor::randn(0f64, 1.0, (b, len, heads, hd), &dev)
+                    .unwrap()
+                    .transpose(1, 2)
+                    .unwrap(),
+            )
+            .unwrap();
+            let g = Tensor::randn(0f64, 1.0, (b, heads, len, hd), &dev).unwrap();
+            let fused = apply_rope(x.as_tensor(), &cos, &sin).unwrap();
+            let composed = composed_rope(x.as_tensor(), &cos, &sin).unwrap();
+            let grad = |y: &Tensor| {
+                let store = (y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+                store.get(x.as_tensor()).unwrap().clone()
+            };
+            let max_diff = |a: &Tensor, b: &Tensor| {
+                (a - b)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap()
+            };
+            assert!(max_diff(&fused, &composed) < 1e-12, "rank {}", cos.rank());
+            assert!(
+                max_diff(&grad(&fused), &grad(&composed)) < 1e-12,
+                "rank {}",
+                cos.rank()
+            );
+        }
+    }
 }
