@@ -14,7 +14,7 @@
 //! accessors (head, final norm, embedding, layer `i`): the engine knows no checkpoint name and no
 //! family. `full` builds one graph over everything and calls `backward()` once.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 use candle_core::backprop::GradStore;
@@ -24,6 +24,7 @@ use streambp_models::lora::DropoutKey;
 use streambp_models::{DecoderLayer, KeyBlock, Layout, Model};
 use streambp_objectives::Objective;
 
+use crate::accumulate;
 use crate::error::{EngineError, Result};
 use crate::memory::PhaseLog;
 use crate::workers::on_workers;
@@ -511,15 +512,11 @@ fn head_backward(
                 }
             })
         };
-        let out = head_chunk(
-            &detached,
-            &h.detach(),
-            &chunk_targets,
-            head.is_some(),
-            grad_of,
-        )?;
-        if let (Some(name), Some(g)) = (head, out.grad_weight) {
-            sink.add(name, g)?;
+        let out = head_chunk(&detached, &h.detach(), &chunk_targets, grad_of)?;
+        if let Some(name) = head {
+            let (b, c, d) = h.dims3()?;
+            let h = h.detach().reshape((b * c, d))?;
+            sink.add_product(name, &out.grad_logits.t()?, &h)?;
         }
         let store = (h * out.grad_hidden)?.sum_all()?.backward()?;
         grad_last.slice_set(
@@ -542,8 +539,9 @@ struct HeadChunk {
     logp: Tensor,
     /// `[b, c, d]` gradient of the normed hidden states.
     grad_hidden: Tensor,
-    /// `[V, d]` this chunk's share of the head weight's gradient, when asked for.
-    grad_weight: Option<Tensor>,
+    /// `[b·c, V]` gradient of the logits: the head weight's gradient is its transpose times the
+    /// normed hidden states.
+    grad_logits: Tensor,
 }
 
 /// The LM head's forward and explicit VJP on one chunk of normed hidden states `h` (`[b, c, d]`,
@@ -551,13 +549,11 @@ struct HeadChunk {
 ///
 /// With `z` the (soft-capped) logits in f32/f64 and `p = softmax(z)`, `d logp / dz = onehot − p`; a
 /// soft-cap (the model's [`Model::soft_cap`]) adds its slope as a factor. Writing it out avoids
-/// autograd's `[V, d]` zero-fill and strided transpose-add per chunk. `weight_grad`: whether the
-/// head's weight is trained (its `[V, d]` gradient is formed only then).
+/// autograd's `[V, d]` zero-fill and strided transpose-add per chunk.
 fn head_chunk(
     detached: &Model,
     h: &Tensor,
     targets: &Tensor,
-    weight_grad: bool,
     mut grad_of: impl FnMut(&Tensor) -> Result<Tensor>,
 ) -> Result<HeadChunk> {
     let (b, c, d) = h.dims3()?;
@@ -600,10 +596,7 @@ fn head_chunk(
     Ok(HeadChunk {
         logp,
         grad_hidden: dz.matmul(weight)?.reshape((b, c, d))?,
-        grad_weight: match weight_grad {
-            true => Some(dz.t()?.matmul(&h2)?),
-            false => None,
-        },
+        grad_logits: dz,
     })
 }
 
@@ -744,16 +737,26 @@ fn required(store: &GradStore, t: &Tensor, what: &str) -> Result<Tensor> {
 /// alive) and in f32 for half-precision models (so chunking does not add rounding).
 struct GradSink {
     acc: HashMap<String, Tensor>,
+    /// Accumulators made by the sink's own arithmetic, whose storage nothing else holds: these are
+    /// added into in place ([`crate::accumulate`]).
+    owned: HashSet<String>,
     /// Parameters whose finished gradients were handed on ([`FinishedGradients`]).
-    taken: std::collections::HashSet<String>,
+    taken: HashSet<String>,
 }
 
 impl GradSink {
     fn new() -> Self {
         Self {
             acc: HashMap::new(),
-            taken: Default::default(),
+            owned: HashSet::new(),
+            taken: HashSet::new(),
         }
+    }
+
+    /// Removes and returns the accumulator of `name`.
+    fn remove(&mut self, name: &str) -> Option<Tensor> {
+        self.owned.remove(name);
+        self.acc.remove(name)
     }
 
     /// Hands over the (sealed) gradients of `params`, in their order; a parameter that got none is an
@@ -763,7 +766,6 @@ impl GradSink {
             .iter()
             .map(|(name, var)| {
                 let g = self
-                    .acc
                     .remove(name)
                     .ok_or_else(|| EngineError::MissingGradient(name.clone()))?;
                 self.taken.insert(name.clone());
@@ -786,16 +788,41 @@ impl GradSink {
         Ok(())
     }
 
-    /// Adds a gradient (computed outside autograd: the LM head's, the embedding's).
+    /// Adds a gradient that other tensors may share storage with (autograd's).
     fn add(&mut self, name: &str, grad: Tensor) -> Result<()> {
-        let grad = match grad.dtype() {
-            DType::BF16 | DType::F16 => grad.to_dtype(DType::F32)?,
-            _ => grad,
+        self.accumulate(name, grad, false)
+    }
+
+    /// Adds the gradient `a·b` (a weight's share from one chunk: the LM head's `dzᵀ·h`), into the
+    /// accumulator in place where it can.
+    fn add_product(&mut self, name: &str, a: &Tensor, b: &Tensor) -> Result<()> {
+        if let Some(acc) = self.acc.get(name) {
+            if self.owned.contains(name) && accumulate::add_product(acc, a, b)? {
+                return Ok(());
+            }
+        }
+        self.accumulate(name, a.matmul(b)?, true)
+    }
+
+    /// Adds `grad` (`fresh`: a tensor only the sink holds) to the accumulator of `name`: in place
+    /// once the sink owns the accumulator, else as a new sum, which it then owns.
+    fn accumulate(&mut self, name: &str, grad: Tensor, fresh: bool) -> Result<()> {
+        let (grad, fresh) = match grad.dtype() {
+            DType::BF16 | DType::F16 => (grad.to_dtype(DType::F32)?, true),
+            _ => (grad, fresh),
         };
-        let sum = match self.acc.remove(name) {
-            Some(prev) => (prev.to_dtype(grad.dtype())? + grad)?,
-            None => grad,
+        if let Some(acc) = self.acc.get(name) {
+            if self.owned.contains(name) && accumulate::add(acc, &grad)? {
+                return Ok(());
+            }
+        }
+        let (sum, owned) = match self.remove(name) {
+            Some(prev) => ((prev.to_dtype(grad.dtype())? + grad)?, true),
+            None => (grad, fresh),
         };
+        if owned {
+            self.owned.insert(name.to_string());
+        }
         self.acc.insert(name.to_string(), sum);
         Ok(())
     }

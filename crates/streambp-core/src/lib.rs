@@ -30,6 +30,7 @@
 
 #![warn(missing_docs)]
 
+mod accumulate;
 pub mod engine;
 pub mod error;
 mod head_softmax;

@@ -187,13 +187,16 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let checkpoints = |n: u64| if p.offloaded { hidden } else { n * hidden };
 
     let lc = (chunks.logits_chunk as u64).min(t);
-    // The scores in the compute dtype, their softmax, its VJP and the target scatter (on the host: the
-    // scores, the probabilities turned into the VJP in place, and its transpose for the weight's
-    // product); half precision adds the raw logits, the rounded VJP and temporaries (fitted).
+    // The scores in the compute dtype, their softmax, its VJP and the target scatter (on the host:
+    // the scores, and the probabilities turned into the VJP in place); half precision adds the raw
+    // logits, the rounded VJP and temporaries (fitted).
     let half_logits = if half { 4 * e } else { 0 };
-    let buffers = if p.host { 3 } else { 4 };
+    let buffers = if p.host { 2 } else { 4 };
     let logits = b * lc * vocab * (buffers * f32b.max(e) + half_logits);
-    let head_phase = checkpoints(layers + 1) + hidden + logits + head_grad;
+    // Each chunk's share of the head weight's gradient: added into the accumulator by the product
+    // itself on the host in f32/f64, a `[V, d]` buffer elsewhere.
+    let head_share = if p.host && !half { 0 } else { head_grad };
+    let head_phase = checkpoints(layers + 1) + hidden + logits + head_share;
 
     let c = (chunks.chunk as u64).min(t);
     // The attention op scores a chunk against one block of keys at a time.
@@ -208,8 +211,8 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
 
     // The embedding's VJP (written out): the incoming `[b, T, d]` gradient and its scaled rows, the
     // table's gradient (model dtype; an f32 copy of it for half precision) and its sum with the
-    // accumulated one.
-    let half_table = if half && table_grad > 0 {
+    // accumulated one (on the host the f32 copy is added into the accumulator in place).
+    let half_table = if half && !p.host && table_grad > 0 {
         vocab * d * f32b
     } else {
         0
