@@ -14,7 +14,7 @@
 use candle_core::{Device, Tensor, WithDType};
 use num_traits::Float;
 use rayon::prelude::*;
-use streambp_models::cpu::{fusable, with_data};
+use streambp_models::cpu::{fusable, with_data, BulkExp};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -68,7 +68,7 @@ pub(crate) fn log_softmax_rows(z: &Tensor, targets: &Tensor) -> CResult<Option<H
     }))
 }
 
-fn rows_as<T: WithDType + Float + std::ops::AddAssign + std::ops::MulAssign>(
+fn rows_as<T: WithDType + BulkExp + std::ops::MulAssign>(
     z: &Tensor,
     targets: &[u32],
 ) -> CResult<Option<(Vec<T>, Tensor)>> {
@@ -88,11 +88,11 @@ fn rows_as<T: WithDType + Float + std::ops::AddAssign + std::ops::MulAssign>(
                         max = x;
                     }
                 }
-                let mut sum = T::zero();
                 for (e, &x) in p.iter_mut().zip(row) {
-                    *e = (x - max).exp();
-                    sum += *e;
+                    *e = x - max;
                 }
+                T::exp_in_place(p);
+                let sum = p.iter().fold(T::zero(), |acc, &e| acc + e);
                 let lse = sum.ln() + max;
                 // The probabilities from the same exponentials (exp(z − lse) to rounding): each
                 // exponential is computed once.

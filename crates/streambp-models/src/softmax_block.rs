@@ -17,7 +17,7 @@ use candle_core::{DType, Tensor, WithDType};
 use num_traits::Float;
 use rayon::prelude::*;
 
-use crate::cpu::{fusable, with_data, with_optional};
+use crate::cpu::{fusable, with_data, with_optional, BulkExp};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -89,7 +89,7 @@ pub(crate) fn forward(
     }
 }
 
-fn forward_as<T: WithDType + Float + std::ops::AddAssign>(
+fn forward_as<T: WithDType + BulkExp>(
     s: &Tensor,
     mask: Option<&Tensor>,
     prev_max: Option<&Tensor>,
@@ -117,11 +117,11 @@ fn forward_as<T: WithDType + Float + std::ops::AddAssign>(
                                 m = v;
                             }
                         }
-                        let mut total = T::zero();
                         for out in p.iter_mut() {
-                            *out = (*out - m).exp();
-                            total += *out;
+                            *out -= m;
                         }
+                        T::exp_in_place(p);
+                        let total = p.iter().fold(T::zero(), |acc, &v| acc + v);
                         *max = m;
                         *sum = total;
                     });
@@ -160,7 +160,7 @@ pub(crate) fn backward(
     }
 }
 
-fn backward_as<T: WithDType + Float + std::ops::AddAssign>(
+fn backward_as<T: WithDType + BulkExp>(
     s: &Tensor,
     mask: Option<&Tensor>,
     (max, log_sum): (&Tensor, &Tensor),
@@ -184,9 +184,12 @@ fn backward_as<T: WithDType + Float + std::ops::AddAssign>(
                         // The masked scores into `p`, then probabilities and dS in one sweep.
                         map.masked_row(p, s, mask, r);
                         let (m, l, d) = (max[r], log_sum[r], dot[r]);
-                        for ((prob, ds), &g) in p.iter_mut().zip(ds.iter_mut()).zip(grad) {
-                            *prob = ((*prob - m) - l).exp();
-                            *ds = *prob * (g - d);
+                        for prob in p.iter_mut() {
+                            *prob = (*prob - m) - l;
+                        }
+                        T::exp_in_place(p);
+                        for ((ds, &prob), &g) in ds.iter_mut().zip(p.iter()).zip(grad) {
+                            *ds = prob * (g - d);
                         }
                     });
                 Ok(())
