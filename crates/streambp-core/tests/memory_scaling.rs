@@ -1,6 +1,6 @@
 //! Memory, measured exactly with the counting allocator (not timed, so it cannot be fooled by load):
 //! at a fixed chunk size StreamBP's peak grows linearly in T, while gradient checkpointing's grows
-//! faster (it holds a whole layer's graph, with heads × T² attention scores).
+//! far faster (it holds a whole layer's graph, with heads × T × key-block attention scores).
 //!
 //! One test function in its own binary, so no other test allocates while it measures.
 
@@ -82,10 +82,13 @@ fn stream_peak_is_linear_in_t_and_checkpoint_grows_faster() {
         s < 1.1,
         "stream peak grows faster than linearly: {stream:?}"
     );
-    // Measured 1.94: checkpointing's per-token cost doubles with T (heads × T² scores).
+    // Checkpointing holds a whole layer's graph, its attention scores in blocks of KEY_BLOCK keys
+    // (heads × T × 512: quadratic up to T = 512, linear past it): each added token costs it far more
+    // than it costs the streamed backward (measured 32x between T = 512 and 1024).
+    let added = |p: &[usize]| (p[2] - p[1]) as f64;
     assert!(
-        c > 1.6,
-        "checkpoint peak should grow quadratically: {ckpt:?}"
+        added(&ckpt) > 10.0 * added(&stream),
+        "checkpoint peak should grow far faster: {ckpt:?} vs {stream:?}"
     );
     assert!(
         ckpt[2] as f64 > 2.0 * stream[2] as f64,

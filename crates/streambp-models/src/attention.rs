@@ -18,8 +18,10 @@ use crate::error::Result;
 use crate::op::Precomputed;
 use crate::softmax_block;
 
-/// Keys per block: the score tensors of a query chunk are at most `heads × c × KEY_BLOCK`.
-pub const KEY_BLOCK: usize = 2048;
+/// Keys per block: the score tensors of a query chunk are at most `heads × c × KEY_BLOCK`. 512 keeps
+/// a streamed chunk's block passes near the cache (4 × 128 × 512 f32 scores are 1 MiB) and is as fast as
+/// 256 and 5% faster than 2048 at T = 4096 (docs/benchmarks.md); larger blocks only add memory.
+pub const KEY_BLOCK: usize = 512;
 
 type CResult<T> = candle_core::Result<T>;
 
