@@ -1,6 +1,6 @@
 //! Memory, measured exactly with the counting allocator (not timed, so it cannot be fooled by load):
 //! at a fixed chunk size StreamBP's peak grows linearly in T, while gradient checkpointing's grows
-//! far faster (it holds a whole layer's graph, with heads × T × key-block attention scores).
+//! several times faster (it holds a whole layer's graph).
 //!
 //! One test function in its own binary, so no other test allocates while it measures.
 
@@ -82,12 +82,12 @@ fn stream_peak_is_linear_in_t_and_checkpoint_grows_faster() {
         s < 1.1,
         "stream peak grows faster than linearly: {stream:?}"
     );
-    // Checkpointing holds a whole layer's graph, its attention scores in blocks of KEY_BLOCK keys
-    // (heads × T × 512: quadratic up to T = 512, linear past it): each added token costs it far more
-    // than it costs the streamed backward (measured 32x between T = 512 and 1024).
+    // Checkpointing holds a whole layer's graph (its attention scores a block of 512 queries by 512
+    // keys at a time): each added token costs it several times what it costs the streamed backward
+    // (measured 4.2x between T = 512 and 1024).
     let added = |p: &[usize]| (p[2] - p[1]) as f64;
     assert!(
-        added(&ckpt) > 10.0 * added(&stream),
+        added(&ckpt) > 3.0 * added(&stream),
         "checkpoint peak should grow far faster: {ckpt:?} vs {stream:?}"
     );
     assert!(

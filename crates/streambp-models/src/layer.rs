@@ -17,6 +17,9 @@ use crate::norm::RmsNorm;
 use crate::rope::{apply_rope, Rotary};
 use crate::swiglu::swiglu;
 
+/// Queries per attention call when a layer runs over a whole sequence ([`DecoderLayer::forward`]).
+const QUERY_BLOCK: usize = 512;
+
 /// Head counts and score transforms of the attention core.
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
@@ -324,18 +327,32 @@ impl DecoderLayer {
         self.after_attention(x_c, &attn, keys.q_start, keys.layout)
     }
 
-    /// The layer over a whole sequence `[b, t, d]` laid out as `layout`.
+    /// The layer over a whole sequence `[b, t, d]` laid out as `layout`. The attention runs
+    /// [`QUERY_BLOCK`] queries at a time, each block against the keys up to its last query: the
+    /// scores above the diagonal (half of them) are never formed.
     pub fn forward(&self, x: &Tensor, layout: &Layout) -> Result<Tensor> {
         let normed = self.norm_input(x)?;
         let (k, v) = self.keys_values(&normed, 0, layout)?;
         let q = self.queries(&normed, 0, layout)?;
-        let keys = KeyBlock {
-            q_start: 0,
-            k_start: 0,
-            layout,
-            earlier: None,
-        };
-        let attn = self.attend(&q, &k, &v, keys)?;
+        let t = x.dim(1)?;
+        let mut parts = Vec::with_capacity(t.div_ceil(QUERY_BLOCK));
+        for start in (0..t).step_by(QUERY_BLOCK) {
+            let end = (start + QUERY_BLOCK).min(t);
+            let k0 = self.first_visible_key(start, layout);
+            let keys = KeyBlock {
+                q_start: start,
+                k_start: k0,
+                layout,
+                earlier: None,
+            };
+            parts.push(self.attend(
+                &q.narrow(2, start, end - start)?,
+                &k.narrow(2, k0, end - k0)?,
+                &v.narrow(2, k0, end - k0)?,
+                keys,
+            )?);
+        }
+        let attn = Tensor::cat(&parts, 1)?;
         self.after_attention(x, &attn, 0, layout)
     }
 
