@@ -61,7 +61,7 @@ impl Linear {
             }
             (None, true) => crate::op::frozen_linear(&x2, &self.weight, self.bias.as_ref())?,
             (None, false) => {
-                let y = x2.matmul(&self.weight.t()?)?;
+                let y = crate::op::trained_linear(&x2, &self.weight)?;
                 match &self.bias {
                     Some(b) => y.broadcast_add(b)?,
                     None => y,

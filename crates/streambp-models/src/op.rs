@@ -100,6 +100,68 @@ pub(crate) fn frozen_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) 
     })
 }
 
+/// `x Wᵀ` with a trained `W`: its backward forms `dx = g W` and the weight's gradient `dW = gᵀ x`
+/// directly in `W`'s layout. Composed as `x.matmul(W.t())`, autograd forms `xᵀ g` (`[in, out]`), sums it
+/// into a zero-filled gradient of the transpose node, then transposes that and sums it again, strided,
+/// into a second zero-filled `[out, in]` buffer: two weight-sized fills and adds per chunk and projection.
+struct TrainedLinear {
+    out: Precomputed,
+}
+
+impl candle_core::CustomOp2 for TrainedLinear {
+    fn name(&self) -> &'static str {
+        "streambp-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        self.out.cpu()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        self.out.cuda()
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let grad_x = grad.matmul(&weight.detach())?;
+        let grad_w = grad.t()?.matmul(&x.detach())?;
+        Ok((Some(grad_x), Some(grad_w)))
+    }
+}
+
+/// `x Wᵀ` for `x` `[n, in]` and a trained `weight` `[out, in]`, differentiable in both (see
+/// [`TrainedLinear`]). Untracked operands take the plain product.
+pub(crate) fn trained_linear(x: &Tensor, weight: &Tensor) -> CResult<Tensor> {
+    let out = x.detach().matmul(&weight.detach().t()?)?;
+    if !(x.track_op() || weight.track_op()) {
+        return Ok(out);
+    }
+    x.apply_op2(
+        weight,
+        TrainedLinear {
+            out: Precomputed::new(out),
+        },
+    )
+}
+
 /// `x Wᵀ + b + s·(u Bᵀ)` with `W`, `b` frozen and `u = dropout(x) Aᵀ` the adapter's down-projection:
 /// one LoRA projection as one op. Its backward gives `x` its gradient through the frozen weight,
 /// `g W`, and `u` and `B` theirs, `s·g B` and `s·gᵀ u`; the graph holds its output only (not the
