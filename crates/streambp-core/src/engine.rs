@@ -19,12 +19,12 @@ use std::ops::Range;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var, D};
+use streambp_models::accumulate;
 use streambp_models::attention::EarlierKeys;
 use streambp_models::lora::DropoutKey;
 use streambp_models::{DecoderLayer, KeyBlock, Layout, Model};
 use streambp_objectives::Objective;
 
-use crate::accumulate;
 use crate::error::{EngineError, Result};
 use crate::memory::PhaseLog;
 use crate::workers::on_workers;
@@ -633,6 +633,19 @@ fn layer_backward_streamed(
     let grad_keys = keys.zeros_like()?;
     let grad_values = values.zeros_like()?;
     let grad_in = x.zeros_like()?;
+    // The projections' weight gradients go straight into the sink's accumulators: no chunk makes a
+    // weight-sized buffer.
+    let params = model.layer_parameters(index);
+    let layer = layer.accumulating_into(|weight| {
+        match params
+            .iter()
+            .find(|(_, var)| var.as_tensor().id() == weight.id())
+        {
+            Some((name, _)) => sink.accumulator(name, weight),
+            None => Ok(None),
+        }
+    })?;
+    let layer = &layer;
 
     for r in ranges.into_iter().rev() {
         let (s, len) = (r.start, r.len());
@@ -786,6 +799,21 @@ impl GradSink {
             }
         }
         Ok(())
+    }
+
+    /// The accumulator of `name` (`like`'s shape), made zero if there is none yet, for adding into in
+    /// place; `None` where it could not be (one the sink does not own, or off the host in f32/f64).
+    fn accumulator(&mut self, name: &str, like: &Tensor) -> Result<Option<Tensor>> {
+        if !self.acc.contains_key(name) {
+            self.acc
+                .insert(name.to_string(), like.detach().zeros_like()?);
+            self.owned.insert(name.to_string());
+        }
+        Ok(self
+            .acc
+            .get(name)
+            .filter(|acc| self.owned.contains(name) && acc.dtype() == like.dtype())
+            .cloned())
     }
 
     /// Adds a gradient that other tensors may share storage with (autograd's).

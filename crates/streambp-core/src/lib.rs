@@ -30,7 +30,6 @@
 
 #![warn(missing_docs)]
 
-mod accumulate;
 pub mod engine;
 pub mod error;
 mod head_softmax;

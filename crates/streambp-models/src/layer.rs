@@ -382,6 +382,23 @@ impl DecoderLayer {
         }
     }
 
+    /// The same layer with each trained projection's weight gradient added in place into
+    /// `accumulator(weight)` by the backward ([`Linear::grad_into`]); projections it gives none for,
+    /// frozen ones and those with adapters keep handing their gradients to autograd.
+    pub fn accumulating_into<E>(
+        &self,
+        mut accumulator: impl FnMut(&Tensor) -> std::result::Result<Option<Tensor>, E>,
+    ) -> std::result::Result<Self, E> {
+        let mut layer = self.clone();
+        for p in Projection::ALL {
+            let linear = layer.projection_mut(p);
+            if !linear.frozen && linear.lora.is_none() {
+                linear.grad_into = accumulator(&linear.weight)?;
+            }
+        }
+        Ok(layer)
+    }
+
     /// The same layer with every weight cut from the graph: runs without recording anything.
     pub fn detached(&self) -> Self {
         let opt = |n: &Option<RmsNorm>| n.as_ref().map(RmsNorm::detached);

@@ -16,6 +16,7 @@
 
 #![warn(missing_docs)]
 
+pub mod accumulate;
 pub mod adapter;
 pub mod attention;
 pub mod config;

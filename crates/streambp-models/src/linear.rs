@@ -19,6 +19,11 @@ pub struct Linear {
     pub frozen: bool,
     /// The LoRA adapter, where one sits on this projection (its base is then always frozen).
     pub lora: Option<LoraAdapter>,
+    /// A trained weight's gradient accumulator (`[out, in]`, held by its owner alone): the backward adds
+    /// `dW` into it in place and gives autograd none for the weight (CPU, f32/f64; elsewhere it hands
+    /// `dW` to autograd as usual). The streamed backward sets it for each chunk's graph, so a chunk
+    /// makes no weight-sized buffer.
+    pub grad_into: Option<Tensor>,
 }
 
 impl Linear {
@@ -29,6 +34,7 @@ impl Linear {
             bias,
             frozen: false,
             lora: None,
+            grad_into: None,
         }
     }
 
@@ -61,7 +67,7 @@ impl Linear {
             }
             (None, true) => crate::op::frozen_linear(&x2, &self.weight, self.bias.as_ref())?,
             (None, false) => {
-                let y = crate::op::trained_linear(&x2, &self.weight)?;
+                let y = crate::op::trained_linear(&x2, &self.weight, self.grad_into.as_ref())?;
                 match &self.bias {
                     Some(b) => y.broadcast_add(b)?,
                     None => y,
@@ -80,6 +86,7 @@ impl Linear {
             bias: self.bias.as_ref().map(Tensor::detach),
             frozen: self.frozen,
             lora: self.lora.as_ref().map(LoraAdapter::detached),
+            grad_into: None,
         }
     }
 }

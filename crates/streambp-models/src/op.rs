@@ -7,6 +7,8 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
+use crate::accumulate;
+
 type CResult<T> = candle_core::Result<T>;
 
 /// A forward result waiting to be handed to the op that records it (once).
@@ -106,6 +108,8 @@ pub(crate) fn frozen_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) 
 /// into a second zero-filled `[out, in]` buffer: two weight-sized fills and adds per chunk and projection.
 struct TrainedLinear {
     out: Precomputed,
+    /// Where `dW` is added in place instead of being returned (see [`Linear::grad_into`]).
+    grad_into: Option<Tensor>,
 }
 
 impl candle_core::CustomOp2 for TrainedLinear {
@@ -142,14 +146,23 @@ impl candle_core::CustomOp2 for TrainedLinear {
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         let grad_x = grad.matmul(&weight.detach())?;
-        let grad_w = grad.t()?.matmul(&x.detach())?;
-        Ok((Some(grad_x), Some(grad_w)))
+        let (grad_t, x) = (grad.t()?, x.detach());
+        let grad_w = match &self.grad_into {
+            Some(acc) if accumulate::add_product(acc, &grad_t, &x)? => None,
+            _ => Some(grad_t.matmul(&x)?),
+        };
+        Ok((Some(grad_x), grad_w))
     }
 }
 
 /// `x Wᵀ` for `x` `[n, in]` and a trained `weight` `[out, in]`, differentiable in both (see
-/// [`TrainedLinear`]). Untracked operands take the plain product.
-pub(crate) fn trained_linear(x: &Tensor, weight: &Tensor) -> CResult<Tensor> {
+/// [`TrainedLinear`]); with `grad_into`, the weight's gradient is added there (where that can be done
+/// in place) rather than handed to autograd. Untracked operands take the plain product.
+pub(crate) fn trained_linear(
+    x: &Tensor,
+    weight: &Tensor,
+    grad_into: Option<&Tensor>,
+) -> CResult<Tensor> {
     let out = x.detach().matmul(&weight.detach().t()?)?;
     if !(x.track_op() || weight.track_op()) {
         return Ok(out);
@@ -158,6 +171,7 @@ pub(crate) fn trained_linear(x: &Tensor, weight: &Tensor) -> CResult<Tensor> {
         weight,
         TrainedLinear {
             out: Precomputed::new(out),
+            grad_into: grad_into.cloned(),
         },
     )
 }

@@ -7,12 +7,14 @@
 //! candle's own products run, told to read the destination). Both are exact sums, in a fixed order,
 //! so a step's gradients do not depend on the thread count.
 //!
-//! CPU, f32 and f64, accumulators the sink owns (contiguous, sharing no storage); elsewhere the
-//! functions answer `false` and the caller keeps the tensor-op sum (which CUDA runs).
+//! CPU, f32 and f64, accumulators their owner alone holds (contiguous, sharing no storage): the
+//! engine's gradient sink, and a trained projection's backward adding its weight's gradient straight
+//! into the sink's accumulator ([`crate::linear::Linear::grad_into`]). Elsewhere the functions answer
+//! `false` and the caller keeps the tensor-op sum (which CUDA runs).
 
+use crate::cpu::{fusable, input_data};
 use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Tensor, WithDType};
 use rayon::prelude::*;
-use streambp_models::cpu::{fusable, input_data};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -29,7 +31,7 @@ fn in_place(acc: &Tensor, operands: &[&Tensor]) -> bool {
 }
 
 /// `acc += x` in place (same shape); `false`, with nothing done, where that does not apply.
-pub(crate) fn add(acc: &Tensor, x: &Tensor) -> CResult<bool> {
+pub fn add(acc: &Tensor, x: &Tensor) -> CResult<bool> {
     if !in_place(acc, &[x]) || acc.shape() != x.shape() {
         return Ok(false);
     }
@@ -39,7 +41,7 @@ pub(crate) fn add(acc: &Tensor, x: &Tensor) -> CResult<bool> {
 
 /// `acc += a·b` in place for `a` `[m, k]`, `b` `[k, n]` (any strides) and `acc` `[m, n]`; `false`,
 /// with nothing done, where that does not apply.
-pub(crate) fn add_product(acc: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool> {
+pub fn add_product(acc: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool> {
     let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
     if !in_place(acc, &[a, b]) || k != k2 || acc.dims() != [m, n] {
         return Ok(false);
