@@ -20,7 +20,8 @@ pub fn accuracy(model: &Model, tok: &TextTokenizer, rows: &[(String, String)]) -
     for (prompt, answer) in rows {
         let ids = tok.encode(prompt)?;
         let max_new = tok.encode(answer)?.len() + 2;
-        let out = greedy(model, &ids, tok.eos_id, max_new)?;
+        let out =
+            streambp_core::on_workers(model.device(), || greedy(model, &ids, tok.eos_id, max_new))?;
         if tok.decode(&out)?.trim() == answer.trim() {
             correct += 1;
         }

@@ -172,14 +172,19 @@ fn rollout(
     reward_totals: &mut [f64],
 ) -> Result<Rollouts> {
     let tok = &setup.tokenizer;
-    let completions = sample_group(
-        &setup.model,
-        &prompt.ids,
-        g.group_size,
-        tok.eos_id,
-        &g.sampling,
-        rng,
-    )?;
+    let model = &setup.model;
+    // On rayon's workers, as the engine's phases: the decoding loop's products then need no
+    // cross-thread hand-off each.
+    let completions = streambp_core::on_workers(model.device(), || {
+        sample_group(
+            model,
+            &prompt.ids,
+            g.group_size,
+            tok.eos_id,
+            &g.sampling,
+            rng,
+        )
+    })?;
     let mut scores = Vec::with_capacity(completions.len());
     let mut examples = Vec::with_capacity(completions.len());
     for c in completions {
