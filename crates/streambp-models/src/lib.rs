@@ -36,6 +36,8 @@ mod op;
 pub mod rope;
 mod softmax_block;
 mod swiglu;
+#[cfg(test)]
+mod testing;
 
 pub use config::{Activation, Family, LayerKind, ModelConfig, NormStyle, RopeConfig, RopeScaling};
 pub use error::{ModelError, Result};

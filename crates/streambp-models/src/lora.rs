@@ -313,6 +313,7 @@ pub fn dropout_mask(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::max_diff;
 
     /// The mask of a chunk is the same as that chunk of the whole sequence's mask, and drops about p.
     #[test]
@@ -336,15 +337,7 @@ mod tests {
             &dev,
         )
         .unwrap();
-        let diff = (whole.narrow(1, 5, 4).unwrap() - chunk)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
-        assert_eq!(diff, 0.0);
+        assert_eq!(max_diff(&whole.narrow(1, 5, 4).unwrap(), &chunk), 0.0);
         let kept = whole
             .ne(0.0)
             .unwrap()

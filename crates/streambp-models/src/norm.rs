@@ -219,6 +219,7 @@ impl CustomOp2 for FusedRmsNorm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{grads, max_diff};
     use candle_core::{Device, Var};
 
     /// The fused op and the composed ops: equal outputs and gradients (x and weight) in f64, for
@@ -240,29 +241,17 @@ mod tests {
                 let norm = RmsNorm::new(w.as_tensor().clone(), 1e-6, style);
                 let fused = norm.forward(x.as_tensor()).unwrap();
                 let composed = norm.composed(x.as_tensor()).unwrap();
-                let grads = |y: &Tensor| {
-                    let store = (y * &g).unwrap().sum_all().unwrap().backward().unwrap();
-                    let get = |v: &Var| store.get(v.as_tensor()).unwrap().clone();
-                    (get(&x), get(&w))
-                };
-                let max_diff = |a: &Tensor, b: &Tensor| {
-                    (a - b)
-                        .unwrap()
-                        .abs()
-                        .unwrap()
-                        .max_all()
-                        .unwrap()
-                        .to_scalar::<f64>()
-                        .unwrap()
-                };
                 assert!(
                     max_diff(&fused, &composed) < 1e-12,
                     "{style:?} {rows}x{dim}"
                 );
-                let (fx, fw) = grads(&fused);
-                let (cx, cw) = grads(&composed);
-                assert!(max_diff(&fx, &cx) < 1e-12, "dx {style:?} {rows}x{dim}");
-                assert!(max_diff(&fw, &cw) < 1e-12, "dw {style:?} {rows}x{dim}");
+                let wrt = [&x, &w];
+                let pairs = grads(&fused, &g, &wrt)
+                    .into_iter()
+                    .zip(grads(&composed, &g, &wrt));
+                for (which, (f, c)) in ["dx", "dw"].into_iter().zip(pairs) {
+                    assert!(max_diff(&f, &c) < 1e-12, "{which} {style:?} {rows}x{dim}");
+                }
             }
         }
     }

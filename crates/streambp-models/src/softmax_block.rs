@@ -209,6 +209,7 @@ fn backward_as<T: WithDType + BulkExp>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::max_diff;
     use candle_core::{Device, D};
 
     /// Seeded values in [-3, 3) of `shape`.
@@ -243,21 +244,6 @@ mod tests {
             .collect();
         Tensor::from_vec(v, (rows, 1, 1, c, n), &Device::Cpu)
             .and_then(|t| t.to_dtype(dtype))
-            .unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f64>()
             .unwrap()
     }
 

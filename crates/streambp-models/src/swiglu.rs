@@ -130,6 +130,7 @@ impl CustomOp2 for FusedSwiglu {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{grads, max_diff};
     use candle_core::{Device, Var};
 
     /// The fused op and the composed ops: equal outputs and gradients in f64, on a strided gate and
@@ -150,26 +151,14 @@ mod tests {
             let g = Tensor::randn(0f64, 1.0, (rows, cols), &dev).unwrap();
             let fused = swiglu(gate.as_tensor(), up.as_tensor()).unwrap();
             let reference = composed(gate.as_tensor(), up.as_tensor()).unwrap();
-            let grads = |y: &Tensor| {
-                let store = (y * &g).unwrap().sum_all().unwrap().backward().unwrap();
-                let get = |v: &Var| store.get(v.as_tensor()).unwrap().clone();
-                (get(&gate), get(&up))
-            };
-            let max_diff = |a: &Tensor, b: &Tensor| {
-                (a - b)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f64>()
-                    .unwrap()
-            };
             assert!(max_diff(&fused, &reference) < 1e-12, "{rows}x{cols}");
-            let (fg, fu) = grads(&fused);
-            let (cg, cu) = grads(&reference);
-            assert!(max_diff(&fg, &cg) < 1e-12, "d gate {rows}x{cols}");
-            assert!(max_diff(&fu, &cu) < 1e-12, "d up {rows}x{cols}");
+            let wrt = [&gate, &up];
+            let pairs = grads(&fused, &g, &wrt)
+                .into_iter()
+                .zip(grads(&reference, &g, &wrt));
+            for (which, (f, c)) in ["d gate", "d up"].into_iter().zip(pairs) {
+                assert!(max_diff(&f, &c) < 1e-12, "{which} {rows}x{cols}");
+            }
         }
     }
 }
