@@ -16,7 +16,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
 
 use crate::error::Result;
 use crate::op::Precomputed;
-use crate::softmax_block;
+use crate::{products, softmax_block};
 
 /// Keys per block: the score tensors of a query chunk are at most `heads × c × KEY_BLOCK`. 512 keeps
 /// a streamed chunk's block passes near the cache (4 × 128 × 512 f32 scores are 1 MiB) and is as fast as
@@ -115,13 +115,9 @@ impl Blocks {
     /// compute dtype), and the block's additive mask (`None`: every query reads every key).
     fn scores(&self, q: &Tensor, k: &Tensor, r: KeyRange) -> CResult<(Tensor, Option<Tensor>)> {
         let (b, kv_heads, rows, _) = q.dims4()?;
-        let s = q.matmul(&k.t()?)?.to_dtype(self.compute)?.reshape((
-            b,
-            kv_heads,
-            self.group,
-            rows / self.group,
-            r.n,
-        ))?;
+        let s = products::matmul(q, &k.t()?)?
+            .to_dtype(self.compute)?
+            .reshape((b, kv_heads, self.group, rows / self.group, r.n))?;
         let mask = self
             .mask
             .bias(r.index, r.n, self.compute)
@@ -168,7 +164,7 @@ impl Blocks {
             };
             // Only the probabilities go on: the scores' memory is free for the product.
             drop((s, mask));
-            let pv = self.grouped(&self.flat(&p, dtype)?.matmul(&v)?)?;
+            let pv = self.grouped(&products::matmul(&self.flat(&p, dtype)?, &v)?)?;
             state = Some(match state {
                 None => (max, sum, pv),
                 Some((m, l, acc)) => {
@@ -252,8 +248,7 @@ impl CustomOp3 for Attention {
         for r in b.ranges(k.dim(2)?)? {
             let (k_r, v_r) = b.keys_values(r, &k, &v)?;
             let (s, mask) = b.scores(&q, &k_r, r)?;
-            let grad_p = grad
-                .matmul(&v_r.t()?)?
+            let grad_p = products::matmul(&grad, &v_r.t()?)?
                 .to_dtype(b.compute)?
                 .reshape(s.shape())?;
             let normalizer = (&self.normalizer.max, &self.normalizer.log_sum);
@@ -272,22 +267,22 @@ impl CustomOp3 for Attention {
             // Each score-sized buffer is freed as soon as it is used: the scores and dP now, P after
             // its product.
             drop((s, mask, grad_p));
-            let grad_v_r = b.flat(&p, dtype)?.t()?.matmul(&grad)?;
-            drop(p);
-            let grad_s = b.flat(&grad_s, dtype)?;
-            let dq = grad_s.matmul(&k_r)?.to_dtype(b.compute)?;
-            grad_q = Some(match grad_q {
-                Some(acc) => (acc + dq)?,
-                None => dq,
-            });
-            let grad_k_r = grad_s.t()?.matmul(&q)?;
             // Each block's gradient goes straight where it belongs: no per-block list to concatenate.
             let (grad_keys, grad_values, at) = match (&b.earlier, r.earlier) {
                 (Some(e), true) => (&e.grad_keys, &e.grad_values, e.offset + r.start),
                 _ => (&own_grad_k, &own_grad_v, r.start),
             };
-            add_at(grad_keys, &grad_k_r, at)?;
-            add_at(grad_values, &grad_v_r, at)?;
+            add_product_at(grad_values, &b.flat(&p, dtype)?.t()?, &grad, at)?;
+            drop(p);
+            let grad_s = b.flat(&grad_s, dtype)?;
+            grad_q = Some(match grad_q {
+                Some(acc) if acc.dtype() == dtype && products::add_matmul(&acc, &grad_s, &k_r)? => {
+                    acc
+                }
+                Some(acc) => (acc + grad_s.matmul(&k_r)?.to_dtype(b.compute)?)?,
+                None => products::matmul(&grad_s, &k_r)?.to_dtype(b.compute)?,
+            });
+            add_product_at(grad_keys, &grad_s.t()?, &q, at)?;
         }
         let grad_q = grad_q
             .ok_or_else(|| candle_core::Error::Msg("no keys".into()))?
@@ -304,10 +299,13 @@ fn masked(s: &Tensor, mask: Option<&Tensor>) -> CResult<Tensor> {
     }
 }
 
-/// `dst[:, :, at..at + n] += src` (`n` = `src`'s keys), in place.
-fn add_at(dst: &Tensor, src: &Tensor, at: usize) -> CResult<()> {
-    let n = src.dim(2)?;
-    let sum = (dst.narrow(2, at, n)? + src.to_dtype(dst.dtype())?)?;
+/// `dst[:, :, at..at + n] += a·b` (`n` = `a`'s rows), in place.
+fn add_product_at(dst: &Tensor, a: &Tensor, b: &Tensor, at: usize) -> CResult<()> {
+    let view = dst.narrow(2, at, a.dim(2)?)?;
+    if products::add_matmul(&view, a, b)? {
+        return Ok(());
+    }
+    let sum = (view + a.matmul(b)?.to_dtype(dst.dtype())?)?;
     dst.slice_set(&sum, 2, at)
 }
 
