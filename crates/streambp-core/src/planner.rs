@@ -19,7 +19,7 @@
 //! and embedding phases refitted per phase on it and on `tests/planner.rs`'s model, f32 and bf16, at
 //! T = 1024..4096; the layer phase refitted on both once the mask and the earlier keys' gradients stopped
 //! taking `c × T` and `T × kv` copies, so as never to under-estimate by more than 5%): a chunk's
-//! attention holds about 4.1 f32 copies of its `heads × c × key block` scores at once (inside the attention op's backward; none stay in the graph), a logits chunk 4 f32 copies
+//! attention holds about 4.1 f32 copies of its `heads × c × key block` scores at once (inside the attention op's backward; none stay in the graph; on the host two per running task of its kernel), a logits chunk 4 f32 copies
 //! of `c × V` (4 more in the model dtype for half precision). `tests/planner.rs` checks the model against measured peaks; the bench prints
 //! its error next to every measured stream peak, and `--predict` prints its estimate for shapes too
 //! large to run here.
@@ -204,9 +204,18 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let kv_state = 4 * b * t * kv * e;
     let grads_io = 2 * hidden;
     let chunk_acts = b * c * (14 * d + 7 * q + 7 * kv + 10 * ffn) * e;
-    // The attention op keeps no score-sized tensor in the graph; its backward holds about four at once
-    // for the chunk that scores the most keys.
-    let scores = 41 * b * heads * score_area(t, c, key_block) * f32b.max(e) / 10;
+    // The attention op keeps no score-sized tensor in the graph. Its backward holds about four at
+    // once for the chunk that scores the most keys; on the host in f32/f64, where its kernel runs
+    // each (row, key/value head, key block) as a task, each running task holds two (the block's
+    // probabilities and their gradient) for its head's group of query heads.
+    let scores = if p.host && !half {
+        let tasks = b * cfg.num_kv_heads as u64 * (t.div_ceil(key_block) + 1);
+        let running = tasks.min(rayon::current_num_threads() as u64);
+        let group = heads / (cfg.num_kv_heads as u64).max(1);
+        2 * running * group * score_area(t, c, key_block) * e
+    } else {
+        41 * b * heads * score_area(t, c, key_block) * f32b.max(e) / 10
+    };
     let layer_phase = checkpoints(layers) + kv_state + grads_io + chunk_acts + scores;
 
     // The embedding's VJP (written out): the incoming `[b, T, d]` gradient and its scaled rows, the

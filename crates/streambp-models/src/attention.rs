@@ -4,7 +4,9 @@
 //! with an online softmax (FlashAttention's scheme, on tensor ops): the forward keeps only the output and
 //! each query's softmax normalizer; the backward recomputes each block's probabilities from them. The graph
 //! holds q, k, v, the output and the normalizer, and no tensor larger than
-//! `heads × queries × key block` exists at any time. Built from candle ops, so it runs on every backend.
+//! `heads × queries × key block` exists at any time. Built from candle ops, so it runs on every backend;
+//! on the CPU in f32/f64 the same steps run as one kernel per head and key block
+//! ([`crate::attention_kernel`]), the tensor-op path staying CUDA's and half precision's.
 //!
 //! Shapes (GQA without repeating K/V): q `[b, kv_heads, group·c, hd]` (already scaled), k and v
 //! `[b, kv_heads, t, hd]`, output like q. A streamed chunk's earlier keys come as [`EarlierKeys`]:
@@ -14,9 +16,27 @@
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
 
+use crate::attention_kernel as kernel;
+use crate::cpu::{fusable, host_slice, with_data_mut, BulkExp};
 use crate::error::Result;
 use crate::op::Precomputed;
 use crate::{products, softmax_block};
+use candle_core::WithDType;
+
+thread_local! {
+    /// Set by [`with_composed_path`].
+    static COMPOSED_PATH: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the attention ops it makes and differentiates on this thread taking their
+/// tensor-op path (the one CUDA and half precision take) even where the CPU kernel applies: for
+/// tests that check that path on the CPU.
+pub fn with_composed_path<R>(f: impl FnOnce() -> R) -> R {
+    let before = COMPOSED_PATH.with(|c| c.replace(true));
+    let out = f();
+    COMPOSED_PATH.with(|c| c.set(before));
+    out
+}
 
 /// Keys per block: the score tensors of a query chunk are at most `heads × c × KEY_BLOCK`. 512 keeps
 /// a streamed chunk's block passes near the cache (4 × 128 × 512 f32 scores are 1 MiB) and is as fast as
@@ -141,6 +161,12 @@ impl Blocks {
     /// Output (like q) and each query's softmax normalizer, with a running maximum so that no block's
     /// exponentials overflow.
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Normalizer)> {
+        if self.kernel_applies(q)? {
+            return match q.dtype() {
+                DType::F32 => self.kernel_forward::<f32>(q, k, v),
+                _ => self.kernel_forward::<f64>(q, k, v),
+            };
+        }
         let dtype = q.dtype();
         // (running max, running sum of exponentials, running weighted sum of values)
         let mut state: Option<(Tensor, Tensor, Tensor)> = None;
@@ -179,6 +205,212 @@ impl Blocks {
         let out = self.flat(&acc.broadcast_div(&sum)?, dtype)?.contiguous()?;
         let log_sum = sum.log()?;
         Ok((out, Normalizer { max, log_sum }))
+    }
+
+    /// Whether the CPU kernel ([`kernel`]) runs the op: f32/f64 on the CPU with the softmax in the
+    /// model's dtype, and earlier keys' gradients it can add into.
+    fn kernel_applies(&self, q: &Tensor) -> CResult<bool> {
+        let grads_reachable = self.earlier.as_ref().is_none_or(|e| {
+            [&e.grad_keys, &e.grad_values]
+                .iter()
+                .all(|g| g.is_contiguous() && g.device().is_cpu() && g.dtype() == q.dtype())
+        });
+        let composed = COMPOSED_PATH.with(|c| c.get());
+        Ok(fusable(q) && self.compute == q.dtype() && grads_reachable && !composed)
+    }
+
+    /// The kernel's sizes for queries `q`.
+    fn kernel_dims(&self, q: &Tensor) -> CResult<kernel::Dims> {
+        let (b, kv_heads, rows, hd) = q.dims4()?;
+        Ok(kernel::Dims {
+            items: b * kv_heads,
+            kv_heads,
+            rows,
+            c: rows / self.group,
+            hd,
+        })
+    }
+
+    /// The key blocks with their masks' data, for `own` keys of the op's own.
+    fn kernel_blocks<T: WithDType>(&self, own: usize) -> CResult<Vec<kernel::KeyBlock<T>>> {
+        self.ranges(own)?
+            .into_iter()
+            .map(|r| {
+                let mask = match self
+                    .mask
+                    .bias(r.index, r.n, self.compute)
+                    .map_err(to_candle)?
+                {
+                    Some(m) => Some((m.flatten_all()?.to_vec1::<T>()?, m.dim(0)? > 1)),
+                    None => None,
+                };
+                Ok(kernel::KeyBlock {
+                    earlier: r.earlier,
+                    start: r.start,
+                    n: r.n,
+                    mask,
+                })
+            })
+            .collect()
+    }
+
+    /// [`Blocks::forward`] by the CPU kernel.
+    fn kernel_forward<T: WithDType + BulkExp>(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> CResult<(Tensor, Normalizer)> {
+        let dims = self.kernel_dims(q)?;
+        let blocks = self.kernel_blocks::<T>(k.dim(2)?)?;
+        let data = HostKeys::new(q, k, v, self.earlier.as_ref())?;
+        let fwd = data.read::<T, _>(dims, &blocks, |inputs| Ok(kernel::forward(inputs)))?;
+        let (b, kv_heads, rows, _) = q.dims4()?;
+        let per_query = (b, kv_heads, self.group, rows / self.group, 1);
+        let device = q.device();
+        Ok((
+            Tensor::from_vec(fwd.out, q.shape(), device)?,
+            Normalizer {
+                max: Tensor::from_vec(fwd.max, per_query, device)?,
+                log_sum: Tensor::from_vec(fwd.log_sum, per_query, device)?,
+            },
+        ))
+    }
+
+    /// The op's backward by the CPU kernel: the gradients of q and of the op's own keys and values;
+    /// the earlier keys' are added into their buffers.
+    fn kernel_backward<T: WithDType + BulkExp>(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        (out, normalizer): (&Tensor, &Normalizer),
+        grad: &Tensor,
+    ) -> CResult<(Tensor, Tensor, Tensor)> {
+        let dims = self.kernel_dims(q)?;
+        let t = k.dim(2)?;
+        let blocks = self.kernel_blocks::<T>(t)?;
+        let data = HostKeys::new(q, k, v, self.earlier.as_ref())?;
+        let per_query = |x: &Tensor| x.flatten_all()?.to_vec1::<T>();
+        let (max, log_sum) = (per_query(&normalizer.max)?, per_query(&normalizer.log_sum)?);
+        let (out, grad) = (out.contiguous()?, grad.contiguous()?);
+        let (out_guard, grad_guard) = (out.storage_and_layout(), grad.storage_and_layout());
+        let out_data = host_slice::<T>(&out_guard.0, out_guard.1)?;
+        let grad_data = host_slice::<T>(&grad_guard.0, grad_guard.1)?;
+        let mut dq = vec![T::zero(); dims.items * dims.rows * dims.hd];
+        let (mut dk, mut dv) = (
+            vec![T::zero(); dims.items * t * dims.hd],
+            vec![T::zero(); dims.items * t * dims.hd],
+        );
+        let mut run = |earlier: Option<kernel::KeyGrads<'_, T>>| {
+            data.read::<T, _>(dims, &blocks, |inputs| {
+                let grads = kernel::Grads {
+                    dq: &mut dq,
+                    own: kernel::KeyGrads {
+                        keys: &mut dk,
+                        values: &mut dv,
+                        len: t,
+                        offset: 0,
+                    },
+                    earlier,
+                };
+                kernel::backward(inputs, (out_data, &max, &log_sum), grad_data, grads);
+                Ok(())
+            })
+        };
+        match &self.earlier {
+            None => run(None)?,
+            Some(e) => {
+                let len = e.grad_keys.dim(2)?;
+                let offset = e.offset;
+                let added = with_data_mut::<T, _>(&e.grad_keys, |gk, gk_layout| {
+                    with_data_mut::<T, _>(&e.grad_values, |gv, gv_layout| {
+                        run(Some(kernel::KeyGrads {
+                            keys: view_mut(gk, gk_layout)?,
+                            values: view_mut(gv, gv_layout)?,
+                            len,
+                            offset,
+                        }))
+                    })
+                })?;
+                if added.flatten().is_none() {
+                    candle_core::bail!("attention kernel: earlier keys' gradients not on the CPU");
+                }
+            }
+        }
+        let device = q.device();
+        Ok((
+            Tensor::from_vec(dq, q.shape(), device)?,
+            Tensor::from_vec(dk, k.shape(), device)?,
+            Tensor::from_vec(dv, v.shape(), device)?,
+        ))
+    }
+}
+
+/// The contiguous elements of a tensor's view in its storage (the earlier keys' gradients).
+fn view_mut<'a, T>(data: &'a mut [T], layout: &Layout) -> CResult<&'a mut [T]> {
+    let (start, end) = layout.contiguous_offsets().ok_or_else(|| {
+        candle_core::Error::Msg("attention kernel: gradient not contiguous".into())
+    })?;
+    Ok(&mut data[start..end])
+}
+
+/// The kernel's inputs made contiguous, read in place.
+struct HostKeys {
+    q: Tensor,
+    own: (Tensor, Tensor),
+    earlier: Option<(Tensor, Tensor)>,
+}
+
+impl HostKeys {
+    fn new(q: &Tensor, k: &Tensor, v: &Tensor, earlier: Option<&EarlierKeys>) -> CResult<Self> {
+        let earlier = match earlier {
+            Some(e) => Some((e.keys.contiguous()?, e.values.contiguous()?)),
+            None => None,
+        };
+        Ok(Self {
+            q: q.contiguous()?,
+            own: (k.contiguous()?, v.contiguous()?),
+            earlier,
+        })
+    }
+
+    /// Runs `f` on the kernel's inputs, the storages read-locked meanwhile.
+    fn read<T: WithDType + BulkExp, R>(
+        &self,
+        dims: kernel::Dims,
+        blocks: &[kernel::KeyBlock<T>],
+        f: impl FnOnce(&kernel::Inputs<'_, T>) -> CResult<R>,
+    ) -> CResult<R> {
+        let q = self.q.storage_and_layout();
+        let (k, v) = (
+            self.own.0.storage_and_layout(),
+            self.own.1.storage_and_layout(),
+        );
+        let earlier = self
+            .earlier
+            .as_ref()
+            .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout(), k.dim(2)));
+        let earlier = match &earlier {
+            Some((k, v, len)) => Some(kernel::KeysValues {
+                keys: host_slice::<T>(&k.0, k.1)?,
+                values: host_slice::<T>(&v.0, v.1)?,
+                len: *len
+                    .as_ref()
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?,
+            }),
+            None => None,
+        };
+        let inputs = kernel::Inputs {
+            dims,
+            q: host_slice::<T>(&q.0, q.1)?,
+            own: kernel::KeysValues {
+                keys: host_slice::<T>(&k.0, k.1)?,
+                values: host_slice::<T>(&v.0, v.1)?,
+                len: self.own.0.dim(2)?,
+            },
+            earlier,
+            blocks,
+        };
+        f(&inputs)
     }
 }
 
@@ -241,6 +473,14 @@ impl CustomOp3 for Attention {
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let b = &self.blocks;
         let (q, k, v, grad) = (q.detach(), k.detach(), v.detach(), grad.detach());
+        if b.kernel_applies(&q)? {
+            let parts = ((&q, &k, &v), (&out.detach(), &self.normalizer), &grad);
+            let (dq, dk, dv) = match q.dtype() {
+                DType::F32 => b.kernel_backward::<f32>(parts.0, parts.1, parts.2)?,
+                _ => b.kernel_backward::<f64>(parts.0, parts.1, parts.2)?,
+            };
+            return Ok((Some(dq), Some(dk), Some(dv)));
+        }
         let dtype = q.dtype();
         let dot = (b.grouped(&grad)? * b.grouped(&out.detach())?)?.sum_keepdim(D::Minus1)?;
         let mut grad_q: Option<Tensor> = None;

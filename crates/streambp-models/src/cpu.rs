@@ -33,6 +33,115 @@ pub fn with_optional<T: WithDType, R>(
     }
 }
 
+/// Runs `f` on the CPU storage `t` lies in, mutably, with `t`'s layout (which addresses `t`'s elements
+/// in it: `t` may be a view). `None` when `t` is not on the CPU in `T`. For kernels that add into
+/// several views at once, which candle's in-place ops (one destination each) cannot.
+pub fn with_data_mut<T: WithDType, R>(
+    t: &Tensor,
+    f: impl FnOnce(&mut [T], &candle_core::Layout) -> CResult<R>,
+) -> CResult<Option<R>> {
+    if !t.device().is_cpu() || t.dtype() != T::DTYPE {
+        return Ok(None);
+    }
+    let op = WithMut {
+        f: std::sync::Mutex::new(Some(f)),
+        out: std::sync::Mutex::new(None),
+        dtype: std::marker::PhantomData::<fn() -> T>,
+    };
+    t.inplace_op1(&op)?;
+    let out = op.out.into_inner().ok().flatten();
+    out.ok_or_else(|| candle_core::Error::Msg("CPU pass: storage not reached".into()))?
+        .map(Some)
+}
+
+/// The in-place op through which [`with_data_mut`] reaches a storage.
+struct WithMut<T, F, R> {
+    f: std::sync::Mutex<Option<F>>,
+    out: std::sync::Mutex<Option<CResult<R>>>,
+    dtype: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<T: WithDType, F: FnOnce(&mut [T], &candle_core::Layout) -> CResult<R>, R>
+    candle_core::InplaceOp1 for WithMut<T, F, R>
+{
+    fn name(&self) -> &'static str {
+        "streambp-with-data-mut"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> CResult<()> {
+        use std::any::Any;
+        let data: Option<&mut Vec<T>> = match storage {
+            candle_core::CpuStorage::F32(v) => (v as &mut dyn Any).downcast_mut(),
+            candle_core::CpuStorage::F64(v) => (v as &mut dyn Any).downcast_mut(),
+            _ => None,
+        };
+        let (Some(data), Ok(mut f)) = (data, self.f.lock()) else {
+            candle_core::bail!("CPU pass: not f32 or f64");
+        };
+        let Some(f) = f.take() else {
+            candle_core::bail!("CPU pass: run twice");
+        };
+        let result = f(data, layout);
+        if let Ok(mut out) = self.out.lock() {
+            *out = Some(result);
+        }
+        Ok(())
+    }
+}
+
+/// The elements of a contiguous CPU tensor in its storage (from [`Tensor::storage_and_layout`], whose
+/// guard the caller keeps while it reads).
+pub fn host_slice<'a, T: WithDType>(
+    storage: &'a Storage,
+    layout: &candle_core::Layout,
+) -> CResult<&'a [T]> {
+    let Storage::Cpu(cpu) = storage else {
+        candle_core::bail!("CPU pass: not on the CPU");
+    };
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("CPU pass: not contiguous".into()))?;
+    Ok(&cpu.as_slice::<T>()?[start..end])
+}
+
+/// Lanes of the row reductions below: 8 independent accumulators, so that the loop is not bound by
+/// one addition's latency and vectorizes (8 f32 per AVX register, two registers of f64).
+const LANES: usize = 8;
+
+/// The largest of `init` and the elements of `xs` (NaN-free inputs: a softmax's scores).
+#[inline]
+pub fn row_max<T: Float>(xs: &[T], init: T) -> T {
+    let mut lanes = [init; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (m, &x) in lanes.iter_mut().zip(chunk) {
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    let m = lanes.iter().fold(init, |m, &x| if x > m { x } else { m });
+    rest.iter().fold(m, |m, &x| if x > m { x } else { m })
+}
+
+/// The sum of `xs`, in [`LANES`] interleaved partial sums added at the end.
+#[inline]
+pub fn row_sum<T: Float>(xs: &[T]) -> T {
+    let mut lanes = [T::zero(); LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (s, &x) in lanes.iter_mut().zip(chunk) {
+            *s = *s + x;
+        }
+    }
+    let s = lanes.iter().fold(T::zero(), |s, &x| s + x);
+    rest.iter().fold(s, |s, &x| s + x)
+}
+
 /// Whether a hand-written pass applies to `t`: on the CPU, in f32 or f64.
 pub fn fusable(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
@@ -57,7 +166,9 @@ pub fn tensor_from<T: WithDType>(data: Vec<T>, like: &Tensor) -> CResult<Tensor>
 /// Float types whose exponentials the CPU passes take a row at a time: f64 through the standard
 /// library's `exp`; f32 through [`exp_f32`], a polynomial the compiler vectorizes (8 lanes with
 /// AVX2), where glibc's `expf` takes one element per call (it was 6-8% of a step's time).
-pub trait BulkExp: Float + std::ops::AddAssign + std::ops::SubAssign {
+pub trait BulkExp:
+    Float + std::ops::AddAssign + std::ops::SubAssign + std::ops::MulAssign + std::ops::DivAssign
+{
     /// `x ← exp(x)` for every element.
     fn exp_in_place(xs: &mut [Self]);
 }

@@ -19,6 +19,7 @@
 pub mod accumulate;
 pub mod adapter;
 pub mod attention;
+mod attention_kernel;
 pub mod config;
 pub mod cpu;
 pub mod device;

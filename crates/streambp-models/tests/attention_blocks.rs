@@ -4,7 +4,7 @@
 //! (constants whose gradients the op adds into buffers).
 
 use candle_core::{DType, Device, Tensor, Var};
-use streambp_models::attention::{attention, EarlierKeys};
+use streambp_models::attention::{attention, with_composed_path, EarlierKeys};
 use streambp_testkit::rel_err;
 
 /// An output and its gradients for q, k and v.
@@ -22,8 +22,19 @@ fn assert_same(what: &str, got: [&Tensor; 4], want: [&Tensor; 4]) {
     }
 }
 
+/// The CPU kernel (what f64 on the CPU runs).
 #[test]
 fn key_blocks_do_not_change_output_or_gradients() {
+    check_against_composed_softmax();
+}
+
+/// The op's tensor-op path (CUDA's and half precision's), run on the CPU.
+#[test]
+fn the_tensor_op_path_agrees_too() {
+    with_composed_path(check_against_composed_softmax);
+}
+
+fn check_against_composed_softmax() {
     let dev = Device::Cpu;
     let (b, kv_heads, group, c, t, hd) = (2, 2, 3, 5, 11, 4);
     let randn = |shape: &[usize]| Tensor::randn(0f64, 1.0, shape, &dev).unwrap();
