@@ -353,22 +353,47 @@ fn view_mut<'a, T>(data: &'a mut [T], layout: &Layout) -> CResult<&'a mut [T]> {
     Ok(&mut data[start..end])
 }
 
-/// The kernel's inputs made contiguous, read in place.
+/// The kernel's inputs, read in place: q contiguous, keys and values with each head's rows
+/// contiguous (a chunk's keys narrowed from the sequence's are not copied).
 struct HostKeys {
     q: Tensor,
     own: (Tensor, Tensor),
     earlier: Option<(Tensor, Tensor)>,
 }
 
+/// `t` (`[b, heads, len, hd]`) itself where each head's rows are contiguous, else a contiguous copy.
+fn rows_contiguous(t: &Tensor) -> CResult<Tensor> {
+    let (_, _, _, hd) = t.dims4()?;
+    match t.stride() {
+        [_, _, row, 1] if *row == hd => Ok(t.clone()),
+        _ => t.contiguous(),
+    }
+}
+
+/// The head rows of `t`'s view in its (read-locked) storage.
+fn head_rows<'a, T: WithDType>(
+    storage: &'a candle_core::Storage,
+    layout: &Layout,
+) -> CResult<kernel::HeadRows<'a, T>> {
+    let candle_core::Storage::Cpu(cpu) = storage else {
+        candle_core::bail!("attention kernel: not on the CPU");
+    };
+    Ok(kernel::HeadRows {
+        data: &cpu.as_slice::<T>()?[layout.start_offset()..],
+        batch_stride: layout.stride()[0],
+        head_stride: layout.stride()[1],
+    })
+}
+
 impl HostKeys {
     fn new(q: &Tensor, k: &Tensor, v: &Tensor, earlier: Option<&EarlierKeys>) -> CResult<Self> {
         let earlier = match earlier {
-            Some(e) => Some((e.keys.contiguous()?, e.values.contiguous()?)),
+            Some(e) => Some((rows_contiguous(&e.keys)?, rows_contiguous(&e.values)?)),
             None => None,
         };
         Ok(Self {
             q: q.contiguous()?,
-            own: (k.contiguous()?, v.contiguous()?),
+            own: (rows_contiguous(k)?, rows_contiguous(v)?),
             earlier,
         })
     }
@@ -388,14 +413,11 @@ impl HostKeys {
         let earlier = self
             .earlier
             .as_ref()
-            .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout(), k.dim(2)));
+            .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()));
         let earlier = match &earlier {
-            Some((k, v, len)) => Some(kernel::KeysValues {
-                keys: host_slice::<T>(&k.0, k.1)?,
-                values: host_slice::<T>(&v.0, v.1)?,
-                len: *len
-                    .as_ref()
-                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?,
+            Some((k, v)) => Some(kernel::KeysValues {
+                keys: head_rows::<T>(&k.0, k.1)?,
+                values: head_rows::<T>(&v.0, v.1)?,
             }),
             None => None,
         };
@@ -403,9 +425,8 @@ impl HostKeys {
             dims,
             q: host_slice::<T>(&q.0, q.1)?,
             own: kernel::KeysValues {
-                keys: host_slice::<T>(&k.0, k.1)?,
-                values: host_slice::<T>(&v.0, v.1)?,
-                len: self.own.0.dim(2)?,
+                keys: head_rows::<T>(&k.0, k.1)?,
+                values: head_rows::<T>(&v.0, v.1)?,
             },
             earlier,
             blocks,

@@ -46,12 +46,28 @@ pub(crate) struct KeyBlock<T> {
     pub mask: Option<(Vec<T>, bool)>,
 }
 
-/// Keys and values `[items, len, hd]` (contiguous).
+/// Keys and values `[b, kv_heads, len, hd]`, each head's rows contiguous.
 #[derive(Clone, Copy)]
 pub(crate) struct KeysValues<'a, T> {
-    pub keys: &'a [T],
-    pub values: &'a [T],
-    pub len: usize,
+    pub keys: HeadRows<'a, T>,
+    pub values: HeadRows<'a, T>,
+}
+
+/// A `[b, heads, len, hd]` tensor's elements from its first, with the strides of its batch rows and
+/// heads: a view narrowed along the sequence (a chunk's keys) is read in place, not copied.
+#[derive(Clone, Copy)]
+pub(crate) struct HeadRows<'a, T> {
+    pub data: &'a [T],
+    pub batch_stride: usize,
+    pub head_stride: usize,
+}
+
+impl<T> HeadRows<'_, T> {
+    /// `n` elements of item `i` (of `kv_heads` heads per batch row) from element `at` of its rows.
+    fn slice(&self, i: usize, kv_heads: usize, at: usize, n: usize) -> &[T] {
+        let start = (i / kv_heads) * self.batch_stride + (i % kv_heads) * self.head_stride + at;
+        &self.data[start..start + n]
+    }
 }
 
 /// What the forward and the backward read.
@@ -73,10 +89,12 @@ impl<T: WithDType + BulkExp> Inputs<'_, T> {
             (Some(e), true) => e,
             _ => &self.own,
         };
-        let hd = self.dims.hd;
-        let at = (i * src.len + blk.start) * hd;
-        let n = blk.n * hd;
-        (&src.keys[at..at + n], &src.values[at..at + n])
+        let (hd, kv_heads) = (self.dims.hd, self.dims.kv_heads);
+        let (at, n) = (blk.start * hd, blk.n * hd);
+        (
+            src.keys.slice(i, kv_heads, at, n),
+            src.values.slice(i, kv_heads, at, n),
+        )
     }
 
     /// Item `i`'s query rows.
