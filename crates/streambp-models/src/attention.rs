@@ -5,7 +5,7 @@
 //! each query's softmax normalizer; the backward recomputes each block's probabilities from them. The graph
 //! holds q, k, v, the output and the normalizer, and no tensor larger than
 //! `heads × queries × key block` exists at any time. Built from candle ops, so it runs on every backend;
-//! on the CPU in f32/f64 the same steps run as one kernel per head and key block
+//! on the CPU in f32/f64 the same steps run as one kernel with a task per head and block
 //! ([`crate::attention_kernel`]), the tensor-op path staying CUDA's and half precision's.
 //!
 //! Shapes (GQA without repeating K/V): q `[b, kv_heads, group·c, hd]` (already scaled), k and v
@@ -14,14 +14,13 @@
 //! each query may read comes from a [`KeyMask`] one key block at a time, so not even the mask is ever
 //! `c × t`.
 
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType, D};
 
 use crate::attention_kernel as kernel;
 use crate::cpu::{fusable, host_slice, with_data_mut, BulkExp};
 use crate::error::Result;
 use crate::op::Precomputed;
-use crate::{products, softmax_block};
-use candle_core::WithDType;
+use crate::softmax_block;
 
 thread_local! {
     /// Set by [`with_composed_path`].
@@ -135,9 +134,13 @@ impl Blocks {
     /// compute dtype), and the block's additive mask (`None`: every query reads every key).
     fn scores(&self, q: &Tensor, k: &Tensor, r: KeyRange) -> CResult<(Tensor, Option<Tensor>)> {
         let (b, kv_heads, rows, _) = q.dims4()?;
-        let s = products::matmul(q, &k.t()?)?
-            .to_dtype(self.compute)?
-            .reshape((b, kv_heads, self.group, rows / self.group, r.n))?;
+        let s = q.matmul(&k.t()?)?.to_dtype(self.compute)?.reshape((
+            b,
+            kv_heads,
+            self.group,
+            rows / self.group,
+            r.n,
+        ))?;
         let mask = self
             .mask
             .bias(r.index, r.n, self.compute)
@@ -190,7 +193,7 @@ impl Blocks {
             };
             // Only the probabilities go on: the scores' memory is free for the product.
             drop((s, mask));
-            let pv = self.grouped(&products::matmul(&self.flat(&p, dtype)?, &v)?)?;
+            let pv = self.grouped(&self.flat(&p, dtype)?.matmul(&v)?)?;
             state = Some(match state {
                 None => (max, sum, pv),
                 Some((m, l, acc)) => {
@@ -509,7 +512,8 @@ impl CustomOp3 for Attention {
         for r in b.ranges(k.dim(2)?)? {
             let (k_r, v_r) = b.keys_values(r, &k, &v)?;
             let (s, mask) = b.scores(&q, &k_r, r)?;
-            let grad_p = products::matmul(&grad, &v_r.t()?)?
+            let grad_p = grad
+                .matmul(&v_r.t()?)?
                 .to_dtype(b.compute)?
                 .reshape(s.shape())?;
             let normalizer = (&self.normalizer.max, &self.normalizer.log_sum);
@@ -528,22 +532,22 @@ impl CustomOp3 for Attention {
             // Each score-sized buffer is freed as soon as it is used: the scores and dP now, P after
             // its product.
             drop((s, mask, grad_p));
+            let grad_v_r = b.flat(&p, dtype)?.t()?.matmul(&grad)?;
+            drop(p);
+            let grad_s = b.flat(&grad_s, dtype)?;
+            let dq = grad_s.matmul(&k_r)?.to_dtype(b.compute)?;
+            grad_q = Some(match grad_q {
+                Some(acc) => (acc + dq)?,
+                None => dq,
+            });
+            let grad_k_r = grad_s.t()?.matmul(&q)?;
             // Each block's gradient goes straight where it belongs: no per-block list to concatenate.
             let (grad_keys, grad_values, at) = match (&b.earlier, r.earlier) {
                 (Some(e), true) => (&e.grad_keys, &e.grad_values, e.offset + r.start),
                 _ => (&own_grad_k, &own_grad_v, r.start),
             };
-            add_product_at(grad_values, &b.flat(&p, dtype)?.t()?, &grad, at)?;
-            drop(p);
-            let grad_s = b.flat(&grad_s, dtype)?;
-            grad_q = Some(match grad_q {
-                Some(acc) if acc.dtype() == dtype && products::add_matmul(&acc, &grad_s, &k_r)? => {
-                    acc
-                }
-                Some(acc) => (acc + grad_s.matmul(&k_r)?.to_dtype(b.compute)?)?,
-                None => products::matmul(&grad_s, &k_r)?.to_dtype(b.compute)?,
-            });
-            add_product_at(grad_keys, &grad_s.t()?, &q, at)?;
+            add_at(grad_keys, &grad_k_r, at)?;
+            add_at(grad_values, &grad_v_r, at)?;
         }
         let grad_q = grad_q
             .ok_or_else(|| candle_core::Error::Msg("no keys".into()))?
@@ -560,13 +564,10 @@ fn masked(s: &Tensor, mask: Option<&Tensor>) -> CResult<Tensor> {
     }
 }
 
-/// `dst[:, :, at..at + n] += a·b` (`n` = `a`'s rows), in place.
-fn add_product_at(dst: &Tensor, a: &Tensor, b: &Tensor, at: usize) -> CResult<()> {
-    let view = dst.narrow(2, at, a.dim(2)?)?;
-    if products::add_matmul(&view, a, b)? {
-        return Ok(());
-    }
-    let sum = (view + a.matmul(b)?.to_dtype(dst.dtype())?)?;
+/// `dst[:, :, at..at + n] += src` (`n` = `src`'s keys), in place.
+fn add_at(dst: &Tensor, src: &Tensor, at: usize) -> CResult<()> {
+    let n = src.dim(2)?;
+    let sum = (dst.narrow(2, at, n)? + src.to_dtype(dst.dtype())?)?;
     dst.slice_set(&sum, 2, at)
 }
 

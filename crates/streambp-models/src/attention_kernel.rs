@@ -1,13 +1,16 @@
-//! The attention op's forward and backward on the CPU as one kernel per key/value head.
+//! The attention op's forward and backward on the CPU as one kernel, a task per head and block.
 //!
 //! Built from tensor ops, each key block of the op is a dozen ops: two or five products, each split
 //! over every core, and the online softmax's rescaling as whole-tensor passes with a fork and a join
 //! each, on buffers allocated and freed per block (the op took 30% of a streamed step at T = 2048).
-//! Here each `(batch row, key/value head)` is one task, on one core, from the first key block to the
-//! last: its scores for a block land in a buffer the task reuses, the softmax runs on each row while
-//! it is in cache, and every product is one single-threaded gemm call (the kernel candle's products
-//! run) that writes or adds straight into the output and gradients. The arithmetic is the composed
-//! path's (`attention.rs`), step for step; only sums round apart.
+//! Here the forward's task is a tile of one key/value head's query rows, from the first key block to
+//! the last: its scores for a block land in a buffer the task reuses, the softmax runs on each row
+//! while it is in cache, and `out += P·V` adds straight into the output. The backward's task is one
+//! head's queries against one key block: it adds the block's `dK`, `dV` into their rows (no other task
+//! touches them) and returns its share of `dQ`, summed over the blocks in order afterwards. Every
+//! product is one single-threaded gemm call (the kernel candle's products run): the tasks are the
+//! parallelism. The arithmetic is the composed path's (`attention.rs`), step for step; only sums round
+//! apart, and none depends on the thread count.
 //!
 //! Shapes as in [`crate::attention`]: q `[b, kv_heads, rows, hd]` with `rows = group·c` (query heads of a
 //! group one after the other, `c` queries each); keys and values `[b, kv_heads, t, hd]`; each block's

@@ -34,7 +34,6 @@ pub mod lora;
 pub mod model;
 pub mod norm;
 mod op;
-pub mod products;
 pub mod rope;
 mod softmax_block;
 mod swiglu;
