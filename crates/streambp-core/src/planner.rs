@@ -207,12 +207,15 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // The attention op keeps no score-sized tensor in the graph. Its backward holds about four at
     // once for the chunk that scores the most keys; on the host in f32/f64, where its kernel runs
     // each (row, key/value head, key block) as a task, each running task holds two (the block's
-    // probabilities and their gradient) for its head's group of query heads.
+    // probabilities and their gradient) for its head's group of query heads...
     let scores = if p.host && !half {
-        let tasks = b * cfg.num_kv_heads as u64 * (t.div_ceil(key_block) + 1);
+        let blocks = t.div_ceil(key_block) + 1;
+        let tasks = b * cfg.num_kv_heads as u64 * blocks;
         let running = tasks.min(rayon::current_num_threads() as u64);
         let group = heads / (cfg.num_kv_heads as u64).max(1);
-        2 * running * group * score_area(t, c, key_block) * e
+        // ... and every block's share of dQ until they are summed.
+        let shares = b * heads * c * cfg.head_dim as u64 * blocks * e;
+        2 * running * group * score_area(t, c, key_block) * e + shares
     } else {
         41 * b * heads * score_area(t, c, key_block) * f32b.max(e) / 10
     };

@@ -17,7 +17,7 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType, D};
 
 use crate::attention_kernel as kernel;
-use crate::cpu::{fusable, host_slice, with_data_mut, BulkExp};
+use crate::cpu::{fusable, host_slice, storage_id, with_data_mut, BulkExp};
 use crate::error::Result;
 use crate::op::Precomputed;
 use crate::softmax_block;
@@ -31,10 +31,15 @@ thread_local! {
 /// tensor-op path (the one CUDA and half precision take) even where the CPU kernel applies: for
 /// tests that check that path on the CPU.
 pub fn with_composed_path<R>(f: impl FnOnce() -> R) -> R {
-    let before = COMPOSED_PATH.with(|c| c.replace(true));
-    let out = f();
-    COMPOSED_PATH.with(|c| c.set(before));
-    out
+    /// Restores the setting however `f` ends (a failing test's panic included).
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            COMPOSED_PATH.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(COMPOSED_PATH.with(|c| c.replace(true)));
+    f()
 }
 
 /// Keys per block: the score tensors of a query chunk are at most `heads × c × KEY_BLOCK`. 512 keeps
@@ -164,7 +169,7 @@ impl Blocks {
     /// Output (like q) and each query's softmax normalizer, with a running maximum so that no block's
     /// exponentials overflow.
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Normalizer)> {
-        if self.kernel_applies(q)? {
+        if self.kernel_applies(q, k, v)? {
             return match q.dtype() {
                 DType::F32 => self.kernel_forward::<f32>(q, k, v),
                 _ => self.kernel_forward::<f64>(q, k, v),
@@ -211,15 +216,46 @@ impl Blocks {
     }
 
     /// Whether the CPU kernel ([`kernel`]) runs the op: f32/f64 on the CPU with the softmax in the
-    /// model's dtype, and earlier keys' gradients it can add into.
-    fn kernel_applies(&self, q: &Tensor) -> CResult<bool> {
-        let grads_reachable = self.earlier.as_ref().is_none_or(|e| {
-            [&e.grad_keys, &e.grad_values]
-                .iter()
-                .all(|g| g.is_contiguous() && g.device().is_cpu() && g.dtype() == q.dtype())
-        });
-        let composed = COMPOSED_PATH.with(|c| c.get());
-        Ok(fusable(q) && self.compute == q.dtype() && grads_reachable && !composed)
+    /// model's dtype, keys and values shaped like q's heads, and earlier keys' gradients it can add
+    /// into (contiguous buffers long enough, sharing no storage with each other or the inputs).
+    /// Elsewhere the tensor-op path runs, which reports what does not fit.
+    fn kernel_applies(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<bool> {
+        if COMPOSED_PATH.with(|c| c.get()) || !fusable(q) || self.compute != q.dtype() {
+            return Ok(false);
+        }
+        let (b, kv_heads, rows, hd) = q.dims4()?;
+        // The sequence length of a `[b, kv_heads, len, hd]` tensor like q's on the CPU.
+        let heads_of = |t: &Tensor| match *t.dims() {
+            [tb, tk, len, td] if (tb, tk, td) == (b, kv_heads, hd) => {
+                (t.device().is_cpu() && t.dtype() == q.dtype()).then_some(len)
+            }
+            _ => None,
+        };
+        let pair = |a: &Tensor, b: &Tensor| heads_of(a).filter(|&n| heads_of(b) == Some(n));
+        let own = pair(k, v);
+        let sizes = rows > 0 && hd > 0 && self.group > 0 && rows % self.group == 0;
+        let earlier = match &self.earlier {
+            None => Some(0),
+            Some(e) => {
+                let ids =
+                    [&e.grad_keys, &e.grad_values, q, k, v, &e.keys, &e.values].map(storage_id);
+                let distinct = ids[0].is_some()
+                    && ids[1].is_some()
+                    && ids[0] != ids[1]
+                    && ids[2..].iter().all(|id| *id != ids[0] && *id != ids[1]);
+                let contiguous = e.grad_keys.is_contiguous() && e.grad_values.is_contiguous();
+                match (pair(&e.keys, &e.values), pair(&e.grad_keys, &e.grad_values)) {
+                    (Some(n), Some(len)) if e.offset + n <= len && distinct && contiguous => {
+                        Some(n)
+                    }
+                    _ => None,
+                }
+            }
+        };
+        Ok(match (own, earlier) {
+            (Some(t), Some(n)) => sizes && t + n > 0,
+            _ => false,
+        })
     }
 
     /// The kernel's sizes for queries `q`.
@@ -235,7 +271,11 @@ impl Blocks {
     }
 
     /// The key blocks with their masks' data, for `own` keys of the op's own.
-    fn kernel_blocks<T: WithDType>(&self, own: usize) -> CResult<Vec<kernel::KeyBlock<T>>> {
+    fn kernel_blocks<T: WithDType>(
+        &self,
+        dims: kernel::Dims,
+        own: usize,
+    ) -> CResult<Vec<kernel::KeyBlock<T>>> {
         self.ranges(own)?
             .into_iter()
             .map(|r| {
@@ -244,7 +284,18 @@ impl Blocks {
                     .bias(r.index, r.n, self.compute)
                     .map_err(to_candle)?
                 {
-                    Some(m) => Some((m.flatten_all()?.to_vec1::<T>()?, m.dim(0)? > 1)),
+                    // `[1 | b, 1, 1, c, n]`, as the kernel reads it (a mask that only broadcasts to
+                    // it is expanded; one that does not is an error).
+                    Some(m) => {
+                        let per_batch = m.dim(0)? > 1;
+                        let rows = if per_batch {
+                            dims.items / dims.kv_heads
+                        } else {
+                            1
+                        };
+                        let m = m.broadcast_as((rows, 1, 1, dims.c, r.n))?;
+                        Some((m.flatten_all()?.to_vec1::<T>()?, per_batch))
+                    }
                     None => None,
                 };
                 Ok(kernel::KeyBlock {
@@ -265,7 +316,7 @@ impl Blocks {
         v: &Tensor,
     ) -> CResult<(Tensor, Normalizer)> {
         let dims = self.kernel_dims(q)?;
-        let blocks = self.kernel_blocks::<T>(k.dim(2)?)?;
+        let blocks = self.kernel_blocks::<T>(dims, k.dim(2)?)?;
         let data = HostKeys::new(q, k, v, self.earlier.as_ref())?;
         let fwd = data.read::<T, _>(dims, &blocks, |inputs| Ok(kernel::forward(inputs)))?;
         let (b, kv_heads, rows, _) = q.dims4()?;
@@ -290,7 +341,7 @@ impl Blocks {
     ) -> CResult<(Tensor, Tensor, Tensor)> {
         let dims = self.kernel_dims(q)?;
         let t = k.dim(2)?;
-        let blocks = self.kernel_blocks::<T>(t)?;
+        let blocks = self.kernel_blocks::<T>(dims, t)?;
         let data = HostKeys::new(q, k, v, self.earlier.as_ref())?;
         let per_query = |x: &Tensor| x.flatten_all()?.to_vec1::<T>();
         let (max, log_sum) = (per_query(&normalizer.max)?, per_query(&normalizer.log_sum)?);
@@ -497,7 +548,7 @@ impl CustomOp3 for Attention {
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let b = &self.blocks;
         let (q, k, v, grad) = (q.detach(), k.detach(), v.detach(), grad.detach());
-        if b.kernel_applies(&q)? {
+        if b.kernel_applies(&q, &k, &v)? {
             let parts = ((&q, &k, &v), (&out.detach(), &self.normalizer), &grad);
             let (dq, dk, dv) = match q.dtype() {
                 DType::F32 => b.kernel_backward::<f32>(parts.0, parts.1, parts.2)?,

@@ -185,8 +185,8 @@ pub(crate) struct Forward<T> {
     pub log_sum: Vec<T>,
 }
 
-/// Query rows per task of the forward: a tile's scores against a key block (64 × 512 in f32:
-/// 128 KiB) stay in the core's cache between the product, the softmax and the next product, and
+/// Query rows per task of the forward: a tile's scores against a key block (128 × 512 in f32:
+/// 256 KiB) stay in the core's cache between the product, the softmax and the next product, and
 /// the tiles of every head give the cores work even when there are fewer heads than cores.
 const ROW_TILE: usize = 128;
 
@@ -312,6 +312,10 @@ impl<T> SharedGrads<T> {
         n: usize,
         hd: usize,
     ) -> (&'a mut [T], &'a mut [T]) {
+        assert!(
+            self.offset + start + n <= self.len,
+            "attention kernel: keys beyond their gradient buffer"
+        );
         let at = (i * self.len + self.offset + start) * hd;
         assert!(
             at + n * hd <= self.total,

@@ -142,6 +142,17 @@ pub fn row_sum<T: Float>(xs: &[T]) -> T {
     rest.iter().fold(s, |s, &x| s + x)
 }
 
+/// The address of the CPU buffer `t` lies in, telling tensors that share storage apart (`None`
+/// off the CPU or outside f32/f64).
+pub fn storage_id(t: &Tensor) -> Option<usize> {
+    let (storage, _) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(candle_core::CpuStorage::F32(v)) => Some(v.as_ptr() as usize),
+        Storage::Cpu(candle_core::CpuStorage::F64(v)) => Some(v.as_ptr() as usize),
+        _ => None,
+    }
+}
+
 /// Whether a hand-written pass applies to `t`: on the CPU, in f32 or f64.
 pub fn fusable(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)

@@ -22,32 +22,91 @@ fn assert_same(what: &str, got: [&Tensor; 4], want: [&Tensor; 4]) {
     }
 }
 
+/// The shapes checked: small, and one whose 140 query rows per head span two of the CPU kernel's
+/// row tiles (128 rows) with queries that wrap around the chunk (`row % c`).
+const SHAPES: [Shape; 2] = [(2, 2, 3, 5, 11, 4), (2, 1, 2, 70, 83, 3)];
+
+/// `(b, kv_heads, group, c, t, hd)`.
+type Shape = (usize, usize, usize, usize, usize, usize);
+
 /// The CPU kernel (what f64 on the CPU runs).
 #[test]
 fn key_blocks_do_not_change_output_or_gradients() {
-    check_against_composed_softmax();
+    SHAPES.into_iter().for_each(check_against_composed_softmax);
 }
 
 /// The op's tensor-op path (CUDA's and half precision's), run on the CPU.
 #[test]
 fn the_tensor_op_path_agrees_too() {
-    with_composed_path(check_against_composed_softmax);
+    with_composed_path(|| SHAPES.into_iter().for_each(check_against_composed_softmax));
 }
 
-fn check_against_composed_softmax() {
+/// The kernel in f32 against the tensor-op path in f32 (the dtype training runs in).
+#[test]
+fn the_kernel_agrees_in_f32() {
     let dev = Device::Cpu;
-    let (b, kv_heads, group, c, t, hd) = (2, 2, 3, 5, 11, 4);
+    let (b, kv_heads, group, c, t, hd) = (1, 2, 2, 130, 700, 8);
+    let randn = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+    let q = Var::from_tensor(&randn(&[b, kv_heads, group * c, hd])).unwrap();
+    let k = Var::from_tensor(&randn(&[b, kv_heads, t, hd])).unwrap();
+    let v = Var::from_tensor(&randn(&[b, kv_heads, t, hd])).unwrap();
+    let causal: Vec<f32> = (0..c * t)
+        .map(|x| {
+            if x % t <= t - c + x / t {
+                0.0
+            } else {
+                f32::MIN
+            }
+        })
+        .collect();
+    let bias = Tensor::from_vec(causal, (1, 1, 1, c, t), &dev).unwrap();
+    let weights = randn(&[b, kv_heads, group * c, hd]);
+    let run = || {
+        let out = attention(
+            q.as_tensor(),
+            k.as_tensor(),
+            v.as_tensor(),
+            None,
+            bias.clone(),
+            group,
+            DType::F32,
+            256,
+        )
+        .unwrap();
+        let grads = (&out * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let g = |x: &Var| grads.get(x.as_tensor()).unwrap().clone();
+        [out, g(&q), g(&k), g(&v)]
+    };
+    let kernel = run();
+    let composed = with_composed_path(run);
+    for ((name, a), b) in ["out", "dq", "dk", "dv"]
+        .into_iter()
+        .zip(&kernel)
+        .zip(&composed)
+    {
+        let e = rel_err(a, b);
+        assert!(e < 1e-5, "f32 {name} {e:.2e}");
+    }
+}
+
+fn check_against_composed_softmax((b, kv_heads, group, c, t, hd): Shape) {
+    let dev = Device::Cpu;
     let randn = |shape: &[usize]| Tensor::randn(0f64, 1.0, shape, &dev).unwrap();
     let q = Var::from_tensor(&randn(&[b, kv_heads, group * c, hd])).unwrap();
     let k = Var::from_tensor(&randn(&[b, kv_heads, t, hd])).unwrap();
     let v = Var::from_tensor(&randn(&[b, kv_heads, t, hd])).unwrap();
-    // Queries at positions 6..11 of row 0 see keys up to their own position; row 1 sees only keys 8..,
-    // except its first query, which sees nothing (a padding row).
+    // Queries at the last c positions of row 0 see keys up to their own position; row 1 sees only
+    // its last 3 keys, except its first query, which sees nothing (a padding row).
     let mut allowed = vec![0f64; b * c * t];
     for i in 0..c {
         for j in 0..t {
-            allowed[i * t + j] = f64::from(u8::from(j <= 6 + i));
-            allowed[c * t + i * t + j] = f64::from(u8::from(i > 0 && j >= 8));
+            allowed[i * t + j] = f64::from(u8::from(j <= t - c + i));
+            allowed[c * t + i * t + j] = f64::from(u8::from(i > 0 && j >= t - 3));
         }
     }
     let bias = Tensor::from_vec(allowed, (b, 1, 1, c, t), &dev)
