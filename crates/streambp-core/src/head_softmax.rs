@@ -14,7 +14,7 @@
 use candle_core::{Device, Tensor, WithDType};
 use num_traits::Float;
 use rayon::prelude::*;
-use streambp_models::cpu::{fusable, with_data, BulkExp};
+use streambp_models::cpu::{fusable, row_max, row_sum, with_data, BulkExp};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -82,17 +82,12 @@ fn rows_as<T: WithDType + BulkExp + std::ops::MulAssign>(
             .enumerate()
             .for_each(|(r, (p, logp))| {
                 let row = &z[r * vocab..(r + 1) * vocab];
-                let mut max = T::neg_infinity();
-                for &x in row {
-                    if x > max {
-                        max = x;
-                    }
-                }
+                let max = row_max(row, T::neg_infinity());
                 for (e, &x) in p.iter_mut().zip(row) {
                     *e = x - max;
                 }
                 T::exp_in_place(p);
-                let sum = p.iter().fold(T::zero(), |acc, &e| acc + e);
+                let sum = row_sum(p);
                 let lse = sum.ln() + max;
                 // The probabilities from the same exponentials (exp(z − lse) to rounding): each
                 // exponential is computed once.
