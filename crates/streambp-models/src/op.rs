@@ -8,6 +8,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 use crate::accumulate;
+use crate::cpu::fusable;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -107,7 +108,9 @@ pub(crate) fn frozen_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) 
 /// into a zero-filled gradient of the transpose node, then transposes that and sums it again, strided,
 /// into a second zero-filled `[out, in]` buffer: two weight-sized fills and adds per chunk and projection.
 struct TrainedLinear {
-    out: Precomputed,
+    /// The forward's result computed by candle's ops, off the host; on the host in f32/f64 the op
+    /// computes it itself ([`host_product`]): no zero-filled output, no copy handed over.
+    out: Option<Precomputed>,
     /// Where `dW` is added in place instead of being returned (see [`Linear::grad_into`]).
     grad_into: Option<Tensor>,
 }
@@ -119,12 +122,23 @@ impl candle_core::CustomOp2 for TrainedLinear {
 
     fn cpu_fwd(
         &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        self.out.cpu()
+        match (&self.out, s1, s2) {
+            (Some(out), _, _) => out.cpu(),
+            (None, CpuStorage::F32(x), CpuStorage::F32(w)) => {
+                let (out, shape) = host_product((x, l1), (w, l2))?;
+                Ok((CpuStorage::F32(out), shape))
+            }
+            (None, CpuStorage::F64(x), CpuStorage::F64(w)) => {
+                let (out, shape) = host_product((x, l1), (w, l2))?;
+                Ok((CpuStorage::F64(out), shape))
+            }
+            _ => candle_core::bail!("linear: not f32 or f64"),
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -135,7 +149,10 @@ impl candle_core::CustomOp2 for TrainedLinear {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> CResult<(candle_core::CudaStorage, Shape)> {
-        self.out.cuda()
+        match &self.out {
+            Some(out) => out.cuda(),
+            None => candle_core::bail!("linear: host product on a CUDA tensor"),
+        }
     }
 
     fn bwd(
@@ -155,6 +172,75 @@ impl candle_core::CustomOp2 for TrainedLinear {
     }
 }
 
+/// Whether [`host_product`] computes `x Wᵀ`: both on the CPU in the same f32/f64, `x` contiguous
+/// `[n, in]`, `W` `[out, in]`, no size zero.
+fn on_host(x: &Tensor, weight: &Tensor) -> bool {
+    let sizes = match (x.dims(), weight.dims()) {
+        (&[n, k], &[out, k2]) => k == k2 && n * k * out > 0,
+        _ => false,
+    };
+    fusable(x)
+        && weight.device().is_cpu()
+        && weight.dtype() == x.dtype()
+        && x.is_contiguous()
+        && sizes
+}
+
+/// `x Wᵀ` for contiguous `x` `[n, in]` and `W` `[out, in]` (any strides) by one gemm (the kernel
+/// candle's products run) writing every element of an output that is never zero-filled.
+fn host_product<T: candle_core::WithDType>(
+    (x, xl): (&[T], &Layout),
+    (w, wl): (&[T], &Layout),
+) -> CResult<(Vec<T>, Shape)> {
+    let ((n, k), (out, k2)) = (xl.shape().dims2()?, wl.shape().dims2()?);
+    let (ws0, ws1) = (wl.stride()[0], wl.stride()[1]);
+    let x = x.get(xl.start_offset()..xl.start_offset() + n * k);
+    let w = w.get(wl.start_offset()..);
+    let (Some(x), Some(w)) = (x, w) else {
+        candle_core::bail!("linear: operand outside its storage");
+    };
+    if k != k2
+        || !xl.is_contiguous()
+        || n * k * out == 0
+        || (out - 1) * ws0 + (k - 1) * ws1 >= w.len()
+    {
+        candle_core::bail!("linear: x {:?}, weight {:?}", xl.dims(), wl.dims());
+    }
+    let threads = rayon::current_num_threads();
+    let parallelism = match threads > 1 {
+        true => gemm::Parallelism::Rayon(threads),
+        false => gemm::Parallelism::None,
+    };
+    let mut dst: Vec<T> = Vec::with_capacity(n * out);
+    // SAFETY: `dst` has room for `n × out` elements, which gemm writes every one of (read_dst false,
+    // all sizes non-zero) before the length is set; x and W are read within their slices (checked).
+    unsafe {
+        gemm::gemm(
+            n,
+            out,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            out as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            ws0 as isize,
+            ws1 as isize,
+            T::zero(),
+            T::one(),
+            false,
+            false,
+            false,
+            parallelism,
+        );
+        dst.set_len(n * out);
+    }
+    Ok((dst, Shape::from((n, out))))
+}
+
 /// `x Wᵀ` for `x` `[n, in]` and a trained `weight` `[out, in]`, differentiable in both (see
 /// [`TrainedLinear`]); with `grad_into`, the weight's gradient is added there (where that can be done
 /// in place) rather than handed to autograd. Untracked operands take the plain product.
@@ -163,17 +249,20 @@ pub(crate) fn trained_linear(
     weight: &Tensor,
     grad_into: Option<&Tensor>,
 ) -> CResult<Tensor> {
-    let out = x.detach().matmul(&weight.detach().t()?)?;
-    if !(x.track_op() || weight.track_op()) {
-        return Ok(out);
+    let tracked = x.track_op() || weight.track_op();
+    let op = |out| TrainedLinear {
+        out,
+        grad_into: grad_into.cloned(),
+    };
+    match (on_host(x, weight), tracked) {
+        (true, true) => x.apply_op2(weight, op(None)),
+        (true, false) => x.apply_op2_no_bwd(weight, &op(None)),
+        (false, true) => {
+            let out = x.detach().matmul(&weight.detach().t()?)?;
+            x.apply_op2(weight, op(Some(Precomputed::new(out))))
+        }
+        (false, false) => x.matmul(&weight.t()?),
     }
-    x.apply_op2(
-        weight,
-        TrainedLinear {
-            out: Precomputed::new(out),
-            grad_into: grad_into.cloned(),
-        },
-    )
 }
 
 /// `x Wᵀ + b + s·(u Bᵀ)` with `W`, `b` frozen and `u = dropout(x) Aᵀ` the adapter's down-projection:
