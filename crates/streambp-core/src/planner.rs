@@ -210,11 +210,14 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // probabilities and their gradient) for its head's group of query heads...
     let scores = if p.host && !half {
         let blocks = t.div_ceil(key_block) + 1;
-        let tasks = b * cfg.num_kv_heads as u64 * blocks;
-        let running = tasks.min(rayon::current_num_threads() as u64);
+        let items = b * cfg.num_kv_heads as u64;
+        let threads = rayon::current_num_threads() as u64;
+        let running = (items * blocks).min(threads);
         let group = heads / (cfg.num_kv_heads as u64).max(1);
-        // ... and every block's share of dQ until they are summed.
-        let shares = b * heads * c * cfg.head_dim as u64 * blocks * e;
+        // ... and the share of dQ of each block of a wave (as many blocks as keep the threads busy)
+        // until the wave is summed.
+        let wave = threads.div_ceil(items.max(1)).clamp(1, blocks);
+        let shares = b * heads * c * cfg.head_dim as u64 * wave * e;
         2 * running * group * score_area(t, c, key_block) * e + shares
     } else {
         41 * b * heads * score_area(t, c, key_block) * f32b.max(e) / 10

@@ -270,42 +270,37 @@ impl Blocks {
         })
     }
 
-    /// The key blocks with their masks' data, for `own` keys of the op's own.
-    fn kernel_blocks<T: WithDType>(
+    /// Key block `r` with its mask's data.
+    fn kernel_block<T: WithDType>(
         &self,
         dims: kernel::Dims,
-        own: usize,
-    ) -> CResult<Vec<kernel::KeyBlock<T>>> {
-        self.ranges(own)?
-            .into_iter()
-            .map(|r| {
-                let mask = match self
-                    .mask
-                    .bias(r.index, r.n, self.compute)
-                    .map_err(to_candle)?
-                {
-                    // `[1 | b, 1, 1, c, n]`, as the kernel reads it (a mask that only broadcasts to
-                    // it is expanded; one that does not is an error).
-                    Some(m) => {
-                        let per_batch = m.dim(0)? > 1;
-                        let rows = if per_batch {
-                            dims.items / dims.kv_heads
-                        } else {
-                            1
-                        };
-                        let m = m.broadcast_as((rows, 1, 1, dims.c, r.n))?;
-                        Some((m.flatten_all()?.to_vec1::<T>()?, per_batch))
-                    }
-                    None => None,
+        r: KeyRange,
+    ) -> CResult<kernel::KeyBlock<T>> {
+        let mask = match self
+            .mask
+            .bias(r.index, r.n, self.compute)
+            .map_err(to_candle)?
+        {
+            // `[1 | b, 1, 1, c, n]`, as the kernel reads it (a mask that only broadcasts to it is
+            // expanded; one that does not is an error).
+            Some(m) => {
+                let per_batch = m.dim(0)? > 1;
+                let rows = if per_batch {
+                    dims.items / dims.kv_heads
+                } else {
+                    1
                 };
-                Ok(kernel::KeyBlock {
-                    earlier: r.earlier,
-                    start: r.start,
-                    n: r.n,
-                    mask,
-                })
-            })
-            .collect()
+                let m = m.broadcast_as((rows, 1, 1, dims.c, r.n))?;
+                Some((m.flatten_all()?.to_vec1::<T>()?, per_batch))
+            }
+            None => None,
+        };
+        Ok(kernel::KeyBlock {
+            earlier: r.earlier,
+            start: r.start,
+            n: r.n,
+            mask,
+        })
     }
 
     /// [`Blocks::forward`] by the CPU kernel.
@@ -316,9 +311,16 @@ impl Blocks {
         v: &Tensor,
     ) -> CResult<(Tensor, Normalizer)> {
         let dims = self.kernel_dims(q)?;
-        let blocks = self.kernel_blocks::<T>(dims, k.dim(2)?)?;
+        let ranges = self.ranges(k.dim(2)?)?;
+        let fetch = |b: usize| self.kernel_block::<T>(dims, ranges[b]);
         let data = HostKeys::new(q, k, v, self.earlier.as_ref())?;
-        let fwd = data.read::<T, _>(dims, &blocks, |inputs| Ok(kernel::forward(inputs)))?;
+        let fwd = data.read::<T, _>(dims, |inputs| {
+            let blocks = kernel::Blocks {
+                count: ranges.len(),
+                fetch: &fetch,
+            };
+            kernel::forward(inputs, blocks)
+        })?;
         let (b, kv_heads, rows, _) = q.dims4()?;
         let per_query = (b, kv_heads, self.group, rows / self.group, 1);
         let device = q.device();
@@ -341,7 +343,8 @@ impl Blocks {
     ) -> CResult<(Tensor, Tensor, Tensor)> {
         let dims = self.kernel_dims(q)?;
         let t = k.dim(2)?;
-        let blocks = self.kernel_blocks::<T>(dims, t)?;
+        let ranges = self.ranges(t)?;
+        let fetch = |b: usize| self.kernel_block::<T>(dims, ranges[b]);
         let data = HostKeys::new(q, k, v, self.earlier.as_ref())?;
         let per_query = |x: &Tensor| x.flatten_all()?.to_vec1::<T>();
         let (max, log_sum) = (per_query(&normalizer.max)?, per_query(&normalizer.log_sum)?);
@@ -355,7 +358,11 @@ impl Blocks {
             vec![T::zero(); dims.items * t * dims.hd],
         );
         let mut run = |earlier: Option<kernel::KeyGrads<'_, T>>| {
-            data.read::<T, _>(dims, &blocks, |inputs| {
+            data.read::<T, _>(dims, |inputs| {
+                let blocks = kernel::Blocks {
+                    count: ranges.len(),
+                    fetch: &fetch,
+                };
                 let grads = kernel::Grads {
                     dq: &mut dq,
                     own: kernel::KeyGrads {
@@ -366,8 +373,7 @@ impl Blocks {
                     },
                     earlier,
                 };
-                kernel::backward(inputs, (out_data, &max, &log_sum), grad_data, grads);
-                Ok(())
+                kernel::backward(inputs, blocks, (out_data, &max, &log_sum), grad_data, grads)
             })
         };
         match &self.earlier {
@@ -456,7 +462,6 @@ impl HostKeys {
     fn read<T: WithDType + BulkExp, R>(
         &self,
         dims: kernel::Dims,
-        blocks: &[kernel::KeyBlock<T>],
         f: impl FnOnce(&kernel::Inputs<'_, T>) -> CResult<R>,
     ) -> CResult<R> {
         let q = self.q.storage_and_layout();
@@ -483,7 +488,6 @@ impl HostKeys {
                 values: head_rows::<T>(&v.0, v.1)?,
             },
             earlier,
-            blocks,
         };
         f(&inputs)
     }

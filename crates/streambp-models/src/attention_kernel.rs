@@ -22,6 +22,8 @@ use rayon::prelude::*;
 use crate::cpu::{row_max, row_sum, BulkExp};
 use candle_core::WithDType;
 
+type CResult<T> = candle_core::Result<T>;
+
 /// Sizes shared by every task.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Dims {
@@ -82,7 +84,27 @@ pub(crate) struct Inputs<'a, T> {
     pub own: KeysValues<'a, T>,
     /// Keys and values before the op's own, if any.
     pub earlier: Option<KeysValues<'a, T>>,
-    pub blocks: &'a [KeyBlock<T>],
+}
+
+/// The key blocks, made (their masks built) a wave at a time: `count` of them, block `k` from
+/// `fetch(k)`.
+pub(crate) struct Blocks<'f, T> {
+    pub count: usize,
+    pub fetch: &'f (dyn Fn(usize) -> CResult<KeyBlock<T>> + Sync),
+}
+
+impl<T> Blocks<'_, T> {
+    /// The blocks in waves of as many as keep the threads busy given `items` tasks per block (one
+    /// block where there are as many items as threads), so that only a wave's masks (`c × key
+    /// block` each) and, in the backward, its `dQ` shares exist at once.
+    fn waves(&self, items: usize) -> impl Iterator<Item = CResult<Vec<KeyBlock<T>>>> + '_ {
+        let wave = rayon::current_num_threads().div_ceil(items.max(1)).max(1);
+        (0..self.count).step_by(wave).map(move |first| {
+            (first..(first + wave).min(self.count))
+                .map(self.fetch)
+                .collect()
+        })
+    }
 }
 
 impl<T: WithDType + BulkExp> Inputs<'_, T> {
@@ -192,44 +214,54 @@ const ROW_TILE: usize = 128;
 
 /// The online softmax over the key blocks, per tile of query rows: for each block the scores, each
 /// row's new maximum, its exponentials and their sum, the running sum and output rescaled, then
-/// `out += P·V`.
-pub(crate) fn forward<T: WithDType + BulkExp>(inp: &Inputs<'_, T>) -> Forward<T> {
+/// `out += P·V`; the output divided by the sums at the end.
+pub(crate) fn forward<T: WithDType + BulkExp>(
+    inp: &Inputs<'_, T>,
+    blocks: Blocks<'_, T>,
+) -> CResult<Forward<T>> {
     let Dims {
         items, rows, hd, ..
     } = inp.dims;
-    let widest = inp.blocks.iter().map(|b| b.n).max().unwrap_or(0);
     let mut out = vec![T::zero(); items * rows * hd];
     let mut max = vec![T::neg_infinity(); items * rows];
     let mut sum = vec![T::zero(); items * rows];
-    out.par_chunks_mut(rows * hd)
-        .zip(max.par_chunks_mut(rows))
-        .zip(sum.par_chunks_mut(rows))
-        .enumerate()
-        .for_each(|(i, ((out, max), sum))| {
-            out.par_chunks_mut(ROW_TILE * hd)
-                .zip(max.par_chunks_mut(ROW_TILE))
-                .zip(sum.par_chunks_mut(ROW_TILE))
-                .enumerate()
-                .for_each(|(tile, ((out, max), sum))| {
-                    forward_tile(inp, (i, tile * ROW_TILE), widest, out, max, sum)
-                });
-        });
+    for wave in blocks.waves(items) {
+        let wave = wave?;
+        out.par_chunks_mut(rows * hd)
+            .zip(max.par_chunks_mut(rows))
+            .zip(sum.par_chunks_mut(rows))
+            .enumerate()
+            .for_each(|(i, ((out, max), sum))| {
+                out.par_chunks_mut(ROW_TILE * hd)
+                    .zip(max.par_chunks_mut(ROW_TILE))
+                    .zip(sum.par_chunks_mut(ROW_TILE))
+                    .enumerate()
+                    .for_each(|(tile, ((out, max), sum))| {
+                        forward_tile(inp, (i, tile * ROW_TILE), &wave, out, max, sum)
+                    });
+            });
+    }
+    out.par_chunks_mut(hd)
+        .zip(sum.par_iter())
+        .for_each(|(row, &l)| row.iter_mut().for_each(|o| *o /= l));
     let log_sum = sum.into_iter().map(Float::ln).collect();
-    Forward { out, max, log_sum }
+    Ok(Forward { out, max, log_sum })
 }
 
-/// [`forward`] for item `i`'s query rows from `first` (as many as `max` has).
+/// [`forward`]'s running softmax for item `i`'s query rows from `first` (as many as `max` has)
+/// through the key blocks `wave`.
 fn forward_tile<T: WithDType + BulkExp>(
     inp: &Inputs<'_, T>,
     (i, first): (usize, usize),
-    widest: usize,
+    wave: &[KeyBlock<T>],
     out: &mut [T],
     max: &mut [T],
     sum: &mut [T],
 ) {
     let (rows, hd) = (max.len(), inp.dims.hd);
+    let widest = wave.iter().map(|b| b.n).max().unwrap_or(0);
     let mut scores = vec![T::zero(); rows * widest];
-    for blk in inp.blocks {
+    for blk in wave {
         let n = blk.n;
         let (keys, values) = inp.keys_values(i, blk);
         let s = &mut scores[..rows * n];
@@ -251,11 +283,6 @@ fn forward_tile<T: WithDType + BulkExp>(
             max[j] = m;
         }
         gemm_into(out, (rows, hd, n), true, (s, n, 1), (values, hd, 1));
-    }
-    for (row, &l) in out.chunks_exact_mut(hd).zip(sum.iter()) {
-        for o in row {
-            *o /= l;
-        }
     }
 }
 
@@ -332,14 +359,15 @@ impl<T> SharedGrads<T> {
 
 /// Per item and key block (one task each), with `P` recomputed from the normalizer: `dP = g·Vᵀ`,
 /// `dS = P ⊙ (dP − Σ g ⊙ out)`, `dV = Pᵀ·g` and `dK = dSᵀ·Q` added into the block's rows (which no
-/// other task touches), and the block's share `dS·K` of `dQ`, summed over the blocks in order once
-/// every task is done.
+/// other task touches), and the block's share `dS·K` of `dQ`, added into `dQ` in block order once a
+/// wave's tasks are done.
 pub(crate) fn backward<T: WithDType + BulkExp>(
     inp: &Inputs<'_, T>,
+    blocks: Blocks<'_, T>,
     fwd: (&[T], &[T], &[T]),
     grad: &[T],
     grads: Grads<'_, T>,
-) {
+) -> CResult<()> {
     let (out, max, log_sum) = fwd;
     let Dims {
         items, rows, hd, ..
@@ -357,33 +385,37 @@ pub(crate) fn backward<T: WithDType + BulkExp>(
         .zip(out.par_chunks_exact(hd))
         .map(|(g, o)| g.iter().zip(o).fold(T::zero(), |acc, (&g, &o)| acc + g * o))
         .collect();
-    let blocks = inp.blocks.len();
-    let shares: Vec<Vec<T>> = (0..items * blocks)
-        .into_par_iter()
-        .map(|task| {
-            let (i, blk) = (task / blocks, &inp.blocks[task % blocks]);
-            let target = match (&earlier, blk.earlier) {
-                (Some(e), true) => e,
-                _ => &own,
-            };
-            // SAFETY: this task alone touches block `blk`'s rows of item i.
-            let (dk, dv) = unsafe { target.rows(i, blk.start, blk.n, hd) };
-            let span = i * rows..(i + 1) * rows;
-            let per_row = (&max[span.clone()], &log_sum[span.clone()], &dot[span]);
-            let g = &grad[i * rows * hd..(i + 1) * rows * hd];
-            block_backward(inp, (i, blk), per_row, g, (dk, dv))
-        })
-        .collect();
-    dq.par_chunks_mut(rows * hd)
-        .zip(shares.par_chunks(blocks.max(1)))
-        .for_each(|(dq, shares)| {
-            dq.fill(T::zero());
-            for share in shares {
-                for (d, &x) in dq.iter_mut().zip(share) {
-                    *d += x;
+    dq.fill(T::zero());
+    for wave in blocks.waves(items) {
+        let wave = wave?;
+        let n_blocks = wave.len();
+        let shares: Vec<Vec<T>> = (0..items * n_blocks)
+            .into_par_iter()
+            .map(|task| {
+                let (i, blk) = (task / n_blocks, &wave[task % n_blocks]);
+                let target = match (&earlier, blk.earlier) {
+                    (Some(e), true) => e,
+                    _ => &own,
+                };
+                // SAFETY: this task alone touches block `blk`'s rows of item i.
+                let (dk, dv) = unsafe { target.rows(i, blk.start, blk.n, hd) };
+                let span = i * rows..(i + 1) * rows;
+                let per_row = (&max[span.clone()], &log_sum[span.clone()], &dot[span]);
+                let g = &grad[i * rows * hd..(i + 1) * rows * hd];
+                block_backward(inp, (i, blk), per_row, g, (dk, dv))
+            })
+            .collect();
+        dq.par_chunks_mut(rows * hd)
+            .zip(shares.par_chunks(n_blocks.max(1)))
+            .for_each(|(dq, shares)| {
+                for share in shares {
+                    for (d, &x) in dq.iter_mut().zip(share) {
+                        *d += x;
+                    }
                 }
-            }
-        });
+            });
+    }
+    Ok(())
 }
 
 /// One item's backward through one key block: adds the block's `dK` and `dV` into `dk`, `dv` and
