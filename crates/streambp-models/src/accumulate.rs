@@ -12,7 +12,7 @@
 //! into the sink's accumulator ([`crate::linear::Linear::grad_into`]). Elsewhere the functions answer
 //! `false` and the caller keeps the tensor-op sum (which CUDA runs).
 
-use crate::cpu::{fusable, input_data};
+use crate::cpu::{fusable, gemm_into, gemm_parallelism, input_data};
 use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Tensor, WithDType};
 use rayon::prelude::*;
 
@@ -96,45 +96,27 @@ impl InplaceOp2 for AddInto {
 
 struct AddProduct;
 
+/// A matrix operand from its first element, with its row and column strides.
+fn strided<'a, T>((data, l): (&'a [T], &Layout)) -> (&'a [T], usize, usize) {
+    let s = l.stride();
+    (&data[l.start_offset()..], s[0], s[1])
+}
+
 impl AddProduct {
     /// `dst[m, n] += a[m, k]·b[k, n]`, strides from the layouts.
     fn run<T: WithDType>(dst: &mut [T], a: (&[T], &Layout), b: (&[T], &Layout)) -> CResult<()> {
         let (m, k) = a.1.shape().dims2()?;
         let n = b.1.shape().dims2()?.1;
-        let (a_rs, a_cs) = (a.1.stride()[0] as isize, a.1.stride()[1] as isize);
-        let (b_rs, b_cs) = (b.1.stride()[0] as isize, b.1.stride()[1] as isize);
-        let (a_data, b_data) = (&a.0[a.1.start_offset()..], &b.0[b.1.start_offset()..]);
-        let threads = rayon::current_num_threads();
-        let parallelism = match threads > 1 {
-            true => gemm::Parallelism::Rayon(threads),
-            false => gemm::Parallelism::None,
-        };
-        // SAFETY: `dst` holds `m × n` contiguous elements (checked by the caller's shape test);
-        // `a` and `b` are read within their layouts' extents, and candle gave `dst` as a distinct
-        // mutable storage (in-place ops refuse aliased sources).
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                dst.as_mut_ptr(),
-                1,
-                n as isize,
-                true,
-                a_data.as_ptr(),
-                a_cs,
-                a_rs,
-                b_data.as_ptr(),
-                b_cs,
-                b_rs,
-                T::from_f64(1.0),
-                T::from_f64(1.0),
-                false,
-                false,
-                false,
-                parallelism,
-            );
-        }
+        // `dst` holds `m × n` contiguous elements (the caller's shape test), distinct from `a` and
+        // `b` (candle's in-place ops refuse aliased sources).
+        gemm_into(
+            dst,
+            (m, n, k),
+            true,
+            strided(a),
+            strided(b),
+            gemm_parallelism(),
+        );
         Ok(())
     }
 }

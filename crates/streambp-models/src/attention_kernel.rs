@@ -153,50 +153,15 @@ impl<T: WithDType + BulkExp> Inputs<'_, T> {
     }
 }
 
-/// `dst (=|+=) a·b` with `(m, n, k)` and each operand as `(data, row stride, column stride)`; `dst`
-/// is `[m, n]` row-major. Single-threaded: the tasks are the parallelism.
+/// `dst (=|+=) a·b` as [`crate::cpu::gemm_into`], single-threaded: the tasks are the parallelism.
 fn gemm_into<T: WithDType>(
     dst: &mut [T],
-    (m, n, k): (usize, usize, usize),
+    dims: (usize, usize, usize),
     accumulate: bool,
     a: (&[T], usize, usize),
     b: (&[T], usize, usize),
 ) {
-    assert!(
-        dst.len() >= m * n,
-        "attention kernel: destination too small"
-    );
-    let last = |rows: usize, cols: usize, (data, rs, cs): (&[T], usize, usize)| {
-        rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < data.len()
-    };
-    assert!(
-        last(m, k, a) && last(k, n, b),
-        "attention kernel: operand out of range"
-    );
-    // SAFETY: every element addressed lies within the slices (checked above); `dst` is exclusive.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            a.0.as_ptr(),
-            a.2 as isize,
-            a.1 as isize,
-            b.0.as_ptr(),
-            b.2 as isize,
-            b.1 as isize,
-            T::from_f64(1.0),
-            T::from_f64(1.0),
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
-    }
+    crate::cpu::gemm_into(dst, dims, accumulate, a, b, gemm::Parallelism::None);
 }
 
 /// What the forward returns: the output (`[items, rows, hd]`) and each row's softmax maximum and
@@ -295,8 +260,8 @@ pub(crate) struct KeyGrads<'a, T> {
     pub offset: usize,
 }
 
-/// The gradients the backward writes: `dq` (`[items, rows, hd]`, overwritten), the op's own keys'
-/// and values' (added into), and the earlier keys' (added into, when there are earlier keys).
+/// The gradients the backward adds into (each zero or holding what came before): `dq`
+/// (`[items, rows, hd]`), the op's own keys' and values', and the earlier keys' (when there are any).
 pub(crate) struct Grads<'a, T> {
     pub dq: &'a mut [T],
     pub own: KeyGrads<'a, T>,
@@ -385,7 +350,6 @@ pub(crate) fn backward<T: WithDType + BulkExp>(
         .zip(out.par_chunks_exact(hd))
         .map(|(g, o)| g.iter().zip(o).fold(T::zero(), |acc, (&g, &o)| acc + g * o))
         .collect();
-    dq.fill(T::zero());
     for wave in blocks.waves(items) {
         let wave = wave?;
         let n_blocks = wave.len();

@@ -16,10 +16,7 @@ pub fn with_data<T: WithDType, R>(
     let Storage::Cpu(cpu) = &*storage else {
         return Ok(None);
     };
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("CPU pass: not contiguous".into()))?;
-    f(&cpu.as_slice::<T>()?[start..end]).map(Some)
+    f(input_data(cpu, layout)?).map(Some)
 }
 
 /// Runs `f` on the data of an optional tensor (an empty slice for none).
@@ -102,10 +99,60 @@ pub fn host_slice<'a, T: WithDType>(
     let Storage::Cpu(cpu) = storage else {
         candle_core::bail!("CPU pass: not on the CPU");
     };
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("CPU pass: not contiguous".into()))?;
-    Ok(&cpu.as_slice::<T>()?[start..end])
+    input_data(cpu, layout)
+}
+
+/// Splitting one product over rayon's threads, as candle's own products do (none on one thread).
+pub(crate) fn gemm_parallelism() -> gemm::Parallelism {
+    match rayon::current_num_threads() {
+        threads if threads > 1 => gemm::Parallelism::Rayon(threads),
+        _ => gemm::Parallelism::None,
+    }
+}
+
+/// `dst (=|+=) a·b` by gemm (the kernel candle's products run), with `(m, n, k)` and each operand as
+/// `(data from its first element, row stride, column stride)`; `dst` is `[m, n]` row-major. Panics
+/// if an operand's strides reach past its slice or `dst` is too small.
+pub(crate) fn gemm_into<T: WithDType>(
+    dst: &mut [T],
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+    a: (&[T], usize, usize),
+    b: (&[T], usize, usize),
+    parallelism: gemm::Parallelism,
+) {
+    assert!(dst.len() >= m * n, "product: destination too small");
+    let within = |rows: usize, cols: usize, (data, rs, cs): (&[T], usize, usize)| {
+        rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < data.len()
+    };
+    assert!(
+        within(m, k, a) && within(k, n, b),
+        "product: operand out of range"
+    );
+    // SAFETY: every element addressed lies within the slices (checked above); `dst` is exclusive.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.0.as_ptr(),
+            a.2 as isize,
+            a.1 as isize,
+            b.0.as_ptr(),
+            b.2 as isize,
+            b.1 as isize,
+            T::from_f64(1.0),
+            T::from_f64(1.0),
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
 }
 
 /// Lanes of the row reductions below: 8 independent accumulators, so that the loop is not bound by

@@ -8,7 +8,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 use crate::accumulate;
-use crate::cpu::fusable;
+use crate::cpu::{fusable, gemm_parallelism};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -206,11 +206,6 @@ fn host_product<T: candle_core::WithDType>(
     {
         candle_core::bail!("linear: x {:?}, weight {:?}", xl.dims(), wl.dims());
     }
-    let threads = rayon::current_num_threads();
-    let parallelism = match threads > 1 {
-        true => gemm::Parallelism::Rayon(threads),
-        false => gemm::Parallelism::None,
-    };
     let mut dst: Vec<T> = Vec::with_capacity(n * out);
     // SAFETY: `dst` has room for `n × out` elements, which gemm writes every one of (read_dst false,
     // all sizes non-zero) before the length is set; x and W are read within their slices (checked).
@@ -234,7 +229,7 @@ fn host_product<T: candle_core::WithDType>(
             false,
             false,
             false,
-            parallelism,
+            gemm_parallelism(),
         );
         dst.set_len(n * out);
     }
