@@ -16,10 +16,27 @@ fn refs(r: &Run) -> [&Tensor; 4] {
 
 /// `got` equals `want` (output, dq, dk, dv) to 1e-12 relative.
 fn assert_same(what: &str, got: [&Tensor; 4], want: [&Tensor; 4]) {
+    assert_within(1e-12, what, got, want);
+}
+
+/// `got` equals `want` (output, dq, dk, dv) to `bound` relative.
+fn assert_within(bound: f64, what: &str, got: [&Tensor; 4], want: [&Tensor; 4]) {
     for ((name, a), b) in ["out", "dq", "dk", "dv"].into_iter().zip(got).zip(want) {
         let e = rel_err(a, b);
-        assert!(e < 1e-12, "{what}: {name} {e:.2e}");
+        assert!(e < bound, "{what}: {name} {e:.2e}");
     }
+}
+
+/// An output with the gradients of `sum(out ⊙ weights)` with respect to q, k and v.
+fn with_grads(out: Tensor, weights: &Tensor, [q, k, v]: [&Var; 3]) -> Run {
+    let grads = (&out * weights)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let g = |x: &Var| grads.get(x.as_tensor()).unwrap().clone();
+    (out, g(q), g(k), g(v))
 }
 
 /// The shapes checked: small, and one whose 140 query rows per head span two of the CPU kernel's
@@ -73,25 +90,11 @@ fn the_kernel_agrees_in_f32() {
             256,
         )
         .unwrap();
-        let grads = (&out * &weights)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let g = |x: &Var| grads.get(x.as_tensor()).unwrap().clone();
-        [out, g(&q), g(&k), g(&v)]
+        with_grads(out, &weights, [&q, &k, &v])
     };
     let kernel = run();
     let composed = with_composed_path(run);
-    for ((name, a), b) in ["out", "dq", "dk", "dv"]
-        .into_iter()
-        .zip(&kernel)
-        .zip(&composed)
-    {
-        let e = rel_err(a, b);
-        assert!(e < 1e-5, "f32 {name} {e:.2e}");
-    }
+    assert_within(1e-5, "f32", refs(&kernel), refs(&composed));
 }
 
 fn check_against_composed_softmax((b, kv_heads, group, c, t, hd): Shape) {
@@ -114,17 +117,6 @@ fn check_against_composed_softmax((b, kv_heads, group, c, t, hd): Shape) {
         .affine(-f64::MIN, f64::MIN)
         .unwrap();
     let weights = randn(&[b, kv_heads, group * c, hd]);
-    // An output with the gradients of `sum(out ⊙ weights)` with respect to q, k and v.
-    let with_grads = |out: Tensor| {
-        let grads = (&out * &weights)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let g = |x: &Var| grads.get(x.as_tensor()).unwrap().clone();
-        (out, g(&q), g(&k), g(&v))
-    };
     let run = |key_block: usize| {
         let out = attention(
             q.as_tensor(),
@@ -137,7 +129,7 @@ fn check_against_composed_softmax((b, kv_heads, group, c, t, hd): Shape) {
             key_block,
         )
         .unwrap();
-        with_grads(out)
+        with_grads(out, &weights, [&q, &k, &v])
     };
     let whole = run(t);
     // The composition autograd differentiates: softmax(q kᵀ + bias) v with the query heads grouped.
@@ -155,7 +147,7 @@ fn check_against_composed_softmax((b, kv_heads, group, c, t, hd): Shape) {
             .reshape((b, kv_heads, group * c, t))
             .unwrap();
         let out = p.matmul(v.as_tensor()).unwrap();
-        with_grads(out)
+        with_grads(out, &weights, [&q, &k, &v])
     };
     assert_same("vs composed softmax", refs(&whole), refs(&composed));
     // The first `m` keys given as earlier keys (constants whose gradients the op adds in place into
@@ -183,7 +175,7 @@ fn check_against_composed_softmax((b, kv_heads, group, c, t, hd): Shape) {
             key_block,
         )
         .unwrap();
-        let (out, dq, dk, dv) = with_grads(out);
+        let (out, dq, dk, dv) = with_grads(out, &weights, [&q, &k, &v]);
         // Autograd's gradient of k and v is for their own part only (the earlier part entered as a
         // constant); the buffers hold the earlier part's.
         let whole_keys = |buffer: &Tensor, g: &Tensor| {
