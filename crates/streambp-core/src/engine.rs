@@ -703,8 +703,9 @@ fn layer_backward_whole(
 }
 
 /// Phase 4: the gradient of the embedding table from the gradient of the first layer's input, by the
-/// lookup's written-out VJP ([`Model::embed_vjp`]) rather than a graph that would hold several
-/// `[b, T, d]` copies.
+/// lookup's written-out VJP ([`Model::embed_vjp_rows`]) rather than a graph that would hold several
+/// `[b, T, d]` copies; its rows are added into the table's accumulator in place where that can be
+/// (tied to the head, the accumulator already holds the head's share: no second table-sized buffer).
 fn embedding_backward(
     model: &Model,
     input_ids: &Tensor,
@@ -712,7 +713,10 @@ fn embedding_backward(
     sink: &mut GradSink,
 ) -> Result<()> {
     match model.embedding_parameter() {
-        Some((name, _)) => sink.add(name, model.embed_vjp(input_ids, grad)?),
+        Some((name, table)) => {
+            let (ids, rows) = model.embed_vjp_rows(input_ids, grad)?;
+            sink.add_rows(name, table.as_tensor(), &ids, &rows)
+        }
         None => Ok(()),
     }
 }
@@ -830,6 +834,20 @@ impl GradSink {
             }
         }
         self.accumulate(name, a.matmul(b)?, true)
+    }
+
+    /// Adds `rows[i]` into row `ids[i]` of the gradient of `name` (shaped like `table`): in place on
+    /// the host in f32/f64, else as a table-sized sum added like any other.
+    fn add_rows(&mut self, name: &str, table: &Tensor, ids: &Tensor, rows: &Tensor) -> Result<()> {
+        if streambp_models::cpu::fusable(table) && rows.dtype() == table.dtype() {
+            if let Some(acc) = self.accumulator(name, table)? {
+                if accumulate::add_rows(&acc, ids, rows)? {
+                    return Ok(());
+                }
+            }
+        }
+        let grad = table.detach().zeros_like()?.index_add(ids, rows, 0)?;
+        self.accumulate(name, grad, true)
     }
 
     /// Adds `grad` (`fresh`: a tensor only the sink holds) to the accumulator of `name`: in place

@@ -11,7 +11,8 @@
 //!   inside the attention op's backward);
 //! - in the head: one logits chunk `c × V` (model dtype, an f32 copy and a few f32 temporaries) and the
 //!   gradient of the head weight;
-//! - in the embedding's backward: two `[b, T, d]` tensors and two copies of the table's gradient.
+//! - in the embedding's backward: two `[b, T, d]` tensors, and off the host (or in half precision) two
+//!   copies of the table's gradient (on the host in f32/f64 its rows go into the accumulator in place).
 //!
 //! The copy counts are fitted to peaks measured with the counting allocator (CPU, candle 0.11,
 //! `streambp-bench` on the bench's small model config in f32 at T = 1024/2048, chunk 128/256, logits
@@ -224,17 +225,18 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     };
     let layer_phase = checkpoints(layers) + kv_state + grads_io + chunk_acts + scores;
 
-    // The embedding's VJP (written out): the incoming `[b, T, d]` gradient and its scaled rows, the
-    // table's gradient (model dtype; an f32 copy of it for half precision) and its sum with the
-    // accumulated one (on the host the f32 copy is added into the accumulator in place).
-    let half_table = if half && !p.host && table_grad > 0 {
-        vocab * d * f32b
-    } else {
-        0
+    // The embedding's VJP (written out): the incoming `[b, T, d]` gradient and its scaled rows. On the
+    // host in f32/f64 the rows are added into the table's accumulator in place; elsewhere the table's
+    // gradient is made (model dtype; an f32 copy of it for half precision) and summed with the
+    // accumulated one (on the host the f32 copy is added in place).
+    let table_sum = match (p.host && !half, half && !p.host && table_grad > 0) {
+        (true, _) => 0,
+        (false, true) => table_grad + vocab * d * f32b,
+        (false, false) => table_grad,
     };
     let embedding_phase = match p.lora {
         Some(_) => 0,
-        None => 2 * hidden + table_grad + half_table,
+        None => 2 * hidden + table_sum,
     };
     Estimate {
         resident,

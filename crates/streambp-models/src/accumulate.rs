@@ -50,6 +50,22 @@ pub fn add_product(acc: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool> {
     Ok(true)
 }
 
+/// `acc[ids[i]] += rows[i]` in place, row after row in order (as candle's `index_add` sums), for
+/// `acc` `[V, d]`, `ids` `[n]` (any integer dtype) and `rows` `[n, d]`; `false`, with nothing done,
+/// where that does not apply. An id outside `0..V` is an error.
+pub fn add_rows(acc: &Tensor, ids: &Tensor, rows: &Tensor) -> CResult<bool> {
+    let ((vocab, d), (n, d2)) = (acc.dims2()?, rows.dims2()?);
+    if !in_place(acc, &[rows]) || d != d2 || ids.dims1()? != n {
+        return Ok(false);
+    }
+    let ids = ids.to_dtype(candle_core::DType::I64)?.to_vec1::<i64>()?;
+    if let Some(bad) = ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
+        candle_core::bail!("embedding gradient: token id {bad} outside the table's {vocab} rows");
+    }
+    acc.inplace_op2(&rows.contiguous()?, &AddRows { ids })?;
+    Ok(true)
+}
+
 /// The accumulator's element range in its storage.
 fn range(l: &Layout) -> CResult<std::ops::Range<usize>> {
     let (start, end) = l
@@ -89,6 +105,44 @@ impl InplaceOp2 for AddInto {
             CpuStorage::F32(acc) => Self::add(&mut acc[r], input_data::<f32>(s2, l2)?),
             CpuStorage::F64(acc) => Self::add(&mut acc[r], input_data::<f64>(s2, l2)?),
             _ => candle_core::bail!("in-place sum: not f32 or f64"),
+        }
+        Ok(())
+    }
+}
+
+struct AddRows {
+    ids: Vec<i64>,
+}
+
+impl AddRows {
+    fn add<T: WithDType + std::ops::AddAssign>(&self, acc: &mut [T], rows: &[T]) {
+        let d = rows.len() / self.ids.len().max(1);
+        for (&id, row) in self.ids.iter().zip(rows.chunks_exact(d.max(1))) {
+            let at = id as usize * d;
+            for (a, &x) in acc[at..at + d].iter_mut().zip(row) {
+                *a += x;
+            }
+        }
+    }
+}
+
+impl InplaceOp2 for AddRows {
+    fn name(&self) -> &'static str {
+        "streambp-add-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<()> {
+        let r = range(l1)?;
+        match s1 {
+            CpuStorage::F32(acc) => self.add(&mut acc[r], input_data::<f32>(s2, l2)?),
+            CpuStorage::F64(acc) => self.add(&mut acc[r], input_data::<f64>(s2, l2)?),
+            _ => candle_core::bail!("in-place rows: not f32 or f64"),
         }
         Ok(())
     }
@@ -149,5 +203,44 @@ impl InplaceOp3 for AddProduct {
             ),
             _ => candle_core::bail!("in-place product: not f32 or f64"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// Rows added in place equal candle's `index_add` onto what the accumulator held, repeated ids
+    /// included; an id past the table is an error that changes nothing; half precision is declined.
+    #[test]
+    fn rows_added_in_place_equal_index_add() {
+        let dev = Device::Cpu;
+        let held: Vec<f64> = (0..12).map(|i| 0.5 * i as f64 - 2.0).collect();
+        let acc = Tensor::from_vec(held.clone(), (4, 3), &dev).unwrap();
+        let rows = Tensor::from_vec(
+            (0..15).map(|i| 1.0 / (1.0 + i as f64)).collect(),
+            (5, 3),
+            &dev,
+        )
+        .unwrap();
+        let ids = Tensor::from_vec(vec![2u32, 0, 2, 3, 2], 5, &dev).unwrap();
+        let want = acc.index_add(&ids, &rows, 0).unwrap();
+        assert!(add_rows(&acc, &ids, &rows).unwrap());
+        let (got, want) = (
+            acc.to_vec2::<f64>().unwrap(),
+            want.to_vec2::<f64>().unwrap(),
+        );
+        assert_eq!(got, want);
+
+        let before = acc.to_vec2::<f64>().unwrap();
+        let bad = Tensor::from_vec(vec![0u32, 1, 4, 0, 0], 5, &dev).unwrap();
+        let err = add_rows(&acc, &bad, &rows).unwrap_err().to_string();
+        assert!(err.contains("token id 4"), "{err}");
+        assert_eq!(acc.to_vec2::<f64>().unwrap(), before);
+
+        let half = acc.to_dtype(DType::BF16).unwrap();
+        let half_rows = rows.to_dtype(DType::BF16).unwrap();
+        assert!(!add_rows(&half, &ids, &half_rows).unwrap());
     }
 }

@@ -269,6 +269,13 @@ impl Model {
     /// scaled like the forward, added into its token's row, none into the pad token's row. Written
     /// out, it holds no graph of `[b, t, d]` tensors.
     pub fn embed_vjp(&self, input_ids: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        let (ids, rows) = self.embed_vjp_rows(input_ids, grad)?;
+        Ok(self.embed_tokens.zeros_like()?.index_add(&ids, &rows, 0)?)
+    }
+
+    /// [`Model::embed_vjp`] before its sum: the flat ids `[n]` and the rows `[n, d]` to add at them,
+    /// for a caller that adds them into a gradient it already holds (no table-sized temporary).
+    pub fn embed_vjp_rows(&self, input_ids: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
         let ids = input_ids.flatten_all()?;
         let mut rows = grad.reshape((ids.dim(0)?, self.config.hidden_size))?;
         if let Some(s) = self.embed_scale() {
@@ -277,7 +284,7 @@ impl Model {
         if let Some(pad) = self.pad_positions(&ids, rows.shape())? {
             rows = pad.where_cond(&rows.zeros_like()?, &rows)?;
         }
-        Ok(self.embed_tokens.zeros_like()?.index_add(&ids, &rows, 0)?)
+        Ok((ids, rows))
     }
 
     /// Gemma's embedding scale as the model applies it: transformers keeps it as an f32 buffer cast
