@@ -570,7 +570,10 @@ fn head_chunk(
         .soft_cap(&h2.matmul(&weight.t()?)?)?
         .to_dtype(compute)?;
     let idx = targets.reshape((n, 1))?.contiguous()?;
-    // On the CPU two passes per row (crate::head_softmax); elsewhere the same with tensor ops.
+    // Before the softmax, which on the host writes its exponentials over `z`.
+    let slope = detached.soft_cap_slope(&z)?;
+    // On the CPU two passes per row in `z`'s buffer (crate::head_softmax); elsewhere the same with
+    // tensor ops.
     let (logp, mut dz) = match crate::head_softmax::log_softmax_rows(&z, &idx)? {
         Some(rows) => {
             let logp = rows.logp.reshape((b, c))?;
@@ -589,7 +592,7 @@ fn head_chunk(
             (logp, dz)
         }
     };
-    if let Some(slope) = detached.soft_cap_slope(&z)? {
+    if let Some(slope) = slope {
         dz = (dz * slope)?;
     }
     let dz = dz.to_dtype(dtype)?;

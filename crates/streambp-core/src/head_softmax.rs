@@ -1,44 +1,42 @@
-//! The LM head's softmax over the vocabulary in two passes per row on the CPU.
+//! The LM head's softmax over the vocabulary in two passes per row on the CPU, in the logits' buffer.
 //!
 //! Composed from tensor ops, a logits chunk `z` (`[n, V]`) is read and written by a dozen ops: the
 //! log-sum-exp (maximum, subtract, exponentiate, sum, log), then the probabilities for the backward
 //! (subtract, exponentiate), `−g·p` and the scatter of `g` onto the targets. Here
-//! [`log_softmax_rows`] makes one pass per row for its maximum and one for the exponentials (kept, and
-//! divided by their sum, as the probabilities), and [`HeadRows::logit_grad`] turns them into `dz = g·(onehot(target) − p)` in
-//! place: the `[n, V]` buffers are `z` and one more, and each exponential is computed once.
+//! [`log_softmax_rows`] makes one pass per row for its maximum and one for the exponentials and their
+//! sum, written over `z` itself, and [`HeadRows::logit_grad`] one more turning them into
+//! `dz = g·(onehot(target) − p)`, again in place: the chunk's only `[n, V]` buffer is `z`'s, and
+//! each exponential is computed once.
 //!
 //! The arithmetic follows the composed ops (`lse = log Σ exp(z − max) + max`, `dz = p·(−g)`, plus `g`
-//! at the target) but for `p`, `exp(z − max) / Σ` here and `exp(z − lse)` there: equal to rounding. CPU only, f32 and f64; elsewhere [`log_softmax_rows`]
-//! answers `None` and the head keeps its composed path (which CUDA runs).
+//! at the target) but for `p`, `exp(z − max) / Σ` here and `exp(z − lse)` there: equal to rounding. CPU
+//! only, f32 and f64; elsewhere [`log_softmax_rows`] answers `None` and the head keeps its composed
+//! path (which CUDA runs).
 
 use candle_core::{Device, Tensor, WithDType};
 use num_traits::Float;
 use rayon::prelude::*;
-use streambp_models::cpu::{fusable, row_max, row_sum, with_data, BulkExp};
+use streambp_models::cpu::{fusable, row_max, with_data_mut, BulkExp};
 
 type CResult<T> = candle_core::Result<T>;
 
-/// The exponentials of a logits chunk, in its dtype.
-enum Probs {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-}
-
-/// One logits chunk after [`log_softmax_rows`]: each row's target log-prob, and its probabilities
-/// waiting to become the logits' gradient.
+/// One logits chunk after [`log_softmax_rows`]: each row's target log-prob, and its exponentials
+/// (in the logits' buffer) waiting to become the logits' gradient.
 pub(crate) struct HeadRows {
     /// `[n]`: `log softmax(z)[target]` per row.
     pub logp: Tensor,
-    probs: Probs,
+    /// The logits chunk, now holding `exp(z − max)` per row.
+    exps: Tensor,
+    /// `1 / Σ exp(z − max)` per row, in the logits' dtype (held in f64, exactly).
+    inv_sums: Vec<f64>,
     targets: Vec<u32>,
-    vocab: usize,
-    device: Device,
 }
 
-/// `log softmax(z)` at each row's target and the probabilities `exp(z − lse)`, for `z` `[n, V]` and
-/// `targets` `[n]` (u32); `None` off the CPU or for other dtypes.
+/// `log softmax(z)` at each row's target, for `z` `[n, V]` and `targets` `[n]` (u32), leaving
+/// `exp(z − max)` in `z`'s buffer: the caller hands over a logits chunk nothing else reads. `None`
+/// off the CPU or for other dtypes (`z` untouched).
 pub(crate) fn log_softmax_rows(z: &Tensor, targets: &Tensor) -> CResult<Option<HeadRows>> {
-    if !fusable(z) {
+    if !fusable(z) || !z.is_contiguous() {
         return Ok(None);
     }
     let targets = targets
@@ -53,103 +51,90 @@ pub(crate) fn log_softmax_rows(z: &Tensor, targets: &Tensor) -> CResult<Option<H
         );
     }
     let rows = match z.dtype() {
-        candle_core::DType::F32 => rows_as::<f32>(z, &targets)?.map(|(p, l)| (Probs::F32(p), l)),
-        _ => rows_as::<f64>(z, &targets)?.map(|(p, l)| (Probs::F64(p), l)),
+        candle_core::DType::F32 => rows_as::<f32>(z, &targets)?,
+        _ => rows_as::<f64>(z, &targets)?,
     };
-    let Some((probs, logp)) = rows else {
+    let Some((logp, inv_sums)) = rows else {
         return Ok(None);
     };
     Ok(Some(HeadRows {
-        logp: logp.to_device(z.device())?,
-        probs,
+        logp: Tensor::from_vec(logp, n, &Device::Cpu)?.to_dtype(z.dtype())?,
+        exps: z.clone(),
+        inv_sums,
         targets,
-        vocab,
-        device: z.device().clone(),
     }))
 }
 
-fn rows_as<T: WithDType + BulkExp + std::ops::MulAssign>(
+/// The rows of `z` (contiguous) in its storage, mutably, for `f`.
+fn with_rows<T: WithDType, R>(
+    z: &Tensor,
+    f: impl FnOnce(&mut [T]) -> CResult<R>,
+) -> CResult<Option<R>> {
+    with_data_mut::<T, _>(z, |data, layout| match layout.contiguous_offsets() {
+        Some((start, end)) => f(&mut data[start..end]),
+        None => candle_core::bail!("head softmax: logits not contiguous"),
+    })
+}
+
+/// Each row's target log-prob (as f64 of `T`) and `1 / Σ`, the row left as `exp(z − max)`.
+fn rows_as<T: WithDType + BulkExp>(
     z: &Tensor,
     targets: &[u32],
-) -> CResult<Option<(Vec<T>, Tensor)>> {
-    let (n, vocab) = z.dims2()?;
-    let mut probs = vec![T::zero(); n * vocab];
-    let mut logp = vec![T::zero(); n];
-    let done = with_data::<T, _>(z, |z| {
-        probs
-            .par_chunks_mut(vocab.max(1))
-            .zip(logp.par_iter_mut())
-            .enumerate()
-            .for_each(|(r, (p, logp))| {
-                let row = &z[r * vocab..(r + 1) * vocab];
+) -> CResult<Option<(Vec<f64>, Vec<f64>)>> {
+    let vocab = z.dims2()?.1.max(1);
+    with_rows::<T, _>(z, |z| {
+        Ok(z.par_chunks_mut(vocab)
+            .zip(targets.par_iter())
+            .map(|(row, &target)| {
                 let max = row_max(row, T::neg_infinity());
-                for (e, &x) in p.iter_mut().zip(row) {
-                    *e = x - max;
-                }
-                T::exp_in_place(p);
-                let sum = row_sum(p);
+                let target_logit = row[target as usize];
+                let sum = T::exp_shifted_sum(row, max);
                 let lse = sum.ln() + max;
-                // The probabilities from the same exponentials (exp(z − lse) to rounding): each
-                // exponential is computed once.
-                let inv = T::one() / sum;
-                for e in p.iter_mut() {
-                    *e *= inv;
-                }
-                *logp = row[targets[r] as usize] - lse;
-            });
-        Ok(())
-    })?;
-    if done.is_none() {
-        return Ok(None);
-    }
-    Ok(Some((probs, Tensor::from_vec(logp, n, &Device::Cpu)?)))
+                ((target_logit - lse).to_f64(), (T::one() / sum).to_f64())
+            })
+            .unzip())
+    })
 }
 
 impl HeadRows {
     /// `dz = g·(onehot(target) − p)` (`[n, V]`, in the logits' dtype) for `g` = dLoss/dlogp (`[n]`),
-    /// written over the probabilities.
+    /// written over the exponentials (the probabilities `exp(z − max)·(1/Σ)` formed on the way).
     pub(crate) fn logit_grad(self, g: &Tensor) -> CResult<Tensor> {
-        let dz = match self.probs {
-            Probs::F32(p) => grad_over(p, g, &self.targets, self.vocab)?,
-            Probs::F64(p) => grad_over(p, g, &self.targets, self.vocab)?,
+        let g = g.flatten_all()?.to_dtype(candle_core::DType::F64)?;
+        let g = g.to_device(&Device::Cpu)?.to_vec1::<f64>()?;
+        if g.len() != self.targets.len() {
+            candle_core::bail!(
+                "head softmax: {} gradients for {} rows",
+                g.len(),
+                self.targets.len()
+            );
+        }
+        match self.exps.dtype() {
+            candle_core::DType::F32 => self.grad_in_place::<f32>(&g)?,
+            _ => self.grad_in_place::<f64>(&g)?,
         };
-        dz.to_device(&self.device)
+        Ok(self.exps)
     }
-}
 
-/// [`into_grad`] of `p` with `g` read in `p`'s dtype, as a `[n, V]` tensor.
-fn grad_over<T: WithDType + Float + std::ops::AddAssign + std::ops::MulAssign>(
-    p: Vec<T>,
-    g: &Tensor,
-    targets: &[u32],
-    vocab: usize,
-) -> CResult<Tensor> {
-    let g = g
-        .flatten_all()?
-        .to_dtype(T::DTYPE)?
-        .to_device(&Device::Cpu)?
-        .to_vec1::<T>()?;
-    let shape = (targets.len(), vocab);
-    Tensor::from_vec(into_grad(p, &g, targets, vocab), shape, &Device::Cpu)
-}
-
-/// `p·(−g)` per row, then `+ g` at the row's target, in place.
-fn into_grad<T: WithDType + Float + std::ops::AddAssign + std::ops::MulAssign>(
-    mut p: Vec<T>,
-    g: &[T],
-    targets: &[u32],
-    vocab: usize,
-) -> Vec<T> {
-    p.par_chunks_mut(vocab.max(1))
-        .enumerate()
-        .for_each(|(r, row)| {
-            let minus_g = -g[r];
-            for x in row.iter_mut() {
-                *x *= minus_g;
-            }
-            row[targets[r] as usize] += g[r];
-        });
-    p
+    /// `p·(−g)` per row, then `+ g` at the row's target, in place.
+    fn grad_in_place<T: WithDType + Float + std::ops::AddAssign>(&self, g: &[f64]) -> CResult<()> {
+        let vocab = self.exps.dims2()?.1.max(1);
+        with_rows::<T, _>(&self.exps, |p| {
+            p.par_chunks_mut(vocab)
+                .zip(g.par_iter())
+                .zip(self.inv_sums.par_iter().zip(self.targets.par_iter()))
+                .for_each(|((row, &g), (&inv, &target))| {
+                    let (g, inv) = (T::from_f64(g), T::from_f64(inv));
+                    let minus_g = -g;
+                    for x in row.iter_mut() {
+                        *x = *x * inv * minus_g;
+                    }
+                    row[target as usize] += g;
+                });
+            Ok(())
+        })?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]

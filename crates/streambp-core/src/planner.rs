@@ -16,12 +16,13 @@
 //!
 //! The copy counts are fitted to peaks measured with the counting allocator (CPU, candle 0.11,
 //! `streambp-bench` on the bench's small model config in f32 at T = 1024/2048, chunk 128/256, logits
-//! chunk 100/400, the attention count refitted at T = 4096 after the attention became one op; the head
+//! chunk 100/400, the host head's logits count refitted once its softmax ran in place, the attention count refitted at T = 4096 after the attention became one op; the head
 //! and embedding phases refitted per phase on it and on `tests/planner.rs`'s model, f32 and bf16, at
 //! T = 1024..4096; the layer phase refitted on both once the mask and the earlier keys' gradients stopped
 //! taking `c × T` and `T × kv` copies, so as never to under-estimate by more than 5%): a chunk's
 //! attention holds about 4.1 f32 copies of its `heads × c × key block` scores at once (inside the attention op's backward; none stay in the graph; on the host two per running task of its kernel), a logits chunk 4 f32 copies
-//! of `c × V` (4 more in the model dtype for half precision). `tests/planner.rs` checks the model against measured peaks; the bench prints
+//! of `c × V` (on the host 2 in f32/f64, 1 in half precision; 4 more in the model dtype for half
+//! precision). `tests/planner.rs` checks the model against measured peaks; the bench prints
 //! its error next to every measured stream peak, and `--predict` prints its estimate for shapes too
 //! large to run here.
 
@@ -188,11 +189,16 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let checkpoints = |n: u64| if p.offloaded { hidden } else { n * hidden };
 
     let lc = (chunks.logits_chunk as u64).min(t);
-    // The scores in the compute dtype, their softmax, its VJP and the target scatter (on the host:
-    // the scores, and the probabilities turned into the VJP in place); half precision adds the raw
-    // logits, the rounded VJP and temporaries (fitted).
+    // The scores in the compute dtype, their softmax, its VJP and the target scatter; on the host the
+    // scores, which their softmax and its VJP overwrite, and in f32/f64 gemm's packed copy of the VJP
+    // while its product adds into the head's gradient; half precision adds the raw logits, the
+    // rounded VJP and temporaries (fitted).
     let half_logits = if half { 4 * e } else { 0 };
-    let buffers = if p.host { 2 } else { 4 };
+    let buffers = match (p.host, half) {
+        (true, false) => 2,
+        (true, true) => 1,
+        (false, _) => 4,
+    };
     let logits = b * lc * vocab * (buffers * f32b.max(e) + half_logits);
     // Each chunk's share of the head weight's gradient: added into the accumulator by the product
     // itself on the host in f32/f64, a `[V, d]` buffer elsewhere.

@@ -19,7 +19,7 @@
 use num_traits::Float;
 use rayon::prelude::*;
 
-use crate::cpu::{row_max, row_sum, BulkExp};
+use crate::cpu::{row_max, BulkExp};
 use candle_core::WithDType;
 
 type CResult<T> = candle_core::Result<T>;
@@ -234,11 +234,7 @@ fn forward_tile<T: WithDType + BulkExp>(
         for (j, row) in s.chunks_exact_mut(n).enumerate() {
             let before = max[j];
             let m = row_max(row, before);
-            for x in row.iter_mut() {
-                *x -= m;
-            }
-            T::exp_in_place(row);
-            let total = row_sum(row);
+            let total = T::exp_shifted_sum(row, m);
             // exp(−∞) = 0 at the first block: nothing before to rescale.
             let rescale = (before - m).exp();
             sum[j] = sum[j] * rescale + total;

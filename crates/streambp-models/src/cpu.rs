@@ -229,6 +229,10 @@ pub trait BulkExp:
 {
     /// `x ← exp(x)` for every element.
     fn exp_in_place(xs: &mut [Self]);
+
+    /// `x ← exp(x − shift)` for every element, returning their sum (added as [`row_sum`] adds): a
+    /// softmax row's exponentials and normalizer in one pass over it instead of three.
+    fn exp_shifted_sum(xs: &mut [Self], shift: Self) -> Self;
 }
 
 impl BulkExp for f64 {
@@ -237,6 +241,36 @@ impl BulkExp for f64 {
             *x = x.exp();
         }
     }
+
+    fn exp_shifted_sum(xs: &mut [f64], shift: f64) -> f64 {
+        exp_shifted_sum_by(xs, shift, f64::exp)
+    }
+}
+
+/// [`BulkExp::exp_shifted_sum`] with the exponential `exp`, the sum in [`row_sum`]'s lanes and order.
+/// A block of the row is exponentiated in one loop (which vectorizes) and then added into the lanes
+/// while it is in the L1 cache.
+#[inline(always)]
+fn exp_shifted_sum_by<T: Float>(xs: &mut [T], shift: T, exp: impl Fn(T) -> T) -> T {
+    const BLOCK: usize = 16 * LANES;
+    let mut lanes = [T::zero(); LANES];
+    let (body, rest) = xs.split_at_mut(xs.len() / LANES * LANES);
+    for block in body.chunks_mut(BLOCK) {
+        for x in block.iter_mut() {
+            *x = exp(*x - shift);
+        }
+        for chunk in block.chunks_exact(LANES) {
+            for (s, &x) in lanes.iter_mut().zip(chunk) {
+                *s = *s + x;
+            }
+        }
+    }
+    let mut sum = lanes.iter().fold(T::zero(), |s, &x| s + x);
+    for x in rest {
+        *x = exp(*x - shift);
+        sum = sum + *x;
+    }
+    sum
 }
 
 impl BulkExp for f32 {
@@ -251,6 +285,16 @@ impl BulkExp for f32 {
             *x = exp_f32(*x);
         }
     }
+
+    fn exp_shifted_sum(xs: &mut [f32], shift: f32) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: AVX2 and FMA were just detected.
+            return unsafe { exp_shifted_sum_fused(xs, shift) };
+        }
+        exp_shifted_sum_by(xs, shift, exp_f32)
+    }
 }
 
 /// [`exp_f32_fused`] over a slice, compiled for AVX2 + FMA: 8 lanes, about half the instructions of
@@ -262,6 +306,13 @@ unsafe fn exp_f32_slice_fused(xs: &mut [f32]) {
     for x in xs {
         *x = exp_f32_fused(*x);
     }
+}
+
+/// [`BulkExp::exp_shifted_sum`] with [`exp_f32_fused`], compiled for AVX2 + FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_shifted_sum_fused(xs: &mut [f32], shift: f32) -> f32 {
+    exp_shifted_sum_by(xs, shift, exp_f32_fused)
 }
 
 /// `eˣ` in f32 within 2 ulp (Cephes' `expf`: `x = n·ln2 + r` with `ln 2` split in two, a degree-7
@@ -365,6 +416,27 @@ mod tests {
             assert_eq!(exp(f32::NEG_INFINITY), 0.0, "{name}");
             assert_eq!(exp(100.0), f32::INFINITY, "{name}");
             assert!(exp(f32::NAN).is_nan(), "{name}");
+        }
+    }
+
+    /// The one-pass shifted exponentials and their sum equal the three passes they replace
+    /// (subtract, exponentiate, [`row_sum`]), bit for bit, in f32 and f64, rows of 0..20 elements.
+    #[test]
+    fn shifted_exponentials_and_sum_equal_the_separate_passes() {
+        fn check<T: BulkExp + std::fmt::Debug>(values: &[T], shift: T) {
+            let mut want = values.to_vec();
+            want.iter_mut().for_each(|x| *x -= shift);
+            T::exp_in_place(&mut want);
+            let mut got = values.to_vec();
+            let sum = T::exp_shifted_sum(&mut got, shift);
+            assert_eq!(got, want);
+            assert_eq!(sum, row_sum(&want));
+        }
+        for n in 0..20 {
+            let row: Vec<f64> = (0..n).map(|i| (i as f64 * 0.77).sin() * 9.0).collect();
+            check(&row, 3.25);
+            let row32: Vec<f32> = row.iter().map(|&x| x as f32).collect();
+            check(&row32, 3.25);
         }
     }
 }
