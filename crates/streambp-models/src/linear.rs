@@ -57,6 +57,14 @@ impl Linear {
                 "a linear layer needs at least a 1-d input".into(),
             ));
         };
+        if self.lora.is_none() && !self.frozen {
+            // Any leading dimensions: no reshape nodes in the graph (see `op::trained_linear`).
+            let y = crate::op::trained_linear(x, &self.weight, self.grad_into.as_ref())?;
+            return Ok(match &self.bias {
+                Some(b) => y.broadcast_add(b)?,
+                None => y,
+            });
+        }
         let rows: usize = lead.iter().product();
         let x2 = x.reshape((rows, *inner))?;
         let y = match (&self.lora, self.frozen) {
@@ -65,14 +73,7 @@ impl Linear {
                 let base = (&self.weight, self.bias.as_ref());
                 adapter.forward(&x2, base, batch_rows, start, dropout)?
             }
-            (None, true) => crate::op::frozen_linear(&x2, &self.weight, self.bias.as_ref())?,
-            (None, false) => {
-                let y = crate::op::trained_linear(&x2, &self.weight, self.grad_into.as_ref())?;
-                match &self.bias {
-                    Some(b) => y.broadcast_add(b)?,
-                    None => y,
-                }
-            }
+            (None, _) => crate::op::frozen_linear(&x2, &self.weight, self.bias.as_ref())?,
         };
         let mut out_shape = lead.to_vec();
         out_shape.push(self.weight.dim(0)?);

@@ -162,21 +162,27 @@ impl candle_core::CustomOp2 for TrainedLinear {
         _out: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let grad_x = grad.matmul(&weight.detach())?;
-        let (grad_t, x) = (grad.t()?, x.detach());
+        // `x` and `grad` as `[n, in]` and `[n, out]` (the op takes any leading dimensions).
+        let rows = |t: &Tensor| -> CResult<Tensor> {
+            let inner = t.dim(candle_core::D::Minus1)?;
+            t.reshape((t.elem_count() / inner.max(1), inner))
+        };
+        let (grad2, x2) = (rows(grad)?, rows(&x.detach())?);
+        let grad_x = grad2.matmul(&weight.detach())?.reshape(x.shape())?;
+        let grad_t = grad2.t()?;
         let grad_w = match &self.grad_into {
-            Some(acc) if accumulate::add_product(acc, &grad_t, &x)? => None,
-            _ => Some(grad_t.matmul(&x)?),
+            Some(acc) if accumulate::add_product(acc, &grad_t, &x2)? => None,
+            _ => Some(grad_t.matmul(&x2)?),
         };
         Ok((Some(grad_x), grad_w))
     }
 }
 
 /// Whether [`host_product`] computes `x Wᵀ`: both on the CPU in the same f32/f64, `x` contiguous
-/// `[n, in]`, `W` `[out, in]`, no size zero.
+/// `[.., in]` (rank 2 or more), `W` `[out, in]`, no size zero.
 fn on_host(x: &Tensor, weight: &Tensor) -> bool {
     let sizes = match (x.dims(), weight.dims()) {
-        (&[n, k], &[out, k2]) => k == k2 && n * k * out > 0,
+        (&[_, .., k], &[out, k2]) => k == k2 && x.elem_count() * out > 0,
         _ => false,
     };
     fusable(x)
@@ -186,13 +192,17 @@ fn on_host(x: &Tensor, weight: &Tensor) -> bool {
         && sizes
 }
 
-/// `x Wᵀ` for contiguous `x` `[n, in]` and `W` `[out, in]` (any strides) by one gemm (the kernel
-/// candle's products run) writing every element of an output that is never zero-filled.
+/// `x Wᵀ` for contiguous `x` `[.., in]` and `W` `[out, in]` (any strides) by one gemm (the kernel
+/// candle's products run) writing every element of an output (`[.., out]`) that is never
+/// zero-filled.
 fn host_product<T: candle_core::WithDType>(
     (x, xl): (&[T], &Layout),
     (w, wl): (&[T], &Layout),
 ) -> CResult<(Vec<T>, Shape)> {
-    let ((n, k), (out, k2)) = (xl.shape().dims2()?, wl.shape().dims2()?);
+    let Some((&k, lead)) = xl.dims().split_last() else {
+        candle_core::bail!("linear: a scalar input");
+    };
+    let (n, (out, k2)) = (lead.iter().product::<usize>(), wl.shape().dims2()?);
     let (ws0, ws1) = (wl.stride()[0], wl.stride()[1]);
     let x = x.get(xl.start_offset()..xl.start_offset() + n * k);
     let w = w.get(wl.start_offset()..);
@@ -233,31 +243,55 @@ fn host_product<T: candle_core::WithDType>(
         );
         dst.set_len(n * out);
     }
-    Ok((dst, Shape::from((n, out))))
+    Ok((dst, Shape::from([lead, &[out]].concat())))
 }
 
-/// `x Wᵀ` for `x` `[n, in]` and a trained `weight` `[out, in]`, differentiable in both (see
+/// `x Wᵀ` for `x` `[.., in]` and a trained `weight` `[out, in]`, differentiable in both (see
 /// [`TrainedLinear`]); with `grad_into`, the weight's gradient is added there (where that can be done
 /// in place) rather than handed to autograd. Untracked operands take the plain product.
+///
+/// On the host the op takes `x` with its leading dimensions: reshaping it to `[n, in]` and the
+/// result back would put two more nodes in the graph, each a zero-filled buffer and a sum in the
+/// backward.
 pub(crate) fn trained_linear(
     x: &Tensor,
     weight: &Tensor,
     grad_into: Option<&Tensor>,
 ) -> CResult<Tensor> {
     let tracked = x.track_op() || weight.track_op();
-    let op = |out| TrainedLinear {
-        out,
-        grad_into: grad_into.cloned(),
-    };
-    match (on_host(x, weight), tracked) {
-        (true, true) => x.apply_op2(weight, op(None)),
-        (true, false) => x.apply_op2_no_bwd(weight, &op(None)),
-        (false, true) => {
-            let out = x.detach().matmul(&weight.detach().t()?)?;
-            x.apply_op2(weight, op(Some(Precomputed::new(out))))
+    // The op on `x` as it is (any leading dimensions), where its product runs on the host.
+    let on_host_op = |x: &Tensor| {
+        let op = TrainedLinear {
+            out: None,
+            grad_into: grad_into.cloned(),
+        };
+        match tracked {
+            true => x.apply_op2(weight, op),
+            false => x.apply_op2_no_bwd(weight, &op),
         }
-        (false, false) => x.matmul(&weight.t()?),
+    };
+    if on_host(x, weight) {
+        return on_host_op(x);
     }
+    let Some((&inner, lead)) = x.dims().split_last() else {
+        candle_core::bail!("linear: a scalar input");
+    };
+    let mut out_shape = lead.to_vec();
+    out_shape.push(weight.dim(0)?);
+    let x2 = x.reshape((x.elem_count() / inner.max(1), inner))?;
+    let y = match (on_host(&x2, weight), tracked) {
+        (true, _) => on_host_op(&x2)?,
+        (false, true) => {
+            let out = x2.detach().matmul(&weight.detach().t()?)?;
+            let op = TrainedLinear {
+                out: Some(Precomputed::new(out)),
+                grad_into: grad_into.cloned(),
+            };
+            x2.apply_op2(weight, op)?
+        }
+        (false, false) => x2.matmul(&weight.t()?)?,
+    };
+    y.reshape(out_shape)
 }
 
 /// `x Wᵀ + b + s·(u Bᵀ)` with `W`, `b` frozen and `u = dropout(x) Aᵀ` the adapter's down-projection:
