@@ -27,6 +27,7 @@ use streambp_objectives::Objective;
 
 use crate::error::{EngineError, Result};
 use crate::memory::PhaseLog;
+use crate::seed::seed;
 use crate::workers::on_workers;
 
 /// How the backward is computed.
@@ -518,7 +519,7 @@ fn head_backward(
             let h = h.detach().reshape((b * c, d))?;
             sink.add_product(name, &out.grad_logits.t()?, &h)?;
         }
-        let store = (h * out.grad_hidden)?.sum_all()?.backward()?;
+        let store = seed(&h, &out.grad_hidden)?.backward()?;
         grad_last.slice_set(
             &required(&store, x.as_tensor(), "last hidden state")?,
             1,
@@ -677,9 +678,9 @@ fn layer_backward_streamed(
         };
         let attn = layer.attend(&q, &k_own, &v_own, block)?;
         let y = layer.after_attention(x_c.as_tensor(), &attn, s, layout)?;
-        let surrogate = ((y * grad_out.narrow(1, s, len)?)?.sum_all()?
-            + (k_own * grad_keys.narrow(2, s, len)?)?.sum_all()?
-            + (v_own * grad_values.narrow(2, s, len)?)?.sum_all()?)?;
+        let surrogate = (seed(&y, &grad_out.narrow(1, s, len)?)?
+            + seed(&k_own, &grad_keys.narrow(2, s, len)?)?
+            + seed(&v_own, &grad_values.narrow(2, s, len)?)?)?;
         let store = surrogate.backward()?;
         grad_in.slice_set(&required(&store, x_c.as_tensor(), "layer input")?, 1, s)?;
         sink.absorb(&store, model.layer_parameters(index).iter())?;
@@ -699,7 +700,7 @@ fn layer_backward_whole(
 ) -> Result<Tensor> {
     let x = Var::from_tensor(x)?;
     let y = layer.forward(x.as_tensor(), layout)?;
-    let store = (y * grad_out)?.sum_all()?.backward()?;
+    let store = seed(&y, grad_out)?.backward()?;
     let grad_in = required(&store, x.as_tensor(), "layer input")?;
     sink.absorb(&store, model.layer_parameters(index).iter())?;
     Ok(grad_in)

@@ -35,6 +35,7 @@ pub mod error;
 mod head_softmax;
 pub mod memory;
 pub mod planner;
+mod seed;
 pub mod workers;
 
 pub use engine::{

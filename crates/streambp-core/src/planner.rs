@@ -210,7 +210,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let key_block = streambp_models::attention::KEY_BLOCK as u64;
     let kv_state = 4 * b * t * kv * e;
     let grads_io = 2 * hidden;
-    let chunk_acts = b * c * (14 * d + 7 * q + 7 * kv + 10 * ffn) * e;
+    let chunk_acts = b * c * (6 * d + 7 * q + 3 * kv + 10 * ffn) * e;
     // The attention op keeps no score-sized tensor in the graph. Its backward holds about four at
     // once for the chunk that scores the most keys; on the host in f32/f64, where its kernel runs
     // each (row, key/value head, key block) as a task, each running task holds two (the block's
