@@ -567,9 +567,8 @@ fn head_chunk(
     } else {
         DType::F32
     };
-    let z = detached
-        .soft_cap(&h2.matmul(&weight.t()?)?)?
-        .to_dtype(compute)?;
+    // The model's own head product (on the host one gemm into a buffer that is never zero-filled).
+    let z = detached.logits(&h2)?.to_dtype(compute)?;
     let idx = targets.reshape((n, 1))?.contiguous()?;
     // Before the softmax, which on the host writes its exponentials over `z`.
     let slope = detached.soft_cap_slope(&z)?;
