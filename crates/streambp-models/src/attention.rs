@@ -9,7 +9,8 @@
 //! ([`crate::attention_kernel`]), the tensor-op path staying CUDA's and half precision's.
 //!
 //! Shapes (GQA without repeating K/V): q `[b, kv_heads, group·c, hd]` (already scaled), k and v
-//! `[b, kv_heads, t, hd]`, output like q. A streamed chunk's earlier keys come as [`EarlierKeys`]:
+//! `[b, kv_heads, t, hd]`, output like q ([`attention_over_heads`] takes and gives the layer's
+//! layouts instead, regrouping inside the op). A streamed chunk's earlier keys come as [`EarlierKeys`]:
 //! read in place and their gradients added in place, so the graph holds no copy of them. Which keys
 //! each query may read comes from a [`KeyMask`] one key block at a time, so not even the mask is ever
 //! `c × t`.
@@ -507,6 +508,47 @@ struct Attention {
     normalizer: Normalizer,
     /// The forward's result, computed before the op is recorded; the op's forward only hands it over.
     out: Precomputed,
+    /// Where the op takes and gives heads in the layer's layout ([`attention_over_heads`]).
+    heads: Option<HeadsLayout>,
+}
+
+/// The op recorded over the layer's layout: q `[b, heads, c, hd]` unscaled, output
+/// `[b, c, heads·hd]`; the inner layout (q `[b, kv_heads, group·c, hd]` scaled, output like it) is
+/// formed inside the op, so none of its reshapes, transposes and the scaling is a graph node (each
+/// would be a zero-filled buffer and a sum in candle's backward).
+struct HeadsLayout {
+    scale: f64,
+    /// The forward's output in the inner layout, for the backward.
+    inner_out: Tensor,
+}
+
+impl HeadsLayout {
+    /// q `[b, heads, c, hd]` as the inner layout's scaled `[b, kv_heads, group·c, hd]`.
+    fn inner_q(q: &Tensor, kv_heads: usize, scale: f64) -> CResult<Tensor> {
+        let (b, heads, c, hd) = q.dims4()?;
+        q.contiguous()?
+            .reshape((b, kv_heads, heads / kv_heads.max(1) * c, hd))?
+            .affine(scale, 0.0)
+    }
+
+    /// An output or its gradient `[b, kv_heads, group·c, hd]` as `[b, c, heads·hd]`.
+    fn outer(x: &Tensor, heads: usize) -> CResult<Tensor> {
+        let (b, kv_heads, rows, hd) = x.dims4()?;
+        let c = kv_heads * rows / heads.max(1);
+        x.reshape((b, heads, c, hd))?
+            .transpose(1, 2)?
+            .reshape((b, c, heads * hd))
+    }
+
+    /// The gradient of the output `[b, c, heads·hd]` in the inner layout.
+    fn inner_grad(grad: &Tensor, kv_heads: usize, hd: usize) -> CResult<Tensor> {
+        let (b, c, width) = grad.dims3()?;
+        let heads = width / hd.max(1);
+        grad.reshape((b, c, heads, hd))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((b, kv_heads, heads / kv_heads.max(1) * c, hd))
+    }
 }
 
 impl CustomOp3 for Attention {
@@ -550,18 +592,43 @@ impl CustomOp3 for Attention {
         out: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (k, v) = (k.detach(), v.detach());
+        let (dq, dk, dv) = match &self.heads {
+            None => self.inner_bwd(&q.detach(), &k, &v, &out.detach(), &grad.detach())?,
+            Some(h) => {
+                let (kv_heads, hd) = (k.dim(1)?, k.dim(3)?);
+                let inner_q = HeadsLayout::inner_q(&q.detach(), kv_heads, h.scale)?;
+                let inner_grad = HeadsLayout::inner_grad(&grad.detach(), kv_heads, hd)?;
+                let (dq, dk, dv) = self.inner_bwd(&inner_q, &k, &v, &h.inner_out, &inner_grad)?;
+                let dq = dq.reshape(q.dims())?.affine(h.scale, 0.0)?;
+                (dq, dk, dv)
+            }
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+impl Attention {
+    /// The backward in the inner layout (see [`HeadsLayout`]): the gradients of q, k and v.
+    fn inner_bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Tensor, Tensor, Tensor)> {
         let b = &self.blocks;
-        let (q, k, v, grad) = (q.detach(), k.detach(), v.detach(), grad.detach());
+        let (q, k, v, grad) = (q.clone(), k.clone(), v.clone(), grad.clone());
         if b.kernel_applies(&q, &k, &v)? {
-            let parts = ((&q, &k, &v), (&out.detach(), &self.normalizer), &grad);
-            let (dq, dk, dv) = match q.dtype() {
-                DType::F32 => b.kernel_backward::<f32>(parts.0, parts.1, parts.2)?,
-                _ => b.kernel_backward::<f64>(parts.0, parts.1, parts.2)?,
+            let parts = ((&q, &k, &v), (out, &self.normalizer), &grad);
+            return match q.dtype() {
+                DType::F32 => b.kernel_backward::<f32>(parts.0, parts.1, parts.2),
+                _ => b.kernel_backward::<f64>(parts.0, parts.1, parts.2),
             };
-            return Ok((Some(dq), Some(dk), Some(dv)));
         }
         let dtype = q.dtype();
-        let dot = (b.grouped(&grad)? * b.grouped(&out.detach())?)?.sum_keepdim(D::Minus1)?;
+        let dot = (b.grouped(&grad)? * b.grouped(out)?)?.sum_keepdim(D::Minus1)?;
         let mut grad_q: Option<Tensor> = None;
         let (own_grad_k, own_grad_v) = (k.zeros_like()?, v.zeros_like()?);
         for r in b.ranges(k.dim(2)?)? {
@@ -607,7 +674,7 @@ impl CustomOp3 for Attention {
         let grad_q = grad_q
             .ok_or_else(|| candle_core::Error::Msg("no keys".into()))?
             .to_dtype(dtype)?;
-        Ok((Some(grad_q), Some(own_grad_k), Some(own_grad_v)))
+        Ok((grad_q, own_grad_k, own_grad_v))
     }
 }
 
@@ -657,6 +724,50 @@ pub fn attention(
         blocks,
         normalizer,
         out: Precomputed::new(out),
+        heads: None,
+    };
+    Ok(q.apply_op3(k, v, op)?)
+}
+
+/// [`attention`] over the layer's layout: q `[b, heads, c, hd]` before the `scale` on q·k, the
+/// output `[b, c, heads·hd]` (the query heads side by side, as the output projection reads them).
+/// The same arithmetic; the regrouping and the scaling happen inside the op ([`HeadsLayout`]).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_over_heads(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    earlier: Option<EarlierKeys>,
+    mask: impl KeyMask + 'static,
+    compute: DType,
+    key_block: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    let (heads, kv_heads) = (q.dim(1)?, k.dim(1)?);
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(crate::error::ModelError::Input(format!(
+            "attention: {heads} query heads over {kv_heads} key/value heads"
+        )));
+    }
+    let earlier = earlier.map(|e| EarlierKeys {
+        keys: e.keys.detach(),
+        values: e.values.detach(),
+        ..e
+    });
+    let blocks = Blocks {
+        mask: Box::new(mask),
+        earlier,
+        group: heads / kv_heads,
+        compute,
+        key_block: key_block.max(1),
+    };
+    let inner_q = HeadsLayout::inner_q(&q.detach(), kv_heads, scale)?;
+    let (inner_out, normalizer) = blocks.forward(&inner_q, &k.detach(), &v.detach())?;
+    let op = Attention {
+        blocks,
+        normalizer,
+        out: Precomputed::new(HeadsLayout::outer(&inner_out, heads)?),
+        heads: Some(HeadsLayout { scale, inner_out }),
     };
     Ok(q.apply_op3(k, v, op)?)
 }

@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::attention::{attention, EarlierKeys, KeyMask, KEY_BLOCK};
+use crate::attention::{attention_over_heads, EarlierKeys, KeyMask, KEY_BLOCK};
 use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::error::Result;
 use crate::layout::Layout;
@@ -235,11 +235,6 @@ impl DecoderLayer {
     /// materialises repeated keys. Scores are softmaxed in f32 (f64 for f64 models) like transformers'
     /// eager attention.
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, keys: KeyBlock) -> Result<Tensor> {
-        let (b, heads, c, hd) = q.dims4()?;
-        let kv_heads = k.dim(1)?;
-        let group = heads / kv_heads;
-        // Scaling q (c × hd) rather than the scores (c × T) saves a score-sized copy.
-        let q = (q.contiguous()?.reshape((b, kv_heads, group * c, hd))? * self.shape.scale)?;
         let compute = if q.dtype() == DType::F64 {
             DType::F64
         } else {
@@ -247,25 +242,24 @@ impl DecoderLayer {
         };
         let mask = ChunkMask {
             q_start: keys.q_start,
-            queries: c,
+            queries: q.dim(2)?,
             k_start: keys.k_start,
             sliding_window: self.kind.sliding_window,
             layout: keys.layout.clone(),
             device: q.device().clone(),
         };
-        Ok(attention(
-            &q,
+        // Scaling q (c × hd) rather than the scores (c × T) saves a score-sized copy; the op does
+        // it, with the grouping of the query heads, inside.
+        attention_over_heads(
+            q,
             k,
             v,
             keys.earlier.cloned(),
             mask,
-            group,
             compute,
             KEY_BLOCK,
-        )?
-        .reshape((b, heads, c, hd))?
-        .transpose(1, 2)?
-        .reshape((b, c, heads * hd))?)
+            self.shape.scale,
+        )
     }
 
     /// Output projection of the attention core's result for tokens `start..`, with Gemma's
