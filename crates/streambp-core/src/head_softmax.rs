@@ -5,8 +5,9 @@
 //! (subtract, exponentiate), `−g·p` and the scatter of `g` onto the targets. Here
 //! [`log_softmax_rows`] makes one pass per row for its maximum and one for the exponentials and their
 //! sum, written over `z` itself, and [`HeadRows::logit_grad`] one more turning them into
-//! `dz = g·(onehot(target) − p)`, again in place: the chunk's only `[n, V]` buffer is `z`'s, and
-//! each exponential is computed once.
+//! `dz = g·(onehot(target) − p)`, again in place: in f32/f64 without a soft-cap the chunk's only
+//! `[n, V]` buffer is `z`'s (a soft-cap adds its slope and the scaled gradient; half precision the raw
+//! logits and the rounded gradient), and each exponential is computed once.
 //!
 //! The arithmetic follows the composed ops (`lse = log Σ exp(z − max) + max`, `dz = p·(−g)`, plus `g`
 //! at the target) but for `p`, `exp(z − max) / Σ` here and `exp(z − lse)` there: equal to rounding. CPU

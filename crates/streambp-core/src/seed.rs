@@ -5,7 +5,8 @@
 //! product and a sum over `y` in the forward, and in candle's backward the sum's gradient broadcast
 //! into a zero-filled buffer (a strided sum) and multiplied by `g`: passes over `y` that give back
 //! `g`. [`seed`] is the same term as one op: its forward computes nothing (its value, 0, is never
-//! read) and its backward hands `y` the gradient `g` itself.
+//! read) and its backward hands `y` the gradient `g` itself (which candle then adds into `y`'s own
+//! zero-filled slot, as for any node: that one sum stays).
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};

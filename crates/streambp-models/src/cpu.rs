@@ -222,8 +222,9 @@ pub fn tensor_from<T: WithDType>(data: Vec<T>, like: &Tensor) -> CResult<Tensor>
 }
 
 /// Float types whose exponentials the CPU passes take a row at a time: f64 through the standard
-/// library's `exp`; f32 through [`exp_f32`], a polynomial the compiler vectorizes (8 lanes with
-/// AVX2), where glibc's `expf` takes one element per call (it was 6-8% of a step's time).
+/// library's `exp`; f32 through a polynomial the compiler vectorizes ([`exp_f32_fused`] where the
+/// CPU has AVX2 and FMA, 8 lanes; [`exp_f32`] elsewhere), where glibc's `expf` takes one element per
+/// call (it was 6-8% of a step's time).
 pub trait BulkExp:
     Float + std::ops::AddAssign + std::ops::SubAssign + std::ops::MulAssign + std::ops::DivAssign
 {
