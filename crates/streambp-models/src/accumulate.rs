@@ -74,10 +74,34 @@ fn range(l: &Layout) -> CResult<std::ops::Range<usize>> {
     Ok(start..end)
 }
 
+/// An addition into an accumulator's elements from one operand, in either float type: the in-place
+/// ops below differ only in this.
+trait AddKernel {
+    fn add<T: WithDType + std::ops::AddAssign>(&self, acc: &mut [T], x: &[T]);
+}
+
+/// [`InplaceOp2::cpu_fwd`] of an [`AddKernel`] op: the accumulator's elements and the operand's data
+/// in their dtype.
+fn add_kernel_fwd(
+    op: &(impl AddKernel + InplaceOp2),
+    s1: &mut CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+) -> CResult<()> {
+    let r = range(l1)?;
+    match s1 {
+        CpuStorage::F32(acc) => op.add(&mut acc[r], input_data::<f32>(s2, l2)?),
+        CpuStorage::F64(acc) => op.add(&mut acc[r], input_data::<f64>(s2, l2)?),
+        _ => candle_core::bail!("{}: not f32 or f64", op.name()),
+    }
+    Ok(())
+}
+
 struct AddInto;
 
-impl AddInto {
-    fn add<T: WithDType + std::ops::AddAssign>(acc: &mut [T], x: &[T]) {
+impl AddKernel for AddInto {
+    fn add<T: WithDType + std::ops::AddAssign>(&self, acc: &mut [T], x: &[T]) {
         acc.par_chunks_mut(PER_TASK)
             .zip(x.par_chunks(PER_TASK))
             .for_each(|(acc, x)| {
@@ -100,13 +124,7 @@ impl InplaceOp2 for AddInto {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<()> {
-        let r = range(l1)?;
-        match s1 {
-            CpuStorage::F32(acc) => Self::add(&mut acc[r], input_data::<f32>(s2, l2)?),
-            CpuStorage::F64(acc) => Self::add(&mut acc[r], input_data::<f64>(s2, l2)?),
-            _ => candle_core::bail!("in-place sum: not f32 or f64"),
-        }
-        Ok(())
+        add_kernel_fwd(self, s1, l1, s2, l2)
     }
 }
 
@@ -114,7 +132,7 @@ struct AddRows {
     ids: Vec<i64>,
 }
 
-impl AddRows {
+impl AddKernel for AddRows {
     fn add<T: WithDType + std::ops::AddAssign>(&self, acc: &mut [T], rows: &[T]) {
         let d = rows.len() / self.ids.len().max(1);
         for (&id, row) in self.ids.iter().zip(rows.chunks_exact(d.max(1))) {
@@ -138,13 +156,7 @@ impl InplaceOp2 for AddRows {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<()> {
-        let r = range(l1)?;
-        match s1 {
-            CpuStorage::F32(acc) => self.add(&mut acc[r], input_data::<f32>(s2, l2)?),
-            CpuStorage::F64(acc) => self.add(&mut acc[r], input_data::<f64>(s2, l2)?),
-            _ => candle_core::bail!("in-place rows: not f32 or f64"),
-        }
-        Ok(())
+        add_kernel_fwd(self, s1, l1, s2, l2)
     }
 }
 

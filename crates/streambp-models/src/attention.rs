@@ -108,6 +108,28 @@ struct Blocks {
 }
 
 impl Blocks {
+    /// The blocks of one op, its earlier keys read as constants (detached).
+    fn new(
+        mask: impl KeyMask + 'static,
+        earlier: Option<EarlierKeys>,
+        group: usize,
+        compute: DType,
+        key_block: usize,
+    ) -> Self {
+        let earlier = earlier.map(|e| EarlierKeys {
+            keys: e.keys.detach(),
+            values: e.values.detach(),
+            ..e
+        });
+        Self {
+            mask: Box::new(mask),
+            earlier,
+            group,
+            compute,
+            key_block: key_block.max(1),
+        }
+    }
+
     /// The key blocks, in order: the earlier keys', then the op's own `own` keys'.
     fn ranges(&self, own: usize) -> CResult<Vec<KeyRange>> {
         let earlier = match &self.earlier {
@@ -619,21 +641,20 @@ impl Attention {
         grad: &Tensor,
     ) -> CResult<(Tensor, Tensor, Tensor)> {
         let b = &self.blocks;
-        let (q, k, v, grad) = (q.clone(), k.clone(), v.clone(), grad.clone());
-        if b.kernel_applies(&q, &k, &v)? {
-            let parts = ((&q, &k, &v), (out, &self.normalizer), &grad);
+        if b.kernel_applies(q, k, v)? {
+            let parts = ((q, k, v), (out, &self.normalizer), grad);
             return match q.dtype() {
                 DType::F32 => b.kernel_backward::<f32>(parts.0, parts.1, parts.2),
                 _ => b.kernel_backward::<f64>(parts.0, parts.1, parts.2),
             };
         }
         let dtype = q.dtype();
-        let dot = (b.grouped(&grad)? * b.grouped(out)?)?.sum_keepdim(D::Minus1)?;
+        let dot = (b.grouped(grad)? * b.grouped(out)?)?.sum_keepdim(D::Minus1)?;
         let mut grad_q: Option<Tensor> = None;
         let (own_grad_k, own_grad_v) = (k.zeros_like()?, v.zeros_like()?);
         for r in b.ranges(k.dim(2)?)? {
-            let (k_r, v_r) = b.keys_values(r, &k, &v)?;
-            let (s, mask) = b.scores(&q, &k_r, r)?;
+            let (k_r, v_r) = b.keys_values(r, k, v)?;
+            let (s, mask) = b.scores(q, &k_r, r)?;
             let grad_p = grad
                 .matmul(&v_r.t()?)?
                 .to_dtype(b.compute)?
@@ -654,7 +675,7 @@ impl Attention {
             // Each score-sized buffer is freed as soon as it is used: the scores and dP now, P after
             // its product.
             drop((s, mask, grad_p));
-            let grad_v_r = b.flat(&p, dtype)?.t()?.matmul(&grad)?;
+            let grad_v_r = b.flat(&p, dtype)?.t()?.matmul(grad)?;
             drop(p);
             let grad_s = b.flat(&grad_s, dtype)?;
             let dq = grad_s.matmul(&k_r)?.to_dtype(b.compute)?;
@@ -662,7 +683,7 @@ impl Attention {
                 Some(acc) => (acc + dq)?,
                 None => dq,
             });
-            let grad_k_r = grad_s.t()?.matmul(&q)?;
+            let grad_k_r = grad_s.t()?.matmul(q)?;
             // Each block's gradient goes straight where it belongs: no per-block list to concatenate.
             let (grad_keys, grad_values, at) = match (&b.earlier, r.earlier) {
                 (Some(e), true) => (&e.grad_keys, &e.grad_values, e.offset + r.start),
@@ -707,18 +728,7 @@ pub fn attention(
     compute: DType,
     key_block: usize,
 ) -> Result<Tensor> {
-    let earlier = earlier.map(|e| EarlierKeys {
-        keys: e.keys.detach(),
-        values: e.values.detach(),
-        ..e
-    });
-    let blocks = Blocks {
-        mask: Box::new(mask),
-        earlier,
-        group,
-        compute,
-        key_block: key_block.max(1),
-    };
+    let blocks = Blocks::new(mask, earlier, group, compute, key_block);
     let (out, normalizer) = blocks.forward(&q.detach(), &k.detach(), &v.detach())?;
     let op = Attention {
         blocks,
@@ -749,18 +759,7 @@ pub fn attention_over_heads(
             "attention: {heads} query heads over {kv_heads} key/value heads"
         )));
     }
-    let earlier = earlier.map(|e| EarlierKeys {
-        keys: e.keys.detach(),
-        values: e.values.detach(),
-        ..e
-    });
-    let blocks = Blocks {
-        mask: Box::new(mask),
-        earlier,
-        group: heads / kv_heads,
-        compute,
-        key_block: key_block.max(1),
-    };
+    let blocks = Blocks::new(mask, earlier, heads / kv_heads, compute, key_block);
     let inner_q = HeadsLayout::inner_q(&q.detach(), kv_heads, scale)?;
     let (inner_out, normalizer) = blocks.forward(&inner_q, &k.detach(), &v.detach())?;
     let op = Attention {
