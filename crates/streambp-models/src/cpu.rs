@@ -277,8 +277,7 @@ fn exp_shifted_sum_by<T: Float>(xs: &mut [T], shift: T, exp: impl Fn(T) -> T) ->
 impl BulkExp for f32 {
     fn exp_in_place(xs: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if fused_exp_runs() {
             // SAFETY: AVX2 and FMA were just detected.
             return unsafe { exp_f32_slice_fused(xs) };
         }
@@ -289,13 +288,18 @@ impl BulkExp for f32 {
 
     fn exp_shifted_sum(xs: &mut [f32], shift: f32) -> f32 {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if fused_exp_runs() {
             // SAFETY: AVX2 and FMA were just detected.
             return unsafe { exp_shifted_sum_fused(xs, shift) };
         }
         exp_shifted_sum_by(xs, shift, exp_f32)
     }
+}
+
+/// Whether the CPU has AVX2 and FMA, which the fused exponential's passes are compiled for.
+#[cfg(target_arch = "x86_64")]
+fn fused_exp_runs() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
 /// [`exp_f32_fused`] over a slice, compiled for AVX2 + FMA: 8 lanes, about half the instructions of
