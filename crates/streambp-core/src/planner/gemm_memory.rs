@@ -1,0 +1,131 @@
+//! The host memory of the `gemm` crate's matrix products, which candle's CPU products and the
+//! models' own host kernels run: derived from the blocking gemm itself derives on this CPU (its
+//! cache sizes, read by `gemm-common`, and the kernel it dispatches to for the CPU's vector width),
+//! not fitted on one machine.
+//!
+//! What gemm allocates (gemm-common 0.19, `gemm_basic_generic`):
+//! - once per thread that runs a product, never freed: a slab the size of one core's L2 cache, in
+//!   which it packs blocks of the left operand ([`thread_slabs`]);
+//! - per product, freed when it returns ([`workspace`]): the right operand packed `kc × nc` when it
+//!   is read along strided rows or is large, and the left one prepacked `kc × m` when it is short.
+//!   `nc` is bounded by the L3 cache (`~(assoc − 1)/assoc` of it), so on a CPU with a large L3 one
+//!   product can take tens of MiB (32 MiB on a Zen 4 EPYC with a 32 MiB L3).
+
+use gemm_common::cache::{kernel_params, KernelParams, CACHE_INFO};
+
+/// The shape of the register tile of the kernel gemm dispatches to for elements of `elem` bytes:
+/// `(mr, nr, lanes)` (rows, columns, elements per vector register), as gemm-f32/f64 0.19 define them.
+fn kernel(elem: usize) -> (usize, usize, usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // gemm's `x86-v4` feature (the workspace turns it on): 4 × 6 tiles of 512-bit vectors.
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            let lanes = 64 / elem;
+            return (4 * lanes, 6, lanes);
+        }
+        if std::arch::is_x86_feature_detected!("fma") {
+            let lanes = 32 / elem;
+            return (2 * lanes, 6, lanes);
+        }
+    }
+    // The scalar kernel (and, as an approximation, other architectures').
+    (2, 4, 1)
+}
+
+/// Bytes gemm keeps for good once threads have run products: one L2-sized slab per thread of the
+/// rayon pool (the engine runs every phase on it).
+pub(crate) fn thread_slabs() -> u64 {
+    (rayon::current_num_threads() * CACHE_INFO[1].cache_bytes) as u64
+}
+
+/// A product `C[m, n] = A[m, k] · B[k, n]` into a row-major `C`, as the planner sees it: whether `A`'s
+/// elements are adjacent along `k` and `B`'s along `n` (a row-major operand's are; a transposed
+/// view's are not).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Product {
+    m: usize,
+    n: usize,
+    k: usize,
+    a_rows_contiguous: bool,
+    b_rows_contiguous: bool,
+}
+
+impl Product {
+    /// `x · Wᵀ` for `x` `[rows, in]` and `W` `[out, in]` (a projection's forward, the logits).
+    pub(crate) fn by_transposed(rows: usize, out: usize, inner: usize) -> Self {
+        Self {
+            m: rows,
+            n: out,
+            k: inner,
+            a_rows_contiguous: true,
+            b_rows_contiguous: false,
+        }
+    }
+
+    /// `g · W` for `g` `[rows, out]` and `W` `[out, in]` (an input's gradient).
+    pub(crate) fn by_plain(rows: usize, inner: usize, out: usize) -> Self {
+        Self {
+            m: rows,
+            n: out,
+            k: inner,
+            a_rows_contiguous: true,
+            b_rows_contiguous: true,
+        }
+    }
+
+    /// `gᵀ · x` for `g` `[rows, out]`, `x` `[rows, in]` (a weight's gradient, `[out, in]`).
+    pub(crate) fn transposed_by(out: usize, inner: usize, rows: usize) -> Self {
+        Self {
+            m: out,
+            n: inner,
+            k: rows,
+            a_rows_contiguous: false,
+            b_rows_contiguous: true,
+        }
+    }
+}
+
+/// Bytes one product allocates while it runs, for elements of `elem` bytes, split over the threads
+/// (`parallel`) or not.
+pub(crate) fn workspace(p: Product, elem: usize, parallel: bool) -> u64 {
+    if p.m == 0 || p.n == 0 || p.k <= 2 {
+        return 0;
+    }
+    // gemm computes a row-major destination as its transpose, `Cᵀ = Bᵀ·Aᵀ`: its left operand is B
+    // (`n` rows), its right A; the right is "row-strided" unless A's elements are adjacent along k.
+    let (m, n, k) = (p.n, p.m, p.k);
+    let rhs_unit_rows = p.a_rows_contiguous;
+    let lhs_unit_rows = p.b_rows_contiguous;
+    if n <= 1 || m <= 1 {
+        return 0; // matrix-vector products
+    }
+    let (mr, nr, lanes) = kernel(elem);
+    let KernelParams { kc, mc, nc } = if m <= 64 && n <= 64 {
+        let kc = k.min(512);
+        let mc = (CACHE_INFO[1].cache_bytes / elem / kc) / mr * mr;
+        KernelParams {
+            kc,
+            mc,
+            nc: n.next_multiple_of(nr),
+        }
+    } else {
+        kernel_params(m, n, k, mr, nr, elem)
+    };
+    let nc = match (nc, parallel) {
+        (0, false) => 128 * nr,
+        (0, true) => n.next_multiple_of(nr),
+        (nc, _) => nc,
+    };
+    let rhs_threshold = gemm::get_rhs_packing_threshold();
+    let pack_rhs = (!rhs_unit_rows && m > 2 * mr) || (rhs_unit_rows && m > rhs_threshold * mr);
+    let prepack_lhs = m <= 2 * mc && (m % lanes != 0 || !lhs_unit_rows);
+    // Each part is aligned to gemm's 128-byte cache-line alignment.
+    let part = |elements: usize| (elements * elem + 128) as u64;
+    let rhs = if pack_rhs { part(kc * nc) } else { 0 };
+    let lhs = if prepack_lhs {
+        part(kc * m.next_multiple_of(mr))
+    } else {
+        0
+    };
+    rhs + lhs
+}

@@ -1,0 +1,431 @@
+//! The chunk planner: explicit chunk sizes, or the largest that fit a memory budget according to a
+//! cost model of the streamed backward's peak bytes.
+//!
+//! The model counts what `stream` holds in each of its phases (see `engine.rs`):
+//! - throughout: parameters, the rope tables (`2 × T × head_dim`), a few bytes per token (ids,
+//!   positions, targets, log-probs) and, on the host, gemm's per-thread packing slabs;
+//! - gradient accumulators as the backward makes them: the head's in the head, all of them once the
+//!   layers are done;
+//! - the layer checkpoints `[b, T, d]`: `L + 1` at the forward's end and in the head, `L` when the
+//!   layers' backward starts, one at a time when they are offloaded to the host;
+//! - in the forward: one layer's keys and values and a chunk's activations;
+//! - in the head, per logits chunk: its logits `lc × V` (on the host one buffer, which the softmax and
+//!   its VJP overwrite; four elsewhere; half precision more) and its `lc × d` rows (the hidden
+//!   state's copy, the final norm and its backward, the hidden state's gradient);
+//! - in a layer's backward: K, V and their pending gradients, the incoming and outgoing `[b, T, d]`
+//!   gradients, and one chunk's graph: its activations (`c × (d, q, kv, ffn)` several times) and its
+//!   attention scores against one block of keys (`heads × c × min(T, KEY_BLOCK)`, a few copies inside
+//!   the attention op's backward; on the host two per running task of its kernel);
+//! - in the embedding's backward: the incoming `[b, T, d]` gradient, and off the host (or in half
+//!   precision) copies of the table's gradient;
+//! - on the host, the largest packing workspace of the phase's matrix products, from the blocking
+//!   gemm derives on the running CPU ([`gemm_memory`]): this, and the slabs, are what differ
+//!   between CPUs (tens of MiB on a CPU with a large L3 cache, for products with a wide operand).
+//!
+//! The copy counts are fitted to peaks measured exactly with the counting allocator (CPU, candle 0.11)
+//! over the shapes of `tests/planner.rs` — vocabularies 16 to 256K, hidden sizes 64 to 8192, T up to
+//! 64K, batch 3, LoRA, f32, f64 and bf16 — on an AMD EPYC (Zen 4, AVX-512, 1 MiB L2 and 32 MiB L3 per
+//! core complex), with gemm's workspace derived, not fitted, so that they hold where gemm blocks
+//! differently. The test checks the model against measured peaks; the bench prints its error next to
+//! every measured stream peak, and `--predict` prints its estimate for shapes too large to run here.
+
+use candle_core::DType;
+use streambp_models::{LoraConfig, ModelConfig, Projection};
+
+mod gemm_memory;
+
+use gemm_memory::Product;
+
+use crate::engine::Chunks;
+use crate::error::{EngineError, Result};
+
+/// Shape of one backward problem.
+#[derive(Debug, Clone, Copy)]
+pub struct Problem<'a> {
+    /// The model's architecture (sizes, layer count, vocabulary).
+    pub config: &'a ModelConfig,
+    /// Rows in the batch.
+    pub batch: usize,
+    /// Tokens per row (`T`).
+    pub seq_len: usize,
+    /// The model's parameter and activation dtype.
+    pub dtype: DType,
+    /// The layer checkpoints live outside the memory being planned: offloaded to the host from an
+    /// accelerator (see [`crate::Options::offloads_from`]). The device then holds the last layer's output
+    /// during the head and one layer's input at a time during the layers.
+    pub offloaded: bool,
+    /// LoRA: only these adapters are trained (frozen base weights get no gradient, the head and the
+    /// embedding none either); `None`: every weight is.
+    pub lora: Option<&'a LoraConfig>,
+    /// The device is the host CPU, where the head's softmax runs as hand-written passes that hold
+    /// fewer logits-sized buffers than the tensor ops other devices run.
+    pub host: bool,
+}
+
+impl<'a> Problem<'a> {
+    /// The problem of a backward of `model` on a `[batch, seq_len]` batch with `options`.
+    pub fn of(
+        model: &'a streambp_models::Model,
+        batch: usize,
+        seq_len: usize,
+        options: crate::Options,
+    ) -> Self {
+        Self {
+            config: &model.config,
+            batch,
+            seq_len,
+            dtype: model.dtype(),
+            offloaded: options.offloads_from(model.device()),
+            lora: model.lora(),
+            host: model.device().is_cpu(),
+        }
+    }
+}
+
+/// How a run sets its chunk sizes: the same for every batch, or the largest a memory budget allows for
+/// each batch's shape. The trainer, the `grad` command and the bench all choose through this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkPolicy {
+    /// These chunk sizes for every batch.
+    Fixed(Chunks),
+    /// The largest chunks whose estimated peak fits this many bytes ([`plan_for_budget`]).
+    Budget(u64),
+}
+
+impl ChunkPolicy {
+    /// The chunks for `problem`.
+    pub fn chunks_for(&self, problem: Problem) -> Result<Chunks> {
+        match *self {
+            ChunkPolicy::Fixed(chunks) => Ok(chunks),
+            ChunkPolicy::Budget(budget) => plan_for_budget(problem, budget),
+        }
+    }
+}
+
+/// Estimated peak bytes of the phases of a streamed backward: what stays allocated throughout (weights
+/// and gradients) and each phase's own peak above it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Estimate {
+    /// Bytes held throughout: parameters, the rope tables and, on the host, gemm's per-thread packing
+    /// slabs.
+    pub resident: u64,
+    /// Peak bytes above `resident` during the forward that stores the checkpoints.
+    pub forward_phase: u64,
+    /// Peak bytes above `resident` during the LM head's backward.
+    pub head_phase: u64,
+    /// Peak bytes above `resident` during the layers' backward.
+    pub layer_phase: u64,
+    /// Peak bytes above `resident` during the embedding's backward.
+    pub embedding_phase: u64,
+}
+
+impl Estimate {
+    /// The estimated peak of the whole backward, in bytes: `resident` plus the largest phase.
+    pub fn peak(&self) -> u64 {
+        self.resident
+            + self
+                .forward_phase
+                .max(self.head_phase)
+                .max(self.layer_phase)
+                .max(self.embedding_phase)
+    }
+}
+
+/// The number of adapter values LoRA with `lora` adds to a model of `cfg`: `r · (in + out)` for every
+/// target projection of every layer.
+pub fn adapter_count(cfg: &ModelConfig, lora: &LoraConfig) -> u64 {
+    let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+    let (q, kv) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
+    let per_layer: usize = lora
+        .targets
+        .iter()
+        .map(|p| match p {
+            Projection::Q => d + q,
+            Projection::K | Projection::V => d + kv,
+            Projection::O => q + d,
+            Projection::Gate | Projection::Up | Projection::Down => d + f,
+        })
+        .sum();
+    (lora.r * per_layer * cfg.num_layers()) as u64
+}
+
+fn parameter_count(cfg: &ModelConfig) -> u64 {
+    cfg.parameter_shapes()
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>() as u64)
+        .sum()
+}
+
+/// The cost model of `stream` with the given chunk sizes.
+pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
+    let cfg = p.config;
+    let e = p.dtype.size_in_bytes() as u64;
+    let f32b = 4u64;
+    let (b, t) = (p.batch as u64, p.seq_len as u64);
+    let d = cfg.hidden_size as u64;
+    let q = (cfg.num_heads * cfg.head_dim) as u64;
+    let kv = (cfg.num_kv_heads * cfg.head_dim) as u64;
+    let ffn = cfg.intermediate_size as u64;
+    let heads = cfg.num_heads as u64;
+    let vocab = cfg.vocab_size as u64;
+    let layers = cfg.num_layers() as u64;
+    // Gradient accumulators are f32 for half-precision models, rounded to the model dtype once a
+    // layer is done: f32 only for the layer in flight and the embedding table.
+    let half = e < 4;
+    let grad_bytes = if half { f32b } else { e };
+    let params = parameter_count(cfg);
+    let in_flight = params.saturating_sub(vocab * d) / layers.max(1) + vocab * d;
+    // The rope tables (cos and sin for every position), built once per backward.
+    let rope = 2 * t * cfg.head_dim as u64 * e;
+    // On the host, gemm's per-thread packing slabs (kept for the process's life).
+    let slabs = if p.host {
+        gemm_memory::thread_slabs()
+    } else {
+        0
+    };
+    // Full fine-tuning: weights, and gradients made as the backward reaches them: the head's (the
+    // table's when tied) in the head, every one once the layers are done. LoRA: the frozen weights,
+    // and the adapters with their gradients (f32, or f64 for an f64 model); the head's and the
+    // table's gradients never exist.
+    let (weights, grads, head_grad, table_grad) = match p.lora {
+        None => (
+            params * e,
+            params * e + in_flight * (grad_bytes - e),
+            vocab * d * grad_bytes,
+            vocab * d * (e + grad_bytes),
+        ),
+        Some(lora) => {
+            let adapters = adapter_count(cfg, lora) * f32b.max(e);
+            (params * e + adapters, adapters, 0, 0)
+        }
+    };
+    // Per token: the batch's ids, positions, targets and log-probs (fitted: 48 bytes).
+    let tokens = p.batch as u64 * p.seq_len as u64 * 48;
+    let resident = weights + rope + slabs + tokens;
+
+    // `[b, T, d]` hidden states; the checkpoints on the device: `L + 1` in the forward's end and the
+    // head, `L` when the last layer's backward starts (one fewer per layer after it), one at a time
+    // when offloaded.
+    let hidden = b * t * d * e;
+    let checkpoints = |n: u64| if p.offloaded { hidden } else { n * hidden };
+    let (c, lc) = (
+        (chunks.chunk as u64).min(t),
+        (chunks.logits_chunk as u64).min(t),
+    );
+    let workspace = |products: &[Product], parallel: bool| -> u64 {
+        let elem = e.max(f32b) as usize; // the host runs half-precision products in f32
+        match p.host {
+            true => products
+                .iter()
+                .map(|&pr| gemm_memory::workspace(pr, elem, parallel))
+                .max()
+                .unwrap_or(0),
+            false => 0,
+        }
+    };
+    // The projections of a chunk of `rows` rows: forward, input gradient and (trained) weight
+    // gradient products, `(out, in)` each.
+    let projections = |rows: u64| -> Vec<Product> {
+        let trained = p.lora.is_none();
+        let rows = rows as usize;
+        [(q, d), (kv, d), (d, q), (ffn, d), (d, ffn)]
+            .into_iter()
+            .flat_map(|(out, inner)| {
+                let (out, inner) = (out as usize, inner as usize);
+                let mut products = vec![
+                    Product::by_transposed(rows, out, inner),
+                    Product::by_plain(rows, out, inner),
+                ];
+                if trained {
+                    products.push(Product::transposed_by(out, inner, rows));
+                }
+                products
+            })
+            .collect()
+    };
+
+    // A chunk's activations (`[c, d | q | kv | ffn]` several times; fitted, see the module docs): in
+    // a graph in the backward, passing through in the forward. Half precision on the host computes
+    // them in f32 (candle's products there convert their operands).
+    let half_host = half && p.host;
+    let act = if half_host { f32b } else { e };
+    let chunk_acts = b * c * (6 * d + 7 * q + 3 * kv + 6 * ffn) * act;
+    // (Half precision on the host: f32 copies of the operands as well, and of one hidden state.)
+    let forward_acts = b * c * (4 * d + 3 * q + 2 * kv + 4 * ffn) * act * (1 + half_host as u64)
+        + if half_host { hidden } else { 0 };
+    // The layer's keys and values of the whole sequence.
+    let keys_values = 2 * b * t * kv * e;
+
+    // The forward: the checkpoints, one layer's keys and values and a chunk's activations.
+    let forward_phase =
+        checkpoints(layers + 1) + keys_values + forward_acts + workspace(&projections(b * c), true);
+
+    // The head, per logits chunk of `b · lc` rows. The scores in the compute dtype, their softmax,
+    // its VJP and the target scatter; on the host the scores alone, which their softmax and its VJP
+    // overwrite; half precision adds the raw logits, the rounded VJP and temporaries (fitted).
+    let half_logits = match (half, p.host) {
+        (false, _) => 0,
+        (true, true) => 7 * e / 2,
+        (true, false) => 4 * e,
+    };
+    let buffers = if p.host { 1 } else { 4 };
+    let logits = b * lc * vocab * (buffers * f32b.max(e) + half_logits);
+    // The chunk's `[lc, d]` rows: its copy of the last hidden state, the final norm's output and
+    // what its backward keeps, the hidden state's gradient and the norm's VJP (fitted: 7 in f32/f64;
+    // half precision's products on the host also convert their operands to f32).
+    let head_rows = b * lc * d * if half { 14 * f32b } else { 7 * e };
+    // Each chunk's share of the head weight's gradient: added into the accumulator by the product
+    // itself on the host in f32/f64, a `[V, d]` buffer elsewhere.
+    let head_share = if p.host && !half { 0 } else { head_grad };
+    let rows = (b * lc) as usize;
+    let (v, dd) = (vocab as usize, d as usize);
+    let mut head_products = vec![
+        Product::by_transposed(rows, v, dd),
+        Product::by_plain(rows, v, dd),
+    ];
+    if head_grad > 0 {
+        head_products.push(Product::transposed_by(v, dd, rows));
+    }
+    // Each chunk's log-probs are a tensor of their own until they are joined (fitted: 320 bytes).
+    let parts = t.div_ceil(lc) * 320;
+    let head_phase = head_grad
+        + checkpoints(layers + 1)
+        + hidden
+        + parts
+        + logits
+        + head_rows
+        + head_share
+        + workspace(&head_products, true);
+
+    // The attention op scores a chunk against one block of keys at a time.
+    let key_block = streambp_models::attention::KEY_BLOCK as u64;
+    // K, V and their pending gradients, and (fitted, seen at T = 64K) one more `[T, kv]` state.
+    let kv_state = 5 * keys_values / 2;
+    let grads_io = 2 * hidden;
+    // The attention op keeps no score-sized tensor in the graph. Its backward holds about four at
+    // once for the chunk that scores the most keys; on the host in f32/f64, where its kernel runs
+    // each (row, key/value head, key block) as a task, each running task holds two (the block's
+    // probabilities and their gradient) for its head's group of query heads and its products'
+    // workspace...
+    let scores = if p.host && !half {
+        let blocks = t.div_ceil(key_block) + 1;
+        let items = b * cfg.num_kv_heads as u64;
+        let threads = rayon::current_num_threads() as u64;
+        let running = (items * blocks).min(threads);
+        let group = heads / (cfg.num_kv_heads as u64).max(1);
+        let (rows, n, hd) = (
+            (group * c) as usize,
+            key_block.min(t) as usize,
+            cfg.head_dim,
+        );
+        let task_products = [
+            Product::by_transposed(rows, n, hd),
+            Product::transposed_by(n, hd, rows),
+            Product::by_plain(rows, n, hd),
+        ];
+        let task = 2 * group * score_area(t, c, key_block) * e + workspace(&task_products, false);
+        // ... and the share of dQ of each block of a wave (as many blocks as keep the threads busy)
+        // until the wave is summed.
+        let wave = threads.div_ceil(items.max(1)).clamp(1, blocks);
+        let shares = b * heads * c * cfg.head_dim as u64 * wave * e;
+        running * task + shares
+    } else {
+        41 * b * heads * score_area(t, c, key_block) * f32b.max(e) / 10
+    };
+    let layer_phase = grads
+        + checkpoints(layers)
+        + kv_state
+        + grads_io
+        + chunk_acts
+        + scores
+        + workspace(&projections(b * c), true);
+
+    // The embedding's VJP (written out): the incoming `[b, T, d]` gradient; on the host in f32/f64
+    // its rows go into the table's accumulator in place; elsewhere its scaled rows and the table's
+    // gradient (model dtype; an f32 copy of it for half precision off the host, added in place on
+    // it) summed with the accumulated one. Under LoRA the gradient arrives and nothing is done with
+    // it.
+    // Gemma's embedding scale and a padding id each make one more copy of the rows.
+    let row_copies = cfg.embed_scale.is_some() as u64 + cfg.pad_token_id.is_some() as u64;
+    let embedding_phase = grads
+        + row_copies * hidden
+        + match (p.lora, p.host) {
+            (Some(_), _) => hidden,
+            (None, true) if half => hidden + table_grad,
+            (None, true) => hidden,
+            (None, false) if half => 2 * hidden + table_grad + vocab * d * f32b,
+            (None, false) => 2 * hidden + table_grad,
+        };
+    Estimate {
+        resident,
+        forward_phase,
+        head_phase,
+        layer_phase,
+        embedding_phase,
+    }
+}
+
+/// The largest `queries × keys in one block` over the query chunks of `c` in `t` tokens. A chunk
+/// starting at `s` reads its `s` earlier keys in blocks of `key_block` and its own keys as one more
+/// block, so its largest block is `max(min(s, key_block), len)`; the largest product is that of the
+/// last chunk or of the one before it (the last full one).
+fn score_area(t: u64, c: u64, key_block: u64) -> u64 {
+    let chunks = t.div_ceil(c);
+    let area = |start: u64, len: u64| len * start.min(key_block).max(len.min(key_block));
+    let last = area((chunks - 1) * c, t - (chunks - 1) * c);
+    match chunks > 1 {
+        true => last.max(area((chunks - 2) * c, c)),
+        false => last,
+    }
+}
+
+/// Share of the budget the chunks are planned for: the cost model's measured error is within about
+/// ±6% (docs/benchmarks.md), so planning for the whole budget would overshoot it about half the time.
+pub const BUDGET_MARGIN: f64 = 0.93;
+
+/// The largest chunk sizes (up to `T`) whose estimated peak fits in [`BUDGET_MARGIN`] of `budget` bytes.
+pub fn plan_for_budget(p: Problem, budget: u64) -> Result<Chunks> {
+    let budget_in = budget;
+    let budget = (budget as f64 * BUDGET_MARGIN) as u64;
+    let smallest = Chunks {
+        chunk: 1,
+        logits_chunk: 1,
+    };
+    let floor = estimate(p, smallest).peak();
+    if floor > budget {
+        return Err(EngineError::BudgetTooSmall {
+            budget: budget_in,
+            needed: (floor as f64 / BUDGET_MARGIN).ceil() as u64,
+        });
+    }
+    // Every phase depends on one of the two chunks at most (the forward's and the layers' on the
+    // layer chunk, the head's on the logits chunk) and grows with it, so each is searched on its own
+    // with the other at 1, and the pair's peak is the larger of the two found.
+    let largest = |f: &dyn Fn(usize) -> Chunks| {
+        let (mut lo, mut hi) = (1usize, p.seq_len.max(1));
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if estimate(p, f(mid)).peak() <= budget {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    };
+    let chunk = largest(&|c| Chunks {
+        chunk: c,
+        logits_chunk: 1,
+    });
+    let logits_chunk = largest(&|c| Chunks {
+        chunk: 1,
+        logits_chunk: c,
+    });
+    Ok(Chunks {
+        chunk,
+        logits_chunk,
+    })
+}
