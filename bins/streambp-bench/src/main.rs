@@ -4,6 +4,7 @@
 //!
 //! `cargo run --release -p streambp-bench -- --config benches/configs/qwen3-small.json --seq-lens 1024,2048`
 
+mod cpu;
 mod peer;
 mod world;
 
@@ -501,10 +502,11 @@ fn compare_with_peer(args: &Args, model: &Model, python: &std::path::Path) -> an
         },
     )?;
     let info = &runner.info;
+    let cpu = cpu::Cpu::this();
     let chunk = args.chunk.map_or("T/3".to_string(), |c| c.to_string());
     let heading = format!(
         "{}, {}, batch 1, SFT forward + backward; streambp chunk {chunk}, logits chunk {}; peer: torch {}, \
-         transformers {}, {} threads, {} attention; medians of {} alternated rounds, {} cores\n\n",
+         transformers {}, {} threads, {} attention; medians of {} alternated rounds\n\nCPU: {cpu}{}\n\n",
         args.config.display(),
         args.dtype,
         args.logits_chunk,
@@ -513,13 +515,18 @@ fn compare_with_peer(args: &Args, model: &Model, python: &std::path::Path) -> an
         info["threads"],
         info["attn"].as_str().unwrap_or("?"),
         args.repeats.max(3),
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        match (args.dtype.as_str(), cpu.has_bf16_arithmetic()) {
+            ("bf16", true) => ", with bf16 arithmetic",
+            ("bf16", false) => ", without bf16 arithmetic (both sides emulate it)",
+            _ => "",
+        },
     );
     let table = peer::table(&rows);
     println!();
     print!("{heading}{table}");
     if let Some(doc) = &args.peer_doc {
-        peer::write_into(doc, &format!("{heading}{table}"))?;
+        let key = format!("{} ({}), {}", cpu.model, cpu.flags.join(" "), args.dtype);
+        peer::write_into(doc, &key, &format!("{heading}{table}"))?;
     }
     Ok(())
 }
@@ -589,6 +596,9 @@ fn main() -> anyhow::Result<()> {
         args.device,
         args.logits_chunk
     );
+    if args.device == "cpu" {
+        println!("CPU: {}", cpu::Cpu::this());
+    }
     // Warm-up: first-touch costs (thread pools, page faults) out of the timings.
     let warm = Chunks {
         chunk: 64,

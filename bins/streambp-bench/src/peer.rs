@@ -185,15 +185,15 @@ pub fn table(rows: &[Row]) -> String {
     out
 }
 
-const BEGIN: &str = "<!-- peer-table:begin (written by streambp-bench --peer-doc) -->";
-const END: &str = "<!-- peer-table:end -->";
-
-/// Replaces the text between the markers in `doc` with `body` (appending the markers if absent).
-pub fn write_into(doc: &Path, body: &str) -> anyhow::Result<()> {
+/// Replaces the text between `key`'s markers in `doc` with `body` (appending the markers if
+/// absent): one table per key (the CPU and the dtype), so runs on other machines add theirs.
+pub fn write_into(doc: &Path, key: &str, body: &str) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(doc).unwrap_or_default();
-    let block = format!("{BEGIN}\n{body}{END}");
-    let new = match (text.find(BEGIN), text.find(END)) {
-        (Some(b), Some(e)) if b < e => format!("{}{block}{}", &text[..b], &text[e + END.len()..]),
+    let begin = format!("<!-- peer-table:begin {key} (written by streambp-bench --peer-doc) -->");
+    let end = format!("<!-- peer-table:end {key} -->");
+    let block = format!("{begin}\n{body}{end}");
+    let new = match (text.find(&begin), text.find(&end)) {
+        (Some(b), Some(e)) if b < e => format!("{}{block}{}", &text[..b], &text[e + end.len()..]),
         _ => format!("{text}\n{block}\n"),
     };
     std::fs::write(doc, new).with_context(|| format!("writing {}", doc.display()))
@@ -224,11 +224,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let doc = dir.path().join("b.md");
         std::fs::write(&doc, "# Bench\n\nbefore\n").unwrap();
-        write_into(&doc, "one\n").unwrap();
-        write_into(&doc, "two\n").unwrap();
+        write_into(&doc, "cpu A, f32", "one\n").unwrap();
+        write_into(&doc, "cpu B, f32", "other\n").unwrap();
+        write_into(&doc, "cpu A, f32", "two\n").unwrap();
         let text = std::fs::read_to_string(&doc).unwrap();
         assert!(text.starts_with("# Bench\n\nbefore\n"), "{text}");
         assert!(text.contains("two\n") && !text.contains("one\n"), "{text}");
-        assert_eq!(text.matches(BEGIN).count(), 1);
+        assert!(text.contains("other\n"), "{text}");
+        assert_eq!(text.matches("peer-table:begin cpu A, f32").count(), 1);
     }
 }
