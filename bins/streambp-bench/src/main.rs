@@ -334,7 +334,7 @@ fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
     let in_unit = |b: u64| b as f64 / scale;
     println!();
     println!("Cost-model estimate of stream's peak (not a measurement):");
-    println!("| T | chunk | logits chunk | weights + gradients ({unit}) | head phase | layer phase | embedding phase | peak ({unit}) |");
+    println!("| T | chunk | logits chunk | weights, rope, gemm slabs ({unit}) | head phase (with its gradients) | layer phase (with all gradients) | embedding phase | peak ({unit}) |");
     println!("|---|---|---|---|---|---|---|---|");
     for &t in &args.seq_lens {
         let p = problem(cfg, dtype, args, t, lora.as_ref());
