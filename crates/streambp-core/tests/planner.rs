@@ -149,6 +149,7 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
     );
     let (f32_, bf16, f64_) = (DType::F32, DType::BF16, DType::F64);
     let tiny_vocab = qwen3(16, 128, 384, 2, (4, 2, 32));
+    let two_layers = qwen3(4096, 128, 384, 2, (4, 2, 32));
     // Gemma3's first layer attends through a sliding window, which keeps T = 64K quick.
     let long = json!({
         "model_type": "gemma3_text", "vocab_size": 16, "hidden_size": 64, "intermediate_size": 128,
@@ -192,20 +193,8 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
             (3, 1024),
         )
         .chunks(200, 300),
-        case(
-            "LoRA",
-            qwen3(4096, 128, 384, 2, (4, 2, 32)),
-            f32_,
-            (1, 2048),
-        )
-        .lora(8),
-        case(
-            "LoRA",
-            qwen3(4096, 128, 384, 2, (4, 2, 32)),
-            bf16,
-            (2, 1024),
-        )
-        .lora(8),
+        case("LoRA", two_layers.clone(), f32_, (1, 2048)).lora(8),
+        case("LoRA", two_layers, bf16, (2, 1024)).lora(8),
         case("f64", qwen3(1000, 64, 128, 2, (4, 2, 16)), f64_, (2, 1024)).chunks(100, 100),
     ];
     let mut failures = Vec::new();

@@ -102,8 +102,8 @@ impl ChunkPolicy {
     }
 }
 
-/// Estimated peak bytes of the phases of a streamed backward: what stays allocated throughout (weights
-/// and gradients) and each phase's own peak above it.
+/// Estimated peak bytes of the phases of a streamed backward: what stays allocated throughout and each
+/// phase's own peak above it (its gradient accumulators included).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Estimate {
     /// Bytes held throughout: parameters, the rope tables and, on the host, gemm's per-thread packing
@@ -203,7 +203,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
         }
     };
     // Per token: the batch's ids, positions, targets and log-probs (fitted: 48 bytes).
-    let tokens = p.batch as u64 * p.seq_len as u64 * 48;
+    let tokens = b * t * 48;
     let resident = weights + rope + slabs + tokens;
 
     // `[b, T, d]` hidden states; the checkpoints on the device: `L + 1` in the forward's end and the
@@ -259,9 +259,11 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // The layer's keys and values of the whole sequence.
     let keys_values = 2 * b * t * kv * e;
 
+    // A chunk's projections run in the forward and in the layers' backward.
+    let projection_workspace = workspace(&projections(b * c), true);
+
     // The forward: the checkpoints, one layer's keys and values and a chunk's activations.
-    let forward_phase =
-        checkpoints(layers + 1) + keys_values + forward_acts + workspace(&projections(b * c), true);
+    let forward_phase = checkpoints(layers + 1) + keys_values + forward_acts + projection_workspace;
 
     // The head, per logits chunk of `b · lc` rows. The scores in the compute dtype, their softmax,
     // its VJP and the target scatter; on the host the scores alone, which their softmax and its VJP
@@ -341,14 +343,13 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
         + grads_io
         + chunk_acts
         + scores
-        + workspace(&projections(b * c), true);
+        + projection_workspace;
 
     // The embedding's VJP (written out): the incoming `[b, T, d]` gradient; on the host in f32/f64
     // its rows go into the table's accumulator in place; elsewhere its scaled rows and the table's
     // gradient (model dtype; an f32 copy of it for half precision off the host, added in place on
     // it) summed with the accumulated one. Under LoRA the gradient arrives and nothing is done with
-    // it.
-    // Gemma's embedding scale and a padding id each make one more copy of the rows.
+    // it. Gemma's embedding scale and a padding id each make one more copy of the rows.
     let row_copies = cfg.embed_scale.is_some() as u64 + cfg.pad_token_id.is_some() as u64;
     let embedding_phase = grads
         + row_copies * hidden
