@@ -63,11 +63,11 @@ impl Product {
     }
 
     /// `g · W` for `g` `[rows, out]` and `W` `[out, in]` (an input's gradient).
-    pub(crate) fn by_plain(rows: usize, inner: usize, out: usize) -> Self {
+    pub(crate) fn by_plain(rows: usize, out: usize, inner: usize) -> Self {
         Self {
             m: rows,
-            n: out,
-            k: inner,
+            n: inner,
+            k: out,
             a_rows_contiguous: true,
             b_rows_contiguous: true,
         }
