@@ -30,8 +30,10 @@ def main():
     write("test.jsonl", [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in test])
 
     def wrong(a, b):
-        c = a + b + rng.choice([-10, -2, -1, 1, 2, 10])
-        return str(abs(c))
+        off = rng.choice([-10, -2, -1, 1, 2, 10])
+        c = abs(a + b + off)
+        # |a + b - 10| can be the sum itself (2+3): step the other way, so no pair prefers a sum to itself.
+        return str(c if c != a + b else a + b - off)
 
     write("dpo.jsonl", [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": wrong(a, b)} for a, b in train])
     write("dpo_test.jsonl", [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": wrong(a, b)} for a, b in test])

@@ -102,7 +102,7 @@ const CASES: &[Case] = &[
     case("grpo --max-new-tokens 0", 2, "--max-new-tokens 0: must be at least 1"),
     case("grpo --max-new-tokens 16", 2, "must be below --max-length (16)"),
     case("grpo --epsilon 0", 2, "--epsilon 0: must be a number above 0"),
-    case("grpo --loss-type ppo", 2, "unknown loss_type \"ppo\""),
+    case("grpo --loss-type ppo", 2, "invalid value 'ppo' for '--loss-type <LOSS_TYPE>': expected one of grpo, bnpo, dr_grpo"),
     case("grpo --reward length:3", 2, "--reward length:3: unknown reward"),
     case("grpo --reward format:(", 2, "not a valid regular expression"),
     case("grpo --data {dir}/prompts.jsonl", 2, "GRPO needs at least one --reward"),
@@ -116,6 +116,47 @@ const CASES: &[Case] = &[
         1,
         "no prompts left to train on",
     ),
+    // Answers of GRPO's exact reward that could only ever score 0.
+    case(
+        "grpo --data {dir}/null_answer.jsonl --reward exact:answer --max-steps 1",
+        1,
+        "null_answer.jsonl line 2: the \"answer\" column (read by the reward exact:answer) holds null",
+    ),
+    case(
+        "grpo --data {dir}/bool_answer.jsonl --reward exact:answer --max-steps 1",
+        1,
+        "holds the boolean true; it needs a string, a number or a list of those",
+    ),
+    // Preference pairs with nothing to prefer.
+    case(
+        "dpo --data {dir}/same_pairs.jsonl --max-steps 1",
+        1,
+        "no pairs left to train on: 2 with chosen equal to rejected (first at {dir}/same_pairs.jsonl line 1)",
+    ),
+    // Negative numbers are values, refused by the flag's own check.
+    case("sft --lora-r -1", 2, "invalid value '-1' for '--lora-r <LORA_R>'"),
+    case("sft --batch-size -1", 2, "invalid value '-1' for '--batch-size <BATCH_SIZE>'"),
+    case("sft --lr -1e-5", 2, "--lr -0.00001: must be a number above 0"),
+    // LoRA ranks past what the model's projections can hold.
+    case("sft --lora-r 100000 --max-steps 1", 2, "--lora-r 100000: must be at most 64 for this model"),
+    case("sft --lora-r 65 --lora-target q_proj,k_proj --max-steps 1", 2, "--lora-r 65: must be at most 64"),
+    case(
+        "grad --model {fixtures}/qwen3 --batch {fixtures}/qwen3-batch.json --out {dir}/g.safetensors --adapter {dir}/run/final --lora-r 8",
+        2,
+        "--adapter {dir}/run/final: brings its own r, alpha and targets: give it without --lora-r",
+    ),
+    // Splits of a single file.
+    case("sft --data {dir}/small.jsonl --split test", 2, "--split test: applies to --data naming a directory or a hub dataset"),
+    case("sft --split nosuch", 2, "--split nosuch: applies to --data naming a directory"),
+    case(
+        "sft --data {dir}/small.jsonl --eval-data {dir}/small.jsonl --eval-split validation",
+        2,
+        "--eval-split validation: applies to --eval-data naming a directory or a hub dataset",
+    ),
+    // Config files.
+    case("sft --config {dir}/nested.toml", 2, "nested.toml: config = \"other.toml\": a config file cannot name another"),
+    case("sft --config {dir}/bad_type.toml", 2, "note: --batch-size (set in {dir}/bad_type.toml)"),
+    case("sft --config {dir}/bad_range.toml", 2, "--lr (set in {dir}/bad_range.toml): --lr -1: must be a number above 0"),
     // Files.
     case("sft --data {dir}/missing.jsonl", 2, "--data {dir}/missing.jsonl: no such file"),
     case("sft --data {dir}/final_is_file", 1, "final_is_file: holds no .jsonl, .json or .parquet file"),
@@ -148,6 +189,12 @@ const CASES: &[Case] = &[
     ),
     case("sft --output-dir {dir}/final_is_file", 2, "final exists and is not a directory"),
     case("sft --output-dir {dir}/locked", 2, "is in use by another run"),
+    case(
+        "sft --output-dir {dir}/run --max-steps 1",
+        2,
+        "--output-dir {dir}/run: holds an earlier run (checkpoint-1, final): give --resume",
+    ),
+    case("grpo --group-size 100000000", 2, "--group-size 100000000: must be at most 1024"),
     // Resuming.
     case("sft --resume {dir}/missing", 2, "is not a resumable checkpoint"),
     case("sft --resume {dir}/run/final", 2, "is not a resumable checkpoint"),
@@ -250,6 +297,25 @@ fn prepare(dir: &Path) {
         "{\"prompt\": \"\", \"completion\": \"1\"}\n",
     )
     .unwrap();
+    std::fs::write(
+        dir.join("null_answer.jsonl"),
+        "{\"prompt\": \"1+1=\", \"answer\": 2}\n{\"prompt\": \"1+2=\", \"answer\": null}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("bool_answer.jsonl"),
+        "{\"prompt\": \"1+1=\", \"answer\": true}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("same_pairs.jsonl"),
+        "{\"prompt\": \"1+1=\", \"chosen\": \"2\", \"rejected\": \"2\"}\n\
+         {\"chosen\": \"1+2=3\", \"rejected\": \"1+2=3\"}\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("nested.toml"), "config = \"other.toml\"\n").unwrap();
+    std::fs::write(dir.join("bad_type.toml"), "batch_size = \"many\"\n").unwrap();
+    std::fs::write(dir.join("bad_range.toml"), "lr = -1\n").unwrap();
     std::fs::create_dir_all(dir.join("final_is_file")).unwrap();
     std::fs::write(dir.join("final_is_file/final"), "").unwrap();
     let args: Vec<String> =

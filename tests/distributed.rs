@@ -275,8 +275,9 @@ fn losing_a_rank_fails_the_job_and_it_resumes_exactly() {
     assert!(report.contains(&format!("PID {pid} ")), "{report}");
     assert!(!out.path().join("final").exists());
 
-    // The next run cleans up whatever save was interrupted and reproduces the uninterrupted losses.
-    run(2, out.path(), args);
+    // The next run (replacing the killed one's checkpoints) cleans up whatever save was interrupted
+    // and reproduces the uninterrupted losses.
+    run(2, out.path(), &format!("{args} --overwrite-output-dir"));
     assert!(debris(out.path()).is_empty(), "{:?}", debris(out.path()));
     let steps = logged(out.path(), "step");
     let expected: Vec<f64> = (1..=40).map(|s| s as f64).collect();

@@ -218,3 +218,45 @@ fn grad_writes_adapter_gradients_under_peft_keys() {
         }
     }
 }
+
+/// A LoRA run's base model is identified by its weights, not by how its path is spelled: resuming
+/// through another spelling of the same directory continues, resuming after other weights were
+/// written over the same path is refused, naming the model.
+#[test]
+fn lora_resume_checks_the_base_model_by_content() {
+    let root = tempfile::tempdir().unwrap();
+    // A base model directory: the final model of a one-step full fine-tune of the built-in task.
+    let mut base_run = config(&root.path().join("base-run"), Recipe::Sft);
+    (base_run.lora, base_run.max_steps, base_run.save_every) = (None, Some(1), 0);
+    streambp_train::sft::run_sft(&base_run).unwrap();
+    let base = root.path().join("base-run/final");
+
+    let mut cfg = config(&root.path().join("a"), Recipe::Sft);
+    cfg.model = Some(base.display().to_string());
+    streambp_train::sft::run_sft(&cfg).unwrap();
+    let checkpoint = root.path().join("a/checkpoint-4");
+
+    let mut resumed = config(&root.path().join("b"), Recipe::Sft);
+    resumed.model = Some(format!("{}/./", base.display()));
+    resumed.resume = Some(checkpoint.clone());
+    streambp_train::sft::run_sft(&resumed).unwrap();
+
+    // Other weights at the same path.
+    let model = load_model(&base, DType::F32, &Device::Cpu).unwrap();
+    let scaled: std::collections::HashMap<String, Tensor> = model
+        .parameters()
+        .iter()
+        .map(|(name, var)| (name.clone(), (var.as_tensor() * 1.5).unwrap()))
+        .collect();
+    streambp_models::save_safetensors(&scaled, &base.join("model.safetensors")).unwrap();
+    let mut changed = config(&root.path().join("c"), Recipe::Sft);
+    changed.model = cfg.model.clone();
+    changed.resume = Some(checkpoint);
+    let err = streambp_train::sft::run_sft(&changed)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("--model: \"weights: ") && err.contains("in the checkpoint's run"),
+        "{err}"
+    );
+}

@@ -359,6 +359,8 @@ fn dpo_learns_fixed_preferences_and_reports_bad_pairs() {
         format!("{pairs}{{\"prompt\": \"1+1=\", \"chosen\": \"2\"}}\n"),
     )
     .unwrap();
+    // Into the same output directory: the earlier run's outputs go.
+    cfg.overwrite_output_dir = true;
     let err = streambp_train::dpo::run_dpo(&cfg).unwrap_err().to_string();
     assert!(
         err.contains("line 9") && err.contains("\"rejected\""),

@@ -83,6 +83,10 @@ pub struct TrainArgs {
     /// Where metrics.jsonl and checkpoints go [default: runs/sft, runs/dpo or runs/grpo].
     #[arg(long)]
     output_dir: Option<PathBuf>,
+    /// Replace an earlier run's checkpoints and final model in --output-dir (without it such a
+    /// directory is refused, unless --resume continues that run).
+    #[arg(long)]
+    overwrite_output_dir: bool,
     /// Optimizer steps [default: --epochs over the data; built-in task: sft 600, dpo 300, grpo 60].
     #[arg(long)]
     max_steps: Option<usize>,
@@ -206,7 +210,7 @@ pub struct GrpoArgs {
     #[arg(long = "reward")]
     rewards: Vec<String>,
     /// grpo, bnpo or dr_grpo [default: grpo].
-    #[arg(long)]
+    #[arg(long, value_parser = loss_type)]
     loss_type: Option<GrpoLossType>,
     /// Clipping ε of the probability ratio (above 0) [default: 0.2].
     #[arg(long, allow_negative_numbers = true)]
@@ -292,6 +296,7 @@ impl TrainArgs {
             eval_data: self.eval_data,
             eval_split: self.eval_split,
             output_dir: self.output_dir.unwrap_or(d.output_dir),
+            overwrite_output_dir: self.overwrite_output_dir,
             max_steps,
             epochs: self.epochs.unwrap_or(d.epochs),
             batch_size: self.batch_size.unwrap_or(d.batch_size),
@@ -344,4 +349,12 @@ impl GrpoArgs {
             num_iterations: self.num_iterations.unwrap_or(d.num_iterations),
         }
     }
+}
+
+/// `--loss-type`'s value, or the accepted ones.
+fn loss_type(s: &str) -> Result<GrpoLossType, String> {
+    s.parse().map_err(|_| {
+        let names: Vec<&str> = GrpoLossType::ALL.iter().map(|t| t.name()).collect();
+        format!("expected one of {}", names.join(", "))
+    })
 }

@@ -3,7 +3,6 @@
 mod args;
 
 use anyhow::Context;
-use clap::Parser;
 use streambp_core::memory::CountingAllocator;
 use streambp_train::config::Recipe;
 use streambp_train::dpo::run_dpo;
@@ -92,6 +91,54 @@ fn one_line(e: &anyhow::Error) -> String {
     line
 }
 
+/// The command line parsed, a negative number after a flag taken as its value (`--lr -1e-5` is then
+/// refused by the flag's own check, which names its range, rather than read as an unknown flag `-1`);
+/// on an error about a flag the config file set, the message says so. Exits as clap does on errors
+/// and `--help`.
+fn parse_cli(expanded: &streambp_train::config_file::Expanded) -> Cli {
+    use clap::Parser;
+    let parsed = Cli::try_parse_from(negative_values_attached(&expanded.args));
+    match parsed {
+        Ok(cli) => cli,
+        Err(e) => {
+            let flag = match e.get(clap::error::ContextKind::InvalidArg) {
+                Some(clap::error::ContextValue::String(arg)) => {
+                    arg.split([' ', '=']).next().unwrap_or_default().to_string()
+                }
+                _ => String::new(),
+            };
+            let origin = expanded.origin(&flag);
+            if origin.is_empty() {
+                e.exit();
+            }
+            let _ = e.print();
+            eprintln!("note: {flag}{origin}");
+            std::process::exit(e.exit_code());
+        }
+    }
+}
+
+/// `args` with `--flag -N` written `--flag=-N` wherever `-N` is a number (no flag starts with a
+/// digit or a dot), which clap would otherwise read as a flag when it has an exponent (`-1e-5`).
+fn negative_values_attached(args: &[String]) -> Vec<String> {
+    let negative_number = |a: &str| {
+        a.strip_prefix('-')
+            .and_then(|rest| rest.chars().next())
+            .is_some_and(|c| c.is_ascii_digit() || c == '.')
+    };
+    let mut out: Vec<String> = Vec::with_capacity(args.len());
+    for arg in args {
+        match out.last_mut() {
+            Some(flag) if flag.starts_with("--") && !flag.contains('=') && negative_number(arg) => {
+                flag.push('=');
+                flag.push_str(arg);
+            }
+            _ => out.push(arg.clone()),
+        }
+    }
+    out
+}
+
 fn run() -> anyhow::Result<()> {
     // Under mpiexec the other ranks log warnings only: rank 0 speaks for the run.
     let level = match streambp_dist::launched_rank() {
@@ -106,32 +153,53 @@ fn run() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let args = streambp_train::config_file::expand_config(std::env::args().collect())?;
+    let expanded = streambp_train::config_file::expand_config(std::env::args().collect())?;
+    let cli = parse_cli(&expanded);
+    // A flag's error names the config file when the value came from there.
+    let located = |e: TrainError| -> anyhow::Error {
+        let place = match &e {
+            TrainError::Flag { flag, .. } => format!("{flag}{}", expanded.origin(flag)),
+            _ => String::new(),
+        };
+        match place.contains(" (set in ") {
+            true => anyhow::Error::new(e).context(place),
+            false => e.into(),
+        }
+    };
     // The ranks of a data-parallel run (one process without mpiexec); kept until the end.
     let start = |device: &str| streambp_dist::init(device.starts_with("cuda"));
-    match Cli::parse_from(args).command {
+    match cli.command {
         Command::Sft(args) => {
-            let cfg = args.into_config(Recipe::Sft)?;
+            let cfg = args.into_config(Recipe::Sft).map_err(located)?;
             let _ranks = start(&cfg.device)?;
-            report("sft", &run_sft(&cfg).context("sft failed")?);
+            report(
+                "sft",
+                &run_sft(&cfg).map_err(located).context("sft failed")?,
+            );
         }
         Command::Dpo(args) => {
-            let cfg = args.into_config(Recipe::Dpo)?;
+            let cfg = args.into_config(Recipe::Dpo).map_err(located)?;
             let _ranks = start(&cfg.device)?;
-            report("dpo", &run_dpo(&cfg).context("dpo failed")?);
+            report(
+                "dpo",
+                &run_dpo(&cfg).map_err(located).context("dpo failed")?,
+            );
         }
         Command::Grpo { train, grpo } => {
             let builtin = train.model.is_none() && train.data.is_none();
-            let cfg = train.into_config(Recipe::Grpo)?;
+            let cfg = train.into_config(Recipe::Grpo).map_err(located)?;
             let g = grpo.into_config(builtin);
             let _ranks = start(&cfg.device)?;
-            report("grpo", &run_grpo(&cfg, &g).context("grpo failed")?);
+            report(
+                "grpo",
+                &run_grpo(&cfg, &g).map_err(located).context("grpo failed")?,
+            );
         }
         Command::Grad(args) => {
             if streambp_dist::launched_ranks().is_some_and(|n| n > 1) {
                 anyhow::bail!("grad runs in one process: start it without mpiexec");
             }
-            let report = run_grad(&args).context("grad failed")?;
+            let report = run_grad(&args).map_err(located).context("grad failed")?;
             println!("{}", serde_json::to_string(&report)?);
         }
     }

@@ -371,6 +371,17 @@ impl Model {
         Ok(Model::from_tensors(self.config.clone(), tensors)?.detached())
     }
 
+    /// The highest useful LoRA rank on `targets`: the smallest dimension of a targeted projection
+    /// (`B·A` of a higher rank has that projection's rank at most; it adds parameters, nothing else).
+    /// `None` where no layer has a targeted projection.
+    pub fn lora_rank_limit(&self, targets: &[Projection]) -> Option<usize> {
+        self.layers
+            .iter()
+            .flat_map(|layer| targets.iter().map(|&p| layer.projection(p).weight.dims()))
+            .filter_map(|dims| dims.iter().copied().min())
+            .min()
+    }
+
     /// The model with LoRA adapters on `config.targets` of every layer: the base weights become
     /// constants (no gradient, not even a discarded one), the adapters the only trainable parameters
     /// (in f32, or f64 for an f64 model, whatever the base's dtype). `adapters` gives their matrices

@@ -143,6 +143,20 @@ impl Fingerprint {
         }
     }
 
+    /// Adds bytes 8 at a time (a model's gigabytes at memory speed rather than byte by byte), the
+    /// tail zero-padded, then their count.
+    pub fn words(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let word = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+            self.0 = (self.0 ^ word).wrapping_mul(0x100_0000_01b3);
+        }
+        let mut tail = [0u8; 8];
+        tail[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
+        self.0 = (self.0 ^ u64::from_le_bytes(tail)).wrapping_mul(0x100_0000_01b3);
+        self.bytes(&(bytes.len() as u64).to_le_bytes());
+    }
+
     /// The digest as 16 hex digits.
     pub fn hex(&self) -> String {
         format!("{:016x}", self.0)
@@ -162,6 +176,45 @@ pub fn data_identity<T: Digest>(items: &[T]) -> serde_json::Value {
         item.digest(&mut f);
     }
     identity(items.len(), &f)
+}
+
+/// The record of the weights in the model directory `dir`: how many bytes its `.safetensors` files
+/// hold and a [`Fingerprint`] of them (names and bytes, in name order). The same model under another
+/// spelling of its path is the same record; another model written over the same path is not.
+pub fn weights_identity(dir: &Path) -> Result<serde_json::Value> {
+    use std::io::Read;
+    let entries = std::fs::read_dir(dir).map_err(TrainError::io("list", dir))?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    let mut f = Fingerprint::default();
+    let mut total = 0u64;
+    let mut block = vec![0u8; 1 << 20];
+    for path in &files {
+        f.bytes(path.file_name().unwrap_or_default().as_encoded_bytes());
+        let mut file = std::fs::File::open(path).map_err(TrainError::io("read", path))?;
+        loop {
+            // Whole blocks (a short read only at the end), so the digest does not depend on how
+            // the reads happened to split.
+            let mut filled = 0;
+            while filled < block.len() {
+                match file.read(&mut block[filled..]) {
+                    Ok(0) => break,
+                    Ok(n) => filled += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(TrainError::io("read", path)(e)),
+                }
+            }
+            f.words(&block[..filled]);
+            total += filled as u64;
+            if filled < block.len() {
+                break;
+            }
+        }
+    }
+    Ok(format!("weights: {total} bytes, fingerprint {}", f.hex()).into())
 }
 
 /// The record of `count` items whose content gave `fingerprint`.

@@ -61,6 +61,8 @@ pub struct TrainConfig {
     pub eval_split: Option<String>,
     /// Where `metrics.jsonl`, the plots and the checkpoints go.
     pub output_dir: PathBuf,
+    /// Replace an earlier run's outputs in `output_dir` (else a fresh run refuses such a directory).
+    pub overwrite_output_dir: bool,
     /// Optimizer steps; `None`: `epochs` passes over the data.
     pub max_steps: Option<usize>,
     /// Passes over the data when `max_steps` is `None` (above 0; fractions allowed).
@@ -169,6 +171,7 @@ impl TrainConfig {
             eval_data: None,
             eval_split: None,
             output_dir: format!("runs/{}", recipe.name()).into(),
+            overwrite_output_dir: false,
             max_steps: None,
             epochs: 1.0,
             batch_size: 8,
@@ -240,6 +243,10 @@ impl TrainConfig {
         }
     }
 }
+
+/// The largest `--group-size`: far above TRL's usual 8..64, and small enough that a typo (`100000000`)
+/// is an error rather than an allocation failure.
+pub const MAX_GROUP_SIZE: usize = 1024;
 
 impl GrpoConfig {
     /// GRPO's settings with nothing given (TRL's defaults where it has them); on the built-in task,
@@ -498,6 +505,26 @@ impl TrainConfig {
                 "applies to --data naming a directory or a hub dataset, not a file",
             ));
         }
+        // A file has no splits: its rows are all used, so a split named for one would be ignored.
+        if self.split != "train" && !names_a_data_set(&self.data) {
+            return Err(TrainError::flag(
+                "--split",
+                &self.split,
+                "applies to --data naming a directory or a hub dataset; a single file is used whole",
+            ));
+        }
+        if let (Some(split), Some(file)) = (&self.eval_split, &self.eval_data) {
+            if file.is_file() {
+                return Err(TrainError::flag(
+                    "--eval-split",
+                    split,
+                    format!(
+                        "applies to --eval-data naming a directory or a hub dataset; {} is a file, used whole",
+                        file.display()
+                    ),
+                ));
+            }
+        }
         if self.eval_split.is_some() && self.eval_data.is_none() && !names_a_data_set(&self.data) {
             return Err(TrainError::flag(
                 "--eval-split",
@@ -588,6 +615,14 @@ impl GrpoConfig {
             "--group-size",
             self.group_size,
             "must be at least 2 (advantages compare completions within a group, as in TRL)",
+        )?;
+        require(
+            self.group_size <= MAX_GROUP_SIZE,
+            "--group-size",
+            self.group_size,
+            &format!(
+                "must be at most {MAX_GROUP_SIZE} (each step samples and keeps every completion of a group)"
+            ),
         )?;
         let t = self.sampling.temperature;
         require(

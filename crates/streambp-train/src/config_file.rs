@@ -19,6 +19,11 @@ pub fn flags_from_toml(path: &Path) -> Result<Vec<(String, Option<String>)>> {
     let mut flags = Vec::new();
     for (key, value) in table {
         let flag = format!("--{}", key.replace('_', "-"));
+        if flag == "--config" {
+            return Err(bad(format!(
+                "{key} = {value}: a config file cannot name another; put its settings in this one"
+            )));
+        }
         match value {
             toml::Value::Boolean(true) => flags.push((flag, None)),
             toml::Value::Boolean(false) => {}
@@ -50,14 +55,42 @@ pub fn flags_from_toml(path: &Path) -> Result<Vec<(String, Option<String>)>> {
     Ok(flags)
 }
 
+/// A command line with its config file's flags in it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Expanded {
+    /// The arguments to parse.
+    pub args: Vec<String>,
+    /// The config file, if one was given.
+    pub file: Option<String>,
+    /// The flags the file set (and the command line did not).
+    pub from_file: Vec<String>,
+}
+
+impl Expanded {
+    /// Where the value of `flag` came from, for an error about it: `" (set in FILE)"` when the
+    /// config file set it, else empty.
+    pub fn origin(&self, flag: &str) -> String {
+        match &self.file {
+            Some(file) if self.from_file.iter().any(|f| f == flag) => {
+                format!(" (set in {file})")
+            }
+            _ => String::new(),
+        }
+    }
+}
+
 /// `args` with `--config FILE` (after the subcommand) replaced by the file's flags, placed before the
 /// typed ones.
-pub fn expand_config(args: Vec<String>) -> Result<Vec<String>> {
+pub fn expand_config(args: Vec<String>) -> Result<Expanded> {
     let Some(pos) = args
         .iter()
         .position(|a| a == "--config" || a.starts_with("--config="))
     else {
-        return Ok(args);
+        return Ok(Expanded {
+            args,
+            file: None,
+            from_file: Vec::new(),
+        });
     };
     let (path, consumed) = match args[pos].strip_prefix("--config=") {
         Some(p) => (p.to_string(), 1),
@@ -79,12 +112,18 @@ pub fn expand_config(args: Vec<String>) -> Result<Vec<String>> {
     // Program name and subcommand first, then the file's flags not typed, then everything typed.
     let head = 2.min(typed.len());
     let mut out: Vec<String> = typed[..head].to_vec();
+    let mut from_file = Vec::new();
     for (flag, value) in flags_from_toml(Path::new(&path))? {
         if !is_typed(&flag) {
-            out.push(flag);
+            out.push(flag.clone());
             out.extend(value);
+            from_file.push(flag);
         }
     }
     out.extend(typed[head..].iter().cloned());
-    Ok(out)
+    Ok(Expanded {
+        args: out,
+        file: Some(path),
+        from_file,
+    })
 }

@@ -152,6 +152,8 @@ pub struct LoadReport {
     pub skipped: usize,
     unknown: usize,
     first_unknown: Option<String>,
+    identical: usize,
+    first_identical: Option<String>,
 }
 
 impl LoadReport {
@@ -162,6 +164,14 @@ impl LoadReport {
             self.first_unknown
                 .get_or_insert_with(|| location.to_string());
         }
+    }
+
+    /// Notes a preference pair at `location` dropped because its two sides are the same tokens: its
+    /// loss would be ln 2 whatever the model, its gradient zero.
+    pub fn note_identical(&mut self, location: &str) {
+        self.identical += 1;
+        self.first_identical
+            .get_or_insert_with(|| location.to_string());
     }
 
     /// Warns about what was cut, dropped or unknown among the `what` (examples, pairs, prompts) of
@@ -183,7 +193,23 @@ impl LoadReport {
                 "{what} skipped (longer than {limit}, or nothing left to train on)"
             );
         }
+        if let Some(first) = &self.first_identical {
+            tracing::warn!(
+                count = self.identical,
+                first = first.as_str(),
+                "{what} skipped: chosen and rejected are the same tokens (no preference to learn)"
+            );
+        }
         match kept {
+            0 if self.identical > 0 => Err(TrainError::data(
+                source.name(),
+                format!(
+                    "no {what} left to train on: {} with chosen equal to rejected (first at {}), \
+                     the rest over {limit}",
+                    self.identical,
+                    self.first_identical.as_deref().unwrap_or_default()
+                ),
+            )),
             0 => Err(TrainError::data(
                 source.name(),
                 format!("no {what} left to train on ({limit})"),

@@ -107,6 +107,12 @@ pub fn load_pairs_into(
             report.skipped += 1;
             continue;
         }
+        // Identical sides (as written, or once truncated) carry no preference: the loss is ln 2 and
+        // the gradient zero whatever the model.
+        if chosen.input_ids == rejected.input_ids {
+            report.note_identical(&where_);
+            continue;
+        }
         out.push(chosen)?;
         out.push(rejected)?;
     }

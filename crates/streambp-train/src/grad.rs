@@ -114,6 +114,13 @@ impl GradArgs {
             streambp_models::ModelError::Input(reason) => reason,
             other => other.to_string(),
         };
+        if let (Some(adapter), Some(_)) = (&self.lora.adapter, self.lora.lora_r) {
+            return Err(TrainError::flag(
+                "--adapter",
+                adapter,
+                "brings its own r, alpha and targets: give it without --lora-r",
+            ));
+        }
         parse_dtype(&self.dtype).map_err(|e| TrainError::flag("--dtype", &self.dtype, input(e)))?;
         parse_device(&self.device)
             .map_err(|e| TrainError::flag("--device", &self.device, input(e)))?;

@@ -82,13 +82,10 @@ fn load_prompts(
                 ))
             }
         };
-        for column in rewards.iter().filter_map(|r| r.column()) {
-            if !row.contains_key(column) {
-                return Err(TrainError::data(
-                    where_,
-                    format!("no {column:?} column, which the reward exact:{column} reads"),
-                ));
-            }
+        for reward in rewards {
+            reward
+                .check_row(&row)
+                .map_err(|why| TrainError::data(&where_, why))?;
         }
         let mut ids = setup.tokenizer.encode(&text)?;
         if ids.is_empty() {

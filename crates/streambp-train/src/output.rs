@@ -86,6 +86,44 @@ impl OutputDir {
             lock,
         })
     }
+
+    /// Makes way for a fresh run: an earlier run's checkpoints and final model (which would sit
+    /// beside this run's, or be half replaced by them) are removed when `overwrite`, else refused.
+    pub fn replace_earlier_run(&self, overwrite: bool) -> Result<()> {
+        let entries = std::fs::read_dir(&self.path).map_err(TrainError::io("list", &self.path))?;
+        let mut earlier: Vec<String> = entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .filter(|name| {
+                is_run_output(name) && (name == "final" || name.starts_with("checkpoint-"))
+            })
+            .collect();
+        if earlier.is_empty() {
+            return Ok(());
+        }
+        earlier.sort();
+        if !overwrite {
+            return Err(TrainError::flag(
+                "--output-dir",
+                self.path.display(),
+                format!(
+                    "holds an earlier run ({}): give --resume to continue it, \
+                     --overwrite-output-dir to replace it, or another --output-dir",
+                    earlier.join(", ")
+                ),
+            ));
+        }
+        for name in &earlier {
+            let dir = self.path.join(name);
+            std::fs::remove_dir_all(&dir).map_err(TrainError::io("remove", &dir))?;
+        }
+        tracing::info!(
+            removed = earlier.join(", "),
+            "an earlier run's outputs replaced"
+        );
+        Ok(())
+    }
 }
 
 /// Whether `name` is one of the outputs a run writes through a hidden temporary: `checkpoint-N`,

@@ -163,6 +163,9 @@ impl Setup {
         let output = is_main
             .then(|| OutputDir::prepare(&cfg.output_dir))
             .transpose()?;
+        if let (Some(out), None) = (&output, &cfg.resume) {
+            out.replace_earlier_run(cfg.overwrite_output_dir)?;
+        }
         let builtin_dir = cfg.output_dir.join("builtin-task");
         let builtin = match (cfg.model.is_none() || cfg.data.is_none(), is_main) {
             (true, true) => Some(materialize_builtin(&builtin_dir)?),
@@ -447,7 +450,21 @@ pub fn attach_lora(
             tracing::info!(adapter = %dir.display(), r = adapter.config.r, "LoRA adapter");
             model.with_lora(adapter.config, Some(adapter.tensors), seed)?
         }
-        (None, Some(lora)) => model.with_lora(lora, None, seed)?,
+        (None, Some(lora)) => {
+            if let Some(limit) = model.lora_rank_limit(&lora.targets) {
+                if lora.r > limit {
+                    return Err(TrainError::flag(
+                        "--lora-r",
+                        lora.r,
+                        format!(
+                            "must be at most {limit} for this model: the smallest dimension of a \
+                             targeted projection (a higher rank adds parameters, not expressiveness)"
+                        ),
+                    ));
+                }
+            }
+            model.with_lora(lora, None, seed)?
+        }
         (None, None) => model,
     })
 }

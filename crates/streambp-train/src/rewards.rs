@@ -1,6 +1,11 @@
 //! GRPO reward functions: a trait for library users' own, and two built-ins selected on the command line
 //! as `exact:COLUMN` (1 when the completion equals the row's COLUMN, trimmed) and `format:REGEX` (1 when the
 //! whole completion matches). Several rewards are summed, as TRL sums its reward functions.
+//!
+//! An answer column may hold what pandas and `datasets` write: strings, integers, floats with an
+//! integral value (`152.0`, an integer column that had a missing value: read as `152`), or a list of
+//! these (any one is accepted). Anything else (`null`, `true`, an object, an empty list) is refused
+//! when the data loads, naming the row: a reward that could only ever score 0 would train on nothing.
 
 use serde_json::{Map, Value};
 
@@ -12,9 +17,10 @@ pub trait Reward {
     fn name(&self) -> &str;
     /// The reward of `completion` (decoded text) for the data row it answers.
     fn score(&self, completion: &str, row: &Map<String, Value>) -> f64;
-    /// The data column the reward reads, which every row must have (checked when the data loads).
-    fn column(&self) -> Option<&str> {
-        None
+    /// Why `row` cannot be scored (a column the reward reads missing or of the wrong kind), checked
+    /// for every row when the data loads; `Ok` by default.
+    fn check_row(&self, _row: &Map<String, Value>) -> std::result::Result<(), String> {
+        Ok(())
     }
 }
 
@@ -30,16 +36,62 @@ impl Reward for ExactAnswer {
     }
 
     fn score(&self, completion: &str, row: &Map<String, Value>) -> f64 {
-        let expected = match row.get(&self.column) {
-            Some(Value::String(s)) => s.trim().to_string(),
-            Some(Value::Number(n)) => n.to_string(),
-            _ => return 0.0,
-        };
-        (completion.trim() == expected) as u8 as f64
+        let answers = row.get(&self.column).map(answers).unwrap_or(Ok(Vec::new()));
+        let completion = completion.trim();
+        answers.is_ok_and(|a| a.iter().any(|a| a == completion)) as u8 as f64
     }
 
-    fn column(&self) -> Option<&str> {
-        Some(&self.column)
+    fn check_row(&self, row: &Map<String, Value>) -> std::result::Result<(), String> {
+        let column = &self.column;
+        match row.get(column) {
+            None => Err(format!(
+                "no {column:?} column, which the reward exact:{column} reads"
+            )),
+            Some(value) => answers(value).map(|_| ()).map_err(|what| {
+                format!(
+                    "the {column:?} column (read by the reward exact:{column}) holds {what}; \
+                     it needs a string, a number or a list of those"
+                )
+            }),
+        }
+    }
+}
+
+/// The accepted answers a column value stands for (trimmed text), or what the value is instead.
+fn answers(value: &Value) -> std::result::Result<Vec<String>, String> {
+    match value {
+        Value::Array(items) if items.is_empty() => Err("an empty list".into()),
+        Value::Array(items) => items
+            .iter()
+            .map(|item| match item {
+                Value::Array(_) => Err("a list of lists".into()),
+                scalar => scalar_answer(scalar),
+            })
+            .collect(),
+        scalar => scalar_answer(scalar).map(|a| vec![a]),
+    }
+}
+
+/// One answer as text: a string trimmed, a number as it is written (`152.0` as `152`).
+fn scalar_answer(value: &Value) -> std::result::Result<String, String> {
+    match value {
+        Value::String(s) => Ok(s.trim().to_string()),
+        Value::Number(n) => Ok(number_text(n)),
+        Value::Null => Err("null".into()),
+        Value::Bool(b) => Err(format!("the boolean {b}")),
+        Value::Object(_) => Err("an object".into()),
+        Value::Array(_) => Err("a list".into()),
+    }
+}
+
+/// A number as its answer text: integers as written, floats with an integral value as integers
+/// (pandas stores an integer column with a missing value as floats), others in their shortest form.
+fn number_text(n: &serde_json::Number) -> String {
+    match n.as_f64() {
+        Some(f) if !n.is_i64() && !n.is_u64() && f.fract() == 0.0 && f.abs() < 1e15 => {
+            format!("{}", f as i64)
+        }
+        _ => n.to_string(),
     }
 }
 
@@ -102,4 +154,63 @@ pub fn group_advantages(rewards: &[f64]) -> Vec<f64> {
         .iter()
         .map(|r| (r - mean) / (var.sqrt() + 1e-4))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn row(answer: Value) -> Map<String, Value> {
+        match json!({"prompt": "1+1=", "answer": answer}) {
+            Value::Object(o) => o,
+            _ => unreachable!(),
+        }
+    }
+
+    /// Numbers as pandas writes them, lists of accepted answers and padded strings all score; values
+    /// that cannot be an answer are refused by the row check rather than scored 0.
+    #[test]
+    fn exact_reads_every_kind_of_answer_column() {
+        let reward = parse_reward("exact:answer").unwrap();
+        for (value, completion, want) in [
+            (json!("152"), " 152\n", 1.0),
+            (json!(" 152 "), "152", 1.0),
+            (json!(152), "152", 1.0),
+            (json!(152.0), "152", 1.0),
+            (json!(-3.0), "-3", 1.0),
+            (json!(1.5), "1.5", 1.0),
+            (json!(["151", 152]), "152", 1.0),
+            (json!(["151", "153"]), "152", 0.0),
+            (json!(152.0), "153", 0.0),
+        ] {
+            let row = row(value.clone());
+            assert_eq!(reward.check_row(&row), Ok(()), "{value}");
+            assert_eq!(
+                reward.score(completion, &row),
+                want,
+                "{value} vs {completion:?}"
+            );
+        }
+        for (value, says) in [
+            (Value::Null, "null"),
+            (json!(true), "boolean"),
+            (json!({"a": 1}), "object"),
+            (json!([]), "empty list"),
+            (json!([["152"]]), "list of lists"),
+            (json!(["152", null]), "null"),
+        ] {
+            let err = reward.check_row(&row(value.clone())).unwrap_err();
+            assert!(
+                err.contains(says) && err.contains("exact:answer"),
+                "{value}: {err}"
+            );
+        }
+        let mut missing = row(json!("1"));
+        missing.remove("answer");
+        assert!(reward
+            .check_row(&missing)
+            .unwrap_err()
+            .contains("no \"answer\" column"));
+    }
 }

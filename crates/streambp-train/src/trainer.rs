@@ -13,8 +13,8 @@ use streambp_models::Model;
 use streambp_objectives::Objective;
 
 use crate::checkpoint::{
-    check_resume, data_identity, save_checkpoint_shared, CheckpointFiles, Digest, RunRecord,
-    TrainerState, STATE_FILE,
+    check_resume, data_identity, save_checkpoint_shared, weights_identity, CheckpointFiles, Digest,
+    RunRecord, TrainerState, STATE_FILE,
 };
 use crate::config::{Recipe, TrainConfig};
 use crate::metrics_log::MetricsLog;
@@ -210,6 +210,14 @@ impl Trainer {
         let per_step = cfg.examples_per_step()?.saturating_mul(world);
         cfg.check_data_size(examples, data.what, data.source, world)?;
         let mut run = cfg.record(recipe);
+        // A model directory is identified by its weights, its path kept for the record alone (a
+        // changed path warns, changed weights refuse a resume).
+        if let crate::recipe::InitialModel::Dir(dir) = &setup.initial {
+            if let Some(path) = run.remove("--model") {
+                run.insert("--model path".into(), path);
+            }
+            run.insert("--model".into(), weights_identity(dir)?);
+        }
         run.extend(extra);
         run.insert("data".into(), data.identity.clone());
         run.insert("ranks".into(), world.into());

@@ -220,6 +220,56 @@ fn parquet_and_json_arrays_give_the_examples_jsonl_gives() {
     }
 }
 
+/// Text in BINARY columns without the STRING annotation (what several writers produce) is read as
+/// text, not as its base64; bytes that are not UTF-8 (an image column beside the text) read as null
+/// and are no obstacle to the columns the loader reads.
+#[test]
+fn unannotated_binary_columns_are_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = tokenizer(&dir.path().join("tok"));
+    let rows = rows(5, 0);
+    let jsonl = dir.path().join("text.jsonl");
+    write_jsonl(&jsonl, &rows);
+    let parquet = dir.path().join("binary.parquet");
+    let schema = parse_message_type(
+        "message schema { required binary prompt; required binary completion; required binary image; }",
+    )
+    .unwrap();
+    let file = std::fs::File::create(&parquet).unwrap();
+    let mut writer = SerializedFileWriter::new(
+        file,
+        Arc::new(schema),
+        Arc::new(WriterProperties::default()),
+    )
+    .unwrap();
+    let mut group = writer.next_row_group().unwrap();
+    let image: Vec<u8> = vec![0x89, b'P', b'N', b'G', 0xff, 0xfe];
+    for column in ["prompt", "completion", "image"] {
+        let values: Vec<ByteArray> = rows
+            .iter()
+            .map(|r| match column {
+                "image" => ByteArray::from(image.clone()),
+                _ => ByteArray::from(r[column].as_str().unwrap()),
+            })
+            .collect();
+        let mut col = group.next_column().unwrap().unwrap();
+        col.typed::<ByteArrayType>()
+            .write_batch(&values, None, None)
+            .unwrap();
+        col.close().unwrap();
+    }
+    group.close().unwrap();
+    writer.close().unwrap();
+    assert_eq!(
+        sft_file(&parquet, &tok).unwrap(),
+        sft_file(&jsonl, &tok).unwrap()
+    );
+    let source = DataSource::file(&parquet).unwrap();
+    let first = source.rows().next().unwrap().unwrap().1;
+    assert_eq!(first["prompt"], json!("0+1="));
+    assert_eq!(first["image"], Value::Null);
+}
+
 /// `data/<split>-NNNNN-of-NNNNN.parquet` shards of `rows`, as `push_to_hub` lays them out.
 fn write_sharded(root: &Path, split: &str, rows: &[Value], shards: usize) {
     std::fs::create_dir_all(root.join("data")).unwrap();

@@ -1,6 +1,8 @@
 //! A Parquet shard's rows as JSON objects, read row group by row group through the `parquet` crate's
 //! record reader (no Arrow: rows are what the loaders take). Strings stay strings, lists (a
-//! conversation's messages) arrays, structs objects.
+//! conversation's messages) arrays, structs objects. BINARY columns holding UTF-8 are strings too (many
+//! writers store text so, unannotated): `parquet`'s own JSON would give their base64, which a loader
+//! would then train on as text. Bytes that are not UTF-8 (an image) are `null`: no text to read.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -8,6 +10,8 @@ use std::sync::Arc;
 use parquet::file::reader::FileReader;
 use parquet::file::serialized_reader::SerializedFileReader;
 use parquet::record::reader::RowIter;
+use parquet::record::{Field, Row as ParquetRow};
+use serde_json::Value;
 
 use super::{At, Location};
 use crate::data::Row;
@@ -44,8 +48,8 @@ impl ParquetRows {
         };
         self.index += 1;
         Some(match row {
-            Ok(row) => match row.to_json_value() {
-                serde_json::Value::Object(o) => Ok((at, o)),
+            Ok(row) => match record_json(&row) {
+                Value::Object(o) => Ok((at, o)),
                 _ => Err(TrainError::data(at, "a row that is not a record")),
             },
             Err(e) => Err(TrainError::data(
@@ -53,5 +57,40 @@ impl ParquetRows {
                 format!("unreadable Parquet data: {e}"),
             )),
         })
+    }
+}
+
+/// A record as a JSON object, column by column.
+fn record_json(row: &ParquetRow) -> Value {
+    Value::Object(
+        row.get_column_iter()
+            .map(|(name, field)| (name.clone(), field_json(field)))
+            .collect(),
+    )
+}
+
+/// `field` as JSON: `parquet`'s conversion, except for bytes (UTF-8 text as a string, else `null`),
+/// inside lists, structs and maps too.
+fn field_json(field: &Field) -> Value {
+    match field {
+        Field::Bytes(b) => match std::str::from_utf8(b.data()) {
+            Ok(text) => Value::String(text.to_owned()),
+            Err(_) => Value::Null,
+        },
+        Field::Group(row) => record_json(row),
+        Field::ListInternal(list) => Value::Array(list.elements().iter().map(field_json).collect()),
+        Field::MapInternal(map) => Value::Object(
+            map.entries()
+                .iter()
+                .map(|(key, value)| {
+                    let key = match field_json(key) {
+                        Value::String(s) => s,
+                        other => other.to_string(),
+                    };
+                    (key, field_json(value))
+                })
+                .collect(),
+        ),
+        other => other.to_json_value(),
     }
 }
