@@ -60,7 +60,7 @@ const CASES: &[Case] = &[
     case("sft --max-length 1", 2, "--max-length 1: must be at least 2"),
     case("sft --chunk 0", 2, "--chunk 0: must be at least 1"),
     case("sft --logits-chunk 0", 2, "--logits-chunk 0: must be at least 1"),
-    case("sft --memory-budget 0", 2, "out of range"),
+    case("sft --memory-budget 0", 2, "size \"0\" is below 1 byte"),
     case("sft --memory-budget 5XB", 2, "units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"),
     case("sft --memory-budget 1GiB --chunk 8", 2, "--chunk 8: --memory-budget picks the chunks"),
     case(
@@ -145,6 +145,10 @@ const CASES: &[Case] = &[
         2,
         "--adapter {dir}/run/final: brings its own r, alpha and targets: give it without --lora-r",
     ),
+    case("sft --memory-budget 99999999999999TiB", 2, "size \"99999999999999TiB\" is too large"),
+    case("sft --memory-budget 0.5B", 2, "size \"0.5B\" is below 1 byte"),
+    case("sft --packing --data {dir}/small.jsonl --batch-size 2", 2, "is more than the 1 packed rows of {dir}/small.jsonl"),
+    case("sft --data {dir}/null_completion.jsonl", 1, "the row has \"completion\" (null), \"prompt\""),
     // Splits of a single file.
     case("sft --data {dir}/small.jsonl --split test", 2, "--split test: applies to --data naming a directory or a hub dataset"),
     case("sft --split nosuch", 2, "--split nosuch: applies to --data naming a directory"),
@@ -313,6 +317,11 @@ fn prepare(dir: &Path) {
          {\"chosen\": \"1+2=3\", \"rejected\": \"1+2=3\"}\n",
     )
     .unwrap();
+    std::fs::write(
+        dir.join("null_completion.jsonl"),
+        "{\"prompt\": \"1+1=\", \"completion\": null}\n",
+    )
+    .unwrap();
     std::fs::write(dir.join("nested.toml"), "config = \"other.toml\"\n").unwrap();
     std::fs::write(dir.join("bad_type.toml"), "batch_size = \"many\"\n").unwrap();
     std::fs::write(dir.join("bad_range.toml"), "lr = -1\n").unwrap();
@@ -407,7 +416,7 @@ fn questionable_settings_warn_and_train() {
     )
     .unwrap();
     let args = format!(
-        "sft --no-progress --max-steps 2 --warmup-steps 5 --batch-size 2 --max-length 100 --data {} \
+        "sft --no-progress --max-steps 2 --warmup-steps 5 --batch-size 2 --max-length 4096 --data {} \
          --output-dir {}",
         dir.join("accents.jsonl").display(),
         dir.join("out").display()

@@ -66,8 +66,10 @@ fn sft_trains_adapters_saves_peft_dirs_resumes_and_merges() {
     let mut resumed = config(b.path(), Recipe::Sft);
     resumed.lr = 1e-2;
     resumed.resume = Some(a.path().join("checkpoint-4"));
-    streambp_train::sft::run_sft(&resumed).unwrap();
+    let summary = streambp_train::sft::run_sft(&resumed).unwrap();
     assert_eq!(whole[4..], column(b.path(), "loss")[..]);
+    // The summary's first loss is the run's, not the first resumed step's.
+    assert_eq!(summary.first_loss, whole[0]);
 
     // The merged model is a plain HF model with the adapter's logits.
     let merged = load_model(&a.path().join("merged"), DType::F32, &Device::Cpu).unwrap();

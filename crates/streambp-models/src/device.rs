@@ -83,9 +83,12 @@ pub fn parse_bytes(spec: &str) -> Result<u64> {
             ))
         })?;
     let bytes = value * scale;
-    if !(bytes >= 1.0 && bytes < u64::MAX as f64) {
+    if bytes.is_nan() || bytes < 1.0 {
+        return Err(ModelError::Input(format!("size {spec:?} is below 1 byte")));
+    }
+    if bytes >= u64::MAX as f64 {
         return Err(ModelError::Input(format!(
-            "size {spec:?} is out of range (at least 1 byte)"
+            "size {spec:?} is too large (at most 16 EiB, 2^64 bytes)"
         )));
     }
     Ok(bytes as u64)

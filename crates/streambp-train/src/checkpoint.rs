@@ -39,6 +39,10 @@ pub struct TrainerState {
     pub cursor: usize,
     /// The run's `--seed`, which the data order is drawn from.
     pub seed: u64,
+    /// The run's first step's loss, for the summary of a resumed run (absent in checkpoints of older
+    /// versions: then the summary starts at the first resumed step).
+    #[serde(default)]
+    pub first_loss: Option<f64>,
     /// The run's settings (absent in checkpoints of older versions: then nothing is compared).
     #[serde(default)]
     pub run: RunRecord,

@@ -349,13 +349,25 @@ pub fn load_sft_into(
                 Example::from_pair(p, c)
             }
             _ => {
+                // What the row has instead (a null column reads as absent: say so).
+                let has: Vec<String> = row
+                    .iter()
+                    .map(|(k, v)| match v.is_null() {
+                        true => format!("{k:?} (null)"),
+                        false => format!("{k:?}"),
+                    })
+                    .collect();
                 return Err(TrainError::data(
                     &where_,
                     format!(
-                    "expected \"messages\" (or \"conversations\"), \"prompt\" and \"completion\", \
-                         or a {text_field_name:?} string (--dataset-text-field)"
-                ),
-                ))
+                        "expected \"messages\" (or \"conversations\"), \"prompt\" and \"completion\", \
+                         or a {text_field_name:?} string (--dataset-text-field); the row has {}",
+                        match has.is_empty() {
+                            true => "no columns".to_string(),
+                            false => has.join(", "),
+                        }
+                    ),
+                ));
             }
         };
         report.note_unknown(tokenizer, &example.input_ids, &where_);

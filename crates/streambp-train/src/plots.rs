@@ -65,7 +65,11 @@ fn draw_one<DB: DrawingBackend>(
     } else {
         y0 - 0.05 * (y1 - y0).abs()
     };
-    let y1 = y1 + 0.05 * (y1 - y0).abs().max(1e-12);
+    // A flat series (one evaluation, or all zero) still gets an axis with readable ticks.
+    let y1 = match y1 - y0 > 1e-9 {
+        true => y1 + 0.05 * (y1 - y0),
+        false => y0 + 1.0,
+    };
     let x1 = if x1 > x0 { x1 } else { x0 + 1.0 };
     let mut ctx = ChartBuilder::on(area)
         .caption(&chart.title, ("sans-serif", 18))
@@ -74,7 +78,13 @@ fn draw_one<DB: DrawingBackend>(
         .y_label_area_size(70)
         .build_cartesian_2d(x0.min(0.0)..x1, y0..y1)
         .map_err(|e| e.to_string())?;
+    // Whole numbers (steps) without a decimal point.
+    let x_text = |x: &f64| match x.fract() == 0.0 {
+        true => format!("{x:.0}"),
+        false => format!("{x}"),
+    };
     ctx.configure_mesh()
+        .x_label_formatter(&x_text)
         .x_desc(chart.x_label.as_str())
         .y_desc(chart.y_label.as_str())
         .draw()
@@ -91,8 +101,11 @@ fn draw_one<DB: DrawingBackend>(
             .map_err(|e| e.to_string())?
             .label(s.label.as_str())
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], colour.stroke_width(2)));
-        ctx.draw_series(line.map(|p| Circle::new(p, 3, colour.filled())))
-            .map_err(|e| e.to_string())?;
+        // Markers show where sparse points (evaluations) are; on a dense line they hide the curve.
+        if s.points.len() <= MAX_MARKED_POINTS {
+            ctx.draw_series(line.map(|p| Circle::new(p, 3, colour.filled())))
+                .map_err(|e| e.to_string())?;
+        }
     }
     if chart.series.len() > 1 {
         ctx.configure_series_labels()
@@ -103,6 +116,9 @@ fn draw_one<DB: DrawingBackend>(
     }
     Ok(())
 }
+
+/// The most points a series is drawn with markers on.
+const MAX_MARKED_POINTS: usize = 50;
 
 /// Line colours, in order (matplotlib's first five: readable on white and told apart).
 const COLOURS: [(u8, u8, u8); 5] = [
@@ -167,4 +183,31 @@ pub fn plot_metrics(metrics_jsonl: &Path, dir: &Path) -> Result<()> {
     }
     std::fs::create_dir_all(dir).map_err(TrainError::io("create", dir))?;
     draw(&dir.join("metrics.svg"), &charts, 3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A dense loss line is drawn without markers, the two evaluations with theirs; step ticks are
+    /// whole numbers; a flat panel (accuracy 0 throughout) still has distinct ticks.
+    #[test]
+    fn dense_lines_unmarked_sparse_points_marked_steps_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut rows: Vec<String> = (1..=600)
+            .map(|s| format!("{{\"step\": {s}, \"loss\": {}}}", 1.0 / s as f64))
+            .collect();
+        rows.push("{\"step\": 0, \"eval_accuracy\": 0.0, \"flat\": 0.0}".into());
+        rows.push("{\"step\": 600, \"eval_accuracy\": 0.9, \"flat\": 0.0}".into());
+        let metrics = dir.path().join("metrics.jsonl");
+        std::fs::write(&metrics, rows.join("\n")).unwrap();
+        plot_metrics(&metrics, dir.path()).unwrap();
+        let svg = std::fs::read_to_string(dir.path().join("metrics.svg")).unwrap();
+        // Two evaluations, and the flat panel's two points: four markers, none on the loss.
+        assert_eq!(svg.matches("<circle").count(), 4);
+        // plotters writes each label on a line of its own.
+        assert!(!svg.contains("\n200.0\n") && svg.contains("\n200\n"));
+        let flat = &svg[svg.rfind("\nflat\n").unwrap()..];
+        assert!(flat.contains("\n0.5\n"), "the flat panel spans 0..1");
+    }
 }

@@ -38,7 +38,11 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
     let training = TrainingData {
         count: examples.len(),
         identity: examples.identity().clone(),
-        what: "examples",
+        // What a step counts: packed rows, each holding several examples, under --packing.
+        what: match cfg.packing {
+            true => "packed rows",
+            false => "examples",
+        },
         source: data.name(),
     };
     let mut trainer = Trainer::new(cfg, &setup, Recipe::Sft, &training, RunRecord::new())?;

@@ -230,7 +230,7 @@ impl Trainer {
             .max_steps
             .unwrap_or(((examples as f64 * cfg.epochs) / per_step as f64).ceil() as usize)
             .max(1);
-        let (start_step, epoch, cursor, seed) = match &cfg.resume {
+        let (start_step, epoch, cursor, seed, first_loss) = match &cfg.resume {
             Some(dir) => {
                 let state = TrainerState::read(dir)?;
                 check_resume(dir, &state.run, &run)?;
@@ -245,9 +245,16 @@ impl Trainer {
                 parallel.load_state(dir, state.step, &setup.device)?;
                 tracing::info!(step = state.step, dir = %dir.display(), "resumed");
                 // The order the position was saved in is the checkpoint's seed's.
-                (state.step, state.epoch, state.cursor, state.seed)
+                let first_loss = state.first_loss.unwrap_or(f64::NAN);
+                (
+                    state.step,
+                    state.epoch,
+                    state.cursor,
+                    state.seed,
+                    first_loss,
+                )
             }
-            None => (0, 0, 0, cfg.seed),
+            None => (0, 0, 0, cfg.seed, f64::NAN),
         };
         let same_dir = |checkpoint: &&PathBuf| {
             let real = |p: &Path| std::fs::canonicalize(p).ok();
@@ -272,7 +279,7 @@ impl Trainer {
             bar,
             started: Instant::now(),
             step_started: Instant::now(),
-            first_loss: f64::NAN,
+            first_loss,
             last_loss: f64::NAN,
             last_good: None,
             comm,
@@ -437,7 +444,8 @@ impl Trainer {
         }
         let lr = learning_rate(cfg.schedule, cfg.lr, step, cfg.warmup_steps, self.max_steps);
         let grad_norm = self.parallel.step(cfg.max_grad_norm, lr)?;
-        if step == self.start_step {
+        // The run's first loss: a resumed run has it from its checkpoint.
+        if self.first_loss.is_nan() {
             self.first_loss = loss;
         }
         self.last_loss = loss;
@@ -484,6 +492,7 @@ impl Trainer {
             epoch: self.data.epoch,
             cursor: self.data.cursor,
             seed: self.data.seed(),
+            first_loss: Some(self.first_loss).filter(|l| l.is_finite()),
             run: self.run.clone(),
         };
         let state = serde_json::to_string_pretty(&state)
@@ -534,8 +543,13 @@ impl Trainer {
                 &cfg.output_dir.join("merged"),
             )?;
         }
+        let after = match self.is_main() {
+            true => after()?,
+            false => Vec::new(),
+        };
+        self.log_eval(self.max_steps, &after)?;
         if self.is_main() {
-            // The run is saved; a chart that cannot be drawn costs nothing but the chart.
+            // The run is saved and its last evaluation logged (the chart's last point); a chart that cannot be drawn costs nothing but the chart.
             let plots = cfg.output_dir.join("plots");
             if let Err(e) =
                 crate::plots::plot_metrics(&cfg.output_dir.join("metrics.jsonl"), &plots)
@@ -543,11 +557,6 @@ impl Trainer {
                 tracing::warn!(error = %e, "no metrics plot");
             }
         }
-        let after = match self.is_main() {
-            true => after()?,
-            false => Vec::new(),
-        };
-        self.log_eval(self.max_steps, &after)?;
         let seconds = self.started.elapsed().as_secs_f64();
         Ok(Summary {
             steps: self.max_steps,

@@ -270,6 +270,27 @@ fn unannotated_binary_columns_are_text() {
     assert_eq!(first["image"], Value::Null);
 }
 
+/// A UTF-8 byte-order mark before a JSONL file's first line or a JSON array is skipped, as Python's
+/// readers skip it: the same examples as the file without one.
+#[test]
+fn a_byte_order_mark_is_not_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = tokenizer(&dir.path().join("tok"));
+    let rows = rows(4, 0);
+    let plain = dir.path().join("plain.jsonl");
+    write_jsonl(&plain, &rows);
+    let expected = sft_file(&plain, &tok).unwrap();
+    let jsonl: String = rows.iter().map(|r| format!("{r}\n")).collect();
+    for (name, text) in [
+        ("bom.jsonl", jsonl),
+        ("bom.json", Value::from(rows.clone()).to_string()),
+    ] {
+        let path = dir.path().join(name);
+        std::fs::write(&path, format!("\u{feff}{text}")).unwrap();
+        assert_eq!(sft_file(&path, &tok).unwrap(), expected, "{name}");
+    }
+}
+
 /// `data/<split>-NNNNN-of-NNNNN.parquet` shards of `rows`, as `push_to_hub` lays them out.
 fn write_sharded(root: &Path, split: &str, rows: &[Value], shards: usize) {
     std::fs::create_dir_all(root.join("data")).unwrap();

@@ -21,7 +21,9 @@ impl ArrayElements {
     pub fn start(file: std::fs::File) -> Self {
         let (tx, rx) = sync_channel(READ_AHEAD);
         std::thread::spawn(move || {
-            let mut de = serde_json::Deserializer::from_reader(std::io::BufReader::new(file));
+            let mut reader = std::io::BufReader::new(file);
+            skip_bom(&mut reader);
+            let mut de = serde_json::Deserializer::from_reader(reader);
             let sent = Forward { tx: tx.clone() };
             let outcome = de.deserialize_seq(sent).and_then(|()| de.end());
             if let Err(e) = outcome {
@@ -38,6 +40,17 @@ impl Iterator for ArrayElements {
 
     fn next(&mut self) -> Option<Self::Item> {
         self.rx.recv().ok()
+    }
+}
+
+/// Steps past a UTF-8 byte-order mark at the start of `reader`, if there is one (a read error is
+/// left for the parser to meet).
+fn skip_bom(reader: &mut std::io::BufReader<std::fs::File>) {
+    use std::io::BufRead;
+    if let Ok(buf) = reader.fill_buf() {
+        if buf.starts_with(&[0xef, 0xbb, 0xbf]) {
+            reader.consume(3);
+        }
     }
 }
 

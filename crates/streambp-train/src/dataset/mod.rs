@@ -52,7 +52,10 @@ impl Format {
     }
 }
 
-/// The first non-blank character of a file.
+/// The UTF-8 byte-order mark.
+const BOM: char = '\u{feff}';
+
+/// The first non-blank character of a file (after a byte-order mark).
 fn first_char(path: &Path) -> Result<Option<char>> {
     let file = std::fs::File::open(path).map_err(TrainError::io("read", path))?;
     let mut reader = std::io::BufReader::new(file);
@@ -61,10 +64,11 @@ fn first_char(path: &Path) -> Result<Option<char>> {
         if buf.is_empty() {
             return Ok(None);
         }
-        if let Some(&b) = buf.iter().find(|b| !b.is_ascii_whitespace()) {
+        let n = buf.len();
+        let text = buf.strip_prefix(BOM.to_string().as_bytes()).unwrap_or(buf);
+        if let Some(&b) = text.iter().find(|b| !b.is_ascii_whitespace()) {
             return Ok(Some(b as char));
         }
-        let n = buf.len();
         reader.consume(n);
     }
 }
@@ -285,6 +289,12 @@ impl ShardRows {
                             format!("not valid UTF-8 (at byte {} of the line)", e.valid_up_to()),
                         )))
                     }
+                };
+                // A UTF-8 byte-order mark (Windows tools write one) is no part of the data, as
+                // Python's utf-8-sig readers and `datasets` take it.
+                let text = match *line {
+                    1 => text.strip_prefix(BOM).unwrap_or(text),
+                    _ => text,
                 };
                 if text.trim().is_empty() {
                     continue;
