@@ -369,6 +369,10 @@ fn every_bad_input_is_a_clear_error_and_nothing_panics() {
             (!text.contains(&fragment)).then(|| format!("no {fragment:?}")),
             text.contains("panicked").then(|| "panicked".to_string()),
             (text.matches("os error").count() > 1).then(|| "an OS error printed twice".into()),
+            // A failed run leaves no output directory behind that it created and wrote nothing to.
+            dir.join(format!("out-{i}"))
+                .exists()
+                .then(|| "left its empty output directory".into()),
         ];
         for p in problems.into_iter().flatten() {
             failures.push(format!("{}: {p}\n{text}", row.args));

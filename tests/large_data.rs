@@ -97,3 +97,38 @@ fn a_gigabyte_of_data_trains_in_the_memory_of_a_small_file_for_every_job() {
         assert!(leftovers.is_empty(), "{job}: {leftovers:?}");
     }
 }
+
+/// One huge row (a 4-million-character prompt among ordinary rows) costs memory in proportion to
+/// `--max-length`, not to its size: it is cut before the tokenizer sees it (which holds hundreds of
+/// bytes per character), then truncated or skipped as any long row is.
+#[test]
+fn a_huge_row_is_tokenized_within_the_length_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (small, huge) = (
+        dir.path().join("small.jsonl"),
+        dir.path().join("huge.jsonl"),
+    );
+    write_data(&small, 1_000, 10);
+    write_data(&huge, 1_000, 10);
+    let prompt = "12+".repeat(4_000_000 / 3);
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&huge)
+        .unwrap();
+    writeln!(
+        file,
+        r#"{{"prompt": "{prompt}", "completion": "1", "chosen": "1", "rejected": "2", "answer": "1"}}"#
+    )
+    .unwrap();
+    for job in ["sft", "dpo", "grpo"] {
+        let small_peak = peak_heap_mib(job, &small, &dir.path().join(format!("{job}-small")));
+        let huge_peak = peak_heap_mib(job, &huge, &dir.path().join(format!("{job}-huge")));
+        println!("{job} heap peak: {small_peak:.1} MiB, {huge_peak:.1} MiB with a 4 MB row");
+        // The row itself is read whole (a line, then its JSON value: ~8 MiB); tokenized whole it
+        // would take over 500 MiB.
+        assert!(
+            huge_peak < small_peak + 40.0,
+            "{job}: {small_peak:.1} MiB -> {huge_peak:.1} MiB"
+        );
+    }
+}

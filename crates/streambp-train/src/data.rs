@@ -7,7 +7,7 @@ use streambp_objectives::IGNORE_INDEX;
 
 use crate::dataset::DataSource;
 use crate::token_store::ExampleSink;
-use crate::tokenizer::TextTokenizer;
+use crate::tokenizer::{Keep, TextTokenizer};
 use crate::{Result, TrainError};
 
 /// One tokenized training example: ids, HF-aligned labels ([`IGNORE_INDEX`] where there is no loss), and each
@@ -268,13 +268,16 @@ pub fn encode_pair(
     tok: &TextTokenizer,
     prompt: Text,
     reply: Text,
+    max_length: usize,
     where_: &str,
 ) -> Result<(Vec<u32>, Vec<u32>)> {
+    // Only the first `max_length` tokens of either part can be kept.
+    let encode = |text: &str| tok.encode_at_most(text, max_length, Keep::Start);
     match (prompt, reply) {
         (Text::Plain(p), Text::Plain(c)) => {
-            let mut completion = tok.encode(&c)?;
+            let mut completion = encode(&c)?;
             completion.push(tok.eos_id);
-            Ok((tok.encode(&p)?, completion))
+            Ok((encode(&p)?, completion))
         }
         (Text::Messages(p), Text::Messages(c)) => {
             let in_context = |e: TrainError| TrainError::data(where_, e.to_string());
@@ -283,7 +286,7 @@ pub fn encode_pair(
                 .map_err(in_context)?
                 .split(&p, &c)
                 .map_err(in_context)?;
-            Ok((tok.encode(&p)?, tok.encode(&c)?))
+            Ok((encode(&p)?, encode(&c)?))
         }
         _ => Err(TrainError::data(
             where_,
@@ -335,17 +338,17 @@ pub fn load_sft_into(
             field(text_field_name)?,
         ) {
             (Some(Text::Messages(m)), None, None, _) => {
-                let (example, whole) = encode_conversation(tokenizer, &m, &where_)?;
+                let (example, whole) = encode_conversation(tokenizer, &m, max_length, &where_)?;
                 final_turn_only += usize::from(!whole);
                 example
             }
             (None, Some(p), Some(c), _) => {
-                let (p, c) = encode_pair(tokenizer, p, c, &where_)?;
+                let (p, c) = encode_pair(tokenizer, p, c, max_length, &where_)?;
                 Example::from_pair(p, c)
             }
             (None, None, None, Some(Text::Plain(t))) => {
                 let plain = Text::Plain(String::new());
-                let (p, c) = encode_pair(tokenizer, plain, Text::Plain(t), &where_)?;
+                let (p, c) = encode_pair(tokenizer, plain, Text::Plain(t), max_length, &where_)?;
                 Example::from_pair(p, c)
             }
             _ => {
@@ -410,6 +413,7 @@ pub fn load_sft_into(
 fn encode_conversation(
     tok: &TextTokenizer,
     messages: &[serde_json::Value],
+    max_length: usize,
     where_: &str,
 ) -> Result<(Example, bool)> {
     let role = |m: &serde_json::Value| m.get("role").and_then(|r| r.as_str()).map(String::from);
@@ -427,7 +431,7 @@ fn encode_conversation(
     if let Some(segments) = chat.assistant_segments(messages).map_err(in_context)? {
         let (mut ids, mut labels) = (Vec::new(), Vec::new());
         for (text, trained) in segments {
-            let piece = tok.encode(&text)?;
+            let piece = tok.encode_at_most(&text, max_length, Keep::Start)?;
             labels.extend(
                 piece
                     .iter()
@@ -449,6 +453,7 @@ fn encode_conversation(
         tok,
         Text::Messages(messages[..n - 1].to_vec()),
         Text::Messages(messages[n - 1..].to_vec()),
+        max_length,
         where_,
     )?;
     Ok((Example::from_pair(pair.0, pair.1), false))

@@ -87,7 +87,7 @@ pub fn load_pairs_into(
             _ => extract_prompt(chosen, rejected, &where_)?,
         };
         let side = |reply: Text| -> Result<Example> {
-            let (p, completion) = encode_pair(tok, prompt.clone(), reply, &where_)?;
+            let (p, completion) = encode_pair(tok, prompt.clone(), reply, max_length, &where_)?;
             Ok(Example::from_pair(p, completion))
         };
         let (mut chosen, mut rejected) = (side(chosen)?, side(rejected)?);

@@ -18,6 +18,7 @@ use crate::recipe::Setup;
 use crate::rewards::{group_advantages, parse_reward, Reward};
 use crate::sampling::sample_group;
 use crate::token_store::{RecordStore, RecordWriter};
+use crate::tokenizer::Keep;
 use crate::trainer::{Summary, Trainer, TrainingData};
 use crate::{Result, TrainError};
 
@@ -87,7 +88,8 @@ fn load_prompts(
                 .check_row(&row)
                 .map_err(|why| TrainError::data(&where_, why))?;
         }
-        let mut ids = setup.tokenizer.encode(&text)?;
+        // The prompt's end is what is kept (below): its last `room` tokens at most.
+        let mut ids = setup.tokenizer.encode_at_most(&text, room, Keep::End)?;
         if ids.is_empty() {
             return Err(TrainError::data(
                 where_,

@@ -42,8 +42,14 @@ impl MetricsLog {
         };
         // Rewritten whole, through a temporary file and a rename, so a kill here loses no rows.
         let tmp = dir.join(format!(".metrics.jsonl{TMP_MARK}{}", std::process::id()));
-        std::fs::write(&tmp, kept).map_err(TrainError::io("write", &tmp))?;
-        std::fs::rename(&tmp, &path).map_err(TrainError::io("write", &path))?;
+        // A write or rename that fails (disk full) takes its temporary file with it.
+        let written = std::fs::write(&tmp, kept)
+            .map_err(TrainError::io("write", &tmp))
+            .and_then(|()| std::fs::rename(&tmp, &path).map_err(TrainError::io("write", &path)));
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        written?;
         let file = std::fs::OpenOptions::new()
             .append(true)
             .open(&path)

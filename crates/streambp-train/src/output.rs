@@ -22,15 +22,47 @@ pub struct OutputDir {
     /// Held open: the lock is released when the run ends, however it ends (a killed run leaves the
     /// file, unlocked).
     lock: File,
+    /// Whether this run created the directory: one it then wrote no output into (it failed early)
+    /// is removed again rather than left empty.
+    created: bool,
 }
 
 impl Drop for OutputDir {
-    /// Removes the lock file, leaving the directory as the run's outputs alone.
+    /// Removes the lock file, leaving the directory as the run's outputs alone (and removing the
+    /// directory where this run created it and wrote nothing there).
     fn drop(&mut self) {
         let _ = std::fs::remove_file(self.path.join(LOCK_FILE));
         let _ = self.lock.unlock();
+        if self.created && !holds_outputs(&self.path) {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
     }
 }
+
+/// Whether `dir` (created by this run) holds an output of it: a checkpoint, the final or merged
+/// model, or a logged metric. The built-in task's files, an empty metrics log, an event file with no
+/// scalar yet and hidden entries (the lock, temporary stores) are not.
+fn holds_outputs(dir: &Path) -> bool {
+    match std::fs::read_dir(dir) {
+        Ok(entries) => entries.filter_map(|e| e.ok()).any(|e| {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            let size = e.metadata().map(|m| m.len()).unwrap_or(1);
+            match name.as_ref() {
+                "metrics.jsonl" => size > 0,
+                "builtin-task" => false,
+                // An event file's header alone: no scalar logged.
+                _ if name.starts_with("events.out.tfevents.") => size > EVENT_HEADER_BYTES,
+                _ => !name.starts_with('.'),
+            }
+        }),
+        // Unreadable: keep it.
+        Err(_) => true,
+    }
+}
+
+/// The size of a TensorBoard event file holding its header record alone.
+const EVENT_HEADER_BYTES: u64 = 40;
 
 /// The lock file of a run's output directory.
 const LOCK_FILE: &str = ".lock";
@@ -46,6 +78,7 @@ impl OutputDir {
                 "exists and is not a directory",
             ));
         }
+        let created = !path.exists();
         std::fs::create_dir_all(path)
             .map_err(TrainError::io("create the output directory", path))?;
         let final_dir = path.join("final");
@@ -84,6 +117,7 @@ impl OutputDir {
         Ok(Self {
             path: path.to_path_buf(),
             lock,
+            created,
         })
     }
 

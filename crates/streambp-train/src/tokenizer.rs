@@ -17,6 +17,18 @@ pub struct TextTokenizer {
     pub files: Vec<PathBuf>,
     /// The chat template, when the model has one.
     pub chat: Option<crate::chat::ChatTemplate>,
+    /// The longest vocabulary entry in bytes: no token covers more of a text (byte-level BPE's and
+    /// SentencePiece's entries spell their bytes in at least as many).
+    max_token_bytes: usize,
+}
+
+/// Which end of a text a caller keeps when it has more tokens than it can use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keep {
+    /// The first tokens (a completion, SFT's and DPO's truncation).
+    Start,
+    /// The last tokens (a GRPO prompt, as TRL keeps a prompt's end).
+    End,
 }
 
 fn token_name(v: &serde_json::Value) -> Option<String> {
@@ -66,6 +78,13 @@ impl TextTokenizer {
                 files.push(dir.join(name));
             }
         }
+        let max_token_bytes = inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(4);
         Ok(Self {
             inner,
             eos_id,
@@ -73,7 +92,34 @@ impl TextTokenizer {
             unk_id,
             files,
             chat,
+            max_token_bytes,
         })
+    }
+
+    /// Token ids of `text` for a caller that uses `max_tokens` of them at most, from the `keep` end.
+    /// A text longer than twice the bytes `max_tokens` tokens can cover is cut to that at the kept
+    /// end first, so a huge row costs memory in proportion to `--max-length`, not to its size (the
+    /// tokenizer holds hundreds of bytes per character). The ids still number more than
+    /// `max_tokens` (the caller truncates or skips as before), and the kept ones are the whole
+    /// text's: they end within the first half of the window, the cut is in the second.
+    pub fn encode_at_most(&self, text: &str, max_tokens: usize, keep: Keep) -> Result<Vec<u32>> {
+        let window = max_tokens
+            .saturating_mul(self.max_token_bytes)
+            .saturating_mul(2);
+        if text.len() <= window {
+            return self.encode(text);
+        }
+        let part = match keep {
+            Keep::Start => {
+                let end = (0..=window).rev().find(|&i| text.is_char_boundary(i));
+                &text[..end.unwrap_or(0)]
+            }
+            Keep::End => {
+                let start = (text.len() - window..=text.len()).find(|&i| text.is_char_boundary(i));
+                &text[start.unwrap_or(text.len())..]
+            }
+        };
+        self.encode(part)
     }
 
     /// Token ids of `text`, without special tokens added.
