@@ -218,6 +218,14 @@ impl Trainer {
             }
             run.insert("--model".into(), weights_identity(dir)?);
         }
+        // So is an adapter to train further.
+        if let Some(spec) = &cfg.adapter {
+            let dir = streambp_models::resolve_adapter_dir(spec)?;
+            if let Some(path) = run.remove("--adapter") {
+                run.insert("--adapter path".into(), path);
+            }
+            run.insert("--adapter".into(), weights_identity(&dir)?);
+        }
         run.extend(extra);
         run.insert("data".into(), data.identity.clone());
         run.insert("ranks".into(), world.into());
