@@ -365,7 +365,9 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                     epsilon_low: g.epsilon,
                     epsilon_high: g.epsilon,
                     loss_type: g.loss_type,
-                    max_completion_length: Some(g.sampling.max_new_tokens + 1),
+                    // TRL's `max_completion_length`: a completion, its EOS included, never has
+                    // more than `--max-new-tokens` tokens (EOS is not added to a truncated one).
+                    max_completion_length: Some(g.sampling.max_new_tokens),
                 },
                 model.config.vocab_size,
                 &setup.device,
