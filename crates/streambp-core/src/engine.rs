@@ -19,9 +19,9 @@ use std::ops::Range;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var, D};
-use streambp_models::accumulate;
 use streambp_models::attention::EarlierKeys;
 use streambp_models::lora::DropoutKey;
+use streambp_models::{accumulate, half_product};
 use streambp_models::{DecoderLayer, KeyBlock, Layout, Model};
 use streambp_objectives::Objective;
 
@@ -598,7 +598,7 @@ fn head_chunk(
     let dz = dz.to_dtype(dtype)?;
     Ok(HeadChunk {
         logp,
-        grad_hidden: dz.matmul(weight)?.reshape((b, c, d))?,
+        grad_hidden: half_product::matmul(&dz, weight)?.reshape((b, c, d))?,
         grad_logits: dz,
     })
 }
@@ -755,6 +755,15 @@ fn required(store: &GradStore, t: &Tensor, what: &str) -> Result<Tensor> {
 
 /// Accumulates parameter gradients across chunks and phases, detached (so no chunk's graph stays
 /// alive) and in f32 for half-precision models (so chunking does not add rounding).
+/// The dtype gradients of `dtype` parameters are summed in: f32 for half precision (a sum over many
+/// chunks in bf16 would lose the small shares), the parameter's own otherwise.
+fn accumulator_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::BF16 | DType::F16 => DType::F32,
+        other => other,
+    }
+}
+
 struct GradSink {
     acc: HashMap<String, Tensor>,
     /// Accumulators made by the sink's own arithmetic, whose storage nothing else holds: these are
@@ -809,17 +818,19 @@ impl GradSink {
     }
 
     /// The accumulator of `name` (`like`'s shape), made zero if there is none yet, for adding into in
-    /// place; `None` where it could not be (one the sink does not own, or off the host in f32/f64).
+    /// place; `None` where it could not be (one the sink does not own, or off the host). A half
+    /// precision parameter's accumulator is f32 ([`accumulator_dtype`]).
     fn accumulator(&mut self, name: &str, like: &Tensor) -> Result<Option<Tensor>> {
+        let dtype = accumulator_dtype(like.dtype());
         if !self.acc.contains_key(name) {
-            self.acc
-                .insert(name.to_string(), like.detach().zeros_like()?);
+            let zeros = Tensor::zeros(like.shape(), dtype, like.device())?;
+            self.acc.insert(name.to_string(), zeros);
             self.owned.insert(name.to_string());
         }
         Ok(self
             .acc
             .get(name)
-            .filter(|acc| self.owned.contains(name) && acc.dtype() == like.dtype())
+            .filter(|acc| self.owned.contains(name) && acc.dtype() == dtype)
             .cloned())
     }
 
@@ -829,14 +840,19 @@ impl GradSink {
     }
 
     /// Adds the gradient `a·b` (a weight's share from one chunk: the LM head's `dzᵀ·h`), into the
-    /// accumulator in place where it can.
+    /// accumulator in place where it can. In half precision the first chunk's share goes into a
+    /// zero f32 accumulator too, never through a product rounded to bf16.
     fn add_product(&mut self, name: &str, a: &Tensor, b: &Tensor) -> Result<()> {
+        if !self.acc.contains_key(name) && accumulator_dtype(a.dtype()) != a.dtype() {
+            let like = Tensor::zeros((a.dim(0)?, b.dim(1)?), a.dtype(), a.device())?;
+            self.accumulator(name, &like)?;
+        }
         if let Some(acc) = self.acc.get(name) {
             if self.owned.contains(name) && accumulate::add_product(acc, a, b)? {
                 return Ok(());
             }
         }
-        self.accumulate(name, a.matmul(b)?, true)
+        self.accumulate(name, half_product::matmul(a, b)?, true)
     }
 
     /// Adds `rows[i]` into row `ids[i]` of the gradient of `name` (shaped like `table`): in place on
@@ -856,9 +872,10 @@ impl GradSink {
     /// Adds `grad` (`fresh`: a tensor only the sink holds) to the accumulator of `name`: in place
     /// once the sink owns the accumulator, else as a new sum, which it then owns.
     fn accumulate(&mut self, name: &str, grad: Tensor, fresh: bool) -> Result<()> {
-        let (grad, fresh) = match grad.dtype() {
-            DType::BF16 | DType::F16 => (grad.to_dtype(DType::F32)?, true),
-            _ => (grad, fresh),
+        let dtype = accumulator_dtype(grad.dtype());
+        let (grad, fresh) = match grad.dtype() == dtype {
+            true => (grad, fresh),
+            false => (grad.to_dtype(dtype)?, true),
         };
         if let Some(acc) = self.acc.get(name) {
             if self.owned.contains(name) && accumulate::add(acc, &grad)? {

@@ -36,12 +36,15 @@ fn vocabulary() -> std::collections::HashMap<char, i64> {
 /// The task's end of sequence (`<eos>`), which SFT appends to a completion.
 const EOS: i64 = 1;
 
+/// Token rows of a batch (`[batch][T]`).
+type Rows = Vec<Vec<i64>>;
+
 /// Six held-out problems, a row each (`prompt completion <eos>`: 9 or 10 tokens, so rows are padded),
 /// labels on the completions only, as SFT trains: the distribution the model was trained on.
-fn batch() -> (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<Vec<i64>>) {
+fn batch() -> [Rows; 3] {
     let vocab = vocabulary();
     let text = std::fs::read_to_string(arithmetic().join("test.jsonl")).unwrap();
-    let mut problems = text.lines().map(|line| {
+    let problems = text.lines().map(|line| {
         let row: serde_json::Value = serde_json::from_str(line).unwrap();
         let ids = |key: &str| -> Vec<i64> {
             row[key]
@@ -53,16 +56,17 @@ fn batch() -> (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<Vec<i64>>) {
         };
         (ids("prompt"), ids("completion"))
     });
-    let (mut ids, mut labels) = (Vec::new(), Vec::new());
-    for count in [1; 6] {
-        let (mut row, mut label) = (Vec::new(), Vec::new());
-        for (prompt, completion) in problems.by_ref().take(count) {
-            label.extend(prompt.iter().map(|_| -100));
-            label.extend(completion.iter().chain([&EOS]));
-            row.extend(prompt.into_iter().chain(completion).chain([EOS]));
-        }
-        ids.push(row);
-        labels.push(label);
+    let (mut ids, mut labels): (Rows, Rows) = (Vec::new(), Vec::new());
+    for (prompt, completion) in problems.take(6) {
+        labels.push(
+            prompt
+                .iter()
+                .map(|_| -100)
+                .chain(completion.iter().copied())
+                .chain([EOS])
+                .collect(),
+        );
+        ids.push(prompt.into_iter().chain(completion).chain([EOS]).collect());
     }
     let len = ids.iter().map(Vec::len).max().unwrap();
     let mask = ids
@@ -73,7 +77,7 @@ fn batch() -> (Vec<Vec<i64>>, Vec<Vec<i64>>, Vec<Vec<i64>>) {
         row.resize(len, 0);
         label.resize(len, -100);
     }
-    (ids, labels, mask)
+    [ids, labels, mask]
 }
 
 fn gradients(dtype: DType, mode: Mode, chunks: Chunks) -> Gradients {
@@ -85,7 +89,7 @@ fn gradients(dtype: DType, mode: Mode, chunks: Chunks) -> Gradients {
         .map(|(name, t)| (name, t.to_dtype(dtype).unwrap()))
         .collect();
     let model = Model::from_tensors(config, weights).unwrap();
-    let (ids, labels, mask) = batch();
+    let [ids, labels, mask] = batch();
     let ids = Tensor::new(ids, &Device::Cpu)
         .unwrap()
         .to_dtype(DType::U32)

@@ -13,7 +13,8 @@
 //! `false` and the caller keeps the tensor-op sum (which CUDA runs).
 
 use crate::cpu::{fusable, gemm_into, gemm_parallelism, input_data};
-use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Tensor, WithDType};
+use crate::half_product::{self, Destination};
+use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor, WithDType};
 use rayon::prelude::*;
 
 type CResult<T> = candle_core::Result<T>;
@@ -40,10 +41,16 @@ pub fn add(acc: &Tensor, x: &Tensor) -> CResult<bool> {
 }
 
 /// `acc += a·b` in place for `a` `[m, k]`, `b` `[k, n]` (any strides) and `acc` `[m, n]`; `false`,
-/// with nothing done, where that does not apply.
+/// with nothing done, where that does not apply. bf16 operands add into an f32 accumulator
+/// ([`crate::half_product`]: summed in f32, unrounded).
 pub fn add_product(acc: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool> {
     let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
-    if !in_place(acc, &[a, b]) || k != k2 || acc.dims() != [m, n] {
+    let half_into_f32 = acc.dtype() == DType::F32
+        && acc.is_contiguous()
+        && [a, b]
+            .iter()
+            .all(|t| t.device().is_cpu() && t.dtype() == DType::BF16);
+    if !(in_place(acc, &[a, b]) || half_into_f32) || k != k2 || acc.dims() != [m, n] {
         return Ok(false);
     }
     acc.inplace_op3(a, b, &AddProduct)?;
@@ -202,13 +209,19 @@ impl InplaceOp3 for AddProduct {
         l3: &Layout,
     ) -> CResult<()> {
         let r = range(l1)?;
-        match s1 {
-            CpuStorage::F32(acc) => Self::run(
+        match (s1, s2, s3) {
+            (CpuStorage::F32(acc), CpuStorage::BF16(a), CpuStorage::BF16(b)) => {
+                let ((a, m, k), (b, _, n)) =
+                    (half_product::operand(a, l2)?, half_product::operand(b, l3)?);
+                half_product::product(Destination::AddF32(&mut acc[r]), (m, n, k), a, b);
+                Ok(())
+            }
+            (CpuStorage::F32(acc), _, _) => Self::run(
                 &mut acc[r],
                 (f32::cpu_storage_as_slice(s2)?, l2),
                 (f32::cpu_storage_as_slice(s3)?, l3),
             ),
-            CpuStorage::F64(acc) => Self::run(
+            (CpuStorage::F64(acc), _, _) => Self::run(
                 &mut acc[r],
                 (f64::cpu_storage_as_slice(s2)?, l2),
                 (f64::cpu_storage_as_slice(s3)?, l3),

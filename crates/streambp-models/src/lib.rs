@@ -24,6 +24,7 @@ pub mod config;
 pub mod cpu;
 pub mod device;
 pub mod error;
+pub mod half_product;
 pub mod hub;
 pub mod init;
 pub mod layer;

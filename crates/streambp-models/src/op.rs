@@ -9,6 +9,7 @@ use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 use crate::accumulate;
 use crate::cpu::{fusable, gemm_parallelism};
+use crate::half_product;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -78,7 +79,7 @@ impl candle_core::CustomOp1 for FrozenLinear {
     }
 
     fn bwd(&self, _x: &Tensor, _out: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
-        Ok(Some(grad.matmul(&self.weight)?))
+        Ok(Some(half_product::matmul(grad, &self.weight)?))
     }
 }
 
@@ -87,7 +88,7 @@ impl candle_core::CustomOp1 for FrozenLinear {
 pub(crate) fn frozen_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
     let (weight, bias) = (weight.detach(), bias.map(Tensor::detach));
     let plain = |x: &Tensor| -> CResult<Tensor> {
-        let y = x.matmul(&weight.t()?)?;
+        let y = half_product::matmul(x, &weight.t()?)?;
         match &bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -137,7 +138,11 @@ impl candle_core::CustomOp2 for TrainedLinear {
                 let (out, shape) = host_product((x, l1), (w, l2))?;
                 Ok((CpuStorage::F64(out), shape))
             }
-            _ => candle_core::bail!("linear: not f32 or f64"),
+            (None, CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
+                let (out, shape) = half_product::linear((x, l1), (w, l2))?;
+                Ok((CpuStorage::BF16(out), shape))
+            }
+            _ => candle_core::bail!("linear: not f32, f64 or bf16"),
         }
     }
 
@@ -168,24 +173,26 @@ impl candle_core::CustomOp2 for TrainedLinear {
             t.reshape((t.elem_count() / inner.max(1), inner))
         };
         let (grad2, x2) = (rows(grad)?, rows(&x.detach())?);
-        let grad_x = grad2.matmul(&weight.detach())?.reshape(x.shape())?;
+        let grad_x = half_product::matmul(&grad2, &weight.detach())?.reshape(x.shape())?;
         let grad_t = grad2.t()?;
         let grad_w = match &self.grad_into {
             Some(acc) if accumulate::add_product(acc, &grad_t, &x2)? => None,
-            _ => Some(grad_t.matmul(&x2)?),
+            _ => Some(half_product::matmul(&grad_t, &x2)?),
         };
         Ok((Some(grad_x), grad_w))
     }
 }
 
-/// Whether [`host_product`] computes `x Wᵀ`: both on the CPU in the same f32/f64, `x` contiguous
-/// `[.., in]` (rank 2 or more), `W` `[out, in]`, no size zero.
+/// Whether the host computes `x Wᵀ` ([`host_product`], or [`half_product::linear`] in bf16): both
+/// on the CPU in the same f32/f64/bf16, `x` contiguous `[.., in]` (rank 2 or more), `W` `[out, in]`,
+/// no size zero.
 fn on_host(x: &Tensor, weight: &Tensor) -> bool {
     let sizes = match (x.dims(), weight.dims()) {
         (&[_, .., k], &[out, k2]) => k == k2 && x.elem_count() * out > 0,
         _ => false,
     };
-    fusable(x)
+    (fusable(x) || x.dtype() == candle_core::DType::BF16)
+        && x.device().is_cpu()
         && weight.device().is_cpu()
         && weight.dtype() == x.dtype()
         && x.is_contiguous()
@@ -282,14 +289,14 @@ pub(crate) fn trained_linear(
     let y = match (on_host(&x2, weight), tracked) {
         (true, _) => on_host_op(&x2)?,
         (false, true) => {
-            let out = x2.detach().matmul(&weight.detach().t()?)?;
+            let out = half_product::matmul(&x2.detach(), &weight.detach().t()?)?;
             let op = TrainedLinear {
                 out: Some(Precomputed::new(out)),
                 grad_into: grad_into.cloned(),
             };
             x2.apply_op2(weight, op)?
         }
-        (false, false) => x2.matmul(&weight.t()?)?,
+        (false, false) => half_product::matmul(&x2, &weight.t()?)?,
     };
     y.reshape(out_shape)
 }
@@ -343,9 +350,9 @@ impl candle_core::CustomOp3 for LoraLinear {
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let scaled = (grad * self.scale)?;
-        let grad_x = grad.matmul(&self.weight)?;
-        let grad_u = scaled.matmul(&b.detach())?;
-        let grad_b = scaled.t()?.matmul(&u.detach())?;
+        let grad_x = half_product::matmul(grad, &self.weight)?;
+        let grad_u = half_product::matmul(&scaled, &b.detach())?;
+        let grad_b = half_product::matmul(&scaled.t()?, &u.detach())?;
         Ok((Some(grad_x), Some(grad_u), Some(grad_b)))
     }
 }
@@ -363,12 +370,12 @@ pub(crate) fn lora_linear(
 ) -> CResult<Tensor> {
     let weight = weight.detach();
     let out = {
-        let base = x.detach().matmul(&weight.t()?)?;
+        let base = half_product::matmul(&x.detach(), &weight.t()?)?;
         let base = match bias {
             Some(b) => base.broadcast_add(&b.detach())?,
             None => base,
         };
-        (base + (u.detach().matmul(&lora_b.detach().t()?)? * scale)?)?
+        (base + (half_product::matmul(&u.detach(), &lora_b.detach().t()?)? * scale)?)?
     };
     if !(x.track_op() || u.track_op() || lora_b.track_op()) {
         return Ok(out);

@@ -267,10 +267,11 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
 
     // The head, per logits chunk of `b · lc` rows. The scores in the compute dtype, their softmax,
     // its VJP and the target scatter; on the host the scores alone, which their softmax and its VJP
-    // overwrite; half precision adds the raw logits, the rounded VJP and temporaries (fitted).
+    // overwrite; half precision adds the VJP rounded to it (on the host; its products there make no
+    // f32 copies) or the raw logits, the rounded VJP and temporaries (elsewhere; fitted).
     let half_logits = match (half, p.host) {
         (false, _) => 0,
-        (true, true) => 7 * e / 2,
+        (true, true) => e,
         (true, false) => 4 * e,
     };
     let buffers = if p.host { 1 } else { 4 };
@@ -280,8 +281,8 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // half precision's products on the host also convert their operands to f32).
     let head_rows = b * lc * d * if half { 14 * f32b } else { 7 * e };
     // Each chunk's share of the head weight's gradient: added into the accumulator by the product
-    // itself on the host in f32/f64, a `[V, d]` buffer elsewhere.
-    let head_share = if p.host && !half { 0 } else { head_grad };
+    // itself on the host (bf16 operands into an f32 accumulator), a `[V, d]` buffer elsewhere.
+    let head_share = if p.host { 0 } else { head_grad };
     let rows = (b * lc) as usize;
     let (v, dd) = (vocab as usize, d as usize);
     let mut head_products = vec![

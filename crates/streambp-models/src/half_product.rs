@@ -1,0 +1,347 @@
+//! bf16 matrix products computed in f32, a tile at a time.
+//!
+//! candle 0.11 multiplies bf16 matrices by widening both operands' *whole storages* to f32, then
+//! narrowing the result: for a projection that is the weight, for the LM head the whole vocabulary
+//! table, on every call (and a second f32 copy of each gradient product). Here each task owns one
+//! tile of the output and sums it over slices of the inner dimension: it widens the slice of each
+//! operand it needs into its own small buffers and runs gemm's f32 kernel on them (the kernel
+//! candle's f32 products run, on one thread: the tiles are what run in parallel). No operand is ever
+//! widened whole, and the result is rounded once (or added, unrounded, into an f32 accumulator), so
+//! the arithmetic is f32's with f32 accumulation, as candle's widened product and PyTorch's bf16
+//! products on the CPU do.
+
+use candle_core::{CpuStorage, Layout, Storage, Tensor};
+use half::bf16;
+use rayon::prelude::*;
+
+type CResult<T> = candle_core::Result<T>;
+
+/// Output rows and columns of a tile, and the inner slice summed per kernel call: a tile's operand
+/// slices (2 × 256 × 256 f32, 512 KiB) stay within one core's L2.
+const TILE: usize = 256;
+
+/// The smallest tile edge the tiles shrink to when a product has too few tiles to keep every thread
+/// busy (gemm's f32 kernel loses little at 64).
+const MIN_TILE: usize = 64;
+
+/// A bf16 matrix operand: its data from its first element and its row and column strides.
+#[derive(Clone, Copy)]
+pub struct Operand<'a> {
+    /// The elements, from the matrix's first.
+    pub data: &'a [bf16],
+    /// Elements from one row to the next.
+    pub row_stride: usize,
+    /// Elements from one column to the next.
+    pub col_stride: usize,
+}
+
+impl Operand<'_> {
+    /// Whether a `rows × cols` matrix with these strides lies within the data.
+    fn fits(&self, rows: usize, cols: usize) -> bool {
+        rows == 0
+            || cols == 0
+            || (rows - 1) * self.row_stride + (cols - 1) * self.col_stride < self.data.len()
+    }
+
+    /// Widens rows `rows` × columns `cols` into `buf`, laid out along whichever of the operand's
+    /// strides is 1 (so the reads are contiguous): returns the buffer's (row, column) strides.
+    fn widen(
+        &self,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        buf: &mut Vec<f32>,
+    ) -> (usize, usize) {
+        let (r, c) = (rows.len(), cols.len());
+        buf.clear();
+        buf.reserve(r * c);
+        let at = |i: usize, j: usize| i * self.row_stride + j * self.col_stride;
+        if self.row_stride == 1 && self.col_stride != 1 {
+            // Column-major: each column's run of rows is contiguous.
+            for j in cols {
+                let start = at(rows.start, j);
+                buf.extend(self.data[start..start + r].iter().map(|x| widen(*x)));
+            }
+            (1, r)
+        } else if self.col_stride == 1 {
+            for i in rows {
+                let start = at(i, cols.start);
+                buf.extend(self.data[start..start + c].iter().map(|x| widen(*x)));
+            }
+            (c, 1)
+        } else {
+            for i in rows {
+                buf.extend(cols.clone().map(|j| widen(self.data[at(i, j)])));
+            }
+            (c, 1)
+        }
+    }
+}
+
+/// bf16 to f32: exact (the bf16 bits are f32's upper half), and a shift the compiler vectorizes.
+#[inline(always)]
+fn widen(x: bf16) -> f32 {
+    f32::from_bits((x.to_bits() as u32) << 16)
+}
+
+/// Where a product's result goes.
+pub enum Destination<'a> {
+    /// A new `[m, n]` row-major bf16 matrix, rounded once from the f32 sums.
+    Bf16(&'a mut [bf16]),
+    /// `dst += a·b` into an `[m, n]` row-major f32 accumulator, unrounded.
+    AddF32(&'a mut [f32]),
+}
+
+/// A pointer to the destination that tasks share, each writing only its own tile.
+#[derive(Clone, Copy)]
+struct SharedDst<T>(*mut T);
+// SAFETY: each task writes a tile no other task touches (see `product`).
+unsafe impl<T> Send for SharedDst<T> {}
+unsafe impl<T> Sync for SharedDst<T> {}
+
+/// `dst (=|+=) a·b` for `a` `[m, k]` and `b` `[k, n]` in bf16, summed in f32 (see the module doc).
+/// Panics if an operand's strides reach past its data or the destination is smaller than `[m, n]`.
+pub fn product(dst: Destination<'_>, (m, n, k): (usize, usize, usize), a: Operand, b: Operand) {
+    assert!(
+        a.fits(m, k) && b.fits(k, n),
+        "bf16 product: operand out of range"
+    );
+    let len = match &dst {
+        Destination::Bf16(d) => d.len(),
+        Destination::AddF32(d) => d.len(),
+    };
+    assert!(len >= m * n, "bf16 product: destination too small");
+    if m * n == 0 {
+        return;
+    }
+    let (tm, tn) = tile_sizes(m, n);
+    let tiles: Vec<(usize, usize)> = (0..m.div_ceil(tm))
+        .flat_map(|i| (0..n.div_ceil(tn)).map(move |j| (i * tm, j * tn)))
+        .collect();
+    let (bf16_dst, f32_dst) = match dst {
+        Destination::Bf16(d) => (Some(SharedDst(d.as_mut_ptr())), None),
+        Destination::AddF32(d) => (None, Some(SharedDst(d.as_mut_ptr()))),
+    };
+    tiles.par_iter().for_each_init(
+        || (Vec::new(), Vec::new(), Vec::new()),
+        |(a_buf, b_buf, out), &(i0, j0)| {
+            let (rows, cols) = (i0..(i0 + tm).min(m), j0..(j0 + tn).min(n));
+            let (r, c) = (rows.len(), cols.len());
+            // The tile's sums: in the accumulator itself when adding into f32, else in `out`.
+            let (tile, tile_rs, mut read_dst) = match f32_dst {
+                // SAFETY: tile (i0, j0) is this task's alone; its elements lie within `m × n`.
+                Some(d) => (unsafe { d.0.add(i0 * n + j0) }, n, true),
+                None => {
+                    out.clear();
+                    out.resize(r * c, 0.0f32);
+                    (out.as_mut_ptr(), c, false)
+                }
+            };
+            for k0 in (0..k).step_by(TILE) {
+                let inner = k0..(k0 + TILE).min(k);
+                let (ars, acs) = a.widen(rows.clone(), inner.clone(), a_buf);
+                let (brs, bcs) = b.widen(inner.clone(), cols.clone(), b_buf);
+                // SAFETY: the buffers hold `r × inner` and `inner × c` elements at the strides
+                // `widen` returned; the tile has room for `r × c` at row stride `tile_rs`.
+                unsafe {
+                    gemm::gemm(
+                        r,
+                        c,
+                        inner.len(),
+                        tile,
+                        1,
+                        tile_rs as isize,
+                        read_dst,
+                        a_buf.as_ptr(),
+                        acs as isize,
+                        ars as isize,
+                        b_buf.as_ptr(),
+                        bcs as isize,
+                        brs as isize,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                read_dst = true;
+            }
+            if let Some(d) = bf16_dst {
+                for (t, sums) in out.chunks_exact(c).enumerate() {
+                    // SAFETY: row `i0 + t` of tile (i0, j0) is this task's alone, within `m × n`.
+                    let row =
+                        unsafe { std::slice::from_raw_parts_mut(d.0.add((i0 + t) * n + j0), c) };
+                    for (y, &s) in row.iter_mut().zip(sums) {
+                        *y = bf16::from_f32(s);
+                    }
+                }
+            }
+        },
+    );
+}
+
+/// The operand a 2-D layout (or a contiguous one of any rank, its leading dimensions as rows)
+/// addresses in `data`, with its rows and columns.
+pub fn operand<'a>(data: &'a [bf16], l: &Layout) -> CResult<(Operand<'a>, usize, usize)> {
+    let (dims, stride) = (l.dims(), l.stride());
+    let (rows, cols, row_stride, col_stride) = match *dims {
+        [rows, cols] => (rows, cols, stride[0], stride[1]),
+        [.., cols] if l.is_contiguous() => (l.shape().elem_count() / cols.max(1), cols, cols, 1),
+        _ => {
+            candle_core::bail!("bf16 product: an operand of shape {dims:?} and strides {stride:?}")
+        }
+    };
+    let data = data.get(l.start_offset()..).ok_or_else(|| {
+        candle_core::Error::Msg("bf16 product: operand outside its storage".into())
+    })?;
+    let op = Operand {
+        data,
+        row_stride,
+        col_stride,
+    };
+    if !op.fits(rows, cols) {
+        candle_core::bail!("bf16 product: operand outside its storage");
+    }
+    Ok((op, rows, cols))
+}
+
+/// `a·b`: by [`product`] for 2-D bf16 tensors on the CPU (any strides), by candle's `matmul`
+/// for any others. The bf16 result records no backward: for products of constants (a detached
+/// forward, a backward's own products), never for one a graph must differentiate.
+pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    let on_host = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle_core::DType::BF16;
+    if !(on_host(a) && on_host(b) && a.rank() == 2 && b.rank() == 2) {
+        return a.matmul(b);
+    }
+    let ((sa, la), (sb, lb)) = (a.storage_and_layout(), b.storage_and_layout());
+    let (Storage::Cpu(CpuStorage::BF16(da)), Storage::Cpu(CpuStorage::BF16(db))) = (&*sa, &*sb)
+    else {
+        candle_core::bail!("bf16 product: operands not in bf16 host storage");
+    };
+    let ((oa, m, k), (ob, k2, n)) = (operand(da, la)?, operand(db, lb)?);
+    if k != k2 {
+        candle_core::bail!("bf16 product: [{m}, {k}] by [{k2}, {n}]");
+    }
+    let mut out = vec![bf16::ZERO; m * n];
+    product(Destination::Bf16(&mut out), (m, n, k), oa, ob);
+    Tensor::from_vec(out, (m, n), a.device())
+}
+
+/// `x Wᵀ` for bf16 host data: `x` `[.., in]` contiguous, `W` `[out, in]` (any strides); the result
+/// `[.., out]`.
+pub fn linear(
+    (x, xl): (&[bf16], &Layout),
+    (w, wl): (&[bf16], &Layout),
+) -> CResult<(Vec<bf16>, candle_core::Shape)> {
+    let ((x_op, n, k), (w_op, out, k2)) = (operand(x, xl)?, operand(w, wl)?);
+    if k != k2 || wl.dims().len() != 2 {
+        candle_core::bail!("linear: x {:?}, weight {:?}", xl.dims(), wl.dims());
+    }
+    let w_t = Operand {
+        data: w_op.data,
+        row_stride: w_op.col_stride,
+        col_stride: w_op.row_stride,
+    };
+    let mut dst = vec![bf16::ZERO; n * out];
+    product(Destination::Bf16(&mut dst), (n, out, k), x_op, w_t);
+    let mut shape = xl.dims().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = out;
+    }
+    Ok((dst, shape.into()))
+}
+
+/// Tile edges for an `m × n` output: [`TILE`], halved (down to [`MIN_TILE`]) along the longer edge
+/// while there are fewer tiles than twice the threads.
+fn tile_sizes(m: usize, n: usize) -> (usize, usize) {
+    let want = 2 * rayon::current_num_threads();
+    let (mut tm, mut tn) = (TILE.min(m), TILE.min(n));
+    while m.div_ceil(tm) * n.div_ceil(tn) < want {
+        if tm >= tn && tm / 2 >= MIN_TILE {
+            tm /= 2;
+        } else if tn / 2 >= MIN_TILE {
+            tn /= 2;
+        } else {
+            break;
+        }
+    }
+    (tm, tn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deterministic bf16 matrix's elements.
+    fn values(len: usize, seed: u32) -> Vec<bf16> {
+        (0..len)
+            .map(|i| bf16::from_f32(((i as f32 * 0.37 + seed as f32).sin()) * 2.0))
+            .collect()
+    }
+
+    /// `a·b` in f64 from the operands' exact values.
+    fn exact(m: usize, n: usize, k: usize, a: Operand, b: Operand) -> Vec<f64> {
+        let at =
+            |o: &Operand, i: usize, j: usize| o.data[i * o.row_stride + j * o.col_stride].to_f64();
+        (0..m * n)
+            .map(|ij| {
+                let (i, j) = (ij / n, ij % n);
+                (0..k).map(|p| at(&a, i, p) * at(&b, p, j)).sum()
+            })
+            .collect()
+    }
+
+    /// Every layout of either operand (row-major, column-major, a strided view), sizes that do and
+    /// do not fill whole tiles (inner dimension across slices, k = 0 included), both destinations:
+    /// within f32's rounding of f64's sums, the bf16 result rounded once from them.
+    #[test]
+    fn products_match_f64_in_every_layout() {
+        for (m, n, k) in [
+            (1, 1, 1),
+            (3, 5, 0),
+            (70, 300, 513),
+            (257, 65, 40),
+            (128, 128, 256),
+        ] {
+            let a_data = values(2 * m * k + 1, 1);
+            let b_data = values(2 * k * n + 1, 2);
+            let layouts = |rows: usize, cols: usize| [(cols, 1), (1, rows), (2 * cols, 2)];
+            for (ars, acs) in layouts(m, k) {
+                for (brs, bcs) in layouts(k, n) {
+                    let a = Operand {
+                        data: &a_data,
+                        row_stride: ars,
+                        col_stride: acs,
+                    };
+                    let b = Operand {
+                        data: &b_data,
+                        row_stride: brs,
+                        col_stride: bcs,
+                    };
+                    let want = exact(m, n, k, a, b);
+                    let tol = |w: f64| 1e-6 * (k as f64).sqrt() * (1.0 + w.abs()) * 4.0;
+                    let mut acc: Vec<f32> = (0..m * n).map(|i| i as f32).collect();
+                    product(Destination::AddF32(&mut acc), (m, n, k), a, b);
+                    for (i, (&got, &w)) in acc.iter().zip(&want).enumerate() {
+                        let w = w + i as f64;
+                        assert!(
+                            (got as f64 - w).abs() <= tol(w),
+                            "{m}x{n}x{k} add: {got} vs {w}"
+                        );
+                    }
+                    let mut out = vec![bf16::ZERO; m * n];
+                    product(Destination::Bf16(&mut out), (m, n, k), a, b);
+                    for (&got, &w) in out.iter().zip(&want) {
+                        let rounded = bf16::from_f64(w).to_f64();
+                        let ulp = w.abs() * 2f64.powi(-7);
+                        assert!(
+                            (got.to_f64() - rounded).abs() <= ulp + tol(w),
+                            "{m}x{n}x{k}: {got} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
