@@ -205,6 +205,30 @@ pub fn fusable(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
+/// Runs `op`, a pass written for f32/f64 ([`fusable`]), on bf16 CPU tensors: their f32 copies in,
+/// the result rounded back to bf16 once (both casts recorded in the graph). Composed in bf16 the
+/// same computation makes a buffer and a rounding per step, forward and backward. `None`, with
+/// nothing run, unless every input is bf16 on the CPU.
+pub fn through_f32<const N: usize, E: From<candle_core::Error>>(
+    inputs: [&Tensor; N],
+    op: impl FnOnce([Tensor; N]) -> Result<Tensor, E>,
+) -> Result<Option<Tensor>, E> {
+    if !inputs
+        .iter()
+        .all(|t| t.device().is_cpu() && t.dtype() == DType::BF16)
+    {
+        return Ok(None);
+    }
+    let wide: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.to_dtype(DType::F32))
+        .collect::<CResult<_>>()?;
+    let wide: [Tensor; N] = wide
+        .try_into()
+        .map_err(|_| candle_core::Error::Msg("through_f32: inputs lost".into()))?;
+    Ok(Some(op(wide)?.to_dtype(DType::BF16)?))
+}
+
 /// The data of a custom op's CPU input (which the caller made contiguous).
 pub fn input_data<'a, T: WithDType>(
     storage: &'a candle_core::CpuStorage,

@@ -3,7 +3,8 @@
 //!
 //! On the CPU in f32/f64 the norm is one op ([`FusedRmsNorm`]): one pass per row forward, one per
 //! row backward, where the composed ops make eight passes forward and about a dozen in autograd's
-//! backward, each with its own buffer. Elsewhere (CUDA, half precision) it is composed from
+//! backward, each with its own buffer; bf16 on the CPU runs it in f32 (rounded once, where
+//! transformers rounds the normed rows before scaling them). Elsewhere (CUDA) it is composed from
 //! differentiable tensor ops; the two agree to rounding (tested in f64).
 
 use candle_core::backend::BackendStorage;
@@ -12,7 +13,7 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 use crate::config::NormStyle;
-use crate::cpu::{fusable, input_data, tensor_from, with_data};
+use crate::cpu::{fusable, input_data, tensor_from, through_f32, with_data};
 use crate::error::Result;
 
 type CResult<T> = candle_core::Result<T>;
@@ -45,6 +46,16 @@ impl RmsNorm {
                 one_plus: self.style == NormStyle::OnePlusWeightInF32,
             };
             return Ok(x.contiguous()?.apply_op2(&self.weight.contiguous()?, op)?);
+        }
+        let in_f32 = |[x, weight]: [Tensor; 2]| {
+            Self {
+                weight,
+                ..self.clone()
+            }
+            .forward(&x)
+        };
+        if let Some(out) = through_f32([x, &self.weight], in_f32)? {
+            return Ok(out);
         }
         self.composed(x)
     }

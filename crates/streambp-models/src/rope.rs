@@ -14,7 +14,7 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 use crate::config::{RopeConfig, RopeScaling};
-use crate::cpu::{fusable, input_data, tensor_from, with_data};
+use crate::cpu::{fusable, input_data, tensor_from, through_f32, with_data};
 use crate::error::Result;
 
 type CResult<T> = candle_core::Result<T>;
@@ -128,6 +128,10 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
             per_batch: cos.rank() == 4,
         };
         return Ok(x.contiguous()?.apply_op1(op)?);
+    }
+    let in_f32 = |[x, cos, sin]: [Tensor; 3]| apply_rope(&x, &cos, &sin);
+    if let Some(out) = through_f32([x, &cos.detach(), &sin.detach()], in_f32)? {
+        return Ok(out);
     }
     composed_rope(x, cos, sin)
 }

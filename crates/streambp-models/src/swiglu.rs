@@ -2,14 +2,15 @@
 //! `d up = g ⊙ silu(gate)` and `d gate = g ⊙ up ⊙ silu'(gate)` with
 //! `silu'(x) = σ(x)·(1 − silu(x)) + silu(x)` (candle's own form). Composed, the activation and the
 //! product are two ops with a buffer each and autograd's backward makes about seven passes; here each
-//! is one pass. Elsewhere (CUDA, half precision) [`swiglu`] composes the same tensor ops as before.
+//! is one pass. bf16 on the CPU runs it in f32 ([`crate::cpu::through_f32`]); elsewhere (CUDA)
+//! [`swiglu`] composes the same tensor ops as before.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType};
 use num_traits::Float;
 use rayon::prelude::*;
 
-use crate::cpu::{fusable, input_data, tensor_from, with_data, BulkExp};
+use crate::cpu::{fusable, input_data, tensor_from, through_f32, with_data, BulkExp};
 use crate::error::Result;
 
 type CResult<T> = candle_core::Result<T>;
@@ -23,6 +24,9 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         return Ok(gate
             .contiguous()?
             .apply_op2(&up.contiguous()?, FusedSwiglu)?);
+    }
+    if let Some(out) = through_f32([gate, up], |[gate, up]| swiglu(&gate, &up))? {
+        return Ok(out);
     }
     composed(gate, up)
 }

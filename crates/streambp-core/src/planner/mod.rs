@@ -277,9 +277,9 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let buffers = if p.host { 1 } else { 4 };
     let logits = b * lc * vocab * (buffers * f32b.max(e) + half_logits);
     // The chunk's `[lc, d]` rows: its copy of the last hidden state, the final norm's output and
-    // what its backward keeps, the hidden state's gradient and the norm's VJP (fitted: 7 in f32/f64;
-    // half precision's products on the host also convert their operands to f32).
-    let head_rows = b * lc * d * if half { 14 * f32b } else { 7 * e };
+    // what its backward keeps, the hidden state's gradient and the norm's VJP (fitted: 7, at least
+    // f32's size: half precision's norm runs in f32, on the host in one op, elsewhere composed).
+    let head_rows = b * lc * d * 7 * e.max(f32b);
     // Each chunk's share of the head weight's gradient: added into the accumulator by the product
     // itself on the host (bf16 operands into an f32 accumulator), a `[V, d]` buffer elsewhere.
     let head_share = if p.host { 0 } else { head_grad };
