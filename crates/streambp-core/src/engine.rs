@@ -753,8 +753,6 @@ fn required(store: &GradStore, t: &Tensor, what: &str) -> Result<Tensor> {
         .ok_or_else(|| EngineError::MissingGradient(what.to_string()))
 }
 
-/// Accumulates parameter gradients across chunks and phases, detached (so no chunk's graph stays
-/// alive) and in f32 for half-precision models (so chunking does not add rounding).
 /// The dtype gradients of `dtype` parameters are summed in: f32 for half precision (a sum over many
 /// chunks in bf16 would lose the small shares), the parameter's own otherwise.
 fn accumulator_dtype(dtype: DType) -> DType {
@@ -764,6 +762,8 @@ fn accumulator_dtype(dtype: DType) -> DType {
     }
 }
 
+/// Accumulates parameter gradients across chunks and phases, detached (so no chunk's graph stays
+/// alive) and in f32 for half-precision models (so chunking does not add rounding).
 struct GradSink {
     acc: HashMap<String, Tensor>,
     /// Accumulators made by the sink's own arithmetic, whose storage nothing else holds: these are
@@ -840,10 +840,11 @@ impl GradSink {
     }
 
     /// Adds the gradient `a·b` (a weight's share from one chunk: the LM head's `dzᵀ·h`), into the
-    /// accumulator in place where it can. In half precision the first chunk's share goes into a
-    /// zero f32 accumulator too, never through a product rounded to bf16.
+    /// accumulator in place where it can. In half precision on the host the first chunk's share goes
+    /// into a zero f32 accumulator too, never through a product rounded to bf16.
     fn add_product(&mut self, name: &str, a: &Tensor, b: &Tensor) -> Result<()> {
-        if !self.acc.contains_key(name) && accumulator_dtype(a.dtype()) != a.dtype() {
+        let half_on_host = a.device().is_cpu() && accumulator_dtype(a.dtype()) != a.dtype();
+        if !self.acc.contains_key(name) && half_on_host {
             let like = Tensor::zeros((a.dim(0)?, b.dim(1)?), a.dtype(), a.device())?;
             self.accumulator(name, &like)?;
         }
