@@ -19,7 +19,7 @@ use std::ops::Range;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var, D};
-use streambp_models::attention::EarlierKeys;
+use streambp_models::attention::{keys_dtype, EarlierKeys};
 use streambp_models::lora::DropoutKey;
 use streambp_models::{accumulate, half_product};
 use streambp_models::{DecoderLayer, KeyBlock, Layout, Model};
@@ -380,7 +380,7 @@ fn head_logprobs(
 }
 
 /// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk into
-/// one buffer each (no list of parts to concatenate).
+/// one buffer each (no list of parts to concatenate), in [`keys_dtype`] (f32 for bf16 on the host).
 fn keys_values_streamed(
     layer: &DecoderLayer,
     x: &Tensor,
@@ -389,13 +389,14 @@ fn keys_values_streamed(
 ) -> Result<(Tensor, Tensor)> {
     let (b, t, _) = x.dims3()?;
     let shape = (b, layer.shape.num_kv_heads, t, layer.shape.head_dim);
-    let keys = Tensor::zeros(shape, x.dtype(), x.device())?;
+    let dtype = keys_dtype(x.dtype(), x.device());
+    let keys = Tensor::zeros(shape, dtype, x.device())?;
     let values = keys.zeros_like()?;
     for r in chunk_ranges(t, chunk) {
         let normed = layer.norm_input(&x.narrow(1, r.start, r.len())?)?;
         let (k, v) = layer.keys_values(&normed, r.start, layout)?;
-        keys.slice_set(&k, 2, r.start)?;
-        values.slice_set(&v, 2, r.start)?;
+        keys.slice_set(&k.to_dtype(dtype)?, 2, r.start)?;
+        values.slice_set(&v.to_dtype(dtype)?, 2, r.start)?;
     }
     Ok((keys, values))
 }
@@ -677,9 +678,11 @@ fn layer_backward_streamed(
         };
         let attn = layer.attend(&q, &k_own, &v_own, block)?;
         let y = layer.after_attention(x_c.as_tensor(), &attn, s, layout)?;
+        // (Kept in f32 for a bf16 model on the host, the complete gradients are rounded once here.)
+        let own = |grads: &Tensor| grads.narrow(2, s, len)?.to_dtype(k_own.dtype());
         let surrogate = (seed(&y, &grad_out.narrow(1, s, len)?)?
-            + seed(&k_own, &grad_keys.narrow(2, s, len)?)?
-            + seed(&v_own, &grad_values.narrow(2, s, len)?)?)?;
+            + seed(&k_own, &own(&grad_keys)?)?
+            + seed(&v_own, &own(&grad_values)?)?)?;
         let store = surrogate.backward()?;
         grad_in.slice_set(&required(&store, x_c.as_tensor(), "layer input")?, 1, s)?;
         sink.absorb(&store, model.layer_parameters(index).iter())?;

@@ -6,7 +6,7 @@
 //! holds q, k, v, the output and the normalizer, and no tensor larger than
 //! `heads × queries × key block` exists at any time. Built from candle ops, so it runs on every backend;
 //! on the CPU in f32/f64 the same steps run as one kernel with a task per head and block
-//! ([`crate::attention_kernel`]), the tensor-op path staying CUDA's and half precision's.
+//! ([`crate::attention_kernel`]; bf16 runs it in f32), the tensor-op path staying CUDA's.
 //!
 //! Shapes (GQA without repeating K/V): q `[b, kv_heads, group·c, hd]` (already scaled), k and v
 //! `[b, kv_heads, t, hd]`, output like q ([`attention_over_heads`] takes and gives the layer's
@@ -85,6 +85,17 @@ pub struct EarlierKeys {
     pub grad_values: Tensor,
     /// Index in `grad_keys` / `grad_values` of the first earlier key.
     pub offset: usize,
+}
+
+/// The dtype to keep a sequence's keys and values (and their gradients) in, for ops reading them as
+/// [`EarlierKeys`] from a model of `dtype` on `device`: f32 for bf16 on the host, whose attention runs
+/// the f32 kernel ([`crate::layer::DecoderLayer::attend`]) and sums the keys' gradients over every
+/// later chunk (in bf16 each addition would round); the model's own dtype elsewhere.
+pub fn keys_dtype(dtype: DType, device: &candle_core::Device) -> DType {
+    match (dtype, device.is_cpu()) {
+        (DType::BF16, true) => DType::F32,
+        _ => dtype,
+    }
 }
 
 /// One block of keys: `n` keys from `start` of the earlier keys or of the op's own, at `index` among

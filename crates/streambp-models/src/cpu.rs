@@ -205,18 +205,20 @@ pub fn fusable(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
-/// Runs `op`, a pass written for f32/f64 ([`fusable`]), on bf16 CPU tensors: their f32 copies in,
-/// the result rounded back to bf16 once (both casts recorded in the graph). Composed in bf16 the
-/// same computation makes a buffer and a rounding per step, forward and backward. `None`, with
-/// nothing run, unless every input is bf16 on the CPU.
+/// Runs `op`, a pass written for f32/f64 ([`fusable`]), on bf16 CPU tensors: their f32 copies in
+/// (inputs already in f32 as they are), the result rounded back to bf16 once (the casts recorded in
+/// the graph). Composed in bf16 the same computation makes a buffer and a rounding per step, forward
+/// and backward. `None`, with nothing run, unless the first input is bf16 and every input bf16 or
+/// f32, all on the CPU.
 pub fn through_f32<const N: usize, E: From<candle_core::Error>>(
     inputs: [&Tensor; N],
     op: impl FnOnce([Tensor; N]) -> Result<Tensor, E>,
 ) -> Result<Option<Tensor>, E> {
-    if !inputs
-        .iter()
-        .all(|t| t.device().is_cpu() && t.dtype() == DType::BF16)
-    {
+    let applies = inputs.first().is_some_and(|t| t.dtype() == DType::BF16)
+        && inputs
+            .iter()
+            .all(|t| t.device().is_cpu() && matches!(t.dtype(), DType::BF16 | DType::F32));
+    if !applies {
         return Ok(None);
     }
     let wide: Vec<Tensor> = inputs

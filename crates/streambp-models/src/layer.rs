@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::attention::{attention_over_heads, EarlierKeys, KeyMask, KEY_BLOCK};
 use crate::config::{Activation, LayerKind, ModelConfig};
+use crate::cpu::through_f32;
 use crate::error::Result;
 use crate::layout::Layout;
 use crate::linear::Linear;
@@ -234,7 +235,21 @@ impl DecoderLayer {
     /// Query heads are grouped under their key/value head (`[b, kv_heads, group·c, hd]`) so GQA never
     /// materialises repeated keys. Scores are softmaxed in f32 (f64 for f64 models) like transformers'
     /// eager attention.
+    ///
+    /// bf16 on the host runs the f32 kernel on widened q, k and v (rounded back once), where earlier
+    /// keys, if any, are kept in f32 ([`crate::attention::keys_dtype`]).
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, keys: KeyBlock) -> Result<Tensor> {
+        let earlier_f32 = keys.earlier.is_none_or(|e| {
+            [&e.keys, &e.values, &e.grad_keys, &e.grad_values]
+                .iter()
+                .all(|t| t.dtype() == DType::F32)
+        });
+        if earlier_f32 {
+            let in_f32 = |[q, k, v]: [Tensor; 3]| self.attend(&q, &k, &v, keys);
+            if let Some(out) = through_f32([q, k, v], in_f32)? {
+                return Ok(out);
+            }
+        }
         let compute = if q.dtype() == DType::F64 {
             DType::F64
         } else {

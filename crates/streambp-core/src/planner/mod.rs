@@ -249,15 +249,21 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
 
     // A chunk's activations (`[c, d | q | kv | ffn]` several times; fitted, see the module docs): in
     // a graph in the backward, passing through in the forward. Half precision on the host computes
-    // them in f32 (candle's products there convert their operands).
+    // them in f32 (its norm, rope, SwiGLU and attention widen their inputs and round their outputs).
     let half_host = half && p.host;
     let act = if half_host { f32b } else { e };
-    let chunk_acts = b * c * (6 * d + 7 * q + 3 * kv + 6 * ffn) * act;
-    // (Half precision on the host: f32 copies of the operands as well, and of one hidden state.)
-    let forward_acts = b * c * (4 * d + 3 * q + 2 * kv + 4 * ffn) * act * (1 + half_host as u64)
-        + if half_host { hidden } else { 0 };
-    // The layer's keys and values of the whole sequence.
-    let keys_values = 2 * b * t * kv * e;
+    // (Half precision on the host: the attention's f32 copies of q, k and v, their gradients, and
+    // those rounded back; fitted at chunks 128 .. 747.)
+    let widened = if half_host {
+        (3 * q + 4 * kv) * f32b
+    } else {
+        0
+    };
+    let chunk_acts = b * c * ((6 * d + 7 * q + 3 * kv + 6 * ffn) * act + widened);
+    let forward_acts = b * c * (4 * d + 3 * q + 2 * kv + 4 * ffn) * act;
+    // The layer's keys and values of the whole sequence (f32 for half precision on the host, whose
+    // attention runs in f32: `streambp_models::attention::keys_dtype`).
+    let keys_values = 2 * b * t * kv * if half_host { f32b } else { e };
 
     // A chunk's projections run in the forward and in the layers' backward.
     let projection_workspace = workspace(&projections(b * c), true);
@@ -313,7 +319,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // each (row, key/value head, key block) as a task, each running task holds two (the block's
     // probabilities and their gradient) for its head's group of query heads and its products'
     // workspace...
-    let scores = if p.host && !half {
+    let scores = if p.host {
         let blocks = t.div_ceil(key_block) + 1;
         let items = b * cfg.num_kv_heads as u64;
         let threads = rayon::current_num_threads() as u64;
@@ -329,11 +335,11 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
             Product::transposed_by(n, hd, rows),
             Product::by_plain(rows, n, hd),
         ];
-        let task = 2 * group * score_area(t, c, key_block) * e + workspace(&task_products, false);
+        let task = 2 * group * score_area(t, c, key_block) * act + workspace(&task_products, false);
         // ... and the share of dQ of each block of a wave (as many blocks as keep the threads busy)
         // until the wave is summed.
         let wave = threads.div_ceil(items.max(1)).clamp(1, blocks);
-        let shares = b * heads * c * cfg.head_dim as u64 * wave * e;
+        let shares = b * heads * c * cfg.head_dim as u64 * wave * act;
         running * task + shares
     } else {
         41 * b * heads * score_area(t, c, key_block) * f32b.max(e) / 10
