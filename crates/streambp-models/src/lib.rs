@@ -20,6 +20,7 @@ pub mod accumulate;
 pub mod adapter;
 pub mod attention;
 mod attention_kernel;
+mod bf16_kernel;
 pub mod config;
 pub mod cpu;
 pub mod device;

@@ -1,0 +1,222 @@
+//! One output tile of a bf16 product on AVX512-BF16's dot-product instruction (`vdpbf16ps`, stable
+//! Rust's `_mm512_dpbf16_ps`): each of its 16 f32 lanes adds the two products of a pair of bf16
+//! (consecutive along the inner dimension) to its sum, 32 multiply-adds an instruction where f32's
+//! FMA does 16, on operands half the bytes and never widened. The products of two bf16 are exact in
+//! f32; the sums are f32's, as on the widened path (the instruction treats bf16 denormals as zero).
+//!
+//! The operands are packed per inner slice of [`KC`] elements into pairs (`u32`, the lower inner
+//! index in the low half): `a` in blocks of [`MR`] rows, `b` in panels of [`NR`] columns, each laid
+//! out in the order the micro-kernel reads it. The micro-kernel keeps an `MR × NR` block of sums in
+//! 16 registers across the slice and adds it into the tile's f32 sums.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::{
+    __m512, __m512bh, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_set1_epi32, _mm512_setzero_ps,
+    _mm512_storeu_ps,
+};
+use std::ops::Range;
+
+use half::bf16;
+
+use crate::half_product::Operand;
+
+/// Rows of the micro-kernel's block.
+const MR: usize = 8;
+/// Columns of the micro-kernel's block: two vectors of 16 sums.
+const NR: usize = 32;
+/// Inner elements per packed slice (128 pairs): a panel of `b` is then 16 KiB, within L1.
+const KC: usize = 256;
+
+/// Whether the running CPU has AVX512-BF16 (with AVX-512F), checked once.
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// A task's packing buffers, reused across its tiles.
+#[derive(Default)]
+pub struct Packs {
+    a: Vec<u32>,
+    b: Vec<u32>,
+}
+
+/// Packs rows `rows` of `x` (`[rows, len]`), inner elements `k0..k0 + 2·pairs` (zero from `len`
+/// on: an odd last pair), into blocks of `lanes` rows: block `b`, pair `p`, lane `l` at
+/// `(b · pairs + p) · lanes + l`, each pair a `u32` with the lower inner index in its low half.
+/// Reads run along whichever of `x`'s strides is 1. `lanes` is at most [`NR`].
+fn pack(
+    x: &Operand,
+    rows: Range<usize>,
+    (k0, pairs, len): (usize, usize, usize),
+    lanes: usize,
+    buf: &mut Vec<u32>,
+) {
+    assert!(lanes <= NR, "bf16 kernel: blocks of {lanes} rows");
+    let blocks = rows.len().div_ceil(lanes);
+    buf.clear();
+    buf.resize(blocks * pairs * lanes, 0);
+    let end = len.min(k0 + 2 * pairs);
+    let pair = |lo: bf16, hi: bf16| lo.to_bits() as u32 | (hi.to_bits() as u32) << 16;
+    if x.col_stride == 1 {
+        // Each row's inner run is contiguous: its pairs are adjacent elements.
+        for (ii, i) in rows.enumerate() {
+            let start = i * x.row_stride;
+            let run = &x.data[start + k0..start + end];
+            let block = &mut buf[(ii / lanes) * pairs * lanes + ii % lanes..];
+            let (whole, odd) = (run.chunks_exact(2), run.len() % 2 == 1);
+            for (y, two) in block.iter_mut().step_by(lanes).zip(whole) {
+                *y = pair(two[0], two[1]);
+            }
+            if odd {
+                block[(pairs - 1) * lanes] = pair(run[run.len() - 1], bf16::ZERO);
+            }
+        }
+    } else {
+        // Each inner index's run of rows is contiguous where `x.row_stride` is 1 (else gathered):
+        // a pair's two runs are copied out and interleaved, loops the compiler vectorizes.
+        let run = |first: usize, k: usize, into: &mut [bf16]| match (k < end, x.row_stride) {
+            (false, _) => into.fill(bf16::ZERO),
+            (true, 1) => {
+                let at = first + k * x.col_stride;
+                into.copy_from_slice(&x.data[at..at + into.len()]);
+            }
+            (true, rs) => {
+                for (l, y) in into.iter_mut().enumerate() {
+                    *y = x.data[(first + l) * rs + k * x.col_stride];
+                }
+            }
+        };
+        let (mut lo, mut hi) = ([bf16::ZERO; NR], [bf16::ZERO; NR]);
+        for (b, block) in buf.chunks_exact_mut(pairs * lanes).enumerate() {
+            let first = rows.start + b * lanes;
+            let count = lanes.min(rows.end - first);
+            for (p, lane) in block.chunks_exact_mut(lanes).enumerate() {
+                run(first, k0 + 2 * p, &mut lo[..count]);
+                run(first, k0 + 2 * p + 1, &mut hi[..count]);
+                for ((y, &lo), &hi) in lane.iter_mut().zip(&lo[..count]).zip(&hi[..count]) {
+                    *y = pair(lo, hi);
+                }
+            }
+        }
+    }
+}
+
+/// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major).
+/// Panics unless [`available`] (the caller dispatches on it) and if `out` is too small; the operands'
+/// ranges are the caller's to check ([`Operand`]s that fit `rows × k` and `k × cols`).
+pub fn tile(
+    a: &Operand,
+    rows: Range<usize>,
+    b: &Operand,
+    cols: Range<usize>,
+    k: usize,
+    packs: &mut Packs,
+    out: &mut [f32],
+) {
+    assert!(available(), "bf16 kernel: the CPU has no AVX512-BF16");
+    let (r, c) = (rows.len(), cols.len());
+    assert!(out.len() >= r * c, "bf16 kernel: tile buffer too small");
+    let (row_blocks, panels) = (r.div_ceil(MR), c.div_ceil(NR));
+    for k0 in (0..k).step_by(KC) {
+        let pairs = KC.min(k - k0).div_ceil(2);
+        // `a` in blocks of MR rows, `b` in panels of NR columns (the rows of `bᵀ`).
+        pack(a, rows.clone(), (k0, pairs, k), MR, &mut packs.a);
+        pack(
+            &transposed(b),
+            cols.clone(),
+            (k0, pairs, k),
+            NR,
+            &mut packs.b,
+        );
+        for pn in 0..panels {
+            for rb in 0..row_blocks {
+                let block_rows = MR.min(r - rb * MR);
+                let block_cols = NR.min(c - pn * NR);
+                let a_block = &packs.a[rb * pairs * MR..(rb + 1) * pairs * MR];
+                let b_panel = &packs.b[pn * pairs * NR..(pn + 1) * pairs * NR];
+                let at = rb * MR * c + pn * NR;
+                // SAFETY: the CPU has AVX512-BF16 (asserted above); the packs hold `pairs` pairs of
+                // their block and panel; `out` holds the block's rows and columns from `at` at row
+                // stride `c` (its size was checked).
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    micro(
+                        a_block,
+                        b_panel,
+                        pairs,
+                        &mut out[at..],
+                        c,
+                        (block_rows, block_cols),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// `x` with rows and columns swapped (reads `xᵀ[j, k]` as `x[k, j]`).
+fn transposed<'a>(x: &Operand<'a>) -> Operand<'a> {
+    Operand {
+        data: x.data,
+        row_stride: x.col_stride,
+        col_stride: x.row_stride,
+    }
+}
+
+/// `out[..rows, ..cols] += a_block · b_panel` over `pairs` packed pairs, `out` at row stride `ldo`.
+///
+/// # Safety
+/// The CPU must have AVX-512F and AVX512-BF16; `a_block` and `b_panel` must hold `pairs · MR` and
+/// `pairs · NR` pairs; `out` must hold `(rows − 1) · ldo + cols` elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn micro(
+    a_block: &[u32],
+    b_panel: &[u32],
+    pairs: usize,
+    out: &mut [f32],
+    ldo: usize,
+    (rows, cols): (usize, usize),
+) {
+    let as_pairs = |v: std::arch::x86_64::__m512i| -> __m512bh {
+        // SAFETY: both are 512 bits; the pairs' bits are bf16 values.
+        unsafe { std::mem::transmute(v) }
+    };
+    let mut sums: [[__m512; 2]; MR] = [[_mm512_setzero_ps(); 2]; MR];
+    for p in 0..pairs {
+        let b = &b_panel[p * NR..(p + 1) * NR];
+        // SAFETY: `b` holds 32 u32, two vectors' worth.
+        let (b0, b1) = unsafe {
+            (
+                as_pairs(_mm512_loadu_si512(b.as_ptr().cast())),
+                as_pairs(_mm512_loadu_si512(b[16..].as_ptr().cast())),
+            )
+        };
+        let a = &a_block[p * MR..(p + 1) * MR];
+        for (sum, &pair) in sums.iter_mut().zip(a) {
+            let a = as_pairs(_mm512_set1_epi32(pair as i32));
+            sum[0] = _mm512_dpbf16_ps(sum[0], a, b0);
+            sum[1] = _mm512_dpbf16_ps(sum[1], a, b1);
+        }
+    }
+    let mut lanes = [0f32; NR];
+    for (i, sum) in sums.iter().enumerate().take(rows) {
+        // SAFETY: `lanes` holds 32 f32, two vectors' worth.
+        unsafe {
+            _mm512_storeu_ps(lanes.as_mut_ptr(), sum[0]);
+            _mm512_storeu_ps(lanes[16..].as_mut_ptr(), sum[1]);
+        }
+        let row = &mut out[i * ldo..i * ldo + cols];
+        for (y, &s) in row.iter_mut().zip(&lanes) {
+            *y += s;
+        }
+    }
+}
