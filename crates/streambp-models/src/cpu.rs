@@ -223,12 +223,77 @@ pub fn through_f32<const N: usize, E: From<candle_core::Error>>(
     }
     let wide: Vec<Tensor> = inputs
         .iter()
-        .map(|t| t.to_dtype(DType::F32))
+        .map(|t| cast(t, DType::F32))
         .collect::<CResult<_>>()?;
     let wide: [Tensor; N] = wide
         .try_into()
         .map_err(|_| candle_core::Error::Msg("through_f32: inputs lost".into()))?;
-    Ok(Some(op(wide)?.to_dtype(DType::BF16)?))
+    Ok(Some(cast(&op(wide)?, DType::BF16)?))
+}
+
+/// `t` in `dtype`, differentiable: between bf16 and f32 on the CPU one pass split over rayon's
+/// threads (candle's `to_dtype` runs on one), rounding to nearest even as candle does; any other
+/// conversion by `to_dtype`.
+pub fn cast(t: &Tensor, dtype: DType) -> CResult<Tensor> {
+    match (t.dtype(), dtype, t.device().is_cpu()) {
+        (DType::BF16, DType::F32, true) | (DType::F32, DType::BF16, true) => {
+            t.contiguous()?.apply_op1(Cast(dtype))
+        }
+        _ => t.to_dtype(dtype),
+    }
+}
+
+/// The op of [`cast`]: its target dtype.
+struct Cast(DType);
+
+/// Elements per rayon task of a cast.
+const CAST_PER_TASK: usize = 1 << 14;
+
+impl candle_core::CustomOp1 for Cast {
+    fn name(&self) -> &'static str {
+        "streambp-cast"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> CResult<(candle_core::CpuStorage, candle_core::Shape)> {
+        use half::bf16;
+        use rayon::prelude::*;
+        let out = match (s, self.0) {
+            (candle_core::CpuStorage::BF16(_), DType::F32) => {
+                let x = input_data::<bf16>(s, l)?;
+                let mut y = vec![0f32; x.len()];
+                y.par_chunks_mut(CAST_PER_TASK)
+                    .zip(x.par_chunks(CAST_PER_TASK))
+                    .for_each(|(y, x)| {
+                        for (y, x) in y.iter_mut().zip(x) {
+                            *y = f32::from_bits((x.to_bits() as u32) << 16);
+                        }
+                    });
+                candle_core::CpuStorage::F32(y)
+            }
+            (candle_core::CpuStorage::F32(_), DType::BF16) => {
+                let x = input_data::<f32>(s, l)?;
+                let mut y = vec![bf16::ZERO; x.len()];
+                y.par_chunks_mut(CAST_PER_TASK)
+                    .zip(x.par_chunks(CAST_PER_TASK))
+                    .for_each(|(y, x)| {
+                        for (y, &x) in y.iter_mut().zip(x) {
+                            *y = bf16::from_f32(x);
+                        }
+                    });
+                candle_core::CpuStorage::BF16(y)
+            }
+            (_, to) => candle_core::bail!("cast: not between bf16 and f32 (to {to:?})"),
+        };
+        Ok((out, l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+        cast(grad, x.dtype()).map(Some)
+    }
 }
 
 /// The data of a custom op's CPU input (which the caller made contiguous).
@@ -410,6 +475,54 @@ fn exp_by(x: f32, madd: impl Fn(f32, f32, f32) -> f32, floor: impl Fn(f32) -> f3
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The parallel cast gives candle's `to_dtype` values both ways (rounding to nearest even: ties,
+    /// infinities and NaN included, tensors longer than one task), and its backward casts the
+    /// gradient back to the input's dtype.
+    #[test]
+    fn casts_equal_to_dtype_and_differentiate() {
+        use half::bf16;
+        let step = 2f32.powi(-8);
+        let mut values: Vec<f32> = (0..40_000)
+            .map(|i| (i as f32 * 0.37).sin() * 300.0)
+            .collect();
+        values.extend([
+            1.0 + step,
+            1.0 + 3.0 * step,
+            f32::INFINITY,
+            f32::MIN,
+            -0.0,
+            f32::NAN,
+        ]);
+        let t = Tensor::from_vec(values.clone(), values.len(), &candle_core::Device::Cpu).unwrap();
+        let bits = |t: &Tensor| -> Vec<u16> {
+            let v = t.to_vec1::<bf16>().unwrap();
+            v.iter()
+                .map(|x| if x.is_nan() { 0x7fc0 } else { x.to_bits() })
+                .collect()
+        };
+        let narrow = cast(&t, DType::BF16).unwrap();
+        assert_eq!(bits(&narrow), bits(&t.to_dtype(DType::BF16).unwrap()));
+        let wide = cast(&narrow, DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        let want = narrow
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for (got, want) in wide.iter().zip(&want) {
+            assert!(
+                got == want || (got.is_nan() && want.is_nan()),
+                "{got} vs {want}"
+            );
+        }
+
+        let x = candle_core::Var::from_tensor(&t.narrow(0, 0, 1000).unwrap()).unwrap();
+        let y = cast(&cast(x.as_tensor(), DType::BF16).unwrap(), DType::F32).unwrap();
+        let grads = (y * 3.0).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = grads.get(x.as_tensor()).unwrap();
+        assert_eq!(g.dtype(), DType::F32);
+        assert!(g.to_vec1::<f32>().unwrap().iter().all(|&g| g == 3.0));
+    }
 
     /// Worst error of `exp` against f64's over the whole range a softmax feeds it, in ulps.
     fn worst_ulp(exp: impl Fn(f32) -> f32) -> f64 {
