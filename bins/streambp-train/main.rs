@@ -59,6 +59,7 @@ fn main() -> std::process::ExitCode {
         std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     }
     streambp_core::settle_thread_settings();
+    streambp_core::memory::keep_freed_memory();
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -537,6 +537,7 @@ fn main() -> anyhow::Result<()> {
         std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     }
     streambp_core::settle_thread_settings();
+    streambp_core::memory::keep_freed_memory();
     let args = Args::parse();
     if let Some(ranks) = args.world {
         if ranks == 0 {

@@ -13,6 +13,23 @@ static PEAK: AtomicUsize = AtomicUsize::new(0);
 static PROCESS_PEAK: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
+/// Tells the C allocator (glibc's, which `System` is on Linux) to keep freed buffers for reuse. By
+/// default it serves each buffer above an adaptive threshold (128 KiB at first) by `mmap` and gives
+/// it back on free, and gives freed heap back above another: a step's buffers of a few MiB are then
+/// page-faulted and zeroed by the kernel again at every step. The default `sft --dtype bf16` run
+/// spent a third of its time there (2.0 M page faults in 150 steps, 13 K with these settings): up to
+/// 32 MiB (glibc's limit) from the heap, freed heap kept up to 128 MiB. What is counted is unchanged
+/// (requested bytes); the process may hold up to 128 MiB more than it uses. Call it at the start
+/// of `main`; elsewhere than glibc it does nothing.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets two of the allocator's parameters; called before any thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 128 << 20);
+    }
+}
+
 /// `System` with a count of live bytes and of their peak.
 pub struct CountingAllocator;
 
