@@ -176,31 +176,29 @@ pub fn product_by(
         |(bufs, packs), &(i0, j0)| {
             let (rows, cols) = (i0..(i0 + tm).min(m), j0..(j0 + tn).min(n));
             let (r, c) = (rows.len(), cols.len());
-            // The tile's sums: in an f32 accumulator itself where gemm can add into it, else in
-            // `sums` (then rounded, or added).
-            let sums = &mut bufs.sums;
-            sums.clear();
-            sums.resize(r * c, 0.0f32);
-            let into_dst = match (kernel, f32_dst) {
-                (Kernel::Widened, Some(d)) => {
-                    // SAFETY: tile (i0, j0) is this task's alone; its elements lie within `m × n`.
-                    let tile = unsafe { d.0.add(i0 * n + j0) };
-                    return widened_tile(&a, rows, &b, cols, k, (tile, n, true), bufs);
-                }
-                (Kernel::Widened, None) => {
-                    let tile = (sums.as_mut_ptr(), c, false);
+            if let (Kernel::Widened, Some(d)) = (kernel, f32_dst) {
+                // gemm adds the tile's sums into the f32 accumulator itself.
+                // SAFETY: tile (i0, j0) is this task's alone; its elements lie within `m × n`.
+                let tile = unsafe { d.0.add(i0 * n + j0) };
+                return widened_tile(&a, rows, &b, cols, k, (tile, n, true), bufs);
+            }
+            // Otherwise the sums go into `sums`, then are added into an f32 destination or
+            // rounded into a bf16 one.
+            bufs.sums.clear();
+            bufs.sums.resize(r * c, 0.0f32);
+            match kernel {
+                Kernel::Widened => {
+                    let tile = (bufs.sums.as_mut_ptr(), c, false);
                     widened_tile(&a, rows, &b, cols, k, tile, bufs);
-                    f32_dst
                 }
-                (Kernel::Bf16Dot, _) => {
-                    crate::bf16_kernel::tile(&a, rows, &b, cols, k, packs, sums);
-                    f32_dst
+                Kernel::Bf16Dot => {
+                    crate::bf16_kernel::tile(&a, rows, &b, cols, k, packs, &mut bufs.sums);
                 }
-            };
+            }
             for (t, sums) in bufs.sums.chunks_exact(c).enumerate() {
                 let at = (i0 + t) * n + j0;
                 // SAFETY (both): row `i0 + t` of tile (i0, j0) is this task's alone, within `m × n`.
-                match (into_dst, bf16_dst) {
+                match (f32_dst, bf16_dst) {
                     (Some(d), _) => {
                         let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), c) };
                         row.iter_mut().zip(sums).for_each(|(y, &s)| *y += s);
