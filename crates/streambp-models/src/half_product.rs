@@ -3,12 +3,13 @@
 //! candle 0.11 multiplies bf16 matrices by widening both operands' *whole storages* to f32, then
 //! narrowing the result: for a projection that is the weight, for the LM head the whole vocabulary
 //! table, on every call (and a second f32 copy of each gradient product). Here each task owns one
-//! tile of the output and sums it over slices of the inner dimension: it widens the slice of each
-//! operand it needs into its own small buffers and runs gemm's f32 kernel on them (the kernel
-//! candle's f32 products run, on one thread: the tiles are what run in parallel). No operand is ever
-//! widened whole, and the result is rounded once (or added, unrounded, into an f32 accumulator), so
-//! the arithmetic is f32's with f32 accumulation, as candle's widened product and PyTorch's bf16
-//! products on the CPU do.
+//! tile of the output and sums it over slices of the inner dimension, reading only the slices of
+//! each operand it needs, with one of two [`Kernel`]s: on CPUs with AVX512-BF16 the slices are
+//! packed as bf16 pairs for its dot-product instruction ([`crate::bf16_kernel`]); elsewhere they are
+//! widened into small f32 buffers for gemm's f32 kernel (the one candle's f32 products run, on one
+//! thread: the tiles are what run in parallel). No operand is ever widened whole, and the result is
+//! rounded once (or added, unrounded, into an f32 accumulator), so the arithmetic is f32's with f32
+//! accumulation, as candle's widened product and PyTorch's bf16 products on the CPU do.
 
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use half::bf16;
