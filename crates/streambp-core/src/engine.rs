@@ -20,6 +20,7 @@ use std::ops::Range;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var, D};
 use streambp_models::attention::{keys_dtype, EarlierKeys};
+use streambp_models::cpu::cast;
 use streambp_models::lora::DropoutKey;
 use streambp_models::{accumulate, half_product};
 use streambp_models::{DecoderLayer, KeyBlock, Layout, Model};
@@ -395,8 +396,8 @@ fn keys_values_streamed(
     for r in chunk_ranges(t, chunk) {
         let normed = layer.norm_input(&x.narrow(1, r.start, r.len())?)?;
         let (k, v) = layer.keys_values(&normed, r.start, layout)?;
-        keys.slice_set(&k.to_dtype(dtype)?, 2, r.start)?;
-        values.slice_set(&v.to_dtype(dtype)?, 2, r.start)?;
+        keys.slice_set(&cast(&k, dtype)?, 2, r.start)?;
+        values.slice_set(&cast(&v, dtype)?, 2, r.start)?;
     }
     Ok((keys, values))
 }
@@ -679,7 +680,7 @@ fn layer_backward_streamed(
         let attn = layer.attend(&q, &k_own, &v_own, block)?;
         let y = layer.after_attention(x_c.as_tensor(), &attn, s, layout)?;
         // (Kept in f32 for a bf16 model on the host, the complete gradients are rounded once here.)
-        let own = |grads: &Tensor| grads.narrow(2, s, len)?.to_dtype(k_own.dtype());
+        let own = |grads: &Tensor| cast(&grads.narrow(2, s, len)?, k_own.dtype());
         let surrogate = (seed(&y, &grad_out.narrow(1, s, len)?)?
             + seed(&k_own, &own(&grad_keys)?)?
             + seed(&v_own, &own(&grad_values)?)?)?;
@@ -824,9 +825,20 @@ impl GradSink {
     /// place; `None` where it could not be (one the sink does not own, or off the host). A half
     /// precision parameter's accumulator is f32 ([`accumulator_dtype`]).
     fn accumulator(&mut self, name: &str, like: &Tensor) -> Result<Option<Tensor>> {
-        let dtype = accumulator_dtype(like.dtype());
+        self.accumulator_for(name, like.shape(), like.dtype(), like.device())
+    }
+
+    /// [`GradSink::accumulator`] for a parameter of this shape, dtype and device.
+    fn accumulator_for(
+        &mut self,
+        name: &str,
+        shape: &candle_core::Shape,
+        dtype: DType,
+        device: &candle_core::Device,
+    ) -> Result<Option<Tensor>> {
+        let dtype = accumulator_dtype(dtype);
         if !self.acc.contains_key(name) {
-            let zeros = Tensor::zeros(like.shape(), dtype, like.device())?;
+            let zeros = Tensor::zeros(shape, dtype, device)?;
             self.acc.insert(name.to_string(), zeros);
             self.owned.insert(name.to_string());
         }
@@ -848,8 +860,8 @@ impl GradSink {
     fn add_product(&mut self, name: &str, a: &Tensor, b: &Tensor) -> Result<()> {
         let half_on_host = a.device().is_cpu() && accumulator_dtype(a.dtype()) != a.dtype();
         if !self.acc.contains_key(name) && half_on_host {
-            let like = Tensor::zeros((a.dim(0)?, b.dim(1)?), a.dtype(), a.device())?;
-            self.accumulator(name, &like)?;
+            let shape = (a.dim(0)?, b.dim(1)?).into();
+            self.accumulator_for(name, &shape, a.dtype(), a.device())?;
         }
         if let Some(acc) = self.acc.get(name) {
             if self.owned.contains(name) && accumulate::add_product(acc, a, b)? {

@@ -130,7 +130,7 @@ pub fn tile(
         // `a` in blocks of MR rows, `b` in panels of NR columns (the rows of `bᵀ`).
         pack(a, rows.clone(), (k0, pairs, k), MR, &mut packs.a);
         pack(
-            &transposed(b),
+            &b.transposed(),
             cols.clone(),
             (k0, pairs, k),
             NR,
@@ -159,15 +159,6 @@ pub fn tile(
                 }
             }
         }
-    }
-}
-
-/// `x` with rows and columns swapped (reads `xᵀ[j, k]` as `x[k, j]`).
-fn transposed<'a>(x: &Operand<'a>) -> Operand<'a> {
-    Operand {
-        data: x.data,
-        row_stride: x.col_stride,
-        col_stride: x.row_stride,
     }
 }
 

@@ -15,6 +15,8 @@ use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
+use crate::cpu::widen;
+
 type CResult<T> = candle_core::Result<T>;
 
 /// Output rows and columns of a tile, and the inner slice summed per kernel call: a tile's operand
@@ -36,7 +38,16 @@ pub struct Operand<'a> {
     pub col_stride: usize,
 }
 
-impl Operand<'_> {
+impl<'a> Operand<'a> {
+    /// The same matrix transposed (reads `xᵀ[j, i]` as `x[i, j]`).
+    pub fn transposed(&self) -> Operand<'a> {
+        Operand {
+            data: self.data,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+        }
+    }
+
     /// Whether a `rows × cols` matrix with these strides lies within the data.
     fn fits(&self, rows: usize, cols: usize) -> bool {
         rows == 0
@@ -76,12 +87,6 @@ impl Operand<'_> {
             (c, 1)
         }
     }
-}
-
-/// bf16 to f32: exact (the bf16 bits are f32's upper half), and a shift the compiler vectorizes.
-#[inline(always)]
-fn widen(x: bf16) -> f32 {
-    f32::from_bits((x.to_bits() as u32) << 16)
 }
 
 /// Where a product's result goes.
@@ -327,13 +332,13 @@ pub fn linear(
     if k != k2 || wl.dims().len() != 2 {
         candle_core::bail!("linear: x {:?}, weight {:?}", xl.dims(), wl.dims());
     }
-    let w_t = Operand {
-        data: w_op.data,
-        row_stride: w_op.col_stride,
-        col_stride: w_op.row_stride,
-    };
     let mut dst = vec![bf16::ZERO; n * out];
-    product(Destination::Bf16(&mut dst), (n, out, k), x_op, w_t);
+    product(
+        Destination::Bf16(&mut dst),
+        (n, out, k),
+        x_op,
+        w_op.transposed(),
+    );
     let mut shape = xl.dims().to_vec();
     if let Some(last) = shape.last_mut() {
         *last = out;
