@@ -256,7 +256,56 @@ const CASES: &[Case] = &[
     case(
         "grad --model {fixtures}/qwen3 --batch {fixtures}/qwen3-batch.json --out {dir}/g.st --ref-model {fixtures}/qwen3/lora",
         1,
-        "config.json",
+        "qwen3/lora holds a PEFT adapter, not a model",
+    ),
+    // A model where an adapter goes and the other way round.
+    case(
+        "sft --model {fixtures}/qwen3/lora --max-steps 1",
+        1,
+        "qwen3/lora holds a PEFT adapter, not a model: give it as --adapter",
+    ),
+    case(
+        "dpo --model {dir}/run/final --ref-model {fixtures}/qwen3/lora --max-steps 1",
+        1,
+        "qwen3/lora holds a PEFT adapter, not a model",
+    ),
+    case(
+        "sft --adapter {fixtures}/qwen3 --max-steps 1",
+        1,
+        "qwen3 holds a model, not a PEFT adapter (no adapter_config.json): give it as --model",
+    ),
+    // Config values of the wrong kind for their flag.
+    case("sft --config {dir}/switch_text.toml", 2, "switch_text.toml: packing = \"yes\": --packing is a switch, set to true or false"),
+    case("sft --config {dir}/switch_number.toml", 2, "switch_number.toml: no_progress = 1: --no-progress is a switch"),
+    case("sft --config {dir}/value_bool.toml", 2, "value_bool.toml: lr = false: --lr takes a value, not true or false"),
+    case("dpo --config {dir}/value_true.toml", 2, "value_true.toml: ref-model = true: --ref-model takes a value"),
+    // Held-out rows longer than --max-length with their answers (by the answer, by the prompt).
+    case(
+        "sft --eval-data {dir}/long_eval.jsonl --max-steps 1",
+        1,
+        "long_eval.jsonl: every held-out row (2) has more than --max-length 16 tokens with its answer",
+    ),
+    case(
+        "grpo --eval-data {dir}/long_eval.jsonl --max-steps 1 --max-length 24 --max-new-tokens 4",
+        1,
+        "every held-out row (2) has more than --max-length 24 tokens",
+    ),
+    // A null or missing side of a preference pair, with what the row has.
+    case(
+        "dpo --data {dir}/null_rejected.jsonl --max-steps 1",
+        1,
+        "null_rejected.jsonl line 1: expected \"chosen\" and \"rejected\" (and \"prompt\" unless both hold it), no \"rejected\"; the row has \"chosen\", \"prompt\", \"rejected\" (null)",
+    ),
+    case(
+        "dpo --data {dir}/small.jsonl --max-steps 1",
+        1,
+        "no \"chosen\"; the row has \"completion\", \"prompt\"",
+    ),
+    // A reference whose weights changed under the same path since the checkpoint.
+    case(
+        "dpo --resume {dir}/dpo_run/checkpoint-1 --model {dir}/run/final --ref-model {dir}/reference --max-steps 2 --batch-size 4",
+        1,
+        "cannot resume from {dir}/dpo_run/checkpoint-1: --ref-model: \"weights:",
     ),
 ];
 
@@ -323,6 +372,24 @@ fn prepare(dir: &Path) {
     )
     .unwrap();
     std::fs::write(dir.join("nested.toml"), "config = \"other.toml\"\n").unwrap();
+    std::fs::write(dir.join("switch_text.toml"), "packing = \"yes\"\n").unwrap();
+    std::fs::write(dir.join("switch_number.toml"), "no_progress = 1\n").unwrap();
+    std::fs::write(dir.join("value_bool.toml"), "lr = false\n").unwrap();
+    std::fs::write(dir.join("value_true.toml"), "ref-model = true\n").unwrap();
+    let digits = "7".repeat(40);
+    std::fs::write(
+        dir.join("long_eval.jsonl"),
+        format!(
+            "{{\"prompt\": \"1+1=\", \"completion\": \"{digits}\"}}\n\
+             {{\"prompt\": \"{digits}+1=\", \"completion\": \"8\"}}\n"
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("null_rejected.jsonl"),
+        "{\"prompt\": \"1+1=\", \"chosen\": \"2\", \"rejected\": null}\n",
+    )
+    .unwrap();
     std::fs::write(dir.join("bad_type.toml"), "batch_size = \"many\"\n").unwrap();
     std::fs::write(dir.join("bad_range.toml"), "lr = -1\n").unwrap();
     std::fs::create_dir_all(dir.join("final_is_file")).unwrap();
@@ -335,6 +402,30 @@ fn prepare(dir: &Path) {
             .collect();
     let (status, text) = train(dir, &args);
     assert_eq!(status, 0, "{text}");
+    // A DPO run against a reference whose weights are then replaced at the same path.
+    let run = |line: String| {
+        let args: Vec<String> = line.split(' ').map(String::from).collect();
+        let (status, text) = train(dir, &args);
+        assert_eq!(status, 0, "{text}");
+    };
+    let d = dir.display();
+    copy_dir(&dir.join("run/final"), &dir.join("reference"));
+    run(format!(
+        "dpo --model {d}/run/final --ref-model {d}/reference --max-steps 2 --save-every 1 \
+         --batch-size 4 --no-progress --output-dir {d}/dpo_run"
+    ));
+    std::fs::remove_dir_all(dir.join("reference")).unwrap();
+    copy_dir(&dir.join("run/checkpoint-1"), &dir.join("reference"));
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
 }
 
 #[test]
@@ -409,7 +500,7 @@ fn epochs_set_the_length_and_user_files_survive() {
 }
 
 /// The warnings that let a run go on: text the tokenizer cannot spell, a length beyond the model's
-/// positions, a warmup that outlasts the run.
+/// positions, a warmup that outlasts the run, held-out rows too long to score.
 #[test]
 fn questionable_settings_warn_and_train() {
     let root = tempfile::tempdir().unwrap();
@@ -419,10 +510,21 @@ fn questionable_settings_warn_and_train() {
         "{\"prompt\": \"1+1=\", \"completion\": \"2\"}\n{\"prompt\": \"é+1=\", \"completion\": \"2\"}\n",
     )
     .unwrap();
+    // One held-out row whose answer outruns --max-length.
+    std::fs::write(
+        dir.join("held_out.jsonl"),
+        format!(
+            "{{\"prompt\": \"1+1=\", \"completion\": \"2\"}}\n\
+             {{\"prompt\": \"1+1=\", \"completion\": \"{}\"}}\n",
+            "2".repeat(5000)
+        ),
+    )
+    .unwrap();
     let args = format!(
         "sft --no-progress --max-steps 2 --warmup-steps 5 --batch-size 2 --max-length 4096 --data {} \
-         --output-dir {}",
+         --eval-data {} --output-dir {}",
         dir.join("accents.jsonl").display(),
+        dir.join("held_out.jsonl").display(),
         dir.join("out").display()
     );
     let args: Vec<String> = args.split(' ').map(String::from).collect();
@@ -433,7 +535,38 @@ fn questionable_settings_warn_and_train() {
         "accents.jsonl line 2",
         "above the model's max_position_embeddings",
         "the warmup lasts the whole run",
+        "held-out rows longer than --max-length with their answers are left out of the accuracy",
+        "left_out=1 kept=1",
     ] {
         assert!(text.contains(warning), "no {warning:?} in\n{text}");
     }
+}
+
+/// A GRPO run whose rewards never tell a group's completions apart learns nothing from them: it
+/// says so (a random model never writes a ten-digit answer), and logs TRL's frac_reward_zero_std.
+#[test]
+fn grpo_without_a_reward_signal_says_so() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path();
+    std::fs::write(
+        dir.join("sums.jsonl"),
+        "{\"prompt\": \"1+1=\", \"answer\": 2222222222}\n{\"prompt\": \"2+2=\", \"answer\": 4444444444}\n",
+    )
+    .unwrap();
+    let out = dir.join("out");
+    let args = format!(
+        "grpo --no-progress --max-steps 2 --batch-size 2 --group-size 4 --reward exact:answer \
+         --data {} --output-dir {}",
+        dir.join("sums.jsonl").display(),
+        out.display()
+    );
+    let args: Vec<String> = args.split(' ').map(String::from).collect();
+    let (status, text) = train(dir, &args);
+    assert_eq!(status, 0, "{text}");
+    assert!(
+        text.contains("every group's completions got the same reward in every batch of rollouts"),
+        "{text}"
+    );
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains("\"frac_reward_zero_std\":1"), "{metrics}");
 }

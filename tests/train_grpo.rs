@@ -11,7 +11,7 @@ use streambp_models::load_model;
 use streambp_train::config::{GrpoConfig, Recipe, TrainConfig};
 use streambp_train::grpo::run_grpo;
 use streambp_train::optim::Schedule;
-use streambp_train::rewards::{group_advantages, parse_reward};
+use streambp_train::rewards::{group_advantages, group_without_signal, parse_reward};
 use streambp_train::sampling::{sample_group, SamplingConfig};
 
 #[test]
@@ -57,6 +57,11 @@ fn rewards_and_advantages_follow_trl() {
     let std = (4.0f64 / 3.0 * 0.25).sqrt();
     assert!((a[0] - 0.5 / (std + 1e-4)).abs() < 1e-12);
     assert_eq!(group_advantages(&[1.0, 1.0, 1.0]), vec![0.0, 0.0, 0.0]);
+    // TRL's frac_reward_zero_std counts the groups whose rewards are all the same.
+    assert!(group_without_signal(&[1.0, 1.0, 1.0]));
+    assert!(group_without_signal(&[0.5]));
+    assert!(!group_without_signal(&[1.0, 0.0, 0.0, 1.0]));
+    assert!(!group_without_signal(&[0.0, 0.0, 0.0, 1e-6]));
 }
 
 /// A short GRPO run on the built-in task: 4 prompts a step, groups of 8, two steps per batch of rollouts.
@@ -100,6 +105,15 @@ fn short_grpo_run_raises_the_reward() {
     );
     let (first, last) = (rewards[0] + rewards[1], rewards[4] + rewards[5]);
     assert!(last > first, "reward should rise: {rewards:?}");
+    // Four groups a batch: a fraction in quarters, below 1 where the reward rose.
+    let flat = metric(dir.path(), "frac_reward_zero_std");
+    assert_eq!(flat.len(), 6, "{flat:?}");
+    assert!(
+        flat.iter()
+            .all(|f| (f * 4.0).fract() == 0.0 && (0.0..=1.0).contains(f)),
+        "{flat:?}"
+    );
+    assert!(flat.iter().any(|&f| f < 1.0), "{flat:?}");
 }
 
 /// Rollouts are drawn from a generator seeded by the step, so a run resumed from a checkpoint samples

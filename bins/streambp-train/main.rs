@@ -119,6 +119,21 @@ fn parse_cli(expanded: &streambp_train::config_file::Expanded) -> Cli {
     }
 }
 
+/// The flags of `subcommand` that take no value (`--packing`), which a config file sets with a
+/// boolean only.
+fn switches(subcommand: &str) -> Vec<String> {
+    use clap::CommandFactory;
+    let cli = Cli::command();
+    let Some(command) = cli.find_subcommand(subcommand) else {
+        return Vec::new();
+    };
+    command
+        .get_arguments()
+        .filter(|a| !a.get_action().takes_values())
+        .filter_map(|a| a.get_long().map(|long| format!("--{long}")))
+        .collect()
+}
+
 /// `args` with `--flag -N` written `--flag=-N` wherever `-N` is a number (no flag starts with a
 /// digit or a dot), which clap would otherwise read as a flag when it has an exponent (`-1e-5`).
 fn negative_values_attached(args: &[String]) -> Vec<String> {
@@ -154,7 +169,10 @@ fn run() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let expanded = streambp_train::config_file::expand_config(std::env::args().collect())?;
+    let args: Vec<String> = std::env::args().collect();
+    let switches = switches(args.get(1).map_or("", String::as_str));
+    let is_switch = |flag: &str| switches.iter().any(|s| s == flag);
+    let expanded = streambp_train::config_file::expand_config(args, &is_switch)?;
     let cli = parse_cli(&expanded);
     // A flag's error names the config file when the value came from there.
     let located = |e: TrainError| -> anyhow::Error {

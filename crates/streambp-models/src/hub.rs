@@ -47,9 +47,37 @@ pub fn resolve_adapter_dir(spec: &str) -> Result<PathBuf> {
     resolve(spec, Wanted::Adapter)
 }
 
+/// Refuses a PEFT adapter directory given as a model, and a model directory given as an adapter,
+/// saying which flag takes it (a missing `config.json` or `adapter_config.json` says neither).
+fn check_kind(dir: &Path, spec: &str, wanted: Wanted) -> Result<()> {
+    let has = |name: &str| dir.join(name).is_file();
+    match wanted {
+        Wanted::Model if has(ADAPTER_FILES[0]) && !has("config.json") => {
+            let base = std::fs::read_to_string(dir.join(ADAPTER_FILES[0]))
+                .ok()
+                .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+                .and_then(|c| c["base_model_name_or_path"].as_str().map(String::from))
+                .map(|base| format!(" (its base: {base})"))
+                .unwrap_or_default();
+            Err(ModelError::Hub(format!(
+                "{spec} holds a PEFT adapter, not a model: give it as --adapter {spec}, with its \
+                 base model as --model{base}"
+            )))
+        }
+        Wanted::Adapter if has("config.json") && !has(ADAPTER_FILES[0]) => {
+            Err(ModelError::Hub(format!(
+                "{spec} holds a model, not a PEFT adapter (no {}): give it as --model",
+                ADAPTER_FILES[0]
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn resolve(spec: &str, wanted: Wanted) -> Result<PathBuf> {
     let path = Path::new(spec);
     if path.is_dir() {
+        check_kind(path, spec, wanted)?;
         return Ok(path.to_path_buf());
     }
     if path.exists() {

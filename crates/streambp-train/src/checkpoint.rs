@@ -80,6 +80,7 @@ const MUST_MATCH: &[&str] = &[
     "--lora-target",
     "--use-rslora",
     "--adapter",
+    "--ref-model",
     "--zero",
     "ranks",
 ];

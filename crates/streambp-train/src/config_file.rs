@@ -7,7 +7,11 @@ use std::path::Path;
 use crate::{Result, TrainError};
 
 /// The flags a config file stands for, in file order: `(flag, value)` (no value for a `true` switch).
-pub fn flags_from_toml(path: &Path) -> Result<Vec<(String, Option<String>)>> {
+/// `is_switch` tells the flags that take no value, which take a boolean here and nothing else.
+pub fn flags_from_toml(
+    path: &Path,
+    is_switch: &dyn Fn(&str) -> bool,
+) -> Result<Vec<(String, Option<String>)>> {
     let bad = |reason: String| TrainError::ConfigFile {
         path: path.to_path_buf(),
         reason,
@@ -24,35 +28,58 @@ pub fn flags_from_toml(path: &Path) -> Result<Vec<(String, Option<String>)>> {
                 "{key} = {value}: a config file cannot name another; put its settings in this one"
             )));
         }
-        match value {
-            toml::Value::Boolean(true) => flags.push((flag, None)),
-            toml::Value::Boolean(false) => {}
-            toml::Value::String(s) => flags.push((flag, Some(s))),
-            toml::Value::Integer(i) => flags.push((flag, Some(i.to_string()))),
-            toml::Value::Float(f) => flags.push((flag, Some(f.to_string()))),
-            // A list gives the flag once per entry (`reward = ["exact:answer", "format:[0-9]+"]`).
-            toml::Value::Array(list) => {
-                for item in list {
-                    match item {
-                        toml::Value::String(s) => flags.push((flag.clone(), Some(s))),
-                        toml::Value::Integer(i) => flags.push((flag.clone(), Some(i.to_string()))),
-                        toml::Value::Float(f) => flags.push((flag.clone(), Some(f.to_string()))),
-                        other => {
-                            return Err(bad(format!(
-                            "{key} holds {other}: a list of strings or numbers is a repeated flag"
-                        )))
-                        }
-                    }
-                }
-            }
-            other => {
+        match (is_switch(&flag), value) {
+            (true, toml::Value::Boolean(true)) => flags.push((flag, None)),
+            (true, toml::Value::Boolean(false)) => {}
+            (true, other) => {
                 return Err(bad(format!(
-                    "{key} = {other} is not a flag value (use a string, number, boolean or list)"
+                    "{key} = {other}: {flag} is a switch, set to true or false"
                 )))
             }
+            (false, toml::Value::Boolean(b)) => {
+                return Err(bad(format!(
+                    "{key} = {b}: {flag} takes a value, not true or false"
+                )))
+            }
+            (false, value) => push_value(&mut flags, &key, flag, value).map_err(bad)?,
         }
     }
     Ok(flags)
+}
+
+/// The flag `flag` (from `key`) set to `value`: a string or number once, a list once per entry
+/// (`reward = ["exact:answer", "format:[0-9]+"]`); why not, for any other value.
+fn push_value(
+    flags: &mut Vec<(String, Option<String>)>,
+    key: &str,
+    flag: String,
+    value: toml::Value,
+) -> std::result::Result<(), String> {
+    let scalar = |v: &toml::Value| match v {
+        toml::Value::String(s) => Some(s.clone()),
+        toml::Value::Integer(i) => Some(i.to_string()),
+        toml::Value::Float(f) => Some(f.to_string()),
+        _ => None,
+    };
+    match value {
+        toml::Value::Array(list) => {
+            for item in &list {
+                let text = scalar(item).ok_or_else(|| {
+                    format!("{key} holds {item}: a list of strings or numbers is a repeated flag")
+                })?;
+                flags.push((flag.clone(), Some(text)));
+            }
+        }
+        other => {
+            let text = scalar(&other).ok_or_else(|| {
+                format!(
+                    "{key} = {other} is not a flag value (use a string, number, boolean or list)"
+                )
+            })?;
+            flags.push((flag, Some(text)));
+        }
+    }
+    Ok(())
 }
 
 /// A command line with its config file's flags in it.
@@ -80,8 +107,8 @@ impl Expanded {
 }
 
 /// `args` with `--config FILE` (after the subcommand) replaced by the file's flags, placed before the
-/// typed ones.
-pub fn expand_config(args: Vec<String>) -> Result<Expanded> {
+/// typed ones; `is_switch` tells the flags that take no value.
+pub fn expand_config(args: Vec<String>, is_switch: &dyn Fn(&str) -> bool) -> Result<Expanded> {
     let Some(pos) = args
         .iter()
         .position(|a| a == "--config" || a.starts_with("--config="))
@@ -113,7 +140,7 @@ pub fn expand_config(args: Vec<String>) -> Result<Expanded> {
     let head = 2.min(typed.len());
     let mut out: Vec<String> = typed[..head].to_vec();
     let mut from_file = Vec::new();
-    for (flag, value) in flags_from_toml(Path::new(&path))? {
+    for (flag, value) in flags_from_toml(Path::new(&path), is_switch)? {
         if !is_typed(&flag) {
             out.push(flag.clone());
             out.extend(value);

@@ -141,6 +141,22 @@ impl std::str::FromStr for Overflow {
 /// One data row: its columns by name.
 pub type Row = serde_json::Map<String, serde_json::Value>;
 
+/// The columns `row` has, for an error saying what a row holds instead of what was expected (a
+/// null column reads as absent: it is marked).
+pub fn row_columns(row: &Row) -> String {
+    let has: Vec<String> = row
+        .iter()
+        .map(|(k, v)| match v.is_null() {
+            true => format!("{k:?} (null)"),
+            false => format!("{k:?}"),
+        })
+        .collect();
+    match has.is_empty() {
+        true => "no columns".to_string(),
+        false => has.join(", "),
+    }
+}
+
 /// What loading a data file did to its rows: items cut or dropped to fit the length limit, and text the
 /// tokenizer could not spell (its tokens became the unknown token). Reported once, when the file is
 /// done, and a file left with nothing to train on is refused.
@@ -352,23 +368,12 @@ pub fn load_sft_into(
                 Example::from_pair(p, c)
             }
             _ => {
-                // What the row has instead (a null column reads as absent: say so).
-                let has: Vec<String> = row
-                    .iter()
-                    .map(|(k, v)| match v.is_null() {
-                        true => format!("{k:?} (null)"),
-                        false => format!("{k:?}"),
-                    })
-                    .collect();
                 return Err(TrainError::data(
                     &where_,
                     format!(
                         "expected \"messages\" (or \"conversations\"), \"prompt\" and \"completion\", \
                          or a {text_field_name:?} string (--dataset-text-field); the row has {}",
-                        match has.is_empty() {
-                            true => "no columns".to_string(),
-                            false => has.join(", "),
-                        }
+                        row_columns(&row)
                     ),
                 ));
             }

@@ -7,7 +7,7 @@ use streambp_objectives::{Dpo, TokenTargets};
 use crate::batch::{collate, Collated};
 use crate::checkpoint::{Digest, Fingerprint, RunRecord};
 use crate::config::{Recipe, TrainConfig};
-use crate::data::{encode_pair, text_field, Example, LoadReport, Overflow, Text};
+use crate::data::{encode_pair, row_columns, text_field, Example, LoadReport, Overflow, Text};
 use crate::dataset::DataSource;
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::sequence_logps;
@@ -75,8 +75,9 @@ pub fn load_pairs_into(
                 TrainError::data(
                     &where_,
                     format!(
-                        "expected \"chosen\" and \"rejected\" (and \"prompt\" unless both hold it) \
-                         (no {k:?})"
+                        "expected \"chosen\" and \"rejected\" (and \"prompt\" unless both hold it), \
+                         no {k:?}; the row has {}",
+                        row_columns(&row)
                     ),
                 )
             })
@@ -252,7 +253,7 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
         |source: &DataSource| load_pairs(source, &setup.tokenizer, cfg.max_length, cfg.overflow);
     let (eval_pairs, eval) = match &eval_source {
         Some(source) if holds_pairs(source) => (Some(load(source)?), None),
-        Some(source) => (None, eval_rows(source)?),
+        Some(source) => (None, eval_rows(source, &setup.tokenizer, cfg.max_length)?),
         None => (None, None),
     };
     let eval_pairs = match (eval_pairs, &cfg.data) {

@@ -11,27 +11,44 @@ use crate::dataset::DataSource;
 use crate::generate::greedy;
 use crate::logprobs::sequence_logps;
 use crate::recipe::Setup;
-use crate::tokenizer::TextTokenizer;
+use crate::tokenizer::{Keep, TextTokenizer};
 use crate::{Result, TrainError};
 
-/// Exact-match accuracy of greedy answers on prompt/completion rows.
-pub fn accuracy(model: &Model, tok: &TextTokenizer, rows: &[(String, String)]) -> Result<f64> {
+/// A held-out prompt, tokenized, with the answer its greedy continuation must match.
+pub struct Question {
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// The answer, compared with the decoded continuation (whitespace at the ends ignored).
+    pub answer: String,
+    /// New tokens decoded at most: the answer's tokens and two more (its EOS, and one to see
+    /// whether it would go on), within `--max-length`.
+    pub max_new: usize,
+}
+
+/// Exact-match accuracy of greedy answers to `questions`.
+pub fn accuracy(model: &Model, tok: &TextTokenizer, questions: &[Question]) -> Result<f64> {
     let mut correct = 0;
-    for (prompt, answer) in rows {
-        let ids = tok.encode(prompt)?;
-        let max_new = tok.encode(answer)?.len() + 2;
-        let out =
-            streambp_core::on_workers(model.device(), || greedy(model, &ids, tok.eos_id, max_new))?;
-        if tok.decode(&out)?.trim() == answer.trim() {
+    for q in questions {
+        let out = streambp_core::on_workers(model.device(), || {
+            greedy(model, &q.prompt, tok.eos_id, q.max_new)
+        })?;
+        if tok.decode(&out)?.trim() == q.answer.trim() {
             correct += 1;
         }
     }
-    Ok(correct as f64 / rows.len().max(1) as f64)
+    Ok(correct as f64 / questions.len().max(1) as f64)
 }
 
-/// Prompt/completion rows of held-out data; none when its first row is in another format (messages,
-/// text…), which has no answer to compare.
-pub fn eval_rows(source: &DataSource) -> Result<Option<Vec<(String, String)>>> {
+/// The questions of held-out prompt/completion rows; none when the first row is in another format
+/// (messages, text…), which has no answer to compare. A row whose prompt and answer (and its EOS)
+/// take more than `max_length` tokens is left out, as the model never trains on such a row whole
+/// and greedy decoding of it would cost memory and time in proportion to its size; a warning
+/// counts them, and an error says when no row is left.
+pub fn eval_rows(
+    source: &DataSource,
+    tok: &TextTokenizer,
+    max_length: usize,
+) -> Result<Option<Vec<Question>>> {
     let mut rows = source.rows().peekable();
     if let Some(Ok((_, first))) = rows.peek() {
         if !["prompt", "completion"]
@@ -45,23 +62,56 @@ pub fn eval_rows(source: &DataSource) -> Result<Option<Vec<(String, String)>>> {
             return Ok(None);
         }
     }
-    rows.map(|row| {
+    let (mut questions, mut too_long) = (Vec::new(), 0usize);
+    for row in rows {
         let (at, r) = row?;
-        let field = |k: &str| r.get(k).and_then(|v| v.as_str()).map(String::from);
-        match (field("prompt"), field("completion")) {
-            (Some(p), _) if p.is_empty() => Err(TrainError::data(
-                at,
-                "the prompt is empty (no token to answer after)",
-            )),
-            (Some(p), Some(c)) => Ok((p, c)),
-            _ => Err(TrainError::data(
-                at,
-                "eval data needs \"prompt\" and \"completion\" strings",
-            )),
+        let field = |k: &str| r.get(k).and_then(|v| v.as_str());
+        let (prompt, answer) = match (field("prompt"), field("completion")) {
+            (Some(""), _) => {
+                return Err(TrainError::data(
+                    at,
+                    "the prompt is empty (no token to answer after)",
+                ))
+            }
+            (Some(p), Some(c)) => (p, c),
+            _ => {
+                return Err(TrainError::data(
+                    at,
+                    "eval data needs \"prompt\" and \"completion\" strings",
+                ))
+            }
+        };
+        let prompt = tok.encode_at_most(prompt, max_length, Keep::Start)?;
+        let answer_tokens = tok.encode_at_most(answer, max_length, Keep::Start)?.len();
+        if prompt.len() + answer_tokens + 1 > max_length {
+            too_long += 1;
+            continue;
         }
-    })
-    .collect::<Result<Vec<_>>>()
-    .map(Some)
+        questions.push(Question {
+            max_new: (answer_tokens + 2).min(max_length - prompt.len()),
+            prompt,
+            answer: answer.to_string(),
+        });
+    }
+    if too_long > 0 && questions.is_empty() {
+        return Err(TrainError::data(
+            source.name(),
+            format!(
+                "every held-out row ({too_long}) has more than --max-length {max_length} tokens \
+                 with its answer: no accuracy to measure (raise --max-length)"
+            ),
+        ));
+    }
+    if too_long > 0 {
+        tracing::warn!(
+            data = source.name(),
+            left_out = too_long,
+            kept = questions.len(),
+            max_length,
+            "held-out rows longer than --max-length with their answers are left out of the accuracy"
+        );
+    }
+    Ok(Some(questions))
 }
 
 /// The mean cross entropy of `examples`' target tokens under the model being trained (TRL's SFT
@@ -82,15 +132,15 @@ pub fn eval_loss(setup: &Setup, cfg: &TrainConfig, examples: &[Example]) -> Resu
     Ok(nll / tokens.max(1) as f64)
 }
 
-/// Exact-match accuracy on `rows`, as a named metric (empty without rows).
+/// Exact-match accuracy on `questions`, as a named metric (empty without them).
 pub fn eval_accuracy(
     setup: &Setup,
-    rows: &Option<Vec<(String, String)>>,
+    questions: &Option<Vec<Question>>,
 ) -> Result<Vec<(String, f64)>> {
-    Ok(match rows {
-        Some(rows) => vec![(
+    Ok(match questions {
+        Some(questions) => vec![(
             "accuracy".into(),
-            accuracy(&setup.model, &setup.tokenizer, rows)?,
+            accuracy(&setup.model, &setup.tokenizer, questions)?,
         )],
         None => Vec::new(),
     })

@@ -15,7 +15,7 @@ use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::token_logps;
 use crate::output::temporary;
 use crate::recipe::Setup;
-use crate::rewards::{group_advantages, parse_reward, Reward};
+use crate::rewards::{group_advantages, group_without_signal, parse_reward, Reward};
 use crate::sampling::sample_group;
 use crate::token_store::{RecordStore, RecordWriter};
 use crate::tokenizer::Keep;
@@ -258,6 +258,11 @@ fn draw_rollouts(
     }
     let all: Vec<f64> = batch.iter().flat_map(|r| r.rewards.clone()).collect();
     trainer.add_metric("reward", all.iter().sum::<f64>() / all.len() as f64);
+    let flat = batch.iter().filter(|r| group_without_signal(&r.rewards));
+    trainer.add_metric(
+        "frac_reward_zero_std",
+        flat.count() as f64 / batch.len().max(1) as f64,
+    );
     let lengths: Vec<usize> = batch.iter().flat_map(|r| r.lengths.clone()).collect();
     trainer.add_metric(
         "completion_length",
@@ -314,7 +319,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     let eval = setup
         .eval_source(cfg)?
         .as_ref()
-        .map(eval_rows)
+        .map(|s| eval_rows(s, &setup.tokenizer, cfg.max_length))
         .transpose()?
         .flatten();
     let before = trainer.held_out_before(|| eval_accuracy(&setup, &eval))?;
@@ -323,6 +328,8 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     let mut pending: Vec<Rollouts> = Vec::new();
     // Mean reward of each batch of rollouts, for the summary.
     let mut reward_history: Vec<f64> = Vec::new();
+    // Whether any group's rewards differed: without that, every advantage was 0.
+    let mut signal_seen = false;
     let mut first_group = 0;
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step(step);
@@ -385,9 +392,20 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         }
         let metrics = trainer.finish_step(cfg, &setup)?;
         if fresh {
-            reward_history.extend(metrics.iter().find(|(n, _)| n == "reward").map(|(_, v)| *v));
+            let metric = |name: &str| metrics.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+            reward_history.extend(metric("reward"));
+            signal_seen |= metric("frac_reward_zero_std").is_some_and(|f| f < 1.0);
         }
         trainer.evaluate_if_due(cfg, || eval_accuracy(&setup, &eval))?;
+    }
+    if !signal_seen && !reward_history.is_empty() {
+        tracing::warn!(
+            rewards = ?reward_specs,
+            "every group's completions got the same reward in every batch of rollouts: each \
+             advantage was 0, so only the KL term (--beta) moved the policy. Check that the \
+             rewards can tell the completions apart on this data, or start from a model that \
+             sometimes succeeds (--model)"
+        );
     }
     // Training reward: mean over the first and the last (up to) five batches of rollouts.
     let window = reward_history.len().clamp(1, 5);

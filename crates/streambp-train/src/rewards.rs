@@ -140,20 +140,30 @@ pub fn parse_reward(spec: &str) -> Result<Box<dyn Reward>> {
     }
 }
 
-/// TRL's group-relative advantages: `(r − mean) / (std + 1e-4)` within the group (std over the group,
-/// unbiased as torch's default).
+/// TRL's group-relative advantages: `(r − mean) / (std + 1e-4)` within the group.
 pub fn group_advantages(rewards: &[f64]) -> Vec<f64> {
     let n = rewards.len() as f64;
     let mean = rewards.iter().sum::<f64>() / n;
-    let var = if rewards.len() > 1 {
-        rewards.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (n - 1.0)
-    } else {
-        0.0
-    };
-    rewards
-        .iter()
-        .map(|r| (r - mean) / (var.sqrt() + 1e-4))
-        .collect()
+    let std = group_std(rewards);
+    rewards.iter().map(|r| (r - mean) / (std + 1e-4)).collect()
+}
+
+/// Whether a group's rewards are all the same (TRL's `frac_reward_zero_std` counts such groups):
+/// its advantages are then 0, and it teaches the policy nothing.
+pub fn group_without_signal(rewards: &[f64]) -> bool {
+    // torch.isclose(std, 0) with its default absolute tolerance, as TRL tests it.
+    group_std(rewards) <= 1e-8
+}
+
+/// The standard deviation of a group's rewards, unbiased as torch's default.
+fn group_std(rewards: &[f64]) -> f64 {
+    if rewards.len() < 2 {
+        return 0.0;
+    }
+    let n = rewards.len() as f64;
+    let mean = rewards.iter().sum::<f64>() / n;
+    let var = rewards.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    var.sqrt()
 }
 
 #[cfg(test)]

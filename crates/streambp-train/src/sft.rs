@@ -47,7 +47,11 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
     };
     let mut trainer = Trainer::new(cfg, &setup, Recipe::Sft, &training, RunRecord::new())?;
     let eval_source = setup.eval_source(cfg)?;
-    let eval = eval_source.as_ref().map(eval_rows).transpose()?.flatten();
+    let eval = eval_source
+        .as_ref()
+        .map(|s| eval_rows(s, tok, cfg.max_length))
+        .transpose()?
+        .flatten();
     let eval_examples = eval_source
         .as_ref()
         .map(|s| load_sft(s, tok, cfg.max_length, cfg.overflow, &cfg.text_field))

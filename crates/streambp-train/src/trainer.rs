@@ -191,6 +191,16 @@ pub struct Trainer {
     job: u64,
 }
 
+/// Records the weights in `dir` under `flag` (by content) and the path the run gave under
+/// "`flag` path".
+fn record_weights(run: &mut RunRecord, flag: &str, dir: &Path) -> Result<()> {
+    if let Some(path) = run.remove(flag) {
+        run.insert(format!("{flag} path"), path);
+    }
+    run.insert(flag.into(), weights_identity(dir)?);
+    Ok(())
+}
+
 impl Trainer {
     /// The trainer of a `recipe` run over `data`: checks that a step fits the data, records the run
     /// (its settings, `extra` ones included, the data's fingerprint, the number of ranks) and,
@@ -210,21 +220,19 @@ impl Trainer {
         let per_step = cfg.examples_per_step()?.saturating_mul(world);
         cfg.check_data_size(examples, data.what, data.source, world)?;
         let mut run = cfg.record(recipe);
-        // A model directory is identified by its weights, its path kept for the record alone (a
-        // changed path warns, changed weights refuse a resume).
+        // The model, an adapter to train further and DPO's reference are identified by their
+        // weights, their paths kept for the record alone (a changed path warns, changed weights
+        // refuse a resume).
         if let crate::recipe::InitialModel::Dir(dir) = &setup.initial {
-            if let Some(path) = run.remove("--model") {
-                run.insert("--model path".into(), path);
-            }
-            run.insert("--model".into(), weights_identity(dir)?);
+            record_weights(&mut run, "--model", dir)?;
         }
-        // So is an adapter to train further.
         if let Some(spec) = &cfg.adapter {
             let dir = streambp_models::resolve_adapter_dir(spec)?;
-            if let Some(path) = run.remove("--adapter") {
-                run.insert("--adapter path".into(), path);
-            }
-            run.insert("--adapter".into(), weights_identity(&dir)?);
+            record_weights(&mut run, "--adapter", &dir)?;
+        }
+        if let (Recipe::Dpo, Some(spec)) = (recipe, &cfg.ref_model) {
+            let dir = streambp_models::resolve_model_dir(spec)?;
+            record_weights(&mut run, "--ref-model", &dir)?;
         }
         run.extend(extra);
         run.insert("data".into(), data.identity.clone());
