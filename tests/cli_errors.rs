@@ -105,6 +105,7 @@ const CASES: &[Case] = &[
     case("grpo --loss-type ppo", 2, "invalid value 'ppo' for '--loss-type <LOSS_TYPE>': expected one of grpo, bnpo, dr_grpo"),
     case("grpo --reward length:3", 2, "--reward length:3: unknown reward"),
     case("grpo --reward format:(", 2, "not a valid regular expression"),
+    case("grpo --reward format:", 2, "--reward format:: format: needs a pattern"),
     case("grpo --data {dir}/prompts.jsonl", 2, "GRPO needs at least one --reward"),
     case(
         "grpo --reward exact:answer --max-steps 1",
@@ -178,6 +179,8 @@ const CASES: &[Case] = &[
     case("sft --data {dir}/latin1.jsonl --max-steps 1", 1, "latin1.jsonl line 2: not valid UTF-8"),
     case("sft --config {dir}/missing.toml", 2, "missing.toml: cannot read"),
     case("sft --model models/x --max-steps 1", 1, "no directory models/x under"),
+    case("sft --model= --max-steps 1", 1, "--model is empty: give a directory or a hub id"),
+    case("sft --adapter= --max-steps 1", 1, "--adapter is empty"),
     case("sft --model {dir}/a_file", 1, "is a file; --model takes a directory or a hub id"),
     case(
         "dpo --ref-model {fixtures}/qwen3 --max-steps 1",

@@ -75,6 +75,12 @@ fn check_kind(dir: &Path, spec: &str, wanted: Wanted) -> Result<()> {
 }
 
 fn resolve(spec: &str, wanted: Wanted) -> Result<PathBuf> {
+    if spec.is_empty() {
+        return Err(ModelError::Hub(format!(
+            "{} is empty: give a directory or a hub id",
+            wanted.flag()
+        )));
+    }
     let path = Path::new(spec);
     if path.is_dir() {
         check_kind(path, spec, wanted)?;

@@ -118,6 +118,11 @@ pub fn parse_reward(spec: &str) -> Result<Box<dyn Reward>> {
             name: format!("reward/exact_{column}"),
             column: column.to_string(),
         })),
+        Some(("format", "")) => Err(TrainError::flag(
+            "--reward",
+            spec,
+            "format: needs a pattern (an empty one rewards only empty completions)",
+        )),
         Some(("format", pattern)) => {
             let anchored = format!("^(?:{pattern})$");
             let regex = regex::Regex::new(&anchored).map_err(|e| {
