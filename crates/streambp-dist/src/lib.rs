@@ -1,8 +1,8 @@
 //! Data-parallel collectives for streambp, behind one [`Communicator`] trait with three engines:
 //! - [`SingleProcess`]: the default; every collective is the identity, and no library is needed;
-//! - [`mpi::MpiCommunicator`] (feature `mpi`): rsmpi over the system's MPI, for CPU processes, and the
+//! - `mpi::MpiCommunicator` (feature `mpi`): rsmpi over the system's MPI, for CPU processes, and the
 //!   launcher for every multi-process run (`mpiexec -n N streambp-train …`);
-//! - [`nccl::NcclCommunicator`] (feature `nccl`): NCCL through cudarc on each rank's GPU, its unique id
+//! - `nccl::NcclCommunicator` (feature `nccl`): NCCL through cudarc on each rank's GPU, its unique id
 //!   broadcast over MPI.
 //!
 //! Collectives take and return 1-D tensors (f32 or f64: gradients are summed in full precision). The

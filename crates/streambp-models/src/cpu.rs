@@ -1,5 +1,5 @@
 //! Hand-written CPU passes over tensors' data: read a tensor's contiguous host memory in place, for
-//! kernels that make one pass where composed ops make several (`softmax_block`, the engine's LM head).
+//! kernels that make one pass where composed ops make several (`attention::softmax_block`, the engine's LM head).
 
 use candle_core::{DType, Storage, Tensor, WithDType};
 use num_traits::Float;

@@ -102,6 +102,7 @@ pub enum Destination<'a> {
 struct SharedDst<T>(*mut T);
 // SAFETY: each task writes a tile no other task touches (see `product`).
 unsafe impl<T> Send for SharedDst<T> {}
+// SAFETY: as for Send: the tasks sharing it write disjoint tiles.
 unsafe impl<T> Sync for SharedDst<T> {}
 
 /// How a tile's sums are computed.
@@ -203,13 +204,14 @@ pub fn product_by(
             }
             for (t, sums) in bufs.sums.chunks_exact(c).enumerate() {
                 let at = (i0 + t) * n + j0;
-                // SAFETY (both): row `i0 + t` of tile (i0, j0) is this task's alone, within `m × n`.
                 match (f32_dst, bf16_dst) {
                     (Some(d), _) => {
+                        // SAFETY: row `i0 + t` of tile (i0, j0) is this task's alone, within `m × n`.
                         let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), c) };
                         row.iter_mut().zip(sums).for_each(|(y, &s)| *y += s);
                     }
                     (None, Some(d)) => {
+                        // SAFETY: as above.
                         let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), c) };
                         row.iter_mut()
                             .zip(sums)

@@ -2,8 +2,9 @@
 //! chunk, loaded from Hugging Face directories or the hub.
 //!
 //! One set of blocks serves all four families; their differences are data in [`ModelConfig`].
-//! Every op used records a correct backward in candle (no fused softmax / rms_norm / rope), so the same
-//! code runs the plain full backward, gradient checkpointing and the streamed backward.
+//! Every op records a correct backward: candle's own for composed tensor ops, a written one for the
+//! fused host kernels (attention, RMS norm, rope, SwiGLU, the linear projections), so the same code runs the
+//! plain full backward, gradient checkpointing and the streamed backward.
 //!
 //! Main exports: [`ModelConfig`] (read from `config.json`); [`Model`], its parameters named as in the
 //! checkpoint and found by role (embedding, layer `i`, final norm, head); [`DecoderLayer`] with the
@@ -19,7 +20,6 @@
 pub mod accumulate;
 pub mod adapter;
 pub mod attention;
-mod attention_kernel;
 mod bf16_kernel;
 pub mod config;
 pub mod cpu;
@@ -37,7 +37,6 @@ pub mod model;
 pub mod norm;
 mod op;
 pub mod rope;
-mod softmax_block;
 mod swiglu;
 #[cfg(test)]
 mod testing;

@@ -2,7 +2,8 @@
 //! everything the `streambp-train` CLI runs.
 //!
 //! - Recipes: [`sft::run_sft`], [`dpo::run_dpo`] and [`grpo::run_grpo`], each one loop over
-//!   [`recipe`] ([`recipe::Setup`], [`recipe::Trainer`], [`recipe::StepAccumulator`]), configured by
+//!   [`recipe::Setup`] (model, tokenizer, data sources) and [`trainer::Trainer`] (the optimizer
+//!   step, metrics, evaluation, checkpoints and resume), configured by
 //!   [`config::TrainConfig`] / [`config::GrpoConfig`] (defaults in [`config::TrainConfig::defaults`], `--config`
 //!   files in [`config_file`]).
 //! - Data: [`data`] (TRL-style JSONL, packing), [`tokenizer`] and [`chat`] templates, [`batch`]

@@ -1,6 +1,8 @@
-//! What every training recipe shares: the run configuration, setup (model, tokenizer, built-in task), the
-//! seeded data order, and the optimizer step with clipping, schedule, metrics, progress bar, checkpoints
-//! and resume. The recipes (`sft.rs`, `dpo.rs`, `grpo.rs`) are each one readable loop over these.
+//! What every training recipe sets up before its loop: the model (a directory, the hub or the built-in
+//! task's), its tokenizer, LoRA adapters, DPO's reference, the data sources ([`Setup`]), and the
+//! engine settings of each micro-batch (chunks, options). The optimizer step, metrics, evaluation,
+//! checkpoints and resume are [`crate::trainer`]'s; the recipes (`sft.rs`, `dpo.rs`, `grpo.rs`) are
+//! each one readable loop over the two.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -357,7 +359,6 @@ impl TrainConfig {
         Ok(policy.chunks_for(Problem::of(model, batch, seq_len, self.options()))?)
     }
 
-    /// The engine's backward of `objective` on `batch` as this run is configured.
     /// The engine options of micro-batch `micro` of optimizer step `step`, whose rows start at
     /// `first_row` of the global batch: with LoRA dropout, its masks derive from (seed, step, micro)
     /// and each row's place, so every mode, every recomputation and every rank count sees the same.

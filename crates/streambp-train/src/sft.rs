@@ -1,5 +1,5 @@
-//! The SFT recipe: token cross entropy on completions, one readable loop over the shared components of
-//! `recipe.rs`.
+//! The SFT recipe: token cross entropy on completions (or whole texts), one readable loop over
+//! [`crate::recipe::Setup`] and [`crate::trainer::Trainer`].
 
 use streambp_objectives::Sft;
 

@@ -1,7 +1,7 @@
 //! The chunk planner: explicit chunk sizes, or the largest that fit a memory budget according to a
 //! cost model of the streamed backward's peak bytes.
 //!
-//! The model counts what `stream` holds in each of its phases (see `engine.rs`):
+//! The model counts what `stream` holds in each of its phases (see `engine/`):
 //! - throughout: parameters, the rope tables (`2 × T × head_dim`), a few bytes per token (ids,
 //!   positions, targets, log-probs) and, on the host, gemm's per-thread packing slabs;
 //! - gradient accumulators as the backward makes them: the head's in the head, all of them once the
@@ -19,7 +19,7 @@
 //! - in the embedding's backward: the incoming `[b, T, d]` gradient, and off the host (or in half
 //!   precision) copies of the table's gradient;
 //! - on the host, the largest packing workspace of the phase's matrix products, from the blocking
-//!   gemm derives on the running CPU ([`gemm_memory`]): this, and the slabs, are what differ
+//!   gemm derives on the running CPU (`gemm_memory.rs`): this, and the slabs, are what differ
 //!   between CPUs (tens of MiB on a CPU with a large L3 cache, for products with a wide operand).
 //!
 //! The copy counts are fitted to peaks measured exactly with the counting allocator (CPU, candle 0.11)

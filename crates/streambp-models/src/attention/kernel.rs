@@ -276,6 +276,7 @@ struct SharedGrads<T> {
 
 // SAFETY: the pointers are only dereferenced for one item's disjoint rows per task.
 unsafe impl<T: Send> Send for SharedGrads<T> {}
+// SAFETY: as for Send: tasks sharing it each reach only their own item's rows.
 unsafe impl<T: Send> Sync for SharedGrads<T> {}
 
 impl<T> SharedGrads<T> {
@@ -309,6 +310,8 @@ impl<T> SharedGrads<T> {
             at + n * hd <= self.total,
             "attention kernel: gradient out of range"
         );
+        // SAFETY: both ranges lie within the buffers (checked above), and the caller guarantees no
+        // other reference covers them.
         unsafe {
             (
                 std::slice::from_raw_parts_mut(self.keys.add(at), n * hd),

@@ -6,7 +6,7 @@
 //! holds q, k, v, the output and the normalizer, and no tensor larger than
 //! `heads × queries × key block` exists at any time. Built from candle ops, so it runs on every backend;
 //! on the CPU in f32/f64 the same steps run as one kernel with a task per head and block
-//! ([`crate::attention_kernel`]; bf16 runs it in f32), the tensor-op path staying CUDA's.
+//! ([`kernel`]; bf16 runs it in f32), the tensor-op path staying CUDA's.
 //!
 //! Shapes (GQA without repeating K/V): q `[b, kv_heads, group·c, hd]` (already scaled), k and v
 //! `[b, kv_heads, t, hd]`, output like q ([`attention_over_heads`] takes and gives the layer's
@@ -15,13 +15,14 @@
 //! each query may read comes from a [`KeyMask`] one key block at a time, so not even the mask is ever
 //! `c × t`.
 
+mod kernel;
+mod softmax_block;
+
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType, D};
 
-use crate::attention_kernel as kernel;
 use crate::cpu::{fusable, host_slice, storage_id, with_data_mut, BulkExp};
 use crate::error::Result;
 use crate::op::Precomputed;
-use crate::softmax_block;
 
 thread_local! {
     /// Set by [`with_composed_path`].

@@ -1,0 +1,203 @@
+//! Phase 2 of the backward: final norm, LM head and objective, a chunk of positions at a time
+//! (logits never exist for the whole sequence), and the forward-only log-probs the same way.
+
+use std::ops::Range;
+
+use candle_core::{DType, Tensor, Var, D};
+use streambp_models::half_product;
+use streambp_models::Model;
+use streambp_objectives::Objective;
+
+use crate::error::Result;
+use crate::seed::seed;
+
+use super::grad_sink::GradSink;
+use super::{chunk_ranges, required};
+
+/// Target log-probs `[batch, T]` of the last layer's output `last` under a detached model's final norm
+/// and head, computed logits chunk by logits chunk (`ranges`), without a graph.
+pub(super) fn head_logprobs(
+    detached: &Model,
+    last: &Tensor,
+    targets: &Tensor,
+    ranges: &[Range<usize>],
+) -> Result<Tensor> {
+    let mut parts = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        let normed = detached.final_norm(&last.narrow(1, r.start, r.len())?)?;
+        let logits = detached.logits(&normed)?;
+        parts.push(target_logprobs(
+            &logits,
+            &targets.narrow(1, r.start, r.len())?,
+        )?);
+    }
+    Ok(Tensor::cat(&parts, 1)?)
+}
+
+/// `log softmax(logits)[target]` for `logits` `[b, c, V]` and `targets` `[b, c]`, in f32 (f64 for f64
+/// models), differentiable in the logits.
+pub fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let compute = if logits.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let z = logits.to_dtype(compute)?;
+    let lse = z.log_sum_exp(D::Minus1)?;
+    let picked = z
+        .gather(&targets.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?
+        .squeeze(D::Minus1)?;
+    Ok((picked - lse)?)
+}
+
+/// The objective's loss on `logp` of positions `cols` and its gradient `dLoss/dlogp` (autograd on the
+/// tiny `[batch, cols]` tensor).
+pub(super) fn loss_and_grad(
+    objective: &dyn Objective,
+    logp: &Tensor,
+    cols: Range<usize>,
+) -> Result<(f64, Tensor)> {
+    let lp = Var::from_tensor(&logp.detach())?;
+    let loss = objective.loss(lp.as_tensor(), cols)?;
+    let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    // An objective that does not read these positions (all ignored) has a zero gradient there.
+    let grad = match loss.backward()?.get(lp.as_tensor()) {
+        Some(g) => g.detach(),
+        None => lp.as_tensor().zeros_like()?,
+    };
+    Ok((value, grad))
+}
+
+/// Phase 2: final norm, LM head and loss over logits chunks. Returns the loss, the `[batch, T]` target
+/// log-probs and the gradient of the last layer's output.
+///
+/// Per chunk the head's VJP is explicit (see [`head_chunk`]): with `g = dLoss/dlogp`,
+/// `dlogits = g ⊙ (onehot(target) − softmax)`, `dH = dlogits·W`, `dW += dlogitsᵀ·H`. Separable objectives
+/// give `g` chunk by chunk; others need all of `logp` first, so a forward-only pass computes it and the
+/// loss before the backward pass. The final norm is backpropagated through autograd (`c × d` only).
+pub(super) fn head_backward(
+    model: &Model,
+    last: &Tensor,
+    objective: &dyn Objective,
+    logits_chunk: usize,
+    sink: &mut GradSink,
+) -> Result<(f64, Tensor, Tensor)> {
+    let t = last.dim(1)?;
+    let targets = objective.targets();
+    let ranges = chunk_ranges(t, logits_chunk);
+    let detached = model.detached();
+    let whole = if objective.separable() {
+        None
+    } else {
+        let logp = head_logprobs(&detached, last, targets, &ranges)?;
+        Some(loss_and_grad(objective, &logp, 0..t)?)
+    };
+
+    // The head's weight gradient only where the head is trained (not under LoRA).
+    let head = model.head_parameter().map(|(name, _)| name);
+    let grad_last = last.zeros_like()?;
+    let mut logp_parts = Vec::with_capacity(ranges.len());
+    let mut loss = 0.0;
+    for r in ranges {
+        let x = Var::from_tensor(&last.narrow(1, r.start, r.len())?)?;
+        let h = model.final_norm(x.as_tensor())?;
+        let chunk_targets = targets.narrow(1, r.start, r.len())?;
+        let grad_of = |logp: &Tensor| -> Result<Tensor> {
+            Ok(match &whole {
+                Some((_, g)) => g.narrow(1, r.start, r.len())?,
+                None => {
+                    let (l, g) = loss_and_grad(objective, logp, r.clone())?;
+                    loss += l;
+                    g
+                }
+            })
+        };
+        let out = head_chunk(&detached, &h.detach(), &chunk_targets, grad_of)?;
+        if let Some(name) = head {
+            let (b, c, d) = h.dims3()?;
+            let h = h.detach().reshape((b * c, d))?;
+            sink.add_product(name, &out.grad_logits.t()?, &h)?;
+        }
+        let store = seed(&h, &out.grad_hidden)?.backward()?;
+        grad_last.slice_set(
+            &required(&store, x.as_tensor(), "last hidden state")?,
+            1,
+            r.start,
+        )?;
+        sink.absorb(&store, model.final_norm_parameter().into_iter())?;
+        logp_parts.push(out.logp);
+    }
+    if let Some((l, _)) = whole {
+        loss = l;
+    }
+    Ok((loss, Tensor::cat(&logp_parts, 1)?, grad_last))
+}
+
+/// What one LM-head chunk yields.
+pub(super) struct HeadChunk {
+    /// `[b, c]` target log-probs.
+    logp: Tensor,
+    /// `[b, c, d]` gradient of the normed hidden states.
+    grad_hidden: Tensor,
+    /// `[b·c, V]` gradient of the logits: the head weight's gradient is its transpose times the
+    /// normed hidden states.
+    grad_logits: Tensor,
+}
+
+/// The LM head's forward and explicit VJP on one chunk of normed hidden states `h` (`[b, c, d]`,
+/// detached). `grad_of` maps the chunk's `logp` to `dLoss/dlogp`.
+///
+/// With `z` the (soft-capped) logits in f32/f64 and `p = softmax(z)`, `d logp / dz = onehot − p`; a
+/// soft-cap (the model's [`Model::soft_cap`]) adds its slope as a factor. Writing it out avoids
+/// autograd's `[V, d]` zero-fill and strided transpose-add per chunk.
+pub(super) fn head_chunk(
+    detached: &Model,
+    h: &Tensor,
+    targets: &Tensor,
+    mut grad_of: impl FnMut(&Tensor) -> Result<Tensor>,
+) -> Result<HeadChunk> {
+    let (b, c, d) = h.dims3()?;
+    let n = b * c;
+    let h2 = h.reshape((n, d))?;
+    let weight = detached.head_weight();
+    let dtype = h.dtype();
+    let compute = if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    // The model's own head product (on the host one gemm into a buffer that is never zero-filled).
+    let z = detached.logits(&h2)?.to_dtype(compute)?;
+    let idx = targets.reshape((n, 1))?.contiguous()?;
+    // Before the softmax, which on the host writes its exponentials over `z`.
+    let slope = detached.soft_cap_slope(&z)?;
+    // On the CPU two passes per row in `z`'s buffer (crate::head_softmax); elsewhere the same with
+    // tensor ops.
+    let (logp, mut dz) = match crate::head_softmax::log_softmax_rows(&z, &idx)? {
+        Some(rows) => {
+            let logp = rows.logp.reshape((b, c))?;
+            let g = grad_of(&logp)?.to_dtype(compute)?;
+            let dz = rows.logit_grad(&g)?;
+            (logp, dz)
+        }
+        None => {
+            let lse = z.log_sum_exp(D::Minus1)?;
+            let logp = (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
+            let g = grad_of(&logp)?.to_dtype(compute)?.reshape((n, 1))?;
+            let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
+            let dz = p
+                .broadcast_mul(&g.neg()?)?
+                .scatter_add(&idx, &g, D::Minus1)?;
+            (logp, dz)
+        }
+    };
+    if let Some(slope) = slope {
+        dz = (dz * slope)?;
+    }
+    let dz = dz.to_dtype(dtype)?;
+    Ok(HeadChunk {
+        logp,
+        grad_hidden: half_product::matmul(&dz, weight)?.reshape((b, c, d))?,
+        grad_logits: dz,
+    })
+}

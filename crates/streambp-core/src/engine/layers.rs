@@ -1,0 +1,188 @@
+//! The engine's per-layer phases: a layer's forward over query chunks without a graph (phase 1),
+//! its backward streamed over query chunks or whole under checkpointing (phase 3), and the
+//! embedding's (phase 4).
+
+use candle_core::{Tensor, Var};
+use streambp_models::attention::{keys_dtype, EarlierKeys};
+use streambp_models::cpu::cast;
+use streambp_models::{DecoderLayer, KeyBlock, Layout, Model};
+
+use crate::error::Result;
+use crate::seed::seed;
+
+use super::grad_sink::GradSink;
+use super::{chunk_ranges, required};
+
+/// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk into
+/// one buffer each (no list of parts to concatenate), in [`keys_dtype`] (f32 for bf16 on the host).
+pub(super) fn keys_values_streamed(
+    layer: &DecoderLayer,
+    x: &Tensor,
+    layout: &Layout,
+    chunk: usize,
+) -> Result<(Tensor, Tensor)> {
+    let (b, t, _) = x.dims3()?;
+    let shape = (b, layer.shape.num_kv_heads, t, layer.shape.head_dim);
+    let dtype = keys_dtype(x.dtype(), x.device());
+    let keys = Tensor::zeros(shape, dtype, x.device())?;
+    let values = keys.zeros_like()?;
+    for r in chunk_ranges(t, chunk) {
+        let normed = layer.norm_input(&x.narrow(1, r.start, r.len())?)?;
+        let (k, v) = layer.keys_values(&normed, r.start, layout)?;
+        keys.slice_set(&cast(&k, dtype)?, 2, r.start)?;
+        values.slice_set(&cast(&v, dtype)?, 2, r.start)?;
+    }
+    Ok((keys, values))
+}
+
+/// One layer's output over query chunks (no graph when `layer` is detached): attention memory is
+/// `chunk × T` per head instead of `T × T`.
+pub(super) fn layer_forward_streamed(
+    layer: &DecoderLayer,
+    x: &Tensor,
+    layout: &Layout,
+    chunk: usize,
+) -> Result<Tensor> {
+    let (keys, values) = keys_values_streamed(layer, x, layout, chunk)?;
+    let out = x.zeros_like()?;
+    for r in chunk_ranges(x.dim(1)?, chunk) {
+        let k0 = layer.first_visible_key(r.start, layout);
+        let block = KeyBlock {
+            q_start: r.start,
+            k_start: k0,
+            layout,
+            earlier: None,
+        };
+        let y = layer.forward_chunk(
+            &x.narrow(1, r.start, r.len())?,
+            &keys.narrow(2, k0, r.end - k0)?,
+            &values.narrow(2, k0, r.end - k0)?,
+            block,
+        )?;
+        out.slice_set(&y, 1, r.start)?;
+    }
+    Ok(out)
+}
+
+/// Phase 3 (StreamBP): one layer's backward streamed over query chunks. `x` is the layer's input
+/// (checkpoint), `grad_out` the gradient of its output; returns the gradient of its input.
+///
+/// Query chunks are visited last first. Keys and values of the whole sequence are recomputed once
+/// without a graph; when chunk `[s, e)` is reached, every later chunk has already pushed its gradient
+/// into keys/values `[s, e)`, so that gradient is final. One graph per chunk then covers: the chunk's
+/// queries against keys `[k0, e)` (earlier keys as detached leaves whose gradients are accumulated, the
+/// chunk's own keys/values recomputed from `x_c` in the graph), the rest of the layer, and the pending
+/// key/value gradient of `[s, e)` through the chunk's own k/v projections. Its backward yields the
+/// chunk's input gradient complete. Queries never score keys they cannot see (future, outside the window).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn layer_backward_streamed(
+    layer: &DecoderLayer,
+    x: &Tensor,
+    grad_out: &Tensor,
+    layout: &Layout,
+    chunk: usize,
+    sink: &mut GradSink,
+    model: &Model,
+    index: usize,
+) -> Result<Tensor> {
+    let t = x.dim(1)?;
+    let ranges = chunk_ranges(t, chunk);
+    let (keys, values) = keys_values_streamed(&layer.detached(), x, layout, chunk)?;
+    // The gradients of the layer's keys and values, filled from the last chunk backwards. Two writers:
+    // each chunk's graph pushes its queries' gradient into the keys/values of *earlier* chunks through
+    // the attention op's backward, which adds it in place into these buffers
+    // (`streambp_models::attention`: `EarlierKeys::grad_keys` / `grad_values`, its `add_at`); a
+    // chunk's *own* keys/values get theirs from its graph, and the buffers' `[s, e)` part, complete by
+    // then, is fed into that graph by the surrogate below.
+    let grad_keys = keys.zeros_like()?;
+    let grad_values = values.zeros_like()?;
+    let grad_in = x.zeros_like()?;
+    // The projections' weight gradients go straight into the sink's accumulators: no chunk makes a
+    // weight-sized buffer.
+    let params = model.layer_parameters(index);
+    let layer = layer.accumulating_into(|weight| {
+        match params
+            .iter()
+            .find(|(_, var)| var.as_tensor().id() == weight.id())
+        {
+            Some((name, _)) => sink.accumulator(name, weight),
+            None => Ok(None),
+        }
+    })?;
+    let layer = &layer;
+
+    for r in ranges.into_iter().rev() {
+        let (s, len) = (r.start, r.len());
+        let k0 = layer.first_visible_key(s, layout);
+        let x_c = Var::from_tensor(&x.narrow(1, s, len)?)?;
+        let normed = layer.norm_input(x_c.as_tensor())?;
+        let (k_own, v_own) = layer.keys_values(&normed, s, layout)?;
+        let q = layer.queries(&normed, s, layout)?;
+        // Keys before the chunk are constants of its graph; the attention op adds their gradients
+        // straight into `grad_keys` / `grad_values`.
+        let earlier = match k0 < s {
+            true => Some(EarlierKeys {
+                keys: keys.narrow(2, k0, s - k0)?,
+                values: values.narrow(2, k0, s - k0)?,
+                grad_keys: grad_keys.clone(),
+                grad_values: grad_values.clone(),
+                offset: k0,
+            }),
+            false => None,
+        };
+        let block = KeyBlock {
+            q_start: s,
+            k_start: k0,
+            layout,
+            earlier: earlier.as_ref(),
+        };
+        let attn = layer.attend(&q, &k_own, &v_own, block)?;
+        let y = layer.after_attention(x_c.as_tensor(), &attn, s, layout)?;
+        // (Kept in f32 for a bf16 model on the host, the complete gradients are rounded once here.)
+        let own = |grads: &Tensor| cast(&grads.narrow(2, s, len)?, k_own.dtype());
+        let surrogate = (seed(&y, &grad_out.narrow(1, s, len)?)?
+            + seed(&k_own, &own(&grad_keys)?)?
+            + seed(&v_own, &own(&grad_values)?)?)?;
+        let store = surrogate.backward()?;
+        grad_in.slice_set(&required(&store, x_c.as_tensor(), "layer input")?, 1, s)?;
+        sink.absorb(&store, model.layer_parameters(index).iter())?;
+    }
+    Ok(grad_in)
+}
+
+/// Phase 3 (checkpoint): the layer recomputed over the whole sequence with a graph and backpropagated.
+pub(super) fn layer_backward_whole(
+    layer: &DecoderLayer,
+    x: &Tensor,
+    grad_out: &Tensor,
+    layout: &Layout,
+    sink: &mut GradSink,
+    model: &Model,
+    index: usize,
+) -> Result<Tensor> {
+    let x = Var::from_tensor(x)?;
+    let y = layer.forward(x.as_tensor(), layout)?;
+    let store = seed(&y, grad_out)?.backward()?;
+    let grad_in = required(&store, x.as_tensor(), "layer input")?;
+    sink.absorb(&store, model.layer_parameters(index).iter())?;
+    Ok(grad_in)
+}
+
+/// Phase 4: the gradient of the embedding table from the gradient of the first layer's input, by the
+/// lookup's written-out VJP ([`Model::embed_vjp_rows`]) rather than a graph that would hold several
+/// `[b, T, d]` copies; its rows are added into the table's accumulator in place where that can be
+/// (tied to the head, the accumulator already holds the head's share: no second table-sized buffer).
+pub(super) fn embedding_backward(
+    model: &Model,
+    input_ids: &Tensor,
+    grad: &Tensor,
+    sink: &mut GradSink,
+) -> Result<()> {
+    match model.embedding_parameter() {
+        Some((name, table)) => {
+            let (ids, rows) = model.embed_vjp_rows(input_ids, grad)?;
+            sink.add_rows(name, table.as_tensor(), &ids, &rows)
+        }
+        None => Ok(()),
+    }
+}

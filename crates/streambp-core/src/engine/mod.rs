@@ -1,0 +1,406 @@
+//! The backward engine: StreamBP and its two baselines on the same model code.
+//!
+//! Phases, in the order they run (each a plain function, called in this order by `backward_impl`
+//! below, in the spirit of llm.c), and the buffers they pass on:
+//! 1. `forward_checkpoints`: the model once without a graph, keeping each layer's input (`L + 1`
+//!    tensors `[b, T, d]`, in host memory when offloaded).
+//! 2. `head_backward`: final norm, LM head and objective, streamed over logits chunks; yields the
+//!    loss, the target log-probs and the gradient of the last layer's output.
+//! 3. `layer_backward_streamed` (or `layer_backward_whole` for `checkpoint`), top layer first: each
+//!    turns the gradient of its output into that of its input.
+//! 4. `embedding_backward`: the gradient of the first layer's input into the embedding table.
+//!
+//! Parameter gradients go into a `GradSink` as they are produced, found by role through the model's
+//! accessors (head, final norm, embedding, layer `i`): the engine knows no checkpoint name and no
+//! family. `full` builds one graph over everything and calls `backward()` once.
+//!
+//! Files: this one (the entry points, phase 1 and the phases' order, `full`), `head.rs` (phase 2),
+//! `layers.rs` (a layer's chunked forward, phases 3 and 4), `grad_sink.rs` (where parameter
+//! gradients accumulate).
+
+mod grad_sink;
+mod head;
+mod layers;
+
+use std::ops::Range;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor};
+use streambp_models::lora::DropoutKey;
+use streambp_models::{Layout, Model};
+use streambp_objectives::Objective;
+
+use crate::error::{EngineError, Result};
+use crate::memory::PhaseLog;
+use crate::workers::on_workers;
+
+use grad_sink::GradSink;
+pub use head::target_logprobs;
+use head::{head_backward, head_logprobs};
+use layers::{
+    embedding_backward, layer_backward_streamed, layer_backward_whole, layer_forward_streamed,
+};
+
+/// How the backward is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// StreamBP: layers streamed over query chunks, LM head over logits chunks.
+    Stream,
+    /// Per-layer gradient checkpointing: each layer recomputed and backpropagated whole; head unchunked.
+    Checkpoint,
+    /// Plain backprop through one graph of the whole model.
+    Full,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "stream" => Ok(Mode::Stream),
+            "checkpoint" => Ok(Mode::Checkpoint),
+            "full" => Ok(Mode::Full),
+            other => Err(format!(
+                "unknown mode {other:?} (expected stream, checkpoint or full)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::Stream => "stream",
+            Mode::Checkpoint => "checkpoint",
+            Mode::Full => "full",
+        })
+    }
+}
+
+/// Chunk sizes, in tokens of the sequence (every row of the batch is chunked alike).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunks {
+    /// Query chunk of the streamed layer backward.
+    pub chunk: usize,
+    /// Positions per LM-head chunk.
+    pub logits_chunk: usize,
+}
+
+/// Engine options beyond the mode and chunk sizes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Options {
+    /// Keep the layer checkpoints in host memory and bring each back for its layer's backward, so
+    /// accelerator memory no longer grows with `L × T × d` (a no-op for a model on the CPU).
+    pub offload_checkpoints: bool,
+    /// LoRA dropout on, its masks derived from this key (the trainer's seed, step and micro-batch);
+    /// every mode sees the same masks. `None`: no dropout.
+    pub dropout: Option<DropoutKey>,
+}
+
+impl Options {
+    /// Whether the checkpoints leave `device`'s memory (offloading from the CPU to the CPU keeps them).
+    pub fn offloads_from(&self, device: &candle_core::Device) -> bool {
+        self.offload_checkpoints && !device.is_cpu()
+    }
+}
+
+/// A batch of right-padded token rows.
+#[derive(Debug, Clone, Copy)]
+pub struct Batch<'a> {
+    /// `[batch, T]` u32.
+    pub input_ids: &'a Tensor,
+    /// `[batch, T]`, 1 = real token; all ones when absent.
+    pub attention_mask: Option<&'a Tensor>,
+    /// `[batch, T]` positions restarting at 0 where a packed row's next document begins
+    /// (transformers' padding-free convention); `0..T` in every row when absent.
+    pub position_ids: Option<&'a Tensor>,
+}
+
+impl<'a> Batch<'a> {
+    /// Rows of one document each.
+    pub fn new(input_ids: &'a Tensor, attention_mask: Option<&'a Tensor>) -> Self {
+        Self {
+            input_ids,
+            attention_mask,
+            position_ids: None,
+        }
+    }
+
+    /// The batch's padding and document boundaries, checked against its shape.
+    pub fn layout(&self) -> Result<Layout> {
+        let (b, t) = self.input_ids.dims2()?;
+        for (name, tensor) in [
+            ("attention_mask", self.attention_mask),
+            ("position_ids", self.position_ids),
+        ] {
+            if let Some(x) = tensor {
+                if x.dims() != [b, t] {
+                    return Err(EngineError::Shape(format!(
+                        "{name} {:?} does not match input_ids [{b}, {t}]",
+                        x.dims()
+                    )));
+                }
+            }
+        }
+        Ok(Layout::new(self.attention_mask, self.position_ids)?.with_seq_len(t))
+    }
+}
+
+/// The result of one backward.
+#[derive(Debug)]
+pub struct Gradients {
+    /// The objective's loss on the batch.
+    pub loss: f64,
+    /// Every trainable parameter's gradient under its HF name, in the model's dtype.
+    pub grads: Vec<(String, Tensor)>,
+    /// `[batch, T]` target log-probs the objective saw (for metrics).
+    pub logp: Tensor,
+    /// The objective's metrics (DPO rewards, GRPO clip ratio and KL, …).
+    pub metrics: Vec<(String, f64)>,
+    /// Peak bytes (the host's with the counting allocator, or the CUDA memory pool's) and seconds of
+    /// each phase.
+    pub phases: PhaseLog,
+}
+
+/// Computes the loss and the gradient of every parameter of `model` for `objective` on `batch`.
+pub fn backward(
+    model: &Model,
+    batch: Batch,
+    objective: &dyn Objective,
+    mode: Mode,
+    chunks: Chunks,
+) -> Result<Gradients> {
+    backward_with(model, batch, objective, mode, chunks, Options::default())
+}
+
+/// [`backward`] with engine options.
+pub fn backward_with(
+    model: &Model,
+    batch: Batch,
+    objective: &dyn Objective,
+    mode: Mode,
+    chunks: Chunks,
+    options: Options,
+) -> Result<Gradients> {
+    backward_impl(model, batch, objective, mode, chunks, options, None)
+}
+
+/// Receives groups of parameter gradients as soon as the backward has finished them: a layer's when
+/// its backward is done (top layer first), then the rest (embedding, final norm, head) at the end. A
+/// data-parallel trainer reduces them across ranks there, one collective per layer, and keeps only its
+/// shard, so a rank never holds the whole model's gradients.
+pub trait FinishedGradients {
+    /// One group's finished gradients, in the model's parameter order and dtype.
+    fn take(&mut self, grads: Vec<(String, Tensor)>) -> Result<()>;
+}
+
+/// [`backward_with`], handing every parameter's gradient to `finished` group by group as soon as it is
+/// complete instead of returning them (the result's `grads` is empty).
+pub fn backward_into(
+    model: &Model,
+    batch: Batch,
+    objective: &dyn Objective,
+    mode: Mode,
+    chunks: Chunks,
+    options: Options,
+    finished: &mut dyn FinishedGradients,
+) -> Result<Gradients> {
+    backward_impl(
+        model,
+        batch,
+        objective,
+        mode,
+        chunks,
+        options,
+        Some(finished),
+    )
+}
+
+fn backward_impl(
+    model: &Model,
+    batch: Batch,
+    objective: &dyn Objective,
+    mode: Mode,
+    chunks: Chunks,
+    options: Options,
+    mut finished: Option<&mut dyn FinishedGradients>,
+) -> Result<Gradients> {
+    let (b, t) = batch.input_ids.dims2()?;
+    if objective.targets().dims() != [b, t] {
+        return Err(EngineError::Shape(format!(
+            "objective targets {:?} do not match input_ids [{b}, {t}]",
+            objective.targets().dims()
+        )));
+    }
+    if chunks.chunk == 0 || chunks.logits_chunk == 0 {
+        return Err(EngineError::Plan("chunk sizes must be at least 1".into()));
+    }
+    let layout = match options.dropout {
+        Some(key) => batch.layout()?.with_dropout(key),
+        None => batch.layout()?,
+    };
+    let mut sink = GradSink::new();
+    let device = model.device();
+    let mut peaks = PhaseLog::start_on(device);
+
+    let (loss, logp) = match mode {
+        Mode::Full => {
+            let out = on_workers(device, || {
+                full_backward(model, batch, &layout, objective, &mut sink)
+            })?;
+            peaks.record("full");
+            out
+        }
+        Mode::Stream | Mode::Checkpoint => {
+            let detached = model.detached();
+            let mut inputs = on_workers(device, || {
+                forward_checkpoints(
+                    &detached,
+                    batch.input_ids,
+                    &layout,
+                    chunks.chunk,
+                    options.offload_checkpoints,
+                )
+            })?;
+            peaks.record("forward");
+            let last = inputs
+                .pop()
+                .expect("forward_checkpoints returns L + 1 tensors");
+            let logits_chunk = match mode {
+                Mode::Stream => chunks.logits_chunk,
+                _ => t,
+            };
+            let (loss, logp, mut grad) = on_workers(device, || {
+                head_backward(model, &last, objective, logits_chunk, &mut sink)
+            })?;
+            drop(last);
+            // The final norm and an untied head are done; a tied head still gets the embedding
+            // phase's gradient.
+            sink.seal(model.output_parameters())?;
+            peaks.record("head");
+            for (index, layer) in model.layers.iter().enumerate().rev() {
+                let x = inputs
+                    .pop()
+                    .expect("one checkpoint per layer")
+                    .to_device(model.device())?;
+                grad = on_workers(device, || match mode {
+                    Mode::Stream => layer_backward_streamed(
+                        layer,
+                        &x,
+                        &grad,
+                        &layout,
+                        chunks.chunk,
+                        &mut sink,
+                        model,
+                        index,
+                    ),
+                    _ => layer_backward_whole(layer, &x, &grad, &layout, &mut sink, model, index),
+                })?;
+                sink.seal(model.layer_parameters(index).iter())?;
+                if let Some(hook) = finished.as_mut() {
+                    hook.take(sink.take(model.layer_parameters(index))?)?;
+                }
+            }
+            peaks.record("layers");
+            on_workers(device, || {
+                embedding_backward(model, batch.input_ids, &grad, &mut sink)
+            })?;
+            peaks.record("embedding");
+            (loss, logp)
+        }
+    };
+    let metrics = objective.metrics(&logp)?;
+    let mut grads = sink.finish(model)?;
+    if let Some(hook) = finished {
+        hook.take(std::mem::take(&mut grads))?;
+    }
+    Ok(Gradients {
+        loss,
+        grads,
+        logp,
+        metrics,
+        phases: peaks,
+    })
+}
+
+/// Phase 1: the model without a graph, each layer over query chunks; returns the input of every layer
+/// (in host memory with `offload`) and the last layer's output (`L + 1` tensors of `[batch, T, d]`).
+fn forward_checkpoints(
+    detached: &Model,
+    input_ids: &Tensor,
+    layout: &Layout,
+    chunk: usize,
+    offload: bool,
+) -> Result<Vec<Tensor>> {
+    let mut states = Vec::with_capacity(detached.layers.len() + 1);
+    let mut current = detached.embed(input_ids)?;
+    for layer in &detached.layers {
+        let next = layer_forward_streamed(layer, &current, layout, chunk)?;
+        states.push(match offload {
+            true => current.to_device(&candle_core::Device::Cpu)?,
+            false => current,
+        });
+        current = next;
+    }
+    states.push(current);
+    Ok(states)
+}
+
+/// Target log-probs `[batch, T]` of `targets` under `model`, without any graph and streamed like the
+/// backward (one layer's hidden states at a time, query chunks, logits chunks): the reference model of
+/// DPO and GRPO, and GRPO's old policy.
+pub fn forward_logprobs(
+    model: &Model,
+    batch: Batch,
+    targets: &Tensor,
+    chunks: Chunks,
+) -> Result<Tensor> {
+    let detached = model.detached();
+    let layout = batch.layout()?;
+    on_workers(model.device(), || {
+        let mut h = detached.embed(batch.input_ids)?;
+        for layer in &detached.layers {
+            h = layer_forward_streamed(layer, &h, &layout, chunks.chunk)?;
+        }
+        head_logprobs(
+            &detached,
+            &h,
+            targets,
+            &chunk_ranges(h.dim(1)?, chunks.logits_chunk),
+        )
+    })
+}
+
+fn chunk_ranges(t: usize, size: usize) -> Vec<Range<usize>> {
+    (0..t.div_ceil(size))
+        .map(|i| i * size..((i + 1) * size).min(t))
+        .collect()
+}
+
+/// `full`: one graph over the model and the loss.
+fn full_backward(
+    model: &Model,
+    batch: Batch,
+    layout: &Layout,
+    objective: &dyn Objective,
+    sink: &mut GradSink,
+) -> Result<(f64, Tensor)> {
+    let mut h = model.embed(batch.input_ids)?;
+    for layer in &model.layers {
+        h = layer.forward(&h, layout)?;
+    }
+    let logits = model.logits(&model.final_norm(&h)?)?;
+    let logp = target_logprobs(&logits, objective.targets())?;
+    let t = logp.dim(1)?;
+    let loss = objective.loss(&logp, 0..t)?;
+    let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let store = loss.backward()?;
+    sink.absorb(&store, model.parameters().iter())?;
+    Ok((value, logp.detach()))
+}
+
+fn required(store: &GradStore, t: &Tensor, what: &str) -> Result<Tensor> {
+    store
+        .get(t)
+        .map(Tensor::detach)
+        .ok_or_else(|| EngineError::MissingGradient(what.to_string()))
+}
