@@ -179,7 +179,7 @@ fn bad_data_is_reported_by_line() {
 #[test]
 fn overlong_examples_are_skipped_or_truncated() {
     let dir = tempfile::tempdir().unwrap();
-    let builtin = streambp_train::recipe::materialize_builtin(dir.path()).unwrap();
+    let builtin = streambp_train::setup::materialize_builtin(dir.path()).unwrap();
     let tok = streambp_train::tokenizer::TextTokenizer::from_dir(&builtin).unwrap();
     let path = dir.path().join("d.jsonl");
     let source = |p: &Path| streambp_train::dataset::DataSource::file(p).unwrap();

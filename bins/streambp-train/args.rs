@@ -225,40 +225,16 @@ impl TrainArgs {
     /// the built-in task when neither --model nor --data is given). A flag the recipe does not use is
     /// refused rather than ignored.
     pub fn into_config(self, recipe: Recipe) -> Result<TrainConfig, TrainError> {
-        let only_for = |flag: &str, given: bool, recipes: &[Recipe], which: &str| match given
-            && !recipes.contains(&recipe)
-        {
-            true => Err(TrainError::flag(
-                flag,
-                "",
-                format!("applies to {which} only, not {}", recipe.name()),
-            )),
-            false => Ok(()),
-        };
-        only_for(
-            "--beta",
-            self.beta.is_some(),
-            &[Recipe::Dpo, Recipe::Grpo],
-            "dpo and grpo",
-        )?;
-        only_for(
-            "--sft-weight",
-            self.sft_weight.is_some(),
-            &[Recipe::Dpo],
-            "dpo",
-        )?;
-        only_for(
-            "--dataset-text-field",
-            self.dataset_text_field.is_some(),
-            &[Recipe::Sft],
-            "sft",
-        )?;
-        only_for(
-            "--ref-model",
-            self.ref_model.is_some(),
-            &[Recipe::Dpo],
-            "dpo",
-        )?;
+        // The flags only some jobs take: the recipe table says which.
+        let typed = [
+            ("--beta", self.beta.is_some()),
+            ("--sft-weight", self.sft_weight.is_some()),
+            ("--ref-model", self.ref_model.is_some()),
+            ("--dataset-text-field", self.dataset_text_field.is_some()),
+            ("--packing", self.packing),
+        ];
+        let typed: Vec<&str> = typed.iter().filter(|(_, t)| *t).map(|(f, _)| *f).collect();
+        recipe.check_job_flags(&typed)?;
         if self.memory_budget.is_some() {
             for (flag, given) in [
                 ("--chunk", self.chunk),

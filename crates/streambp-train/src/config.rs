@@ -15,27 +15,8 @@ use crate::parallel::ZeroStage;
 use crate::sampling::SamplingConfig;
 use crate::{Result, TrainError};
 
-/// The training jobs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Recipe {
-    /// Supervised fine-tuning (`sft.rs`).
-    Sft,
-    /// Direct preference optimisation (`dpo.rs`).
-    Dpo,
-    /// Group relative policy optimisation (`grpo.rs`).
-    Grpo,
-}
-
-impl Recipe {
-    /// The subcommand's name: `sft`, `dpo` or `grpo`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Recipe::Sft => "sft",
-            Recipe::Dpo => "dpo",
-            Recipe::Grpo => "grpo",
-        }
-    }
-}
+use crate::recipes::Beta;
+pub use crate::recipes::Recipe;
 
 /// Everything a run is configured by (the CLI flags mirror these).
 #[derive(Debug, Clone)]
@@ -195,8 +176,12 @@ impl TrainConfig {
             save_every: 0,
             eval_every: 0,
             resume: None,
-            // GRPO's KL weight is 0 by default, as in TRL.
-            beta: if recipe == Recipe::Grpo { 0.0 } else { 0.1 },
+            beta: match recipe.facts().beta {
+                Beta::Positive(b) | Beta::NonNegative(b) => b,
+                // A job without β keeps DPO's, so that its configuration can be turned into a DPO
+                // run's by changing the fields DPO reads.
+                Beta::Unused => crate::recipes::DPO_BETA,
+            },
             sft_weight: 0.0,
             ref_model: None,
             progress: true,
@@ -215,32 +200,7 @@ impl TrainConfig {
             logits_chunk: 8,
             ..own
         };
-        match recipe {
-            Recipe::Sft => TrainConfig {
-                max_steps: Some(600),
-                batch_size: 64,
-                lr: 5e-3,
-                warmup_steps: 20,
-                ..task
-            },
-            // Refines the shipped SFT checkpoint with TRL's sigmoid + SFT loss, which keeps the correct
-            // answers likely.
-            Recipe::Dpo => TrainConfig {
-                builtin_model: BuiltinModel::Sft,
-                max_steps: Some(300),
-                batch_size: 32,
-                lr: 2e-4,
-                sft_weight: 1.0,
-                ..task
-            },
-            // 8 prompts a step, a quicker learning rate.
-            Recipe::Grpo => TrainConfig {
-                max_steps: Some(60),
-                batch_size: 8,
-                lr: 2e-3,
-                ..task
-            },
-        }
+        (recipe.facts().builtin)(task)
     }
 }
 
@@ -348,6 +308,20 @@ fn require_data(flag: &str, path: &Option<PathBuf>) -> Result<()> {
 }
 
 impl TrainConfig {
+    /// The job flags ([`crate::recipes::JOB_FLAGS`]) whose settings here are not their off values,
+    /// so a job that does not take one refuses it (β has no off value: the command line checks it).
+    fn job_flags_set(&self) -> Vec<&'static str> {
+        [
+            ("--sft-weight", self.sft_weight != 0.0),
+            ("--ref-model", self.ref_model.is_some()),
+            ("--dataset-text-field", self.text_field != "text"),
+            ("--packing", self.packing),
+        ]
+        .into_iter()
+        .filter_map(|(flag, set)| set.then_some(flag))
+        .collect()
+    }
+
     /// Checks every setting of a `recipe` run against its range before anything is loaded.
     pub fn validate(&self, recipe: Recipe) -> Result<()> {
         let reason = |e: ModelError| match e {
@@ -417,14 +391,14 @@ impl TrainConfig {
                 "must be above 0 bytes",
             )?;
         }
-        match recipe {
-            Recipe::Dpo => require(
+        match recipe.facts().beta {
+            Beta::Positive(_) => require(
                 positive(self.beta),
                 "--beta",
                 self.beta,
                 "must be a number above 0",
             )?,
-            _ => require(
+            Beta::NonNegative(_) | Beta::Unused => require(
                 non_negative(self.beta),
                 "--beta",
                 self.beta,
@@ -464,14 +438,7 @@ impl TrainConfig {
             "",
             "merges a LoRA adapter: give --lora-r or --adapter",
         )?;
-        if recipe != Recipe::Sft {
-            require(
-                !self.packing,
-                "--packing",
-                "",
-                "applies to sft only (as in TRL)",
-            )?;
-        }
+        recipe.check_job_flags(&self.job_flags_set())?;
         if let Some(max_steps) = self.max_steps {
             if self.warmup_steps >= max_steps {
                 tracing::warn!(

@@ -10,7 +10,7 @@ use crate::data::Example;
 use crate::dataset::DataSource;
 use crate::generate::greedy;
 use crate::logprobs::sequence_logps;
-use crate::recipe::Setup;
+use crate::setup::Setup;
 use crate::tokenizer::{Keep, TextTokenizer};
 use crate::{Result, TrainError};
 

@@ -14,7 +14,7 @@ use crate::batch_file::load_batch;
 use crate::config::LoraArgs;
 use crate::device::{parse_device, parse_dtype};
 use crate::logprobs::scorer;
-use crate::recipe::{attach_lora, load_reference};
+use crate::setup::{attach_lora, load_reference};
 use crate::trainer::dropout_key;
 use crate::{Result, TrainError};
 use streambp_models::lora::DropoutKey;

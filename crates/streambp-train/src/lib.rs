@@ -2,7 +2,7 @@
 //! everything the `streambp-train` CLI runs.
 //!
 //! - Recipes: [`sft::run_sft`], [`dpo::run_dpo`] and [`grpo::run_grpo`], each one loop over
-//!   [`recipe::Setup`] (model, tokenizer, data sources) and [`trainer::Trainer`] (the optimizer
+//!   [`setup::Setup`] (model, tokenizer, data sources) and [`trainer::Trainer`] (the optimizer
 //!   step, metrics, evaluation, checkpoints and resume), configured by
 //!   [`config::TrainConfig`] / [`config::GrpoConfig`] (defaults in [`config::TrainConfig::defaults`], `--config`
 //!   files in [`config_file`]).
@@ -30,25 +30,25 @@ pub mod config_file;
 pub mod data;
 pub mod dataset;
 pub mod device;
-pub mod dpo;
 pub mod eval;
 pub mod generate;
 pub mod grad;
-pub mod grpo;
 pub mod logprobs;
 pub mod metrics_log;
 pub mod optim;
 pub mod output;
 pub mod parallel;
 pub mod plots;
-pub mod recipe;
+pub mod recipes;
 pub mod rewards;
 pub mod sampling;
-pub mod sft;
+pub mod setup;
 pub mod tensorboard;
 pub mod token_store;
 pub mod tokenizer;
 pub mod trainer;
+
+pub use recipes::{dpo, grpo, sft};
 
 /// Typed errors of the trainer library: each variant says what went wrong and names the flag, file,
 /// line or path a user has to fix.

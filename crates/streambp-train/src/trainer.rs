@@ -20,7 +20,7 @@ use crate::config::{Recipe, TrainConfig};
 use crate::metrics_log::MetricsLog;
 use crate::optim::{learning_rate, AdamWConfig};
 use crate::parallel::DataParallel;
-use crate::recipe::Setup;
+use crate::setup::Setup;
 use crate::{Result, TrainError};
 
 /// What a finished run reports.
@@ -223,7 +223,7 @@ impl Trainer {
         // The model, an adapter to train further and DPO's reference are identified by their
         // weights, their paths kept for the record alone (a changed path warns, changed weights
         // refuse a resume).
-        if let crate::recipe::InitialModel::Dir(dir) = &setup.initial {
+        if let crate::setup::InitialModel::Dir(dir) = &setup.initial {
             record_weights(&mut run, "--model", dir)?;
         }
         if let Some(spec) = &cfg.adapter {

@@ -92,7 +92,7 @@ fn messages_train_every_assistant_turn() {
         "{err}"
     );
     let plain = TextTokenizer::from_dir(
-        &streambp_train::recipe::materialize_builtin(&dir.path().join("plain")).unwrap(),
+        &streambp_train::setup::materialize_builtin(&dir.path().join("plain")).unwrap(),
     )
     .unwrap();
     std::fs::write(&data, rows[0].to_string()).unwrap();

@@ -32,7 +32,7 @@ pub fn msg(role: &str, content: &str) -> serde_json::Value {
 /// The arithmetic task's tokenizer with `template` as its chat template (written with characters the
 /// tokenizer knows).
 pub fn arithmetic_tokenizer_with_template(dir: &std::path::Path, template: &str) -> TextTokenizer {
-    let builtin = streambp_train::recipe::materialize_builtin(dir).unwrap();
+    let builtin = streambp_train::setup::materialize_builtin(dir).unwrap();
     let mut config: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(builtin.join("tokenizer_config.json")).unwrap(),
     )

@@ -1,5 +1,6 @@
 //! The DPO recipe (TRL's sigmoid loss): pairs of completions of one prompt, a frozen reference model
-//! (default: a copy of the initial policy, as in TRL), one readable loop over `recipe.rs`.
+//! (default: a copy of the initial policy, as in TRL), one readable loop over
+//! [`crate::setup::Setup`] and [`crate::trainer::Trainer`].
 
 use streambp_models::Model;
 use streambp_objectives::{Dpo, TokenTargets};
@@ -12,7 +13,7 @@ use crate::dataset::DataSource;
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::sequence_logps;
 use crate::output::temporary;
-use crate::recipe::Setup;
+use crate::setup::Setup;
 use crate::token_store::{ExampleSink, StoreWriter};
 use crate::tokenizer::TextTokenizer;
 use crate::trainer::{Summary, Trainer, TrainingData};

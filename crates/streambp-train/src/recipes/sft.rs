@@ -1,5 +1,5 @@
 //! The SFT recipe: token cross entropy on completions (or whole texts), one readable loop over
-//! [`crate::recipe::Setup`] and [`crate::trainer::Trainer`].
+//! [`crate::setup::Setup`] and [`crate::trainer::Trainer`].
 
 use streambp_objectives::Sft;
 
@@ -9,7 +9,7 @@ use crate::config::{Recipe, TrainConfig};
 use crate::data::{load_sft, load_sft_into};
 use crate::eval::{eval_accuracy, eval_loss, eval_rows};
 use crate::output::temporary;
-use crate::recipe::Setup;
+use crate::setup::Setup;
 use crate::token_store::StoreWriter;
 use crate::trainer::{Summary, Trainer, TrainingData};
 use crate::Result;

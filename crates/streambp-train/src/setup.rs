@@ -417,13 +417,6 @@ impl TrainConfig {
         put("--max-grad-norm", self.max_grad_norm.into());
         put("--seed", self.seed.into());
         put("--dtype", self.dtype.clone().into());
-        if recipe != Recipe::Sft {
-            put("--beta", self.beta.into());
-        }
-        if recipe == Recipe::Dpo {
-            put("--sft-weight", self.sft_weight.into());
-            put("--ref-model", self.ref_model.clone().into());
-        }
         let lora = self.lora.as_ref();
         let targets: Option<Vec<&str>> = lora.map(|l| l.targets.iter().map(|p| p.name()).collect());
         put("--lora-r", lora.map(|l| l.r).into());
@@ -433,6 +426,7 @@ impl TrainConfig {
         put("--lora-dropout", lora.map(|l| l.dropout).into());
         put("--adapter", self.adapter.clone().into());
         put("--zero", self.zero.to_string().into());
+        (recipe.facts().record)(self, &mut run);
         run
     }
 }

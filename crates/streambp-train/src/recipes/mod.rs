@@ -1,0 +1,190 @@
+//! The training jobs, each one readable loop in its own file, and the one table of what else
+//! differs between them ([`RecipeFacts`]): the flags only some jobs take, β's default and range, the
+//! built-in task's settings and the settings a checkpoint records. A new job is its loop's file, a
+//! [`Recipe`] variant, its row in the table and its subcommand.
+
+pub mod dpo;
+pub mod grpo;
+pub mod sft;
+
+use crate::checkpoint::RunRecord;
+use crate::config::{BuiltinModel, TrainConfig};
+use crate::{Result, TrainError};
+
+/// The training jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recipe {
+    /// Supervised fine-tuning (`sft.rs`).
+    Sft,
+    /// Direct preference optimisation (`dpo.rs`).
+    Dpo,
+    /// Group relative policy optimisation (`grpo.rs`).
+    Grpo,
+}
+
+/// What `--beta` is to a job.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Beta {
+    /// The job has no β.
+    Unused,
+    /// A scale of the loss's margin that must be above 0 (DPO's), with its default.
+    Positive(f64),
+    /// A weight that may be 0 (GRPO's KL term), with its default.
+    NonNegative(f64),
+}
+
+/// One job's row of the table.
+pub struct RecipeFacts {
+    /// The job and its subcommand's name.
+    pub recipe: Recipe,
+    /// The subcommand's name.
+    pub name: &'static str,
+    /// The flags among [`JOB_FLAGS`] this job takes (the others are refused, naming the jobs that
+    /// take them).
+    pub flags: &'static [&'static str],
+    /// Its β.
+    pub beta: Beta,
+    /// The built-in task's run of this job: its settings over the task's shared ones.
+    pub builtin: fn(TrainConfig) -> TrainConfig,
+    /// The settings of this job's own that a checkpoint records (beyond every job's).
+    pub record: fn(&TrainConfig, &mut RunRecord),
+}
+
+/// DPO's default β, as TRL's `DPOConfig`.
+pub const DPO_BETA: f64 = 0.1;
+
+/// The flags some jobs take and others refuse.
+pub const JOB_FLAGS: &[&str] = &[
+    "--beta",
+    "--sft-weight",
+    "--ref-model",
+    "--dataset-text-field",
+    "--packing",
+];
+
+/// Every job's row, in [`Recipe`]'s order.
+static RECIPES: [RecipeFacts; 3] = [
+    RecipeFacts {
+        recipe: Recipe::Sft,
+        name: "sft",
+        // TRL's SFTTrainer alone packs, and reads a text column.
+        flags: &["--dataset-text-field", "--packing"],
+        beta: Beta::Unused,
+        builtin: |task| TrainConfig {
+            max_steps: Some(600),
+            batch_size: 64,
+            lr: 5e-3,
+            warmup_steps: 20,
+            ..task
+        },
+        record: |_, _| {},
+    },
+    RecipeFacts {
+        recipe: Recipe::Dpo,
+        name: "dpo",
+        flags: &["--beta", "--sft-weight", "--ref-model"],
+        beta: Beta::Positive(DPO_BETA),
+        // Refines the shipped SFT checkpoint with TRL's sigmoid + SFT loss, which keeps the correct
+        // answers likely.
+        builtin: |task| TrainConfig {
+            builtin_model: BuiltinModel::Sft,
+            max_steps: Some(300),
+            batch_size: 32,
+            lr: 2e-4,
+            sft_weight: 1.0,
+            ..task
+        },
+        record: |cfg, run| {
+            run.insert("--beta".into(), cfg.beta.into());
+            run.insert("--sft-weight".into(), cfg.sft_weight.into());
+            run.insert("--ref-model".into(), cfg.ref_model.clone().into());
+        },
+    },
+    RecipeFacts {
+        recipe: Recipe::Grpo,
+        name: "grpo",
+        flags: &["--beta"],
+        // The KL weight is 0 by default, as in TRL.
+        beta: Beta::NonNegative(0.0),
+        // 8 prompts a step, a quicker learning rate.
+        builtin: |task| TrainConfig {
+            max_steps: Some(60),
+            batch_size: 8,
+            lr: 2e-3,
+            ..task
+        },
+        // GRPO's own settings (group, sampling, loss) are recorded by its loop.
+        record: |cfg, run| {
+            run.insert("--beta".into(), cfg.beta.into());
+        },
+    },
+];
+
+impl Recipe {
+    /// Every job, in the table's order.
+    pub const ALL: [Recipe; 3] = [Recipe::Sft, Recipe::Dpo, Recipe::Grpo];
+
+    /// This job's row of the table.
+    pub fn facts(self) -> &'static RecipeFacts {
+        &RECIPES[self as usize]
+    }
+
+    /// The subcommand's name: `sft`, `dpo` or `grpo`.
+    pub fn name(self) -> &'static str {
+        self.facts().name
+    }
+
+    /// Refuses the first of `given` (flags of [`JOB_FLAGS`] a run sets) that this job does not take,
+    /// naming the jobs that do.
+    pub fn check_job_flags(self, given: &[&str]) -> Result<()> {
+        for flag in given {
+            if self.facts().flags.contains(flag) {
+                continue;
+            }
+            let takers: Vec<&str> = Recipe::ALL
+                .iter()
+                .filter(|r| r.facts().flags.contains(flag))
+                .map(|r| r.name())
+                .collect();
+            let takers = match takers.split_last() {
+                Some((last, [])) => last.to_string(),
+                Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+                None => "no job".to_string(),
+            };
+            return Err(TrainError::flag(
+                flag,
+                "",
+                format!("applies to {takers} only, not {}", self.name()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The table's rows are in `Recipe`'s order, and every job flag is some job's.
+    #[test]
+    fn the_table_is_in_order_and_every_job_flag_has_a_job() {
+        for recipe in Recipe::ALL {
+            assert_eq!(recipe.facts().recipe, recipe);
+        }
+        for flag in JOB_FLAGS {
+            assert!(
+                Recipe::ALL.iter().any(|r| r.facts().flags.contains(flag)),
+                "{flag}"
+            );
+        }
+        for recipe in Recipe::ALL {
+            for flag in recipe.facts().flags {
+                assert!(JOB_FLAGS.contains(flag), "{flag} of {}", recipe.name());
+            }
+        }
+        let refused = Recipe::Sft.check_job_flags(&["--packing", "--beta"]);
+        let message = refused.unwrap_err().to_string();
+        assert_eq!(message, "--beta: applies to dpo and grpo only, not sft");
+        assert!(Recipe::Grpo.check_job_flags(&["--beta"]).is_ok());
+    }
+}
