@@ -16,7 +16,9 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use streambp_core::memory::{CountingAllocator, Meter};
-use streambp_core::{backward_with, estimate, Batch, ChunkPolicy, Chunks, Mode, Options, Problem};
+use streambp_core::{
+    backward_with, estimate, Batch, ChunkPolicy, Chunks, Mode, Options, Plan, Problem,
+};
 use streambp_models::device::{parse_budget, parse_device, parse_dtype};
 use streambp_models::LoraConfig;
 use streambp_models::{Model, ModelConfig};
@@ -232,9 +234,7 @@ fn run(
             model,
             Batch::new(ids, None),
             objective.as_ref(),
-            mode,
-            chunks,
-            options,
+            Plan::new(mode, chunks).with(options),
         )?;
         let seconds = start.elapsed().as_secs_f64();
         let optimizer = with_optimizer

@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use candle_core::{Device, Tensor};
 use streambp_core::memory::Meter;
-use streambp_core::{Batch, Chunks, Mode, Options};
+use streambp_core::{Batch, Chunks, Mode, Plan};
 use streambp_dist::Communicator;
 use streambp_models::Model;
 use streambp_objectives::Objective;
@@ -69,16 +69,8 @@ fn measure(
         meter.reset_peak();
         let start = Instant::now();
         let batch = Batch::new(ids, None);
-        let options = Options::default();
-        parallel.backward(
-            model,
-            batch,
-            objective.as_ref(),
-            Mode::Stream,
-            chunks,
-            options,
-            1.0,
-        )?;
+        let plan = Plan::new(Mode::Stream, chunks);
+        parallel.backward(model, batch, objective.as_ref(), plan, 1.0)?;
         let gradients = meter.current_bytes().unwrap_or(0).saturating_sub(before);
         let held = parallel.held_bytes();
         // Learning rate 0: the moments move, the weights stay.

@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::DType;
 use common::*;
-use streambp_core::Mode;
+use streambp_core::{Mode, Plan};
 
 /// `(chunk, logits_chunk)` for T = 11: chunk 1; chunks not dividing T (and not aligned with Gemma3's
 /// window of 4); chunk = T; chunk > T; logits chunk 1 and >= T.
@@ -140,9 +140,13 @@ fn offloaded_checkpoints_give_the_same_gradients() {
         offload_checkpoints: true,
         ..Default::default()
     };
-    let out =
-        streambp_core::backward_with(&f.model, batch, &f.sft(), Mode::Stream, chunks, offload)
-            .unwrap();
+    let out = streambp_core::backward_with(
+        &f.model,
+        batch,
+        &f.sft(),
+        Plan::new(Mode::Stream, chunks).with(offload),
+    )
+    .unwrap();
     let (err, name) = worst_grad_err(&out, &plain);
     assert_eq!(err, 0.0, "{name}");
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use serde::Serialize;
-use streambp_core::{backward_with, Batch, ChunkPolicy, Chunks, Mode, Options, Problem};
+use streambp_core::{backward_with, Batch, ChunkPolicy, Chunks, Mode, Options, Plan, Problem};
 use streambp_models::{load_model, resolve_adapter_dir, resolve_model_dir, save_safetensors};
 
 use crate::batch_file::load_batch;
@@ -211,9 +211,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
             position_ids: batch.position_ids.as_ref(),
         },
         batch.objective.as_ref(),
-        args.mode,
-        chunks,
-        options,
+        Plan::new(args.mode, chunks).with(options),
     )?;
     let seconds = start.elapsed().as_secs_f64();
     for phase in &out.phases.phases {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use streambp_core::Batch;
+use streambp_core::{Batch, Plan};
 use streambp_dist::Communicator;
 use streambp_models::Model;
 use streambp_objectives::Objective;
@@ -388,11 +388,14 @@ impl Trainer {
         tokens: usize,
         weight: f64,
     ) -> Result<()> {
-        let chunks = cfg.chunks_for(model, batch.input_ids)?;
-        let options = cfg.options_for(self.step, micro, first_row);
+        let plan = Plan {
+            mode: cfg.mode,
+            chunks: cfg.chunks_for(model, batch.input_ids)?,
+            options: cfg.options_for(self.step, micro, first_row),
+        };
         let out = self
             .parallel
-            .backward(model, batch, objective, cfg.mode, chunks, options, weight)?;
+            .backward(model, batch, objective, plan, weight)?;
         let s = &mut self.sums;
         s.micro_batches += 1;
         s.loss += out.loss * weight;

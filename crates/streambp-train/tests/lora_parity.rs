@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use streambp_core::{backward_with, Batch, Chunks, Gradients, Mode, Options};
+use streambp_core::{backward_with, Batch, Chunks, Gradients, Mode, Options, Plan};
 use streambp_models::adapter::{load_adapter, save_adapter};
 use streambp_models::{load_model, LoraConfig, Model};
 use streambp_train::batch_file::load_batch;
@@ -64,7 +64,8 @@ fn backward(
             let labels = r["labels"].to_vec2::<i64>().unwrap();
             let sft = streambp_objectives::Sft::new(&labels, 96, None, &Device::Cpu).unwrap();
             let batch = Batch::new(&ids, Some(&r["attention_mask"]));
-            return backward_with(model, batch, &sft, mode, chunks, options).unwrap();
+            return backward_with(model, batch, &sft, Plan::new(mode, chunks).with(options))
+                .unwrap();
         }
         "dpo" => ("dpo-batch.json", |_| {}),
         "dpo_sft" => ("dpo-batch.json", |j| j["sft_weight"] = 0.5.into()),
@@ -87,9 +88,7 @@ fn backward(
         model,
         input,
         batch.objective.as_ref(),
-        mode,
-        chunks,
-        options,
+        Plan::new(mode, chunks).with(options),
     )
     .unwrap()
 }

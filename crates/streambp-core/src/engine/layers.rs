@@ -74,17 +74,15 @@ pub(super) fn layer_forward_streamed(
 /// chunk's own keys/values recomputed from `x_c` in the graph), the rest of the layer, and the pending
 /// key/value gradient of `[s, e)` through the chunk's own k/v projections. Its backward yields the
 /// chunk's input gradient complete. Queries never score keys they cannot see (future, outside the window).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn layer_backward_streamed(
-    layer: &DecoderLayer,
+    (model, index): (&Model, usize),
     x: &Tensor,
     grad_out: &Tensor,
     layout: &Layout,
     chunk: usize,
     sink: &mut GradSink,
-    model: &Model,
-    index: usize,
 ) -> Result<Tensor> {
+    let layer = &model.layers[index];
     let t = x.dim(1)?;
     let ranges = chunk_ranges(t, chunk);
     let (keys, values) = keys_values_streamed(&layer.detached(), x, layout, chunk)?;
@@ -152,14 +150,13 @@ pub(super) fn layer_backward_streamed(
 
 /// Phase 3 (checkpoint): the layer recomputed over the whole sequence with a graph and backpropagated.
 pub(super) fn layer_backward_whole(
-    layer: &DecoderLayer,
+    (model, index): (&Model, usize),
     x: &Tensor,
     grad_out: &Tensor,
     layout: &Layout,
     sink: &mut GradSink,
-    model: &Model,
-    index: usize,
 ) -> Result<Tensor> {
+    let layer = &model.layers[index];
     let x = Var::from_tensor(x)?;
     let y = layer.forward(x.as_tensor(), layout)?;
     let store = seed(&y, grad_out)?.backward()?;

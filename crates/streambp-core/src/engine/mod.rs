@@ -161,6 +161,34 @@ pub struct Gradients {
     pub phases: PhaseLog,
 }
 
+/// How one backward is computed: its mode, chunk sizes and options, decided together for a
+/// micro-batch (by the trainer, `grad` or the bench) and handed on as one value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    /// Stream, checkpoint or full.
+    pub mode: Mode,
+    /// The query chunk and the LM head's chunk.
+    pub chunks: Chunks,
+    /// Offloading and LoRA dropout.
+    pub options: Options,
+}
+
+impl Plan {
+    /// `mode` with `chunks` and default options.
+    pub fn new(mode: Mode, chunks: Chunks) -> Self {
+        Self {
+            mode,
+            chunks,
+            options: Options::default(),
+        }
+    }
+
+    /// This plan with `options`.
+    pub fn with(self, options: Options) -> Self {
+        Self { options, ..self }
+    }
+}
+
 /// Computes the loss and the gradient of every parameter of `model` for `objective` on `batch`.
 pub fn backward(
     model: &Model,
@@ -169,19 +197,17 @@ pub fn backward(
     mode: Mode,
     chunks: Chunks,
 ) -> Result<Gradients> {
-    backward_with(model, batch, objective, mode, chunks, Options::default())
+    backward_with(model, batch, objective, Plan::new(mode, chunks))
 }
 
-/// [`backward`] with engine options.
+/// [`backward`] as `plan` says (engine options included).
 pub fn backward_with(
     model: &Model,
     batch: Batch,
     objective: &dyn Objective,
-    mode: Mode,
-    chunks: Chunks,
-    options: Options,
+    plan: Plan,
 ) -> Result<Gradients> {
-    backward_impl(model, batch, objective, mode, chunks, options, None)
+    backward_impl(model, batch, objective, plan, None)
 }
 
 /// Receives groups of parameter gradients as soon as the backward has finished them: a layer's when
@@ -199,29 +225,21 @@ pub fn backward_into(
     model: &Model,
     batch: Batch,
     objective: &dyn Objective,
-    mode: Mode,
-    chunks: Chunks,
-    options: Options,
+    plan: Plan,
     finished: &mut dyn FinishedGradients,
 ) -> Result<Gradients> {
-    backward_impl(
-        model,
-        batch,
-        objective,
-        mode,
-        chunks,
-        options,
-        Some(finished),
-    )
+    backward_impl(model, batch, objective, plan, Some(finished))
 }
 
 fn backward_impl(
     model: &Model,
     batch: Batch,
     objective: &dyn Objective,
-    mode: Mode,
-    chunks: Chunks,
-    options: Options,
+    Plan {
+        mode,
+        chunks,
+        options,
+    }: Plan,
     mut finished: Option<&mut dyn FinishedGradients>,
 ) -> Result<Gradients> {
     let (b, t) = batch.input_ids.dims2()?;
@@ -277,23 +295,21 @@ fn backward_impl(
             // phase's gradient.
             sink.seal(model.output_parameters())?;
             peaks.record("head");
-            for (index, layer) in model.layers.iter().enumerate().rev() {
+            for index in (0..model.layers.len()).rev() {
                 let x = inputs
                     .pop()
                     .expect("one checkpoint per layer")
                     .to_device(model.device())?;
                 grad = on_workers(device, || match mode {
                     Mode::Stream => layer_backward_streamed(
-                        layer,
+                        (model, index),
                         &x,
                         &grad,
                         &layout,
                         chunks.chunk,
                         &mut sink,
-                        model,
-                        index,
                     ),
-                    _ => layer_backward_whole(layer, &x, &grad, &layout, &mut sink, model, index),
+                    _ => layer_backward_whole((model, index), &x, &grad, &layout, &mut sink),
                 })?;
                 sink.seal(model.layer_parameters(index).iter())?;
                 if let Some(hook) = finished.as_mut() {

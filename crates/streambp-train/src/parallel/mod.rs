@@ -19,7 +19,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use streambp_core::{backward_into, backward_with, Batch, Chunks, Gradients, Mode, Options};
+use streambp_core::{backward_into, backward_with, Batch, Gradients, Plan};
 use streambp_dist::Communicator;
 use streambp_models::Model;
 use streambp_objectives::Objective;
@@ -135,24 +135,19 @@ impl DataParallel {
 
     /// One micro-batch's backward, its gradients scaled by `weight` (its share of the step's loss) and
     /// added to the step's; the result carries the loss, metrics and phases (not the gradients).
-    #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &mut self,
         model: &Model,
         batch: Batch,
         objective: &dyn Objective,
-        mode: Mode,
-        chunks: Chunks,
-        options: Options,
+        plan: Plan,
         weight: f64,
     ) -> Result<Gradients> {
         if let Some(shards) = self.shards.as_mut() {
             shards.weight = weight;
-            return Ok(backward_into(
-                model, batch, objective, mode, chunks, options, shards,
-            )?);
+            return Ok(backward_into(model, batch, objective, plan, shards)?);
         }
-        let mut out = backward_with(model, batch, objective, mode, chunks, options)?;
+        let mut out = backward_with(model, batch, objective, plan)?;
         let grads = weighted(std::mem::take(&mut out.grads), weight)?;
         self.grads = Some(match self.grads.take() {
             None => grads,
