@@ -284,6 +284,16 @@ impl LoraArgs {
     }
 }
 
+/// A finite number above 0.
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+/// A finite number at least 0.
+fn non_negative(x: f64) -> bool {
+    x.is_finite() && x >= 0.0
+}
+
 /// `Err` naming `flag`, its value and the allowed range unless `ok`.
 fn require(ok: bool, flag: &str, value: impl std::fmt::Display, expected: &str) -> Result<()> {
     match ok {
@@ -324,10 +334,16 @@ impl TrainConfig {
 
     /// Checks every setting of a `recipe` run against its range before anything is loaded.
     pub fn validate(&self, recipe: Recipe) -> Result<()> {
-        let reason = |e: ModelError| match e {
-            ModelError::Input(reason) => reason,
-            other => other.to_string(),
-        };
+        self.check_step_settings()?;
+        self.check_engine_settings()?;
+        self.check_job_settings(recipe)?;
+        self.check_lora_settings()?;
+        self.check_data_settings()?;
+        self.check_resume_settings()
+    }
+
+    /// How a step is made: batch, accumulation, length of the run, the optimizer and its schedule.
+    fn check_step_settings(&self) -> Result<()> {
         require(
             self.batch_size >= 1,
             "--batch-size",
@@ -344,8 +360,6 @@ impl TrainConfig {
         if let Some(steps) = self.max_steps {
             require(steps >= 1, "--max-steps", steps, "must be at least 1")?;
         }
-        let positive = |x: f64| x.is_finite() && x > 0.0;
-        let non_negative = |x: f64| x.is_finite() && x >= 0.0;
         require(
             positive(self.epochs),
             "--epochs",
@@ -370,6 +384,24 @@ impl TrainConfig {
             self.max_grad_norm,
             "must be a number at least 0 (0 turns clipping off)",
         )?;
+        if let Some(max_steps) = self.max_steps {
+            if self.warmup_steps >= max_steps {
+                tracing::warn!(
+                    warmup_steps = self.warmup_steps,
+                    max_steps,
+                    "the warmup lasts the whole run: the learning rate never reaches --lr"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// What the engine is given: lengths, chunks, memory budget, dtype and device.
+    fn check_engine_settings(&self) -> Result<()> {
+        let reason = |e: ModelError| match e {
+            ModelError::Input(reason) => reason,
+            other => other.to_string(),
+        };
         require(
             self.max_length >= 2,
             "--max-length",
@@ -391,6 +423,15 @@ impl TrainConfig {
                 "must be above 0 bytes",
             )?;
         }
+        crate::device::parse_dtype(&self.dtype)
+            .map_err(|e| TrainError::flag("--dtype", &self.dtype, reason(e)))?;
+        crate::device::parse_device(&self.device)
+            .map_err(|e| TrainError::flag("--device", &self.device, reason(e)))?;
+        Ok(())
+    }
+
+    /// The job's own settings: β's range, the NLL weight, and the job flags it takes.
+    fn check_job_settings(&self, recipe: Recipe) -> Result<()> {
         match recipe.facts().beta {
             Beta::Positive(_) => require(
                 positive(self.beta),
@@ -411,6 +452,12 @@ impl TrainConfig {
             self.sft_weight,
             "must be a number at least 0",
         )?;
+        recipe.check_job_flags(&self.job_flags_set())?;
+        Ok(())
+    }
+
+    /// LoRA: a fresh adapter's rank, alpha and dropout, or an adapter to train further, and merging.
+    fn check_lora_settings(&self) -> Result<()> {
         if let Some(lora) = &self.lora {
             require(lora.r >= 1, "--lora-r", lora.r, "must be at least 1")?;
             require(
@@ -438,20 +485,11 @@ impl TrainConfig {
             "",
             "merges a LoRA adapter: give --lora-r or --adapter",
         )?;
-        recipe.check_job_flags(&self.job_flags_set())?;
-        if let Some(max_steps) = self.max_steps {
-            if self.warmup_steps >= max_steps {
-                tracing::warn!(
-                    warmup_steps = self.warmup_steps,
-                    max_steps,
-                    "the warmup lasts the whole run: the learning rate never reaches --lr"
-                );
-            }
-        }
-        crate::device::parse_dtype(&self.dtype)
-            .map_err(|e| TrainError::flag("--dtype", &self.dtype, reason(e)))?;
-        crate::device::parse_device(&self.device)
-            .map_err(|e| TrainError::flag("--device", &self.device, reason(e)))?;
+        Ok(())
+    }
+
+    /// Training and held-out data: the sources exist, and splits and configs apply to them.
+    fn check_data_settings(&self) -> Result<()> {
         require_data("--data", &self.data)?;
         require_data("--eval-data", &self.eval_data)?;
         for (flag, value) in [
@@ -509,6 +547,11 @@ impl TrainConfig {
             "needs held-out data: give --eval-data, or --eval-split of a --data directory or hub \
              dataset",
         )?;
+        Ok(())
+    }
+
+    /// A checkpoint to resume from is one.
+    fn check_resume_settings(&self) -> Result<()> {
         if let Some(dir) = &self.resume {
             let state = dir.join(crate::checkpoint::STATE_FILE);
             require(
