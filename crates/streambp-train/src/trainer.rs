@@ -164,7 +164,10 @@ fn add_to(list: &mut Vec<(String, f64)>, name: &str, value: f64) {
 /// The optimizer step and its bookkeeping: each micro-batch's backward on this rank's rows, the
 /// step's reduction over ranks, clipping, schedule, AdamW, metrics.jsonl, progress bar, periodic atomic
 /// checkpoints with resumable state.
-pub struct Trainer {
+pub struct Trainer<'a> {
+    /// The run's configuration and setup, which every step reads.
+    cfg: &'a TrainConfig,
+    setup: &'a Setup,
     parallel: DataParallel,
     /// The step the run ends at: `--max-steps`, or `--epochs` over the data.
     pub max_steps: usize,
@@ -201,15 +204,15 @@ fn record_weights(run: &mut RunRecord, flag: &str, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-impl Trainer {
+impl<'a> Trainer<'a> {
     /// The trainer of a `recipe` run over `data`: checks that a step fits the data, records the run
     /// (its settings, `extra` ones included, the data's fingerprint, the number of ranks) and,
     /// resuming, compares that record with the checkpoint's and restores the optimizer (this rank's
     /// shard) and data position. Call it before any long work (evaluation), so that a refused run
     /// stops at once.
     pub fn new(
-        cfg: &TrainConfig,
-        setup: &Setup,
+        cfg: &'a TrainConfig,
+        setup: &'a Setup,
         recipe: Recipe,
         data: &TrainingData,
         extra: RunRecord,
@@ -286,6 +289,8 @@ impl Trainer {
         bar.set_position(start_step as u64);
         let job = comm.broadcast(u64::from(std::process::id()))?;
         Ok(Self {
+            cfg,
+            setup,
             parallel,
             max_steps,
             start_step,
@@ -329,9 +334,9 @@ impl Trainer {
     /// last step's are measured by [`Trainer::finish`].
     pub fn evaluate_if_due(
         &mut self,
-        cfg: &TrainConfig,
         measure: impl FnOnce() -> Result<Vec<(String, f64)>>,
     ) -> Result<()> {
+        let cfg = self.cfg;
         let done = self.step + 1;
         if cfg.eval_every == 0
             || !done.is_multiple_of(cfg.eval_every)
@@ -355,15 +360,15 @@ impl Trainer {
 
     /// This rank's share of a global micro-batch (`global`, whose length the ranks divide: each rank's
     /// `--batch-size` rows), and the index of its first row in it.
-    pub fn local<'a, T>(&self, global: &'a [T]) -> (&'a [T], usize) {
+    pub fn local<'g, T>(&self, global: &'g [T]) -> (&'g [T], usize) {
         let n = global.len() / self.comm.world_size();
         let first = self.comm.rank() * n;
         (&global[first..first + n], first)
     }
 
     /// The examples one optimizer step takes from the data, on all ranks together.
-    pub fn global_step_items(&self, cfg: &TrainConfig) -> Result<usize> {
-        Ok(cfg.examples_per_step()? * self.comm.world_size())
+    pub fn global_step_items(&self) -> Result<usize> {
+        Ok(self.cfg.examples_per_step()? * self.comm.world_size())
     }
 
     /// Marks the start of step `step` (for its timing and its dropout masks).
@@ -377,17 +382,15 @@ impl Trainer {
     /// masks differ across ranks as across rows), `tokens` its real tokens, `weight` its share of the
     /// step's loss (the objective's normalisation already global: 1 for SFT, one over the global
     /// micro-batches for means). With ZeRO-2 its gradients are reduced over ranks layer by layer here.
-    #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &mut self,
-        cfg: &TrainConfig,
-        model: &Model,
         batch: Batch,
         objective: &dyn Objective,
         (micro, first_row): (usize, usize),
         tokens: usize,
         weight: f64,
     ) -> Result<()> {
+        let (cfg, model) = (self.cfg, &self.setup.model);
         let plan = Plan {
             mode: cfg.mode,
             chunks: cfg.chunks_for(model, batch.input_ids)?,
@@ -436,7 +439,8 @@ impl Trainer {
     /// Reduces the step's gradients over ranks, clips, schedules and applies them, logs the step, and
     /// checkpoints when due; returns the step's metrics (over all ranks). A non-finite loss stops the
     /// run before any update, naming the last good checkpoint.
-    pub fn finish_step(&mut self, cfg: &TrainConfig, setup: &Setup) -> Result<Vec<(String, f64)>> {
+    pub fn finish_step(&mut self) -> Result<Vec<(String, f64)>> {
+        let cfg = self.cfg;
         let step = self.step;
         let sums = std::mem::take(&mut self.sums);
         if sums.micro_batches == 0 {
@@ -497,7 +501,7 @@ impl Trainer {
             && step + 1 < self.max_steps
         {
             let dir = cfg.output_dir.join(format!("checkpoint-{}", step + 1));
-            self.save(cfg, setup, &dir, step + 1)?;
+            self.save(&dir, step + 1)?;
             self.last_good = Some(dir);
         }
         Ok(metrics)
@@ -505,7 +509,8 @@ impl Trainer {
 
     /// A resumable checkpoint of step `step` in `dir`: the model (or adapter), tokenizer and trainer
     /// state from rank 0, every rank's optimizer state (its shard, or rank 0's whole one).
-    fn save(&self, cfg: &TrainConfig, setup: &Setup, dir: &Path, step: usize) -> Result<()> {
+    fn save(&self, dir: &Path, step: usize) -> Result<()> {
+        let (cfg, setup) = (self.cfg, self.setup);
         let state = TrainerState {
             step,
             epoch: self.data.epoch,
@@ -533,11 +538,10 @@ impl Trainer {
     /// with the held-out metrics `before` and those `after` measures on the trained model (rank 0).
     pub fn finish(
         &mut self,
-        cfg: &TrainConfig,
-        setup: &Setup,
         before: Vec<(String, f64)>,
         after: impl FnOnce() -> Result<Vec<(String, f64)>>,
     ) -> Result<Summary> {
+        let (cfg, setup) = (self.cfg, self.setup);
         self.bar.finish();
         let dir = cfg.output_dir.join("final");
         let config_json = setup.model_dir.join("config.json");

@@ -285,7 +285,7 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
     let world = setup.comm.world_size();
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step(step);
-        let picked = trainer.data.take(trainer.global_step_items(cfg)?);
+        let picked = trainer.data.take(trainer.global_step_items()?);
         // Every rank's micro-batch is a mean over its pairs, all of one size: the step's loss is the
         // mean of all of them, over micro-batches and ranks.
         let weight = 1.0 / (picked.len() / cfg.batch_size) as f64;
@@ -322,10 +322,10 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
             };
             // Chosen and rejected rows of the pairs from `first` on (dropout masks by row).
             let rows = (m, 2 * first);
-            trainer.backward(cfg, model, t.batch(), &dpo, rows, c.tokens(), weight)?;
+            trainer.backward(t.batch(), &dpo, rows, c.tokens(), weight)?;
         }
-        trainer.finish_step(cfg, &setup)?;
-        trainer.evaluate_if_due(cfg, || held_out(&setup))?;
+        trainer.finish_step()?;
+        trainer.evaluate_if_due(|| held_out(&setup))?;
     }
-    trainer.finish(cfg, &setup, before, || held_out(&setup))
+    trainer.finish(before, || held_out(&setup))
 }

@@ -336,7 +336,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         let fresh = step.is_multiple_of(g.num_iterations) || pending.is_empty();
         if fresh {
             // Each rank samples its own prompts' groups; a group stays on one rank.
-            let picked = trainer.data.take(trainer.global_step_items(cfg)?);
+            let picked = trainer.data.take(trainer.global_step_items()?);
             let (mine, first) = trainer.local(&picked);
             let (mine, step_seed) = (mine.to_vec(), step);
             let local = (mine.as_slice(), first);
@@ -380,23 +380,15 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 &setup.device,
             )?;
             let group = (first_group + k, 0);
-            trainer.backward(
-                cfg,
-                model,
-                t.batch(),
-                &objective,
-                group,
-                r.rows.tokens(),
-                weight,
-            )?;
+            trainer.backward(t.batch(), &objective, group, r.rows.tokens(), weight)?;
         }
-        let metrics = trainer.finish_step(cfg, &setup)?;
+        let metrics = trainer.finish_step()?;
         if fresh {
             let metric = |name: &str| metrics.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
             reward_history.extend(metric("reward"));
             signal_seen |= metric("frac_reward_zero_std").is_some_and(|f| f < 1.0);
         }
-        trainer.evaluate_if_due(cfg, || eval_accuracy(&setup, &eval))?;
+        trainer.evaluate_if_due(|| eval_accuracy(&setup, &eval))?;
     }
     if !signal_seen && !reward_history.is_empty() {
         tracing::warn!(
@@ -417,7 +409,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     ));
     let last_reward = mean(&reward_history[reward_history.len().saturating_sub(window)..]);
     // The training reward joins the summary, not the held-out metrics logged at the end.
-    let mut summary = trainer.finish(cfg, &setup, before, || eval_accuracy(&setup, &eval))?;
+    let mut summary = trainer.finish(before, || eval_accuracy(&setup, &eval))?;
     if trainer.is_main() {
         summary.after.push(("reward".into(), last_reward));
     }

@@ -71,7 +71,7 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
     let model = &setup.model;
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step(step);
-        let picked = trainer.data.take(trainer.global_step_items(cfg)?);
+        let picked = trainer.data.take(trainer.global_step_items()?);
         // This rank's rows of each micro-batch, read from the store once for the step.
         let micro_batches: Vec<_> = picked
             .chunks(cfg.batch_size * setup.comm.world_size())
@@ -100,10 +100,10 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
             let tensors = c.tensors(&setup.device)?;
             // The objective already divides by the step's target tokens: weight 1.
             let batch = tensors.batch();
-            trainer.backward(cfg, model, batch, &sft, (m, first_row), c.tokens(), 1.0)?;
+            trainer.backward(batch, &sft, (m, first_row), c.tokens(), 1.0)?;
         }
-        trainer.finish_step(cfg, &setup)?;
-        trainer.evaluate_if_due(cfg, held_out)?;
+        trainer.finish_step()?;
+        trainer.evaluate_if_due(held_out)?;
     }
-    trainer.finish(cfg, &setup, before, held_out)
+    trainer.finish(before, held_out)
 }
