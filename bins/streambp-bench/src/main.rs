@@ -562,30 +562,8 @@ fn main() -> anyhow::Result<()> {
     };
     // Seeded: every rank builds the same weights.
     let model = Model::random(cfg, dtype, &device, 0)?;
-    if let Some(ranks) = args.world {
-        let _guard = streambp_dist::init(device.is_cuda())?;
-        let world = streambp_dist::world().world_size();
-        if world != ranks {
-            bail!("--world {ranks}, but the launcher started {world} rank(s)");
-        }
-        let rank0 = streambp_dist::world().rank() == 0;
-        let mut json = args
-            .json
-            .as_ref()
-            .filter(|_| rank0)
-            .map(std::fs::File::create)
-            .transpose()?;
-        let vocab = model.config.vocab_size;
-        return world::run_world(
-            &model,
-            &args.seq_lens,
-            &args.zero,
-            |t| {
-                let work = workload(&args.objective, vocab, t, args.group, model.device())?;
-                Ok((work, given_chunks(&args, t)))
-            },
-            |line| write_json(&mut json, &line),
-        );
+    if args.world.is_some() {
+        return run_ranks(&args, &model);
     }
     let params: usize = model.parameters().iter().map(|(_, v)| v.elem_count()).sum();
     println!(
@@ -630,23 +608,74 @@ fn main() -> anyhow::Result<()> {
     }
 
     if let Some(budget) = args.max_t_budget {
-        println!();
-        println!(
-            "Longest T whose peak (weights included) fits {:.0} MiB:",
-            budget as f64 / (1 << 20) as f64
-        );
-        println!("| trained | mode | max T | peak there (MiB) | next T tried (over) |");
-        println!("|---|---|---|---|---|");
-        for (trained, m) in &trainings {
-            for &mode in &args.modes {
-                let (t, peak, over) = max_t((trained, m), &args, mode, budget)?;
-                let over = over.map_or("none tried (--t-max)".to_string(), |t| t.to_string());
-                println!("| {trained} | {mode} | {t} | {:.1} | {over} |", mib(peak));
-            }
-        }
-        return Ok(());
+        return print_max_t(&args, &trainings, budget);
     }
+    let (points, out_of_memory) = sweep(&args, &trainings)?;
+    print_table(&args, &model, dtype, &trainings, &points, &out_of_memory);
+    print_lora_against_full(&model, &points);
+    if let Some(dir) = &args.plot {
+        plot(&args, &trainings, &points, dir)?;
+    }
+    Ok(())
+}
 
+/// `--world N`: the data-parallel step on this rank (the launcher started the ranks).
+fn run_ranks(args: &Args, model: &Model) -> anyhow::Result<()> {
+    let ranks = args.world.unwrap_or(1);
+    let device = model.device();
+    let _guard = streambp_dist::init(device.is_cuda())?;
+    let world = streambp_dist::world().world_size();
+    if world != ranks {
+        bail!("--world {ranks}, but the launcher started {world} rank(s)");
+    }
+    let rank0 = streambp_dist::world().rank() == 0;
+    let mut json = args
+        .json
+        .as_ref()
+        .filter(|_| rank0)
+        .map(std::fs::File::create)
+        .transpose()?;
+    let vocab = model.config.vocab_size;
+    world::run_world(
+        model,
+        &args.seq_lens,
+        &args.zero,
+        |t| {
+            let work = workload(&args.objective, vocab, t, args.group, model.device())?;
+            Ok((work, given_chunks(args, t)))
+        },
+        |line| write_json(&mut json, &line),
+    )
+}
+
+/// `--max-t-budget`: the longest T of each mode and training whose peak fits `budget`.
+fn print_max_t(args: &Args, trainings: &[(String, Model)], budget: u64) -> anyhow::Result<()> {
+    println!();
+    println!(
+        "Longest T whose peak (weights included) fits {:.0} MiB:",
+        budget as f64 / (1 << 20) as f64
+    );
+    println!("| trained | mode | max T | peak there (MiB) | next T tried (over) |");
+    println!("|---|---|---|---|---|");
+    for (trained, m) in trainings {
+        for &mode in &args.modes {
+            let (t, peak, over) = max_t((trained, m), args, mode, budget)?;
+            let over = over.map_or("none tried (--t-max)".to_string(), |t| t.to_string());
+            println!("| {trained} | {mode} | {t} | {:.1} | {over} |", mib(peak));
+        }
+    }
+    Ok(())
+}
+
+/// Every T of `--seq-lens`, every training and mode: the measured points, and the runs that ran out
+/// of memory.
+#[allow(clippy::type_complexity)]
+fn sweep(
+    args: &Args,
+    trainings: &[(String, Model)],
+) -> anyhow::Result<(Vec<(Point, Chunks)>, Vec<(usize, String, Mode)>)> {
+    let vocab = trainings[0].1.config.vocab_size;
+    let device = trainings[0].1.device();
     let mut json = args
         .json
         .as_ref()
@@ -657,8 +686,8 @@ fn main() -> anyhow::Result<()> {
     let mut points = Vec::new();
     let mut out_of_memory = Vec::new();
     for &t in &args.seq_lens {
-        let chunks = given_chunks(&args, t);
-        let work = workload(&args.objective, vocab, t, args.group, model.device())?;
+        let chunks = given_chunks(args, t);
+        let work = workload(&args.objective, vocab, t, args.group, device)?;
         for (trained, mode) in trainings
             .iter()
             .flat_map(|(k, m)| args.modes.iter().map(move |&mode| ((k.as_str(), m), mode)))
@@ -669,7 +698,7 @@ fn main() -> anyhow::Result<()> {
                 mode,
                 chunks,
                 args.repeats,
-                options(&args),
+                options(args),
                 args.optimizer_step,
             ) {
                 Ok(p) => p,
@@ -697,11 +726,24 @@ fn main() -> anyhow::Result<()> {
                     mib(peak)
                 );
             }
-            write_json(&mut json, &point_json(&args, &p, &chunks))?;
+            write_json(&mut json, &point_json(args, &p, &chunks))?;
             points.push((p, chunks));
         }
     }
 
+    Ok((points, out_of_memory))
+}
+
+/// The sweep's table: each point's peak and time beside the other modes' at the same T, and the
+/// planner's estimate error.
+fn print_table(
+    args: &Args,
+    model: &Model,
+    dtype: DType,
+    trainings: &[(String, Model)],
+    points: &[(Point, Chunks)],
+    out_of_memory: &[(usize, String, Mode)],
+) {
     println!();
     println!("| T | trained | mode | chunk | peak above the weights (MiB) | vs checkpoint | vs full | seconds | vs checkpoint | planner estimate error |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
@@ -711,7 +753,7 @@ fn main() -> anyhow::Result<()> {
             .find(|(k, _)| k == trained)
             .and_then(|(_, m)| m.lora())
     };
-    for (p, chunks) in &points {
+    for (p, chunks) in points {
         let same_t = |m: Mode| {
             points
                 .iter()
@@ -725,7 +767,7 @@ fn main() -> anyhow::Result<()> {
         };
         // The planner's cost model of stream's whole peak, against the measured whole peak.
         let estimate_error = if p.mode == Mode::Stream {
-            let problem = problem(&model.config, dtype, &args, p.t, lora_of(&p.trained));
+            let problem = problem(&model.config, dtype, args, p.t, lora_of(&p.trained));
             let est = estimate(problem, *chunks).peak() as f64;
             let measured = (p.peak + p.base) as f64;
             format!("{:+.1}%", 100.0 * (est - measured) / measured)
@@ -750,10 +792,14 @@ fn main() -> anyhow::Result<()> {
             estimate_error,
         );
     }
-    for (t, trained, mode) in &out_of_memory {
+    for (t, trained, mode) in out_of_memory {
         println!("| {t} | {trained} | {mode} | - | out of memory | - | - | - | - | - |");
     }
-    // LoRA beside full fine-tuning: what the frozen weights' gradients cost.
+}
+
+/// LoRA beside full fine-tuning: what the frozen weights' gradients cost.
+fn print_lora_against_full(model: &Model, points: &[(Point, Chunks)]) {
+    let params: usize = model.parameters().iter().map(|(_, v)| v.elem_count()).sum();
     let grads_mib = mib(params * model.dtype().size_in_bytes());
     for (p, _) in points.iter().filter(|(p, _)| p.trained != "full") {
         let full = points
@@ -775,48 +821,55 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
-    if let Some(dir) = &args.plot {
-        std::fs::create_dir_all(dir)?;
-        let series = |value: &dyn Fn(&Point) -> f64| -> Vec<Series> {
-            let kinds: Vec<&String> = trainings.iter().map(|(k, _)| k).collect();
-            kinds
-                .iter()
-                .flat_map(|k| {
-                    [Mode::Stream, Mode::Checkpoint, Mode::Full]
-                        .into_iter()
-                        .filter(|m| args.modes.contains(m))
-                        .map(move |m| (*k, m))
-                })
-                .map(|(k, m)| Series {
-                    label: match kinds.len() {
-                        1 => m.to_string(),
-                        _ => format!("{m} ({k})"),
-                    },
-                    points: points
-                        .iter()
-                        .filter(|(p, _)| p.mode == m && &p.trained == k)
-                        .map(|(p, _)| (p.t as f64, value(p)))
-                        .collect(),
-                })
-                .collect()
-        };
-        let title = format!("{} backward, {}", args.objective, args.config.display());
-        let chart = |y_label: &str, value: &dyn Fn(&Point) -> f64| Chart {
-            title: title.clone(),
-            x_label: "sequence length T".into(),
-            y_label: y_label.into(),
-            series: series(value),
-        };
-        draw(
-            &dir.join("memory.svg"),
-            &[chart("activation peak (MiB)", &|p| mib(p.peak))],
-            1,
-        )?;
-        draw(
-            &dir.join("time.svg"),
-            &[chart("seconds per backward", &|p| p.seconds)],
-            1,
-        )?;
-    }
+}
+
+/// `--plot DIR`: memory and time against T, one series per mode (and training).
+fn plot(
+    args: &Args,
+    trainings: &[(String, Model)],
+    points: &[(Point, Chunks)],
+    dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let series = |value: &dyn Fn(&Point) -> f64| -> Vec<Series> {
+        let kinds: Vec<&String> = trainings.iter().map(|(k, _)| k).collect();
+        kinds
+            .iter()
+            .flat_map(|k| {
+                [Mode::Stream, Mode::Checkpoint, Mode::Full]
+                    .into_iter()
+                    .filter(|m| args.modes.contains(m))
+                    .map(move |m| (*k, m))
+            })
+            .map(|(k, m)| Series {
+                label: match kinds.len() {
+                    1 => m.to_string(),
+                    _ => format!("{m} ({k})"),
+                },
+                points: points
+                    .iter()
+                    .filter(|(p, _)| p.mode == m && &p.trained == k)
+                    .map(|(p, _)| (p.t as f64, value(p)))
+                    .collect(),
+            })
+            .collect()
+    };
+    let title = format!("{} backward, {}", args.objective, args.config.display());
+    let chart = |y_label: &str, value: &dyn Fn(&Point) -> f64| Chart {
+        title: title.clone(),
+        x_label: "sequence length T".into(),
+        y_label: y_label.into(),
+        series: series(value),
+    };
+    draw(
+        &dir.join("memory.svg"),
+        &[chart("activation peak (MiB)", &|p| mib(p.peak))],
+        1,
+    )?;
+    draw(
+        &dir.join("time.svg"),
+        &[chart("seconds per backward", &|p| p.seconds)],
+        1,
+    )?;
     Ok(())
 }
