@@ -1,7 +1,8 @@
-//! DPO with TRL's sigmoid loss: a sequence's policy log-prob is the sum over its target tokens, and
-//! `loss = mean over pairs of −log σ(β((π_c − ρ_c) − (π_r − ρ_r)))`, optionally plus `w ×` the mean
-//! token NLL of the chosen completions (TRL's `loss_type=["sigmoid", "sft"]`, `loss_weights=[1, w]`: RPO),
-//! which keeps the chosen answers likely while the margin grows.
+//! DPO as TRL computes it: a sequence's policy log-prob is the sum over its target tokens, and by
+//! default `loss = mean over pairs of −log σ(β((π_c − ρ_c) − (π_r − ρ_r)))` (TRL's `sigmoid`),
+//! optionally plus `w ×` the mean token NLL of the chosen completions (`loss_type=["sigmoid", "sft"]`,
+//! `loss_weights=[1, w]`: RPO), which keeps the chosen answers likely while the margin grows. Any of
+//! TRL's other loss types, and weighted lists of them, through [`Dpo::with_loss`] ([`crate::dpo_loss`]).
 //!
 //! Rows are laid out `[chosen_0 .. chosen_{P−1}, rejected_0 .. rejected_{P−1}]`, right-padded to one
 //! length. The loss is not a sum over positions, so the engine gives it all of `logp` at once (after a
@@ -11,6 +12,7 @@ use std::ops::Range;
 
 use candle_core::{Device, Tensor};
 
+use crate::dpo_loss::{per_pair, DpoLoss, DpoLossType, Pairs};
 use crate::{Objective, ObjectiveError, Result, TokenTargets};
 
 /// The DPO (optionally RPO) objective of one batch of preference pairs.
@@ -21,8 +23,8 @@ pub struct Dpo {
     /// `[2P]`: ρ_c then ρ_r.
     reference: Tensor,
     beta: f64,
-    /// Weight of the chosen completions' mean token NLL (0: plain DPO).
-    sft_weight: f64,
+    /// The loss types and their weights (`sft`: the chosen completions' mean token NLL).
+    loss: DpoLoss,
     /// What the chosen rows' summed NLL is divided by (None: their target tokens).
     nll_tokens: Option<f64>,
 }
@@ -75,7 +77,7 @@ impl Dpo {
             pairs,
             reference: Tensor::from_vec(reference, 2 * pairs, device)?,
             beta,
-            sft_weight: 0.0,
+            loss: DpoLoss::default(),
             nll_tokens: None,
         })
     }
@@ -87,7 +89,18 @@ impl Dpo {
                 "the SFT weight must be a non-negative number, got {weight}"
             )));
         }
-        self.sft_weight = weight;
+        self.loss.terms.retain(|(t, _)| *t != DpoLossType::Sft);
+        if weight > 0.0 {
+            self.loss.terms.push((DpoLossType::Sft, weight));
+        }
+        Ok(self)
+    }
+
+    /// The loss as `loss` says (TRL's `loss_type`, `loss_weights`, `label_smoothing`,
+    /// `discopop_tau`) instead of `sigmoid` (and an earlier [`Dpo::with_sft_weight`]).
+    pub fn with_loss(mut self, loss: DpoLoss) -> Result<Self> {
+        loss.validate()?;
+        self.loss = loss;
         Ok(self)
     }
 
@@ -130,6 +143,12 @@ impl Dpo {
         Ok((logp * mask)?.sum(1)?)
     }
 
+    /// Target tokens per row (`[2P]`, in `dtype`): what IPO's and `sigmoid_norm`'s log-ratios are
+    /// averaged over (TRL's completion tokens).
+    fn row_tokens(&self, dtype: candle_core::DType) -> Result<Tensor> {
+        Ok(self.targets.mask.to_dtype(dtype)?.sum(1)?)
+    }
+
     /// `β (π − ρ)` per row: chosen rewards then rejected rewards.
     fn rewards(&self, logp: &Tensor) -> Result<Tensor> {
         let rho = self.reference.to_dtype(logp.dtype())?;
@@ -156,14 +175,33 @@ impl Objective for Dpo {
                 "DPO needs the log-probs of all positions at once".into(),
             ));
         }
-        let rewards = self.rewards(logp)?;
         let p = self.pairs;
-        let margin = (rewards.narrow(0, 0, p)? - rewards.narrow(0, p, p)?)?;
-        let dpo = softplus(&margin.neg()?)?.mean_all()?;
-        if self.sft_weight == 0.0 {
-            return Ok(dpo);
+        let seq = self.sequence_logps(logp)?;
+        let rho = self.reference.to_dtype(logp.dtype())?;
+        let tokens = self.row_tokens(logp.dtype())?;
+        let pairs = Pairs {
+            chosen: seq.narrow(0, 0, p)?,
+            rejected: seq.narrow(0, p, p)?,
+            ref_chosen: rho.narrow(0, 0, p)?,
+            ref_rejected: rho.narrow(0, p, p)?,
+            chosen_tokens: tokens.narrow(0, 0, p)?,
+            rejected_tokens: tokens.narrow(0, p, p)?,
+            beta: self.beta,
+        };
+        // As TRL: each type's mean over the pairs, times its weight, summed.
+        let mut total: Option<Tensor> = None;
+        for &(kind, weight) in &self.loss.terms {
+            let term = match kind {
+                DpoLossType::Sft => self.chosen_nll(logp)?,
+                other => per_pair(other, &pairs, &self.loss)?.mean_all()?,
+            };
+            let term = (term * weight)?;
+            total = Some(match total {
+                Some(t) => (t + term)?,
+                None => term,
+            });
         }
-        Ok((dpo + (self.chosen_nll(logp)? * self.sft_weight)?)?)
+        total.ok_or_else(|| ObjectiveError::Batch("loss_type names no loss".into()))
     }
 
     fn metrics(&self, logp: &Tensor) -> Result<Vec<(String, f64)>> {
@@ -182,7 +220,7 @@ impl Objective for Dpo {
             ("rewards/margins".into(), mean(&margins)),
             ("rewards/accuracies".into(), accuracy),
         ];
-        if self.sft_weight > 0.0 {
+        if self.loss.has(DpoLossType::Sft) {
             let nll = self.chosen_nll(logp)?.to_dtype(candle_core::DType::F64)?;
             metrics.push(("nll_loss".into(), nll.to_scalar::<f64>()?));
         }

@@ -22,11 +22,13 @@ use std::ops::Range;
 use candle_core::Tensor;
 
 pub mod dpo;
+pub mod dpo_loss;
 pub mod grpo;
 pub mod sft;
 mod targets;
 
 pub use dpo::Dpo;
+pub use dpo_loss::{DpoLoss, DpoLossType};
 pub use grpo::{Grpo, GrpoBatch, GrpoLossType};
 pub use sft::Sft;
 pub use targets::{TokenTargets, IGNORE_INDEX};
