@@ -91,6 +91,16 @@ const CASES: &[Case] = &[
     case("grpo --beta -1", 2, "--beta -1: must be a number at least 0"),
     case("dpo --sft-weight -1", 2, "--sft-weight -1"),
     // GRPO.
+    // DPO's loss types.
+    case("dpo --loss-type foo", 2, "--loss-type foo: unknown DPO loss_type \"foo\" (expected one of sigmoid, hinge, ipo"),
+    case("dpo --loss-type exo_pair --max-steps 1", 2, "--loss-type exo_pair: exo_pair needs label_smoothing above 0"),
+    case("dpo --label-smoothing 0.1 --max-steps 1", 2, "label_smoothing 0.1 applies to exo_pair, robust, aot and aot_unpaired only"),
+    case("dpo --loss-type robust --label-smoothing 0.5 --max-steps 1", 2, "label_smoothing must be in [0, 0.5), got 0.5"),
+    case("dpo --loss-type discopop --discopop-tau -1 --max-steps 1", 2, "discopop_tau must be above 0, got -1"),
+    case("dpo --loss-type sigmoid,sft --sft-weight 1 --max-steps 1", 2, "--sft-weight 1: and an sft in --loss-type both weigh the NLL"),
+    case("dpo --loss-type aot,ipo --loss-weights 1", 2, "1 loss_weights for 2 loss types: give one weight per type"),
+    case("dpo --loss-weights 1", 2, "--loss-weights: needs --loss-type"),
+    case("sft --loss-type ipo", 2, "unexpected argument '--loss-type'"),
     case("grpo --group-size 1", 2, "--group-size 1: must be at least 2"),
     case("grpo --group-size 0", 2, "--group-size 0: must be at least 2"),
     case("grpo --temperature nan", 2, "--temperature NaN: must be a number above 0"),

@@ -292,6 +292,19 @@ fn bad_dpo_and_grpo_batches_are_clear_errors() {
     lengths["chosen_labels"][0].as_array_mut().unwrap().pop();
     cases.push((lengths, "chosen_labels is ragged"));
 
+    let mut both = fixture_batch("qwen2", "dpo-batch.json");
+    both["loss_type"] = serde_json::json!(["sigmoid", "sft"]);
+    both["sft_weight"] = 0.5.into();
+    cases.push((both, "sft_weight and loss_type both given"));
+
+    let mut unknown = fixture_batch("qwen2", "dpo-batch.json");
+    unknown["loss_type"] = "kto".into();
+    cases.push((unknown, "unknown DPO loss_type \"kto\""));
+
+    let mut smoothing = fixture_batch("qwen2", "dpo-batch.json");
+    smoothing["label_smoothing"] = 0.1.into();
+    cases.push((smoothing, "label_smoothing needs loss_type"));
+
     let mut empty = fixture_batch("qwen2", "grpo-batch.json");
     for v in empty["completion_mask"][2].as_array_mut().unwrap() {
         *v = 0.into();

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use streambp_core::Mode;
-use streambp_objectives::GrpoLossType;
+use streambp_objectives::{DpoLoss, GrpoLossType};
 use streambp_train::config::{GrpoConfig, LoraArgs, Recipe, TrainConfig};
 use streambp_train::data::Overflow;
 use streambp_train::grad::GradArgs;
@@ -29,10 +29,15 @@ pub enum Command {
     /// Supervised fine-tuning. With no arguments: a tiny Qwen3-shaped model learns two-digit addition
     /// (shipped in the repo) on the CPU in a minute or two, with held-out accuracy before and after.
     Sft(TrainArgs),
-    /// Direct preference optimisation (TRL's sigmoid loss) on prompt/chosen/rejected JSONL, against a
-    /// frozen reference. With no arguments: the built-in arithmetic pairs (correct vs wrong sums), from
-    /// the built-in model (best started from an SFT checkpoint: --model runs/sft/final).
-    Dpo(TrainArgs),
+    /// Direct preference optimisation (TRL's loss types, sigmoid by default) on prompt/chosen/rejected
+    /// rows, against a frozen reference. With no arguments: the built-in arithmetic pairs (correct vs
+    /// wrong sums), from the shipped SFT checkpoint of the task.
+    Dpo {
+        #[command(flatten)]
+        train: TrainArgs,
+        #[command(flatten)]
+        dpo: DpoArgs,
+    },
     /// GRPO (TRL's loss): sample a group per prompt with a KV cache, reward it, learn from the
     /// group-normalised advantages. With no arguments: the built-in model on the arithmetic prompts,
     /// rewarded for a digits-only answer and for the exact sum.
@@ -170,7 +175,7 @@ pub struct TrainArgs {
     /// loss_type=["sigmoid", "sft"] with loss_weights=[1, W]; RPO) [default: 0, plain DPO; built-in
     /// task: 1].
     #[arg(long, allow_negative_numbers = true)]
-    sft_weight: Option<f64>,
+    pub sft_weight: Option<f64>,
     /// DPO reference model [default: a frozen copy of the initial policy].
     #[arg(long)]
     ref_model: Option<String>,
@@ -188,6 +193,54 @@ pub struct TrainArgs {
     /// [default: 0].
     #[arg(long)]
     zero: Option<streambp_train::parallel::ZeroStage>,
+}
+
+#[derive(clap::Args)]
+pub struct DpoArgs {
+    /// TRL's DPO loss types, one or a comma list summed with --loss-weights: sigmoid, hinge, ipo,
+    /// exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down,
+    /// discopop, sft, sigmoid_norm [default: sigmoid].
+    #[arg(long, value_delimiter = ',')]
+    loss_type: Vec<String>,
+    /// One weight per --loss-type entry [default: 1 each].
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+    loss_weights: Vec<f64>,
+    /// Label smoothing ε of exo_pair (above 0), robust, aot and aot_unpaired, in [0, 0.5) [default: 0].
+    #[arg(long, allow_negative_numbers = true)]
+    label_smoothing: Option<f64>,
+    /// DiscoPOP's temperature τ (above 0) [default: 0.05].
+    #[arg(long, allow_negative_numbers = true)]
+    discopop_tau: Option<f64>,
+}
+
+impl DpoArgs {
+    /// Whether --loss-type was given.
+    pub fn names_a_loss(&self) -> bool {
+        !self.loss_type.is_empty()
+    }
+
+    /// The DPO loss the flags name (TRL's sigmoid with none); checked with the run's settings.
+    pub fn into_loss(self) -> Result<DpoLoss, TrainError> {
+        let mut loss = DpoLoss::default();
+        if self.loss_type.is_empty() {
+            if !self.loss_weights.is_empty() {
+                return Err(TrainError::flag("--loss-weights", "", "needs --loss-type"));
+            }
+        } else {
+            let names: Vec<&str> = self.loss_type.iter().map(String::as_str).collect();
+            let weights = (!self.loss_weights.is_empty()).then_some(self.loss_weights.as_slice());
+            loss = DpoLoss::from_names(&names, weights).map_err(|e| {
+                TrainError::flag("--loss-type", self.loss_type.join(","), e.to_string())
+            })?;
+        }
+        if let Some(eps) = self.label_smoothing {
+            loss.label_smoothing = eps;
+        }
+        if let Some(tau) = self.discopop_tau {
+            loss.discopop_tau = tau;
+        }
+        Ok(loss)
+    }
 }
 
 #[derive(clap::Args)]
@@ -298,6 +351,7 @@ impl TrainArgs {
             resume: self.resume,
             beta: self.beta.unwrap_or(d.beta),
             sft_weight: self.sft_weight.unwrap_or(d.sft_weight),
+            dpo_loss: d.dpo_loss,
             ref_model: self.ref_model,
             progress: !self.no_progress,
             lora: self.lora.config()?,

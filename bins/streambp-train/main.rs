@@ -196,8 +196,14 @@ fn run() -> anyhow::Result<()> {
                 &run_sft(&cfg).map_err(located).context("sft failed")?,
             );
         }
-        Command::Dpo(args) => {
-            let cfg = args.into_config(Recipe::Dpo).map_err(located)?;
+        Command::Dpo { train, dpo } => {
+            // Loss types typed say the whole loss: the built-in task's NLL weight is not added.
+            let whole_loss_typed = dpo.names_a_loss() && train.sft_weight.is_none();
+            let mut cfg = train.into_config(Recipe::Dpo).map_err(located)?;
+            cfg.dpo_loss = dpo.into_loss().map_err(located)?;
+            if whole_loss_typed {
+                cfg.sft_weight = 0.0;
+            }
             let _ranks = start(&cfg.device)?;
             report(
                 "dpo",

@@ -124,7 +124,7 @@ impl std::str::FromStr for DpoLossType {
             .find(|t| t.name() == name)
             .ok_or_else(|| {
                 let names: Vec<&str> = Self::ALL.iter().map(|t| t.name()).collect();
-                ObjectiveError::Batch(format!(
+                ObjectiveError::Loss(format!(
                     "unknown DPO loss_type {s:?} (expected one of {})",
                     names.join(", ")
                 ))
@@ -158,11 +158,11 @@ impl DpoLoss {
     /// The types `names` with `weights` (one each; all 1 when `None`), as TRL pairs them.
     pub fn from_names(names: &[&str], weights: Option<&[f64]>) -> Result<Self> {
         if names.is_empty() {
-            return Err(ObjectiveError::Batch("loss_type names no loss".into()));
+            return Err(ObjectiveError::Loss("loss_type names no loss".into()));
         }
         let weights = match weights {
             Some(w) if w.len() != names.len() => {
-                return Err(ObjectiveError::Batch(format!(
+                return Err(ObjectiveError::Loss(format!(
                     "{} loss_weights for {} loss types: give one weight per type",
                     w.len(),
                     names.len()
@@ -184,7 +184,7 @@ impl DpoLoss {
 
     /// Refuses settings TRL refuses, and weights or constants that are not numbers.
     pub fn validate(&self) -> Result<()> {
-        let bad = |what: String| Err(ObjectiveError::Batch(what));
+        let bad = |what: String| Err(ObjectiveError::Loss(what));
         if self.terms.is_empty() {
             return bad("loss_type names no loss".into());
         }
@@ -194,6 +194,12 @@ impl DpoLoss {
         let eps = self.label_smoothing;
         if !(0.0..0.5).contains(&eps) {
             return bad(format!("label_smoothing must be in [0, 0.5), got {eps}"));
+        }
+        if eps > 0.0 && !self.terms.iter().any(|(t, _)| t.smoothed()) {
+            return bad(format!(
+                "label_smoothing {eps} applies to exo_pair, robust, aot and aot_unpaired only (TRL \
+                 1.16's sigmoid has none)"
+            ));
         }
         if eps == 0.0 && self.has(DpoLossType::ExoPair) {
             return bad("exo_pair needs label_smoothing above 0 (its log ε)".into());
@@ -326,7 +332,7 @@ pub(crate) fn per_pair(kind: DpoLossType, p: &Pairs, loss: &DpoLoss) -> Result<T
         }
         T::SigmoidNorm => log_sigmoid(&(averaged()? * beta)?)?.neg()?,
         T::Sft => {
-            return Err(ObjectiveError::Batch(
+            return Err(ObjectiveError::Loss(
                 "sft is the chosen completions' mean NLL, not a per-pair loss".into(),
             ))
         }

@@ -40,6 +40,10 @@ pub enum ObjectiveError {
     /// a row with no target, non-finite or out-of-range values, an unknown loss type.
     #[error("invalid batch: {0}")]
     Batch(String),
+    /// A loss configured as the reference refuses it: an unknown loss type, weights that do not
+    /// match the types, a constant out of its range.
+    #[error("{0}")]
+    Loss(String),
     /// From a candle tensor op.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

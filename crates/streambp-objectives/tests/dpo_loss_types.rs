@@ -98,7 +98,10 @@ fn every_dpo_loss_type_matches_trl() {
     for (name, want) in f["losses"].as_object().unwrap() {
         let (names, weights) = terms(name);
         let mut loss = DpoLoss::from_names(&names, Some(&weights)).unwrap();
-        loss.label_smoothing = f["label_smoothing"].as_f64().unwrap();
+        // TRL reads ε only in the smoothed types (and refusing it elsewhere is ours).
+        if loss.terms.iter().any(|(t, _)| t.smoothed()) {
+            loss.label_smoothing = f["label_smoothing"].as_f64().unwrap();
+        }
         loss.discopop_tau = f["discopop_tau"].as_f64().unwrap();
         let dpo = Dpo::new(&b.labels, &ref_c, &ref_r, beta, 8, &device)
             .unwrap()
@@ -160,5 +163,13 @@ fn loss_types_parse_as_trl_names_them() {
     assert!(
         exo.validate().is_err(),
         "exo_pair needs label_smoothing above 0"
+    );
+    let sigmoid = DpoLoss {
+        label_smoothing: 0.1,
+        ..DpoLoss::default()
+    };
+    assert!(
+        sigmoid.validate().is_err(),
+        "TRL 1.16's sigmoid reads no label smoothing"
     );
 }

@@ -8,7 +8,9 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use serde::Deserialize;
-use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft, IGNORE_INDEX};
+use streambp_objectives::{
+    Dpo, DpoLoss, Grpo, GrpoBatch, GrpoLossType, Objective, Sft, IGNORE_INDEX,
+};
 
 use crate::batch::{padded, to_u32_tensor};
 use crate::logprobs::{sequence_logps, token_logps, Scorer};
@@ -57,6 +59,60 @@ struct DpoFile {
     /// Weight of the chosen completions' mean token NLL added to the loss (TRL's "sft" loss type).
     #[serde(default)]
     sft_weight: f64,
+    /// TRL's `loss_type`: one name or a list [default: sigmoid].
+    loss_type: Option<OneOrMany>,
+    /// TRL's `loss_weights`, one per loss type [default: 1 each].
+    loss_weights: Option<Vec<f64>>,
+    /// TRL's `label_smoothing` (exo_pair, robust, aot, aot_unpaired) [default: 0].
+    label_smoothing: Option<f64>,
+    /// TRL's `discopop_tau` [default: 0.05].
+    discopop_tau: Option<f64>,
+}
+
+/// A name or a list of names, as TRL's config takes `loss_type`.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl DpoFile {
+    /// The loss the file asks for with `loss_type` (and its weights and constants); `None` without
+    /// one: the default sigmoid, plus `sft_weight`'s NLL term.
+    fn loss(&self) -> Result<Option<DpoLoss>> {
+        let names: Vec<&str> = match &self.loss_type {
+            None => {
+                let stray = [
+                    ("loss_weights", self.loss_weights.is_some()),
+                    ("label_smoothing", self.label_smoothing.is_some()),
+                    ("discopop_tau", self.discopop_tau.is_some()),
+                ];
+                if let Some((field, _)) = stray.iter().find(|(_, given)| *given) {
+                    return Err(TrainError::data(
+                        "batch",
+                        format!("{field} needs loss_type"),
+                    ));
+                }
+                return Ok(None);
+            }
+            Some(_) if self.sft_weight != 0.0 => return Err(TrainError::data(
+                "batch",
+                "sft_weight and loss_type both given: list \"sft\" in loss_type, its weight in \
+                     loss_weights",
+            )),
+            Some(OneOrMany::One(name)) => vec![name.as_str()],
+            Some(OneOrMany::Many(names)) => names.iter().map(String::as_str).collect(),
+        };
+        let mut loss = DpoLoss::from_names(&names, self.loss_weights.as_deref())?;
+        if let Some(eps) = self.label_smoothing {
+            loss.label_smoothing = eps;
+        }
+        if let Some(tau) = self.discopop_tau {
+            loss.discopop_tau = tau;
+        }
+        Ok(Some(loss))
+    }
 }
 
 fn default_dpo_beta() -> f64 {
@@ -152,6 +208,7 @@ fn prepare_dpo(
     device: &Device,
     reference: &mut Scorer,
 ) -> Result<PreparedBatch> {
+    let loss = file.loss()?;
     let (pc, tc) = check_rectangular("chosen_input_ids", &file.chosen_input_ids)?;
     let (pr, tr) = check_rectangular("rejected_input_ids", &file.rejected_input_ids)?;
     if pc != pr {
@@ -217,8 +274,11 @@ fn prepare_dpo(
         file.beta,
         vocab_size,
         device,
-    )?
-    .with_sft_weight(file.sft_weight)?;
+    )?;
+    let dpo = match loss {
+        Some(loss) => dpo.with_loss(loss)?,
+        None => dpo.with_sft_weight(file.sft_weight)?,
+    };
     Ok(PreparedBatch {
         input_ids,
         attention_mask: Some(attention_mask),

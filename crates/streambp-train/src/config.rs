@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use streambp_core::{Chunks, Mode};
 use streambp_models::{LoraConfig, ModelError, Projection};
-use streambp_objectives::GrpoLossType;
+use streambp_objectives::{DpoLoss, DpoLossType, GrpoLossType};
 
 use crate::data::Overflow;
 use crate::optim::Schedule;
@@ -95,6 +95,9 @@ pub struct TrainConfig {
     pub beta: f64,
     /// DPO: weight of the chosen completions' mean token NLL added to the loss (0: plain DPO).
     pub sft_weight: f64,
+    /// DPO: TRL's loss types and weights, label smoothing and DiscoPOP's τ (default: sigmoid);
+    /// `sft_weight` adds its `sft` term to these.
+    pub dpo_loss: DpoLoss,
     /// DPO: the reference model's directory or hub id; `None`: a frozen copy of the initial policy.
     pub ref_model: Option<String>,
     /// Show the progress bar.
@@ -183,6 +186,7 @@ impl TrainConfig {
                 Beta::Unused => crate::recipes::DPO_BETA,
             },
             sft_weight: 0.0,
+            dpo_loss: DpoLoss::default(),
             ref_model: None,
             progress: true,
             lora: None,
@@ -318,11 +322,21 @@ fn require_data(flag: &str, path: &Option<PathBuf>) -> Result<()> {
 }
 
 impl TrainConfig {
+    /// DPO's loss: `dpo_loss` with `sft_weight`'s NLL term.
+    pub fn dpo_loss_with_sft(&self) -> DpoLoss {
+        let mut loss = self.dpo_loss.clone();
+        if self.sft_weight > 0.0 {
+            loss.terms.push((DpoLossType::Sft, self.sft_weight));
+        }
+        loss
+    }
+
     /// The job flags ([`crate::recipes::JOB_FLAGS`]) whose settings here are not their off values,
     /// so a job that does not take one refuses it (β has no off value: the command line checks it).
     fn job_flags_set(&self) -> Vec<&'static str> {
         [
             ("--sft-weight", self.sft_weight != 0.0),
+            ("--loss-type", self.dpo_loss != DpoLoss::default()),
             ("--ref-model", self.ref_model.is_some()),
             ("--dataset-text-field", self.text_field != "text"),
             ("--packing", self.packing),
@@ -452,6 +466,17 @@ impl TrainConfig {
             self.sft_weight,
             "must be a number at least 0",
         )?;
+        if self.sft_weight > 0.0 && self.dpo_loss.has(DpoLossType::Sft) {
+            return Err(TrainError::flag(
+                "--sft-weight",
+                self.sft_weight,
+                "and an sft in --loss-type both weigh the NLL: give one (--loss-type sigmoid,sft \
+                 --loss-weights 1,W is --sft-weight W)",
+            ));
+        }
+        self.dpo_loss.validate().map_err(|e| {
+            TrainError::flag("--loss-type", self.dpo_loss.describe(), e.to_string())
+        })?;
         recipe.check_job_flags(&self.job_flags_set())?;
         Ok(())
     }

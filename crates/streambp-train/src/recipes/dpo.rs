@@ -3,7 +3,7 @@
 //! [`crate::setup::Setup`] and [`crate::trainer::Trainer`].
 
 use streambp_models::Model;
-use streambp_objectives::{Dpo, TokenTargets};
+use streambp_objectives::{Dpo, DpoLossType, TokenTargets};
 
 use crate::batch::{collate, Collated};
 use crate::checkpoint::{Digest, Fingerprint, RunRecord};
@@ -283,6 +283,7 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
     let model = &setup.model;
     let mut reference_scores = cfg.scorer(&reference);
     let world = setup.comm.world_size();
+    let loss = cfg.dpo_loss_with_sft();
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step(step);
         let picked = trainer.data.take(trainer.global_step_items()?);
@@ -311,9 +312,9 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
                 model.config.vocab_size,
                 &setup.device,
             )?
-            .with_sft_weight(cfg.sft_weight)?;
+            .with_loss(loss.clone())?;
             // The NLL is a mean over the whole micro-batch's chosen tokens, whichever rank holds them.
-            let dpo = match (cfg.sft_weight > 0.0, world) {
+            let dpo = match (loss.has(DpoLossType::Sft), world) {
                 (true, 2..) => {
                     let tokens = setup.comm.sum(dpo.chosen_tokens()?)?;
                     dpo.with_nll_tokens(tokens / world as f64)?

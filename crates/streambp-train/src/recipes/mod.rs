@@ -60,6 +60,7 @@ pub const JOB_FLAGS: &[&str] = &[
     "--ref-model",
     "--dataset-text-field",
     "--packing",
+    "--loss-type",
 ];
 
 /// Every job's row, in [`Recipe`]'s order.
@@ -82,7 +83,7 @@ static RECIPES: [RecipeFacts; 3] = [
     RecipeFacts {
         recipe: Recipe::Dpo,
         name: "dpo",
-        flags: &["--beta", "--sft-weight", "--ref-model"],
+        flags: &["--beta", "--sft-weight", "--ref-model", "--loss-type"],
         beta: Beta::Positive(DPO_BETA),
         // Refines the shipped SFT checkpoint with TRL's sigmoid + SFT loss, which keeps the correct
         // answers likely.
@@ -98,6 +99,10 @@ static RECIPES: [RecipeFacts; 3] = [
             run.insert("--beta".into(), cfg.beta.into());
             run.insert("--sft-weight".into(), cfg.sft_weight.into());
             run.insert("--ref-model".into(), cfg.ref_model.clone().into());
+            let loss = &cfg.dpo_loss;
+            run.insert("--loss-type".into(), loss.describe().into());
+            run.insert("--label-smoothing".into(), loss.label_smoothing.into());
+            run.insert("--discopop-tau".into(), loss.discopop_tau.into());
         },
     },
     RecipeFacts {
