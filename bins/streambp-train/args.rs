@@ -173,7 +173,7 @@ pub struct TrainArgs {
     beta: Option<f64>,
     /// DPO: add this weight times the chosen completions' mean token NLL to the loss (TRL's
     /// loss_type=["sigmoid", "sft"] with loss_weights=[1, W]; RPO) [default: 0, plain DPO; built-in
-    /// task: 1].
+    /// task: 1, unless --loss-type is given].
     #[arg(long, allow_negative_numbers = true)]
     pub sft_weight: Option<f64>,
     /// DPO reference model [default: a frozen copy of the initial policy].

@@ -179,6 +179,7 @@ mod cuda_pool {
     // SAFETY: the pool handle is a driver object valid for the context's lifetime, which the meter
     // holds; the driver API is thread-safe once the context is bound.
     unsafe impl Send for PoolMeter {}
+    // SAFETY: as for Send: the driver calls it makes are thread-safe.
     unsafe impl Sync for PoolMeter {}
 
     impl std::fmt::Debug for PoolMeter {

@@ -23,6 +23,7 @@ pub struct MpiCommunicator {
 // collective from the thread that initialised it (its main thread); the handle is an integer id that
 // the library owns. Send + Sync only let the handle sit in the process-wide `world()`.
 unsafe impl Send for MpiCommunicator {}
+// SAFETY: as for Send: shared, it is still only used from the main thread.
 unsafe impl Sync for MpiCommunicator {}
 
 impl MpiCommunicator {

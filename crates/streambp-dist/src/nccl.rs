@@ -40,6 +40,7 @@ pub struct NcclCommunicator {
 // SAFETY: as for MPI, every collective is issued from the trainer's main thread; the NCCL handle is
 // only stored in the process-wide communicator.
 unsafe impl Send for NcclCommunicator {}
+// SAFETY: as for Send: shared, it is still only used from the main thread.
 unsafe impl Sync for NcclCommunicator {}
 
 fn backend(e: impl std::fmt::Debug) -> DistError {

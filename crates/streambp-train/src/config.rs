@@ -1,7 +1,7 @@
 //! What a run is configured by, validated in one place before anything is loaded: every numeric flag
 //! against its range (each error names the flag and the range), and the settings TRL or transformers
-//! refuse. The defaults live here too ([`TrainConfig::defaults`], [`GrpoConfig::defaults`]), those of
-//! the built-in task included.
+//! refuse. The defaults live here too ([`TrainConfig::defaults`], [`GrpoConfig::defaults`]); each
+//! job's own (β, the built-in task's run) are its row of the recipe table ([`crate::recipes`]).
 
 use std::path::PathBuf;
 
