@@ -310,6 +310,16 @@ impl<'a> Trainer<'a> {
         })
     }
 
+    /// The run's configuration.
+    pub fn config(&self) -> &'a TrainConfig {
+        self.cfg
+    }
+
+    /// The run's model, tokenizer, devices and ranks.
+    pub fn setup(&self) -> &'a Setup {
+        self.setup
+    }
+
     /// Whether this process is rank 0 (which writes metrics, checkpoints' models and the summary).
     pub fn is_main(&self) -> bool {
         self.comm.rank() == 0

@@ -220,17 +220,15 @@ fn rollout(
 /// of ranks, draws what the uninterrupted one on one process drew): this rank's prompts `picked`, the
 /// first at place `first`. Their reward metrics go to the trainer; with several iterations per batch,
 /// the sampling policy's log-probs are kept.
-#[allow(clippy::too_many_arguments)]
 fn draw_rollouts(
-    setup: &Setup,
-    cfg: &TrainConfig,
+    trainer: &mut Trainer,
     g: &GrpoConfig,
     prompts: &RecordStore,
-    (picked, first): (&[usize], usize),
     rewards: &[Box<dyn Reward>],
+    (picked, first): (&[usize], usize),
     step: usize,
-    trainer: &mut Trainer,
 ) -> Result<Vec<Rollouts>> {
+    let (setup, cfg) = (trainer.setup(), trainer.config());
     let step_seed = cfg.seed ^ 0x5eed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let mut totals = vec![0.0; rewards.len()];
     let mut policy_scores = cfg.scorer(&setup.model);
@@ -340,16 +338,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
             let (mine, first) = trainer.local(&picked);
             let (mine, step_seed) = (mine.to_vec(), step);
             let local = (mine.as_slice(), first);
-            pending = draw_rollouts(
-                &setup,
-                cfg,
-                g,
-                &prompts,
-                local,
-                &rewards,
-                step_seed,
-                &mut trainer,
-            )?;
+            pending = draw_rollouts(&mut trainer, g, &prompts, &rewards, local, step_seed)?;
             first_group = first;
         }
         // Each group's loss is a mean over its sequences; the step averages every rank's groups.
