@@ -70,6 +70,15 @@ fn backward(
         "dpo" => ("dpo-batch.json", |_| {}),
         "dpo_sft" => ("dpo-batch.json", |j| j["sft_weight"] = 0.5.into()),
         "grpo" => ("grpo-batch.json", |_| {}),
+        "dpo_ipo" => ("dpo-batch.json", |j| j["loss_type"] = "ipo".into()),
+        "dpo_aot_unpaired" => ("dpo-batch.json", |j| {
+            j["loss_type"] = "aot_unpaired".into();
+            j["label_smoothing"] = 0.2.into();
+        }),
+        "dpo_list" => ("dpo-batch.json", |j| {
+            j["loss_type"] = serde_json::json!(["sigmoid", "bco_pair", "sft"]);
+            j["loss_weights"] = serde_json::json!([0.8, 0.2, 1.0]);
+        }),
         other => panic!("no objective {other}"),
     };
     let mut json: serde_json::Value =
@@ -181,6 +190,28 @@ fn dropout_stays_exact_in_every_mode() {
                     "{family} {objective} {mode} {chunk}/{logits_chunk} with dropout: {name} off by {err:.2e}"
                 );
                 assert!((out.loss - full.loss).abs() < 1e-12 * full.loss.abs());
+            }
+        }
+    }
+}
+
+/// DPO's other loss types on the adapters (IPO's length averaging, aot's batch-wide sorts, a weighted
+/// list with the NLL term), with dropout: every mode and chunking equals the full backward.
+#[test]
+fn dpo_loss_types_stay_exact_with_lora() {
+    for family in FAMILIES {
+        let model = lora_model(family, 0.3);
+        for objective in ["dpo_ipo", "dpo_aot_unpaired", "dpo_list"] {
+            let key = Some(5);
+            let full = backward(&model, family, objective, Mode::Full, (1, 1), key);
+            for (mode, chunk, logits_chunk) in RUNS {
+                let out = backward(&model, family, objective, mode, (chunk, logits_chunk), key);
+                let (err, name) = worst_grad_err(&out, &full);
+                assert!(
+                    err < 1e-10,
+                    "{family} {objective} {mode} {chunk}/{logits_chunk}: {name} off by {err:.2e}"
+                );
+                assert!((out.loss - full.loss).abs() < 1e-12 * full.loss.abs().max(1.0));
             }
         }
     }
