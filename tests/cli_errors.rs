@@ -291,6 +291,7 @@ const CASES: &[Case] = &[
     case("sft --config {dir}/switch_text.toml", 2, "switch_text.toml: packing = \"yes\": --packing is a switch, set to true or false"),
     case("sft --config {dir}/switch_number.toml", 2, "switch_number.toml: no_progress = 1: --no-progress is a switch"),
     case("sft --config {dir}/value_bool.toml", 2, "value_bool.toml: lr = false: --lr takes a value, not true or false"),
+    case("sft --config {dir}/unknown_false.toml", 2, "note: --pakcing (set in {dir}/unknown_false.toml)"),
     case("dpo --config {dir}/value_true.toml", 2, "value_true.toml: ref-model = true: --ref-model takes a value"),
     // Held-out rows longer than --max-length with their answers (by the answer, by the prompt).
     case(
@@ -388,6 +389,7 @@ fn prepare(dir: &Path) {
     std::fs::write(dir.join("switch_text.toml"), "packing = \"yes\"\n").unwrap();
     std::fs::write(dir.join("switch_number.toml"), "no_progress = 1\n").unwrap();
     std::fs::write(dir.join("value_bool.toml"), "lr = false\n").unwrap();
+    std::fs::write(dir.join("unknown_false.toml"), "pakcing = false\n").unwrap();
     std::fs::write(dir.join("value_true.toml"), "ref-model = true\n").unwrap();
     let digits = "7".repeat(40);
     std::fs::write(

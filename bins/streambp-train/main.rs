@@ -119,9 +119,9 @@ fn parse_cli(expanded: &streambp_train::config_file::Expanded) -> Cli {
     }
 }
 
-/// The flags of `subcommand` that take no value (`--packing`), which a config file sets with a
-/// boolean only.
-fn switches(subcommand: &str) -> Vec<String> {
+/// The flags of `subcommand`, each with whether it is a switch (takes no value, as `--packing`),
+/// which a config file sets with a boolean only.
+fn flags_of(subcommand: &str) -> Vec<(String, bool)> {
     use clap::CommandFactory;
     let cli = Cli::command();
     let Some(command) = cli.find_subcommand(subcommand) else {
@@ -129,8 +129,10 @@ fn switches(subcommand: &str) -> Vec<String> {
     };
     command
         .get_arguments()
-        .filter(|a| !a.get_action().takes_values())
-        .filter_map(|a| a.get_long().map(|long| format!("--{long}")))
+        .filter_map(|a| {
+            let switch = !a.get_action().takes_values();
+            a.get_long().map(|long| (format!("--{long}"), switch))
+        })
         .collect()
 }
 
@@ -170,8 +172,13 @@ fn run() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args: Vec<String> = std::env::args().collect();
-    let switches = switches(args.get(1).map_or("", String::as_str));
-    let is_switch = |flag: &str| switches.iter().any(|s| s == flag);
+    let flags = flags_of(args.get(1).map_or("", String::as_str));
+    let is_switch = |flag: &str| {
+        flags
+            .iter()
+            .find(|(name, _)| name == flag)
+            .map(|(_, switch)| *switch)
+    };
     let expanded = streambp_train::config_file::expand_config(args, &is_switch)?;
     let cli = parse_cli(&expanded);
     // A flag's error names the config file when the value came from there.

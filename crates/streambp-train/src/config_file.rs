@@ -7,10 +7,12 @@ use std::path::Path;
 use crate::{Result, TrainError};
 
 /// The flags a config file stands for, in file order: `(flag, value)` (no value for a `true` switch).
-/// `is_switch` tells the flags that take no value, which take a boolean here and nothing else.
+/// `is_switch` tells the flags that take no value (`Some(true)`, set with a boolean here and nothing
+/// else) from those that take one (`Some(false)`); an unknown flag (`None`) is left for the command
+/// line's parser to name.
 pub fn flags_from_toml(
     path: &Path,
-    is_switch: &dyn Fn(&str) -> bool,
+    is_switch: &dyn Fn(&str) -> Option<bool>,
 ) -> Result<Vec<(String, Option<String>)>> {
     let bad = |reason: String| TrainError::ConfigFile {
         path: path.to_path_buf(),
@@ -29,19 +31,21 @@ pub fn flags_from_toml(
             )));
         }
         match (is_switch(&flag), value) {
-            (true, toml::Value::Boolean(true)) => flags.push((flag, None)),
-            (true, toml::Value::Boolean(false)) => {}
-            (true, other) => {
+            // An unknown flag set to a boolean is passed on as a switch, for the parser to name.
+            (None, toml::Value::Boolean(_)) => flags.push((flag, None)),
+            (Some(true), toml::Value::Boolean(true)) => flags.push((flag, None)),
+            (Some(true), toml::Value::Boolean(false)) => {}
+            (Some(true), other) => {
                 return Err(bad(format!(
                     "{key} = {other}: {flag} is a switch, set to true or false"
                 )))
             }
-            (false, toml::Value::Boolean(b)) => {
+            (Some(false), toml::Value::Boolean(b)) => {
                 return Err(bad(format!(
                     "{key} = {b}: {flag} takes a value, not true or false"
                 )))
             }
-            (false, value) => push_value(&mut flags, &key, flag, value).map_err(bad)?,
+            (_, value) => push_value(&mut flags, &key, flag, value).map_err(bad)?,
         }
     }
     Ok(flags)
@@ -107,8 +111,11 @@ impl Expanded {
 }
 
 /// `args` with `--config FILE` (after the subcommand) replaced by the file's flags, placed before the
-/// typed ones; `is_switch` tells the flags that take no value.
-pub fn expand_config(args: Vec<String>, is_switch: &dyn Fn(&str) -> bool) -> Result<Expanded> {
+/// typed ones; `is_switch` tells the flags that take no value (see [`flags_from_toml`]).
+pub fn expand_config(
+    args: Vec<String>,
+    is_switch: &dyn Fn(&str) -> Option<bool>,
+) -> Result<Expanded> {
     let Some(pos) = args
         .iter()
         .position(|a| a == "--config" || a.starts_with("--config="))
