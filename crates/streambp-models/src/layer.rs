@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::attention::{attention_over_heads, EarlierKeys, KeyMask, KEY_BLOCK};
+use crate::attention::{attention_over_heads, Blocking, EarlierKeys, KeyMask, KEY_BLOCK};
 use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::cpu::through_f32;
 use crate::error::Result;
@@ -271,8 +271,10 @@ impl DecoderLayer {
             v,
             keys.earlier.cloned(),
             mask,
-            compute,
-            KEY_BLOCK,
+            Blocking {
+                compute,
+                key_block: KEY_BLOCK,
+            },
             self.shape.scale,
         )
     }

@@ -4,7 +4,7 @@
 //! (constants whose gradients the op adds into buffers).
 
 use candle_core::{DType, Device, Tensor, Var};
-use streambp_models::attention::{attention, with_composed_path, EarlierKeys};
+use streambp_models::attention::{attention, with_composed_path, Blocking, EarlierKeys};
 use streambp_testkit::rel_err;
 
 /// An output and its gradients for q, k and v.
@@ -86,8 +86,10 @@ fn the_kernel_agrees_in_f32() {
             None,
             bias.clone(),
             group,
-            DType::F32,
-            256,
+            Blocking {
+                compute: DType::F32,
+                key_block: 256,
+            },
         )
         .unwrap();
         with_grads(out, &weights, [&q, &k, &v])
@@ -125,8 +127,10 @@ fn check_against_composed_softmax((b, kv_heads, group, c, t, hd): Shape) {
             None,
             bias.clone(),
             group,
-            DType::F64,
-            key_block,
+            Blocking {
+                compute: DType::F64,
+                key_block,
+            },
         )
         .unwrap();
         with_grads(out, &weights, [&q, &k, &v])
@@ -171,8 +175,10 @@ fn check_against_composed_softmax((b, kv_heads, group, c, t, hd): Shape) {
             Some(earlier),
             bias.clone(),
             group,
-            DType::F64,
-            key_block,
+            Blocking {
+                compute: DType::F64,
+                key_block,
+            },
         )
         .unwrap();
         let (out, dq, dk, dv) = with_grads(out, &weights, [&q, &k, &v]);

@@ -726,10 +726,18 @@ fn add_at(dst: &Tensor, src: &Tensor, at: usize) -> CResult<()> {
     dst.slice_set(&sum, 2, at)
 }
 
+/// How the op walks the keys: the dtype its softmax is computed in and the keys per block
+/// ([`KEY_BLOCK`] in the model; any size gives the same result to rounding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Blocking {
+    /// The softmax's dtype (f32 for half-precision inputs).
+    pub compute: DType,
+    /// Keys per block.
+    pub key_block: usize,
+}
+
 /// `softmax(q kᵀ + bias) v` per key/value head, differentiable in q, k and v (see the module doc for
-/// shapes), keys in blocks of `key_block` ([`KEY_BLOCK`] in the model; any size gives the same result
-/// to rounding).
-#[allow(clippy::too_many_arguments)]
+/// shapes), keys in blocks as `blocking` says.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -737,8 +745,7 @@ pub fn attention(
     earlier: Option<EarlierKeys>,
     mask: impl KeyMask + 'static,
     group: usize,
-    compute: DType,
-    key_block: usize,
+    Blocking { compute, key_block }: Blocking,
 ) -> Result<Tensor> {
     let blocks = Blocks::new(mask, earlier, group, compute, key_block);
     let (out, normalizer) = blocks.forward(&q.detach(), &k.detach(), &v.detach())?;
@@ -754,15 +761,13 @@ pub fn attention(
 /// [`attention`] over the layer's layout: q `[b, heads, c, hd]` before the `scale` on q·k, the
 /// output `[b, c, heads·hd]` (the query heads side by side, as the output projection reads them).
 /// The same arithmetic; the regrouping and the scaling happen inside the op ([`HeadsLayout`]).
-#[allow(clippy::too_many_arguments)]
 pub fn attention_over_heads(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     earlier: Option<EarlierKeys>,
     mask: impl KeyMask + 'static,
-    compute: DType,
-    key_block: usize,
+    Blocking { compute, key_block }: Blocking,
     scale: f64,
 ) -> Result<Tensor> {
     let (heads, kv_heads) = (q.dim(1)?, k.dim(1)?);
