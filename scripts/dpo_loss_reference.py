@@ -73,9 +73,10 @@ class StubModel:
                                      is_top1=zeros.bool(), aux_loss=None)
 
 
-def bare_trainer(loss_types, loss_weights):
+def bare_trainer(loss_types, loss_weights=None, beta=BETA, label_smoothing=LABEL_SMOOTHING, model=None):
+    """A DPOTrainer with only what `_compute_loss` reads (scripts/make_dpo_loss_fixtures.py uses it too)."""
     args = DPOConfig(output_dir="/tmp/dpo_loss_reference", loss_type=loss_types, loss_weights=loss_weights,
-                     beta=BETA, label_smoothing=LABEL_SMOOTHING, precompute_ref_log_probs=True, use_cpu=True,
+                     beta=beta, label_smoothing=label_smoothing, precompute_ref_log_probs=True, use_cpu=True,
                      report_to="none")
     t = DPOTrainer.__new__(DPOTrainer)  # the attributes `_compute_loss` reads, set as `__init__` sets them
     t.args, t.beta, t.precompute_ref_logps = args, args.beta, args.precompute_ref_log_probs
@@ -86,6 +87,7 @@ def bare_trainer(loss_types, loss_weights):
     t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     t.accelerator = types.SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x,
                                           gather_for_metrics=lambda x: x)
+    t.model = model
     return t
 
 
@@ -93,8 +95,7 @@ def run(loss_types, loss_weights=None):
     inputs, tokens = make_batch()
     logps = tokens.sum(1).clone().requires_grad_(True)
     model = StubModel(tokens, logps, inputs["completion_mask"][:, 1:])
-    trainer = bare_trainer(loss_types, loss_weights)
-    trainer.model = model
+    trainer = bare_trainer(loss_types, loss_weights, model=model)
     loss = trainer._compute_loss(model, inputs, return_outputs=False)
     (grad,) = torch.autograd.grad(loss, logps)
     d_chosen, d_rejected = grad.chunk(2)

@@ -23,16 +23,15 @@ import argparse
 import json
 import os
 import types
-from collections import defaultdict
 
 import torch
 import transformers
 import trl
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
-from trl import DPOConfig, DPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
+from dpo_loss_reference import bare_trainer
 from make_fixtures import F64, exact_float64, token_logps
 
 FAMILIES = ["qwen2", "qwen3", "llama3", "gemma3"]
@@ -69,23 +68,6 @@ class PlainHead:
                                      is_top1=is_top1, aux_loss=None)
 
 
-def bare_trainer(model, beta, loss_type, loss_weights=None, label_smoothing=0.0):
-    args = DPOConfig(output_dir="/tmp/make_dpo_loss_fixtures", loss_type=loss_type, loss_weights=loss_weights,
-                     beta=beta, label_smoothing=label_smoothing, precompute_ref_log_probs=True, use_cpu=True,
-                     report_to="none")
-    t = DPOTrainer.__new__(DPOTrainer)  # the attributes `_compute_loss` reads, set as `__init__` sets them
-    t.args, t.beta, t.precompute_ref_logps = args, args.beta, args.precompute_ref_log_probs
-    t.loss_types, t.loss_weights = args.loss_type, args.loss_weights or [1.0] * len(args.loss_type)
-    t.ld_alpha, t.label_smoothing, t.use_weighting = args.ld_alpha, args.label_smoothing, args.use_weighting
-    t.f_divergence_type, t.f_alpha_divergence_coef = args.f_divergence_type, args.f_alpha_divergence_coef
-    t.aux_loss_enabled, t._tp_size, t._total_train_tokens = False, 1, 0
-    t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-    t.accelerator = types.SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x,
-                                          gather_for_metrics=lambda x: x)
-    t.model = model
-    return t
-
-
 def trl_batch(b):
     """dpo-batch.json -> TRL's preference batch ([chosen rows; rejected rows], right-padded with id 0)."""
     examples = []
@@ -110,7 +92,9 @@ def trl_batch(b):
 def loss_and_grads(model, inputs, beta, cfg):
     model.zero_grad()
     head = PlainHead(model)
-    loss = bare_trainer(head, beta, **cfg)._compute_loss(head, dict(inputs), return_outputs=False)
+    trainer = bare_trainer(cfg["loss_type"], cfg.get("loss_weights"), beta=beta,
+                           label_smoothing=cfg.get("label_smoothing", 0.0), model=head)
+    loss = trainer._compute_loss(head, dict(inputs), return_outputs=False)
     loss.backward()
     grads = {f"grad.{n}": p.grad.detach().clone() for n, p in model.named_parameters()}
     return {"loss": loss.detach().reshape(1), **grads}
