@@ -52,7 +52,7 @@ fn key_blocks_do_not_change_output_or_gradients() {
     SHAPES.into_iter().for_each(check_against_composed_softmax);
 }
 
-/// The op's tensor-op path (CUDA's and half precision's), run on the CPU.
+/// The op's tensor-op path (CUDA's), run on the CPU.
 #[test]
 fn the_tensor_op_path_agrees_too() {
     with_composed_path(|| SHAPES.into_iter().for_each(check_against_composed_softmax));

@@ -12,7 +12,7 @@ use crate::error::{EngineError, Result};
 
 /// The dtype gradients of `dtype` parameters are summed in: f32 for half precision (a sum over many
 /// chunks in bf16 would lose the small shares), the parameter's own otherwise.
-pub(super) fn accumulator_dtype(dtype: DType) -> DType {
+fn accumulator_dtype(dtype: DType) -> DType {
     match dtype {
         DType::BF16 | DType::F16 => DType::F32,
         other => other,
@@ -24,9 +24,9 @@ pub(super) fn accumulator_dtype(dtype: DType) -> DType {
 pub(super) struct GradSink {
     acc: HashMap<String, Tensor>,
     /// Accumulators made by the sink's own arithmetic, whose storage nothing else holds: these are
-    /// added into in place ([`crate::accumulate`]).
+    /// added into in place ([`streambp_models::accumulate`]).
     owned: HashSet<String>,
-    /// Parameters whose finished gradients were handed on ([`FinishedGradients`]).
+    /// Parameters whose finished gradients were handed on ([`super::FinishedGradients`]).
     taken: HashSet<String>,
 }
 
@@ -40,7 +40,7 @@ impl GradSink {
     }
 
     /// Removes and returns the accumulator of `name`.
-    pub(super) fn remove(&mut self, name: &str) -> Option<Tensor> {
+    fn remove(&mut self, name: &str) -> Option<Tensor> {
         self.owned.remove(name);
         self.acc.remove(name)
     }
@@ -82,7 +82,7 @@ impl GradSink {
     }
 
     /// [`GradSink::accumulator`] for a parameter of this shape, dtype and device.
-    pub(super) fn accumulator_for(
+    fn accumulator_for(
         &mut self,
         name: &str,
         shape: &candle_core::Shape,
@@ -103,7 +103,7 @@ impl GradSink {
     }
 
     /// Adds a gradient that other tensors may share storage with (autograd's).
-    pub(super) fn add(&mut self, name: &str, grad: Tensor) -> Result<()> {
+    fn add(&mut self, name: &str, grad: Tensor) -> Result<()> {
         self.accumulate(name, grad, false)
     }
 
@@ -146,7 +146,7 @@ impl GradSink {
 
     /// Adds `grad` (`fresh`: a tensor only the sink holds) to the accumulator of `name`: in place
     /// once the sink owns the accumulator, else as a new sum, which it then owns.
-    pub(super) fn accumulate(&mut self, name: &str, grad: Tensor, fresh: bool) -> Result<()> {
+    fn accumulate(&mut self, name: &str, grad: Tensor, fresh: bool) -> Result<()> {
         let dtype = accumulator_dtype(grad.dtype());
         let (grad, fresh) = match grad.dtype() == dtype {
             true => (grad, fresh),

@@ -52,7 +52,7 @@ pub fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 
 /// The objective's loss on `logp` of positions `cols` and its gradient `dLoss/dlogp` (autograd on the
 /// tiny `[batch, cols]` tensor).
-pub(super) fn loss_and_grad(
+fn loss_and_grad(
     objective: &dyn Objective,
     logp: &Tensor,
     cols: Range<usize>,
@@ -134,7 +134,7 @@ pub(super) fn head_backward(
 }
 
 /// What one LM-head chunk yields.
-pub(super) struct HeadChunk {
+struct HeadChunk {
     /// `[b, c]` target log-probs.
     logp: Tensor,
     /// `[b, c, d]` gradient of the normed hidden states.
@@ -150,7 +150,7 @@ pub(super) struct HeadChunk {
 /// With `z` the (soft-capped) logits in f32/f64 and `p = softmax(z)`, `d logp / dz = onehot − p`; a
 /// soft-cap (the model's [`Model::soft_cap`]) adds its slope as a factor. Writing it out avoids
 /// autograd's `[V, d]` zero-fill and strided transpose-add per chunk.
-pub(super) fn head_chunk(
+fn head_chunk(
     detached: &Model,
     h: &Tensor,
     targets: &Tensor,

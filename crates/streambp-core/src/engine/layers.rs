@@ -15,7 +15,7 @@ use super::{chunk_ranges, required};
 
 /// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk into
 /// one buffer each (no list of parts to concatenate), in [`keys_dtype`] (f32 for bf16 on the host).
-pub(super) fn keys_values_streamed(
+fn keys_values_streamed(
     layer: &DecoderLayer,
     x: &Tensor,
     layout: &Layout,

@@ -263,7 +263,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let forward_acts = b * c * (4 * d + 3 * q + 2 * kv + 4 * ffn) * act;
     // The layer's keys and values of the whole sequence (f32 for half precision on the host, whose
     // attention runs in f32: `streambp_models::attention::keys_dtype`).
-    let keys_values = 2 * b * t * kv * if half_host { f32b } else { e };
+    let keys_values = 2 * b * t * kv * act;
 
     // A chunk's projections run in the forward and in the layers' backward.
     let projection_workspace = workspace(&projections(b * c), true);
@@ -315,7 +315,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let kv_state = 5 * keys_values / 2;
     let grads_io = 2 * hidden;
     // The attention op keeps no score-sized tensor in the graph. Its backward holds about four at
-    // once for the chunk that scores the most keys; on the host in f32/f64, where its kernel runs
+    // once for the chunk that scores the most keys; on the host (bf16 in f32), where its kernel runs
     // each (row, key/value head, key block) as a task, each running task holds two (the block's
     // probabilities and their gradient) for its head's group of query heads and its products'
     // workspace...

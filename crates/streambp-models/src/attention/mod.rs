@@ -30,7 +30,7 @@ thread_local! {
 }
 
 /// Runs `f` with the attention ops it makes and differentiates on this thread taking their
-/// tensor-op path (the one CUDA and half precision take) even where the CPU kernel applies: for
+/// tensor-op path (the one CUDA takes) even where the CPU kernel applies: for
 /// tests that check that path on the CPU.
 pub fn with_composed_path<R>(f: impl FnOnce() -> R) -> R {
     /// Restores the setting however `f` ends (a failing test's panic included).
@@ -125,8 +125,7 @@ impl Blocks {
         mask: impl KeyMask + 'static,
         earlier: Option<EarlierKeys>,
         group: usize,
-        compute: DType,
-        key_block: usize,
+        Blocking { compute, key_block }: Blocking,
     ) -> Self {
         let earlier = earlier.map(|e| EarlierKeys {
             keys: e.keys.detach(),
@@ -745,9 +744,9 @@ pub fn attention(
     earlier: Option<EarlierKeys>,
     mask: impl KeyMask + 'static,
     group: usize,
-    Blocking { compute, key_block }: Blocking,
+    blocking: Blocking,
 ) -> Result<Tensor> {
-    let blocks = Blocks::new(mask, earlier, group, compute, key_block);
+    let blocks = Blocks::new(mask, earlier, group, blocking);
     let (out, normalizer) = blocks.forward(&q.detach(), &k.detach(), &v.detach())?;
     let op = Attention {
         blocks,
@@ -767,7 +766,7 @@ pub fn attention_over_heads(
     v: &Tensor,
     earlier: Option<EarlierKeys>,
     mask: impl KeyMask + 'static,
-    Blocking { compute, key_block }: Blocking,
+    blocking: Blocking,
     scale: f64,
 ) -> Result<Tensor> {
     let (heads, kv_heads) = (q.dim(1)?, k.dim(1)?);
@@ -776,7 +775,7 @@ pub fn attention_over_heads(
             "attention: {heads} query heads over {kv_heads} key/value heads"
         )));
     }
-    let blocks = Blocks::new(mask, earlier, heads / kv_heads, compute, key_block);
+    let blocks = Blocks::new(mask, earlier, heads / kv_heads, blocking);
     let inner_q = HeadsLayout::inner_q(&q.detach(), kv_heads, scale)?;
     let (inner_out, normalizer) = blocks.forward(&inner_q, &k.detach(), &v.detach())?;
     let op = Attention {
