@@ -562,8 +562,8 @@ fn main() -> anyhow::Result<()> {
     };
     // Seeded: every rank builds the same weights.
     let model = Model::random(cfg, dtype, &device, 0)?;
-    if args.world.is_some() {
-        return run_ranks(&args, &model);
+    if let Some(ranks) = args.world {
+        return run_ranks(&args, &model, ranks);
     }
     let params: usize = model.parameters().iter().map(|(_, v)| v.elem_count()).sum();
     println!(
@@ -612,7 +612,7 @@ fn main() -> anyhow::Result<()> {
     }
     let (points, out_of_memory) = sweep(&args, &trainings)?;
     print_table(&args, &model, dtype, &trainings, &points, &out_of_memory);
-    print_lora_against_full(&model, &points);
+    print_lora_against_full(&model, params, &points);
     if let Some(dir) = &args.plot {
         plot(&args, &trainings, &points, dir)?;
     }
@@ -620,8 +620,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// `--world N`: the data-parallel step on this rank (the launcher started the ranks).
-fn run_ranks(args: &Args, model: &Model) -> anyhow::Result<()> {
-    let ranks = args.world.unwrap_or(1);
+fn run_ranks(args: &Args, model: &Model, ranks: usize) -> anyhow::Result<()> {
     let device = model.device();
     let _guard = streambp_dist::init(device.is_cuda())?;
     let world = streambp_dist::world().world_size();
@@ -797,9 +796,9 @@ fn print_table(
     }
 }
 
-/// LoRA beside full fine-tuning: what the frozen weights' gradients cost.
-fn print_lora_against_full(model: &Model, points: &[(Point, Chunks)]) {
-    let params: usize = model.parameters().iter().map(|(_, v)| v.elem_count()).sum();
+/// LoRA beside full fine-tuning: what the frozen weights' gradients cost (`params`: the model's
+/// parameter count).
+fn print_lora_against_full(model: &Model, params: usize, points: &[(Point, Chunks)]) {
     let grads_mib = mib(params * model.dtype().size_in_bytes());
     for (p, _) in points.iter().filter(|(p, _)| p.trained != "full") {
         let full = points
