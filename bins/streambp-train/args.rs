@@ -175,7 +175,7 @@ pub struct TrainArgs {
     /// loss_type=["sigmoid", "sft"] with loss_weights=[1, W]; RPO) [default: 0, plain DPO; built-in
     /// task: 1, unless --loss-type is given].
     #[arg(long, allow_negative_numbers = true)]
-    pub sft_weight: Option<f64>,
+    sft_weight: Option<f64>,
     /// DPO reference model [default: a frozen copy of the initial policy].
     #[arg(long)]
     ref_model: Option<String>,
@@ -214,32 +214,15 @@ pub struct DpoArgs {
 }
 
 impl DpoArgs {
-    /// Whether --loss-type was given.
-    pub fn names_a_loss(&self) -> bool {
-        !self.loss_type.is_empty()
-    }
-
     /// The DPO loss the flags name (TRL's sigmoid with none); checked with the run's settings.
-    pub fn into_loss(self) -> Result<DpoLoss, TrainError> {
-        let mut loss = DpoLoss::default();
-        if self.loss_type.is_empty() {
-            if !self.loss_weights.is_empty() {
-                return Err(TrainError::flag("--loss-weights", "", "needs --loss-type"));
-            }
-        } else {
-            let names: Vec<&str> = self.loss_type.iter().map(String::as_str).collect();
-            let weights = (!self.loss_weights.is_empty()).then_some(self.loss_weights.as_slice());
-            loss = DpoLoss::from_names(&names, weights).map_err(|e| {
-                TrainError::flag("--loss-type", self.loss_type.join(","), e.to_string())
-            })?;
+    fn into_loss(self) -> Result<DpoLoss, TrainError> {
+        if self.loss_type.is_empty() && !self.loss_weights.is_empty() {
+            return Err(TrainError::flag("--loss-weights", "", "needs --loss-type"));
         }
-        if let Some(eps) = self.label_smoothing {
-            loss.label_smoothing = eps;
-        }
-        if let Some(tau) = self.discopop_tau {
-            loss.discopop_tau = tau;
-        }
-        Ok(loss)
+        let names: Vec<&str> = self.loss_type.iter().map(String::as_str).collect();
+        let weights = (!self.loss_weights.is_empty()).then_some(self.loss_weights.as_slice());
+        DpoLoss::from_config(&names, weights, self.label_smoothing, self.discopop_tau)
+            .map_err(|e| TrainError::flag("--loss-type", self.loss_type.join(","), e.to_string()))
     }
 }
 
@@ -274,6 +257,18 @@ pub struct GrpoArgs {
 }
 
 impl TrainArgs {
+    /// A DPO run's configuration: [`TrainArgs::into_config`] with the loss `dpo` names. Loss types
+    /// typed say the whole loss: the built-in task's NLL weight is then not added.
+    pub fn into_dpo_config(self, dpo: DpoArgs) -> Result<TrainConfig, TrainError> {
+        let whole_loss_typed = !dpo.loss_type.is_empty() && self.sft_weight.is_none();
+        let mut cfg = self.into_config(Recipe::Dpo)?;
+        cfg.dpo_loss = dpo.into_loss()?;
+        if whole_loss_typed {
+            cfg.sft_weight = 0.0;
+        }
+        Ok(cfg)
+    }
+
     /// The run configuration of `recipe`: the flags given, the recipe's defaults for the rest (those of
     /// the built-in task when neither --model nor --data is given). A flag the recipe does not use is
     /// refused rather than ignored.

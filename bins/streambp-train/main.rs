@@ -204,13 +204,7 @@ fn run() -> anyhow::Result<()> {
             );
         }
         Command::Dpo { train, dpo } => {
-            // Loss types typed say the whole loss: the built-in task's NLL weight is not added.
-            let whole_loss_typed = dpo.names_a_loss() && train.sft_weight.is_none();
-            let mut cfg = train.into_config(Recipe::Dpo).map_err(located)?;
-            cfg.dpo_loss = dpo.into_loss().map_err(located)?;
-            if whole_loss_typed {
-                cfg.sft_weight = 0.0;
-            }
+            let cfg = train.into_dpo_config(dpo).map_err(located)?;
             let _ranks = start(&cfg.device)?;
             report(
                 "dpo",

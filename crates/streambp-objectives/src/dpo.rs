@@ -89,10 +89,7 @@ impl Dpo {
                 "the SFT weight must be a non-negative number, got {weight}"
             )));
         }
-        self.loss.terms.retain(|(t, _)| *t != DpoLossType::Sft);
-        if weight > 0.0 {
-            self.loss.terms.push((DpoLossType::Sft, weight));
-        }
+        self.loss = self.loss.with_sft(weight);
         Ok(self)
     }
 

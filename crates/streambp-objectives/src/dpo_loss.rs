@@ -155,6 +155,37 @@ impl Default for DpoLoss {
 }
 
 impl DpoLoss {
+    /// The loss `DPOConfig`'s fields name: the types `names` (TRL's sigmoid when there are none)
+    /// with `loss_weights`, and `label_smoothing` and `discopop_tau` where given.
+    pub fn from_config(
+        names: &[&str],
+        weights: Option<&[f64]>,
+        label_smoothing: Option<f64>,
+        discopop_tau: Option<f64>,
+    ) -> Result<Self> {
+        let mut loss = match names.is_empty() {
+            true => Self::default(),
+            false => Self::from_names(names, weights)?,
+        };
+        if let Some(eps) = label_smoothing {
+            loss.label_smoothing = eps;
+        }
+        if let Some(tau) = discopop_tau {
+            loss.discopop_tau = tau;
+        }
+        Ok(loss)
+    }
+
+    /// This loss with the `sft` term (the chosen completions' mean NLL) weighted `weight` in place
+    /// of any it had (none at 0).
+    pub fn with_sft(mut self, weight: f64) -> Self {
+        self.terms.retain(|(t, _)| *t != DpoLossType::Sft);
+        if weight > 0.0 {
+            self.terms.push((DpoLossType::Sft, weight));
+        }
+        self
+    }
+
     /// The types `names` with `weights` (one each; all 1 when `None`), as TRL pairs them.
     pub fn from_names(names: &[&str], weights: Option<&[f64]>) -> Result<Self> {
         if names.is_empty() {

@@ -104,13 +104,12 @@ impl DpoFile {
             Some(OneOrMany::One(name)) => vec![name.as_str()],
             Some(OneOrMany::Many(names)) => names.iter().map(String::as_str).collect(),
         };
-        let mut loss = DpoLoss::from_names(&names, self.loss_weights.as_deref())?;
-        if let Some(eps) = self.label_smoothing {
-            loss.label_smoothing = eps;
-        }
-        if let Some(tau) = self.discopop_tau {
-            loss.discopop_tau = tau;
-        }
+        let loss = DpoLoss::from_config(
+            &names,
+            self.loss_weights.as_deref(),
+            self.label_smoothing,
+            self.discopop_tau,
+        )?;
         Ok(Some(loss))
     }
 }

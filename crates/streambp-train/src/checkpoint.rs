@@ -85,9 +85,8 @@ const MUST_MATCH: &[&str] = &[
     "ranks",
 ];
 
-/// Compares the checkpoint's run with the one resuming it: refuses when a setting that must match
-/// (the recipe, `--model`, the data, `--batch-size`, `--grad-accum`, `--group-size`,
-/// `--num-iterations`) differs, naming each; warns for every other difference.
+/// Compares the checkpoint's run with the one resuming it: refuses when a setting of [`MUST_MATCH`]
+/// differs, naming each; warns for every other difference.
 pub fn check_resume(checkpoint: &Path, saved: &RunRecord, given: &RunRecord) -> Result<()> {
     let mut refused = Vec::new();
     for (key, now) in given {

@@ -324,11 +324,11 @@ fn require_data(flag: &str, path: &Option<PathBuf>) -> Result<()> {
 impl TrainConfig {
     /// DPO's loss: `dpo_loss` with `sft_weight`'s NLL term.
     pub fn dpo_loss_with_sft(&self) -> DpoLoss {
-        let mut loss = self.dpo_loss.clone();
-        if self.sft_weight > 0.0 {
-            loss.terms.push((DpoLossType::Sft, self.sft_weight));
+        match self.sft_weight > 0.0 {
+            // `validate` refuses an `sft` term beside `sft_weight`: nothing is replaced.
+            true => self.dpo_loss.clone().with_sft(self.sft_weight),
+            false => self.dpo_loss.clone(),
         }
-        loss
     }
 
     /// The job flags ([`crate::recipes::JOB_FLAGS`]) whose settings here are not their off values,
@@ -398,15 +398,6 @@ impl TrainConfig {
             self.max_grad_norm,
             "must be a number at least 0 (0 turns clipping off)",
         )?;
-        if let Some(max_steps) = self.max_steps {
-            if self.warmup_steps >= max_steps {
-                tracing::warn!(
-                    warmup_steps = self.warmup_steps,
-                    max_steps,
-                    "the warmup lasts the whole run: the learning rate never reaches --lr"
-                );
-            }
-        }
         Ok(())
     }
 

@@ -245,6 +245,17 @@ impl<'a> Trainer<'a> {
             ..Default::default()
         };
         let mut parallel = DataParallel::new(&setup.model, comm.clone(), cfg.zero, adamw)?;
+        // Warned here, once per run (validation runs more than once: GRPO checks its settings
+        // before parsing rewards, and `Setup::new` checks them again).
+        if let Some(max_steps) = cfg.max_steps {
+            if cfg.warmup_steps >= max_steps {
+                tracing::warn!(
+                    warmup_steps = cfg.warmup_steps,
+                    max_steps,
+                    "the warmup lasts the whole run: the learning rate never reaches --lr"
+                );
+            }
+        }
         let max_steps = cfg
             .max_steps
             .unwrap_or(((examples as f64 * cfg.epochs) / per_step as f64).ceil() as usize)

@@ -1,6 +1,6 @@
-//! The DPO recipe (TRL's sigmoid loss): pairs of completions of one prompt, a frozen reference model
-//! (default: a copy of the initial policy, as in TRL), one readable loop over
-//! [`crate::setup::Setup`] and [`crate::trainer::Trainer`].
+//! The DPO recipe (TRL's loss types, sigmoid by default): pairs of completions of one prompt, a
+//! frozen reference model (default: a copy of the initial policy, as in TRL), one readable loop
+//! over [`crate::setup::Setup`] and [`crate::trainer::Trainer`].
 
 use streambp_models::Model;
 use streambp_objectives::{Dpo, DpoLossType, TokenTargets};

@@ -35,7 +35,7 @@ pub enum Beta {
 
 /// One job's row of the table.
 pub struct RecipeFacts {
-    /// The job and its subcommand's name.
+    /// The job.
     pub recipe: Recipe,
     /// The subcommand's name.
     pub name: &'static str,
