@@ -1,6 +1,6 @@
 //! The CPU a figure comes from, as the bench writes it beside its tables: `/proc/cpuinfo`'s model
-//! name, the instruction-set flags that decide which kernels run (gemm's and ours), and the cache
-//! sizes gemm blocks its products for. Machines with the same model name differ in these (a
+//! name, the instruction-set flags that decide which kernels run (gemm's and ours), the cache
+//! sizes gemm blocks its products for, and the path our own passes run on (`STREAMBP_SIMD`). Machines with the same model name differ in these (a
 //! virtual "AMD EPYC" may be a Zen 3 or a Zen 4).
 
 /// Flags that change which code runs: vector width, FMA, and bf16 arithmetic.
@@ -64,12 +64,13 @@ impl std::fmt::Display for Cpu {
         let cache = *gemm_common::cache::CACHE_INFO;
         write!(
             f,
-            "{} ({}; L2 {} KiB, L3 {} KiB as gemm reads them; {} cores)",
+            "{} ({}; L2 {} KiB, L3 {} KiB as gemm reads them; {} cores; our passes on {})",
             self.model,
             self.flags.join(" "),
             cache[1].cache_bytes >> 10,
             cache[2].cache_bytes >> 10,
             std::thread::available_parallelism().map_or(0, |n| n.get()),
+            streambp_models::simd::isa().name(),
         )
     }
 }

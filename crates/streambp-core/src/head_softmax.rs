@@ -18,6 +18,7 @@ use candle_core::{Device, Tensor, WithDType};
 use num_traits::Float;
 use rayon::prelude::*;
 use streambp_models::cpu::{fusable, row_max, with_data_mut, BulkExp};
+use streambp_models::vectorized;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -87,11 +88,13 @@ fn rows_as<T: WithDType + BulkExp>(
         Ok(z.par_chunks_mut(vocab)
             .zip(targets.par_iter())
             .map(|(row, &target)| {
-                let max = row_max(row, T::neg_infinity());
-                let target_logit = row[target as usize];
-                let sum = T::exp_shifted_sum(row, max);
-                let lse = sum.ln() + max;
-                ((target_logit - lse).to_f64(), (T::one() / sum).to_f64())
+                vectorized!(|_| {
+                    let max = row_max(row, T::neg_infinity());
+                    let target_logit = row[target as usize];
+                    let sum = T::exp_shifted_sum(row, max);
+                    let lse = sum.ln() + max;
+                    ((target_logit - lse).to_f64(), (T::one() / sum).to_f64())
+                })
             })
             .unzip())
     })
@@ -127,9 +130,7 @@ impl HeadRows {
                 .for_each(|((row, &g), (&inv, &target))| {
                     let (g, inv) = (T::from_f64(g), T::from_f64(inv));
                     let minus_g = -g;
-                    for x in row.iter_mut() {
-                        *x = *x * inv * minus_g;
-                    }
+                    vectorized!(|_| row.iter_mut().for_each(|x| *x = *x * inv * minus_g));
                     row[target as usize] += g;
                 });
             Ok(())

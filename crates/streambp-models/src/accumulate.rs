@@ -14,6 +14,7 @@
 
 use crate::cpu::{fusable, gemm_into, gemm_parallelism, input_data};
 use crate::half_product::{self, Destination};
+use crate::vectorized;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor, WithDType};
 use rayon::prelude::*;
 
@@ -112,9 +113,7 @@ impl AddKernel for AddInto {
         acc.par_chunks_mut(PER_TASK)
             .zip(x.par_chunks(PER_TASK))
             .for_each(|(acc, x)| {
-                for (a, &x) in acc.iter_mut().zip(x) {
-                    *a += x;
-                }
+                vectorized!(|_| acc.iter_mut().zip(x).for_each(|(a, &x)| *a += x))
             });
     }
 }

@@ -27,13 +27,14 @@ const NR: usize = 32;
 /// Inner elements per packed slice (128 pairs): a panel of `b` is then 16 KiB, within L1.
 const KC: usize = 256;
 
-/// Whether the running CPU has AVX512-BF16 (with AVX-512F), checked once.
+/// Whether the running CPU has AVX512-BF16 and the AVX-512 path is in force ([`crate::simd::isa`]:
+/// `STREAMBP_SIMD=avx2` turns this kernel off too), checked once.
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *AVAILABLE.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("avx512f")
+            crate::simd::isa() == crate::simd::Isa::Avx512
                 && std::arch::is_x86_feature_detected!("avx512bf16")
         })
     }

@@ -4,6 +4,8 @@
 use candle_core::{DType, Storage, Tensor, WithDType};
 use num_traits::Float;
 
+use crate::vectorized;
+
 type CResult<T> = candle_core::Result<T>;
 
 /// Runs `f` on the contiguous CPU data of `t` (`None` when `t` is not on the CPU).
@@ -160,7 +162,7 @@ pub(crate) fn gemm_into<T: WithDType>(
 const LANES: usize = 8;
 
 /// The largest of `init` and the elements of `xs` (NaN-free inputs: a softmax's scores).
-#[inline]
+#[inline(always)]
 pub fn row_max<T: Float>(xs: &[T], init: T) -> T {
     let mut lanes = [init; LANES];
     let chunks = xs.chunks_exact(LANES);
@@ -175,7 +177,7 @@ pub fn row_max<T: Float>(xs: &[T], init: T) -> T {
 }
 
 /// The sum of `xs`, in [`LANES`] interleaved partial sums added at the end.
-#[inline]
+#[inline(always)]
 pub fn row_sum<T: Float>(xs: &[T]) -> T {
     let mut lanes = [T::zero(); LANES];
     let chunks = xs.chunks_exact(LANES);
@@ -274,9 +276,7 @@ impl candle_core::CustomOp1 for Cast {
                 y.par_chunks_mut(CAST_PER_TASK)
                     .zip(x.par_chunks(CAST_PER_TASK))
                     .for_each(|(y, x)| {
-                        for (y, &x) in y.iter_mut().zip(x) {
-                            *y = widen(x);
-                        }
+                        vectorized!(|_| y.iter_mut().zip(x).for_each(|(y, &x)| *y = widen(x)))
                     });
                 candle_core::CpuStorage::F32(y)
             }
@@ -286,9 +286,11 @@ impl candle_core::CustomOp1 for Cast {
                 y.par_chunks_mut(CAST_PER_TASK)
                     .zip(x.par_chunks(CAST_PER_TASK))
                     .for_each(|(y, x)| {
-                        for (y, &x) in y.iter_mut().zip(x) {
-                            *y = bf16::from_f32(x);
-                        }
+                        vectorized!(|_| {
+                            y.iter_mut()
+                                .zip(x)
+                                .for_each(|(y, &x)| *y = bf16::from_f32(x))
+                        })
                     });
                 candle_core::CpuStorage::BF16(y)
             }
@@ -319,9 +321,9 @@ pub fn tensor_from<T: WithDType>(data: Vec<T>, like: &Tensor) -> CResult<Tensor>
 }
 
 /// Float types whose exponentials the CPU passes take a row at a time: f64 through the standard
-/// library's `exp`; f32 through a polynomial the compiler vectorizes ([`exp_f32_fused`] where the
-/// CPU has AVX2 and FMA, 8 lanes; [`exp_f32`] elsewhere), where glibc's `expf` takes one element per
-/// call (it was 6-8% of a step's time).
+/// library's `exp`; f32 through a polynomial the compiler vectorizes at the width of the path in
+/// force ([`crate::simd`]: [`exp_f32_fused`] where it has FMA, [`exp_f32`] on the baseline), where
+/// glibc's `expf` takes one element per call (it was 6-8% of a step's time).
 pub trait BulkExp:
     Float + std::ops::AddAssign + std::ops::SubAssign + std::ops::MulAssign + std::ops::DivAssign
 {
@@ -373,48 +375,24 @@ fn exp_shifted_sum_by<T: Float>(xs: &mut [T], shift: T, exp: impl Fn(T) -> T) ->
 
 impl BulkExp for f32 {
     fn exp_in_place(xs: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if fused_exp_runs() {
-            // SAFETY: AVX2 and FMA were just detected.
-            return unsafe { exp_f32_slice_fused(xs) };
-        }
-        for x in xs {
-            *x = exp_f32(*x);
-        }
+        vectorized!(|isa| {
+            if isa.fma() {
+                xs.iter_mut().for_each(|x| *x = exp_f32_fused(*x));
+            } else {
+                xs.iter_mut().for_each(|x| *x = exp_f32(*x));
+            }
+        })
     }
 
     fn exp_shifted_sum(xs: &mut [f32], shift: f32) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if fused_exp_runs() {
-            // SAFETY: AVX2 and FMA were just detected.
-            return unsafe { exp_shifted_sum_fused(xs, shift) };
-        }
-        exp_shifted_sum_by(xs, shift, exp_f32)
+        vectorized!(|isa| {
+            if isa.fma() {
+                exp_shifted_sum_by(xs, shift, exp_f32_fused)
+            } else {
+                exp_shifted_sum_by(xs, shift, exp_f32)
+            }
+        })
     }
-}
-
-/// Whether the CPU has AVX2 and FMA, which the fused exponential's passes are compiled for.
-#[cfg(target_arch = "x86_64")]
-fn fused_exp_runs() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-}
-
-/// [`exp_f32_fused`] over a slice, compiled for AVX2 + FMA: 8 lanes, about half the instructions of
-/// [`exp_f32`]'s loop (0.52 against 0.95 ns an element on one Zen 3 core), which matters where a
-/// step takes hundreds of millions of exponentials (attention at T = 4096).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn exp_f32_slice_fused(xs: &mut [f32]) {
-    for x in xs {
-        *x = exp_f32_fused(*x);
-    }
-}
-
-/// [`BulkExp::exp_shifted_sum`] with [`exp_f32_fused`], compiled for AVX2 + FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn exp_shifted_sum_fused(xs: &mut [f32], shift: f32) -> f32 {
-    exp_shifted_sum_by(xs, shift, exp_f32_fused)
 }
 
 /// `eˣ` in f32 within 2 ulp (Cephes' `expf`: `x = n·ln2 + r` with `ln 2` split in two, a degree-7

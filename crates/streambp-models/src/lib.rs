@@ -37,6 +37,7 @@ pub mod model;
 pub mod norm;
 mod op;
 pub mod rope;
+pub mod simd;
 mod swiglu;
 #[cfg(test)]
 mod testing;

@@ -15,6 +15,7 @@ use rayon::prelude::*;
 use crate::config::NormStyle;
 use crate::cpu::{fusable, input_data, tensor_from, through_f32, with_data};
 use crate::error::Result;
+use crate::vectorized;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -102,6 +103,7 @@ struct FusedRmsNorm {
 }
 
 impl FusedRmsNorm {
+    #[inline(always)]
     fn scale<T: Float>(&self, w: T) -> T {
         match self.one_plus {
             true => w + T::one(),
@@ -110,6 +112,7 @@ impl FusedRmsNorm {
     }
 
     /// `1 / rms(row)`, as the composed ops form it: `recip(sqrt(Σx² · (1/dim) + eps))`.
+    #[inline(always)]
     fn inv_rms<T: Float>(&self, row: &[T]) -> T {
         let sum = row.iter().fold(T::zero(), |acc, &v| acc + v * v);
         let inv_dim = T::from(1.0 / row.len() as f64).unwrap_or_else(T::zero);
@@ -120,14 +123,18 @@ impl FusedRmsNorm {
     fn forward_rows<T: WithDType + Float>(&self, x: &[T], w: &[T]) -> Vec<T> {
         let dim = w.len().max(1);
         let mut y = vec![T::zero(); x.len()];
-        y.par_chunks_mut(dim)
-            .zip(x.par_chunks(dim))
-            .with_min_len(ROWS_PER_TASK)
+        let task = dim * ROWS_PER_TASK;
+        y.par_chunks_mut(task)
+            .zip(x.par_chunks(task))
             .for_each(|(y, x)| {
-                let r = self.inv_rms(x);
-                for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
-                    *y = (x * r) * self.scale(w);
-                }
+                vectorized!(|_| {
+                    for (y, x) in y.chunks_mut(dim).zip(x.chunks(dim)) {
+                        let r = self.inv_rms(x);
+                        for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+                            *y = (x * r) * self.scale(w);
+                        }
+                    }
+                })
             });
         y
     }
@@ -142,31 +149,38 @@ impl FusedRmsNorm {
         let inv_dim = T::from(1.0 / dim as f64).unwrap_or_else(T::zero);
         let mut dx = vec![T::zero(); x.len()];
         let mut inv_rms = vec![T::zero(); x.len() / dim];
-        dx.par_chunks_mut(dim)
-            .zip(inv_rms.par_iter_mut())
-            .zip(x.par_chunks(dim).zip(g.par_chunks(dim)))
-            .with_min_len(ROWS_PER_TASK)
+        let task = dim * ROWS_PER_TASK;
+        dx.par_chunks_mut(task)
+            .zip(inv_rms.par_chunks_mut(ROWS_PER_TASK))
+            .zip(x.par_chunks(task).zip(g.par_chunks(task)))
             .for_each(|((dx, r_out), (x, g))| {
-                let r = self.inv_rms(x);
-                *r_out = r;
-                let dot = x
-                    .iter()
-                    .zip(g)
-                    .zip(w)
-                    .fold(T::zero(), |acc, ((&x, &g), &w)| {
-                        acc + (g * self.scale(w)) * (x * r)
-                    });
-                let mean = dot * inv_dim;
-                for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(g).zip(w) {
-                    *dx = r * (g * self.scale(w) - (x * r) * mean);
-                }
+                vectorized!(|_| {
+                    let rows = dx.chunks_mut(dim).zip(r_out);
+                    for ((dx, r_out), (x, g)) in rows.zip(x.chunks(dim).zip(g.chunks(dim))) {
+                        let r = self.inv_rms(x);
+                        *r_out = r;
+                        let dot = x
+                            .iter()
+                            .zip(g)
+                            .zip(w)
+                            .fold(T::zero(), |acc, ((&x, &g), &w)| {
+                                acc + (g * self.scale(w)) * (x * r)
+                            });
+                        let mean = dot * inv_dim;
+                        for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(g).zip(w) {
+                            *dx = r * (g * self.scale(w) - (x * r) * mean);
+                        }
+                    }
+                })
             });
         let mut dw = vec![T::zero(); dim];
-        for ((x, g), &r) in x.chunks(dim).zip(g.chunks(dim)).zip(&inv_rms) {
-            for ((dw, &x), &g) in dw.iter_mut().zip(x).zip(g) {
-                *dw += g * (x * r);
+        vectorized!(|_| {
+            for ((x, g), &r) in x.chunks(dim).zip(g.chunks(dim)).zip(&inv_rms) {
+                for ((dw, &x), &g) in dw.iter_mut().zip(x).zip(g) {
+                    *dw += g * (x * r);
+                }
             }
-        }
+        });
         (dx, dw)
     }
 

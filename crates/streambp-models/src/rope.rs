@@ -16,6 +16,10 @@ use rayon::prelude::*;
 use crate::config::{RopeConfig, RopeScaling};
 use crate::cpu::{fusable, input_data, tensor_from, through_f32, with_data};
 use crate::error::Result;
+use crate::vectorized;
+
+/// Rows (one head of one token each) per rayon task of the rotation.
+const ROWS_PER_TASK: usize = 16;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -178,23 +182,31 @@ impl FusedRope {
                 let hd = self.head_dim;
                 let half = hd / 2;
                 let mut y = vec![T::zero(); x.len()];
-                y.par_chunks_mut(hd)
-                    .zip(x.par_chunks(hd))
+                y.par_chunks_mut(hd * ROWS_PER_TASK)
+                    .zip(x.par_chunks(hd * ROWS_PER_TASK))
                     .enumerate()
-                    .with_min_len(16)
-                    .for_each(|(r, (y, x))| {
-                        let t = self.table_row(r) * hd;
-                        let (c, s) = (&cos[t..t + hd], &sin[t..t + hd]);
-                        for i in 0..half {
-                            let (x1, x2) = (x[i], x[half + i]);
-                            if inverse {
-                                y[i] = x1 * c[i] + x2 * s[half + i];
-                                y[half + i] = x2 * c[half + i] - x1 * s[i];
-                            } else {
-                                y[i] = x1 * c[i] + (-x2) * s[i];
-                                y[half + i] = x2 * c[half + i] + x1 * s[half + i];
+                    .for_each(|(task, (y, x))| {
+                        vectorized!(|_| {
+                            let rows = y.chunks_mut(hd).zip(x.chunks(hd));
+                            for (i, (y, x)) in rows.enumerate() {
+                                let t = self.table_row(task * ROWS_PER_TASK + i) * hd;
+                                let (c, s) = (&cos[t..t + hd], &sin[t..t + hd]);
+                                let (y1, y2) = y.split_at_mut(half);
+                                let (x1, x2) = x.split_at(half);
+                                let (c1, c2) = c.split_at(half);
+                                let (s1, s2) = s.split_at(half);
+                                for i in 0..half {
+                                    let (a, b) = (x1[i], x2[i]);
+                                    if inverse {
+                                        y1[i] = a * c1[i] + b * s2[i];
+                                        y2[i] = b * c2[i] - a * s1[i];
+                                    } else {
+                                        y1[i] = a * c1[i] + (-b) * s1[i];
+                                        y2[i] = b * c2[i] + a * s2[i];
+                                    }
+                                }
                             }
-                        }
+                        })
                     });
                 Ok(y)
             })

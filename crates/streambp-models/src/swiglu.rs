@@ -12,6 +12,7 @@ use rayon::prelude::*;
 
 use crate::cpu::{fusable, input_data, tensor_from, through_f32, with_data, BulkExp};
 use crate::error::Result;
+use crate::vectorized;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -37,6 +38,7 @@ fn composed(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 }
 
 /// `x / (1 + e)` with `e = exp(−x)`: silu as candle's `silu` computes it.
+#[inline(always)]
 fn silu<T: Float>(x: T, e: T) -> T {
     x / (T::one() + e)
 }
@@ -59,9 +61,11 @@ impl FusedSwiglu {
             .zip(gate.par_chunks(PER_TASK).zip(up.par_chunks(PER_TASK)))
             .for_each(|(y, (gate, up))| {
                 exp_neg(gate, y);
-                for (y, (&a, &u)) in y.iter_mut().zip(gate.iter().zip(up)) {
-                    *y = silu(a, *y) * u;
-                }
+                vectorized!(|_| {
+                    for (y, (&a, &u)) in y.iter_mut().zip(gate.iter().zip(up)) {
+                        *y = silu(a, *y) * u;
+                    }
+                })
             });
         y
     }
@@ -76,15 +80,17 @@ impl FusedSwiglu {
             .zip(g.par_chunks(PER_TASK))
             .for_each(|(((d_gate, d_up), (gate, up)), g)| {
                 exp_neg(gate, d_gate);
-                let inputs = gate.iter().zip(up).zip(g);
-                for ((dg, du), ((&a, &u), &g)) in d_gate.iter_mut().zip(d_up.iter_mut()).zip(inputs)
-                {
-                    let e = *dg;
-                    let s = silu(a, e);
-                    let sigmoid = T::one() / (e + T::one());
-                    *du = g * s;
-                    *dg = (g * u) * (sigmoid * (T::one() - s) + s);
-                }
+                vectorized!(|_| {
+                    let inputs = gate.iter().zip(up).zip(g);
+                    let outputs = d_gate.iter_mut().zip(d_up.iter_mut());
+                    for ((dg, du), ((&a, &u), &g)) in outputs.zip(inputs) {
+                        let e = *dg;
+                        let s = silu(a, e);
+                        let sigmoid = T::one() / (e + T::one());
+                        *du = g * s;
+                        *dg = (g * u) * (sigmoid * (T::one() - s) + s);
+                    }
+                })
             });
         (d_gate, d_up)
     }

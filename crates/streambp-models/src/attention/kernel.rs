@@ -20,6 +20,7 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 use crate::cpu::{row_max, BulkExp};
+use crate::vectorized;
 use candle_core::WithDType;
 
 type CResult<T> = candle_core::Result<T>;
@@ -231,18 +232,20 @@ fn forward_tile<T: WithDType + BulkExp>(
         let (keys, values) = inp.keys_values(i, blk);
         let s = &mut scores[..rows * n];
         inp.masked_scores(i, first, blk, keys, s);
-        for (j, row) in s.chunks_exact_mut(n).enumerate() {
-            let before = max[j];
-            let m = row_max(row, before);
-            let total = T::exp_shifted_sum(row, m);
-            // exp(−∞) = 0 at the first block: nothing before to rescale.
-            let rescale = (before - m).exp();
-            sum[j] = sum[j] * rescale + total;
-            for o in &mut out[j * hd..(j + 1) * hd] {
-                *o *= rescale;
+        vectorized!(|_| {
+            for (j, row) in s.chunks_exact_mut(n).enumerate() {
+                let before = max[j];
+                let m = row_max(row, before);
+                let total = T::exp_shifted_sum(row, m);
+                // exp(−∞) = 0 at the first block: nothing before to rescale.
+                let rescale = (before - m).exp();
+                sum[j] = sum[j] * rescale + total;
+                for o in &mut out[j * hd..(j + 1) * hd] {
+                    *o *= rescale;
+                }
+                max[j] = m;
             }
-            max[j] = m;
-        }
+        });
         gemm_into(out, (rows, hd, n), true, (s, n, 1), (values, hd, 1));
     }
 }
@@ -371,11 +374,11 @@ pub(crate) fn backward<T: WithDType + BulkExp>(
         dq.par_chunks_mut(rows * hd)
             .zip(shares.par_chunks(n_blocks.max(1)))
             .for_each(|(dq, shares)| {
-                for share in shares {
-                    for (d, &x) in dq.iter_mut().zip(share) {
-                        *d += x;
+                vectorized!(|_| {
+                    for share in shares {
+                        dq.iter_mut().zip(share).for_each(|(d, &x)| *d += x);
                     }
-                }
+                })
             });
     }
     Ok(())
@@ -396,19 +399,21 @@ fn block_backward<T: WithDType + BulkExp>(
     let (keys, values) = inp.keys_values(i, blk);
     let mut p = vec![T::zero(); rows * n];
     inp.masked_scores(i, 0, blk, keys, &mut p);
-    for ((row, &m), &l) in p.chunks_exact_mut(n).zip(max).zip(log_sum) {
-        for x in row.iter_mut() {
-            *x = (*x - m) - l;
+    vectorized!(|_| {
+        for ((row, &m), &l) in p.chunks_exact_mut(n).zip(max).zip(log_sum) {
+            row.iter_mut().for_each(|x| *x = (*x - m) - l);
+            T::exp_in_place(row);
         }
-        T::exp_in_place(row);
-    }
+    });
     let mut ds = vec![T::zero(); rows * n];
     gemm_into(&mut ds, (rows, n, hd), false, (g, hd, 1), (values, 1, hd));
-    for ((ds, p), &d) in ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).zip(dot) {
-        for (x, &prob) in ds.iter_mut().zip(p) {
-            *x = prob * (*x - d);
+    vectorized!(|_| {
+        for ((ds, p), &d) in ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).zip(dot) {
+            ds.iter_mut()
+                .zip(p)
+                .for_each(|(x, &prob)| *x = prob * (*x - d));
         }
-    }
+    });
     gemm_into(dv, (n, hd, rows), true, (&p, 1, n), (g, hd, 1));
     drop(p);
     gemm_into(

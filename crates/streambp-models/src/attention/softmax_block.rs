@@ -18,6 +18,7 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 use crate::cpu::{fusable, with_data, with_optional, BulkExp};
+use crate::vectorized;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -110,20 +111,22 @@ fn forward_as<T: WithDType + BulkExp>(
                     .enumerate()
                     .for_each(|(r, ((p, max), sum))| {
                         // The masked scores, then their maximum, then the exponentials, in place.
-                        map.masked_row(p, s, mask, r);
-                        let mut m = prev.get(r).copied().unwrap_or(T::neg_infinity());
-                        for &v in p.iter() {
-                            if v > m {
-                                m = v;
+                        vectorized!(|_| {
+                            map.masked_row(p, s, mask, r);
+                            let mut m = prev.get(r).copied().unwrap_or(T::neg_infinity());
+                            for &v in p.iter() {
+                                if v > m {
+                                    m = v;
+                                }
                             }
-                        }
-                        for out in p.iter_mut() {
-                            *out -= m;
-                        }
-                        T::exp_in_place(p);
-                        let total = p.iter().fold(T::zero(), |acc, &v| acc + v);
-                        *max = m;
-                        *sum = total;
+                            for out in p.iter_mut() {
+                                *out -= m;
+                            }
+                            T::exp_in_place(p);
+                            let total = p.iter().fold(T::zero(), |acc, &v| acc + v);
+                            *max = m;
+                            *sum = total;
+                        })
                     });
                 Ok(())
             })
@@ -182,15 +185,17 @@ fn backward_as<T: WithDType + BulkExp>(
                     .for_each(|(r, (p, ds))| {
                         let grad = &dp[r * n..(r + 1) * n];
                         // The masked scores into `p`, then probabilities and dS in one sweep.
-                        map.masked_row(p, s, mask, r);
-                        let (m, l, d) = (max[r], log_sum[r], dot[r]);
-                        for prob in p.iter_mut() {
-                            *prob = (*prob - m) - l;
-                        }
-                        T::exp_in_place(p);
-                        for ((ds, &prob), &g) in ds.iter_mut().zip(p.iter()).zip(grad) {
-                            *ds = prob * (g - d);
-                        }
+                        vectorized!(|_| {
+                            map.masked_row(p, s, mask, r);
+                            let (m, l, d) = (max[r], log_sum[r], dot[r]);
+                            for prob in p.iter_mut() {
+                                *prob = (*prob - m) - l;
+                            }
+                            T::exp_in_place(p);
+                            for ((ds, &prob), &g) in ds.iter_mut().zip(p.iter()).zip(grad) {
+                                *ds = prob * (g - d);
+                            }
+                        })
                     });
                 Ok(())
             })
