@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use streambp_core::Mode;
+use streambp_core::{CheckpointEvery, Mode};
 use streambp_objectives::{DpoLoss, GrpoLossType};
 use streambp_train::config::{GrpoConfig, LoraArgs, Recipe, TrainConfig};
 use streambp_train::data::Overflow;
@@ -151,6 +151,11 @@ pub struct TrainArgs {
     /// grows with layers x sequence x hidden size).
     #[arg(long)]
     offload_checkpoints: bool,
+    /// Store the input of every K-th layer only and recompute the others' during the backward, one
+    /// segment of K layers at a time (`sqrt`: K = ⌈√layers⌉, the least memory): fewer checkpoints for
+    /// one more forward of the layers between; the gradients are the same [default: 1].
+    #[arg(long)]
+    checkpoint_every: Option<CheckpointEvery>,
     /// f32, bf16 or f64 [default: f32].
     #[arg(long)]
     dtype: Option<String>,
@@ -339,6 +344,7 @@ impl TrainArgs {
             logits_chunk: self.logits_chunk.unwrap_or(d.logits_chunk),
             memory_budget: self.memory_budget,
             offload_checkpoints: self.offload_checkpoints,
+            checkpoint_every: self.checkpoint_every.unwrap_or(d.checkpoint_every),
             dtype: self.dtype.unwrap_or(d.dtype),
             device: self.device.unwrap_or(d.device),
             save_every: self.save_every.unwrap_or(d.save_every),

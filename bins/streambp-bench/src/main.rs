@@ -17,7 +17,8 @@ use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use streambp_core::memory::{CountingAllocator, Meter};
 use streambp_core::{
-    backward_with, estimate, Batch, ChunkPolicy, Chunks, Mode, Options, Plan, Problem,
+    backward_with, estimate, Batch, CheckpointEvery, ChunkPolicy, Chunks, Mode, Options, Plan,
+    Problem,
 };
 use streambp_models::device::{parse_budget, parse_device, parse_dtype};
 use streambp_models::LoraConfig;
@@ -85,6 +86,11 @@ struct Args {
     /// Keep layer checkpoints in host memory (matters on an accelerator; a no-op on the CPU).
     #[arg(long)]
     offload_checkpoints: bool,
+    /// Store the input of every K-th layer only and recompute the others' in the backward, a segment
+    /// at a time (`sqrt`: K = ⌈√layers⌉): fewer stored checkpoints for one more forward of the layers
+    /// between, the same gradients. Applies to stream and checkpoint alike.
+    #[arg(long, default_value = "1")]
+    checkpoint_every: CheckpointEvery,
     /// After each backward, one AdamW step with the trainer's optimizer (f32 moments created for it;
     /// learning rate 0, so the weights stay as they are): its seconds and peak bytes are reported too.
     #[arg(long)]
@@ -273,6 +279,7 @@ fn run(
 fn options(args: &Args) -> Options {
     Options {
         offload_checkpoints: args.offload_checkpoints,
+        checkpoint_every: args.checkpoint_every,
         ..Default::default()
     }
 }
@@ -311,6 +318,7 @@ fn problem<'a>(
         dtype,
         // Offloading moves the checkpoints off an accelerator; on the CPU they stay where they were.
         offloaded: args.offload_checkpoints && args.device != "cpu",
+        checkpoint_every: args.checkpoint_every.layers(config.num_layers()),
         host: args.device == "cpu",
     }
 }

@@ -39,8 +39,8 @@ mod seed;
 pub mod workers;
 
 pub use engine::{
-    backward, backward_into, backward_with, forward_logprobs, target_logprobs, Batch, Chunks,
-    FinishedGradients, Gradients, Mode, Options, Plan,
+    backward, backward_into, backward_with, forward_logprobs, target_logprobs, Batch,
+    CheckpointEvery, Chunks, FinishedGradients, Gradients, Mode, Options, Plan,
 };
 pub use error::{EngineError, Result};
 pub use planner::{estimate, plan_for_budget, ChunkPolicy, Estimate, Problem};

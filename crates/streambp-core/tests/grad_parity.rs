@@ -150,3 +150,91 @@ fn offloaded_checkpoints_give_the_same_gradients() {
     let (err, name) = worst_grad_err(&out, &plain);
     assert_eq!(err, 0.0, "{name}");
 }
+
+/// Sparse checkpoints (`checkpoint_every` K > 1: a segment's other layer inputs recomputed in the
+/// backward) give the same gradients, bit for bit, as a checkpoint per layer: every family, both
+/// recomputing modes, segments that divide the layers and one that does not, `sqrt`, K beyond the
+/// depth, offloaded or not; and on a 7-layer model (segments of 3, 3 and 1; `sqrt` = 3).
+#[test]
+fn sparse_checkpoints_give_the_same_gradients() {
+    use streambp_core::{CheckpointEvery, Options};
+    let run = |model: &streambp_models::Model, f: &Fixture, mode, every, offload| {
+        let batch = streambp_core::Batch::new(&f.ids, Some(&f.reference["attention_mask"]));
+        let chunks = streambp_core::Chunks {
+            chunk: 3,
+            logits_chunk: 4,
+        };
+        let options = Options {
+            checkpoint_every: every,
+            offload_checkpoints: offload,
+            ..Default::default()
+        };
+        streambp_core::backward_with(
+            model,
+            batch,
+            &f.sft(),
+            Plan::new(mode, chunks).with(options),
+        )
+        .unwrap()
+    };
+    let everies = [
+        CheckpointEvery::Layers(2),
+        CheckpointEvery::Layers(3),
+        CheckpointEvery::Sqrt,
+        CheckpointEvery::Layers(50),
+    ];
+    for family in FAMILIES {
+        let f = fixture(family, DType::F64);
+        for mode in [Mode::Stream, Mode::Checkpoint] {
+            let dense = run(&f.model, &f, mode, CheckpointEvery::Layers(1), false);
+            for (every, offload) in everies.iter().flat_map(|&e| [(e, false), (e, true)]) {
+                let sparse = run(&f.model, &f, mode, every, offload);
+                let (err, name) = worst_grad_err(&sparse, &dense);
+                assert_eq!(err, 0.0, "{family} {mode} every {every}: {name}");
+                assert_eq!(sparse.loss, dense.loss, "{family} {mode} every {every}");
+            }
+        }
+    }
+    // A deeper model, so that segments hold several layers and the last is shorter.
+    let f = fixture("qwen3", DType::F64);
+    let mut config = f.model.config.clone();
+    config.layers = vec![config.layers[0]; 7];
+    let deep =
+        streambp_models::Model::random(config, DType::F64, &candle_core::Device::Cpu, 11).unwrap();
+    assert_eq!(CheckpointEvery::Sqrt.layers(7), 3);
+    let dense = run(&deep, &f, Mode::Stream, CheckpointEvery::Layers(1), false);
+    for every in [CheckpointEvery::Layers(3), CheckpointEvery::Sqrt] {
+        let sparse = run(&deep, &f, Mode::Stream, every, false);
+        let (err, name) = worst_grad_err(&sparse, &dense);
+        assert_eq!(err, 0.0, "7 layers every {every}: {name}");
+    }
+}
+
+/// A segment of zero layers is refused, and `--checkpoint-every`'s text form parses.
+#[test]
+fn checkpoint_every_is_validated() {
+    use streambp_core::{CheckpointEvery, Options};
+    let f = fixture("qwen3", DType::F64);
+    let batch = streambp_core::Batch::new(&f.ids, Some(&f.reference["attention_mask"]));
+    let options = Options {
+        checkpoint_every: CheckpointEvery::Layers(0),
+        ..Default::default()
+    };
+    let chunks = streambp_core::Chunks {
+        chunk: 3,
+        logits_chunk: 4,
+    };
+    let err = streambp_core::backward_with(
+        &f.model,
+        batch,
+        &f.sft(),
+        Plan::new(Mode::Stream, chunks).with(options),
+    )
+    .err()
+    .expect("zero layers refused");
+    assert!(err.to_string().contains("checkpoint_every"), "{err}");
+    assert_eq!("sqrt".parse(), Ok(CheckpointEvery::Sqrt));
+    assert_eq!("4".parse(), Ok(CheckpointEvery::Layers(4)));
+    assert!("0".parse::<CheckpointEvery>().is_err());
+    assert!("two".parse::<CheckpointEvery>().is_err());
+}

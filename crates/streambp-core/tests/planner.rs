@@ -9,7 +9,10 @@
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 use streambp_core::memory::{current_bytes, reset_peak, CountingAllocator};
-use streambp_core::{backward, estimate, plan_for_budget, Batch, Chunks, Mode, Problem};
+use streambp_core::{
+    backward_with, estimate, plan_for_budget, Batch, CheckpointEvery, Chunks, Mode, Options, Plan,
+    Problem,
+};
 use streambp_models::{LoraConfig, Model, ModelConfig, Projection};
 use streambp_objectives::Sft;
 
@@ -40,6 +43,8 @@ struct Case {
     t: usize,
     chunks: Chunks,
     lora: Option<usize>,
+    /// Layers per stored checkpoint.
+    every: usize,
 }
 
 fn case(name: &'static str, config: Value, dtype: DType, (batch, t): (usize, usize)) -> Case {
@@ -54,6 +59,7 @@ fn case(name: &'static str, config: Value, dtype: DType, (batch, t): (usize, usi
             logits_chunk: 100,
         },
         lora: None,
+        every: 1,
     }
 }
 
@@ -66,6 +72,10 @@ impl Case {
             },
             ..self
         }
+    }
+
+    fn every(self, every: usize) -> Self {
+        Self { every, ..self }
     }
 
     fn lora(self, r: usize) -> Self {
@@ -96,6 +106,7 @@ impl Case {
             seq_len: self.t,
             dtype: self.dtype,
             offloaded: false,
+            checkpoint_every: self.every,
             lora,
             host: true,
         }
@@ -120,12 +131,15 @@ impl Case {
         let ids = Tensor::from_vec(ids, (self.batch, self.t), &Device::Cpu).unwrap();
         let sft = Sft::new(&labels, vocab, None, &Device::Cpu).unwrap();
         reset_peak();
-        let out = backward(
+        let options = Options {
+            checkpoint_every: CheckpointEvery::Layers(self.every),
+            ..Default::default()
+        };
+        let out = backward_with(
             &model,
             Batch::new(&ids, None),
             &sft,
-            Mode::Stream,
-            self.chunks,
+            Plan::new(Mode::Stream, self.chunks).with(options),
         )
         .unwrap();
         let phases = out
@@ -150,6 +164,7 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
     let (f32_, bf16, f64_) = (DType::F32, DType::BF16, DType::F64);
     let tiny_vocab = qwen3(16, 128, 384, 2, (4, 2, 32));
     let two_layers = qwen3(4096, 128, 384, 2, (4, 2, 32));
+    let deep = qwen3(16, 128, 256, 8, (4, 2, 32));
     // Gemma3's first layer attends through a sliding window, which keeps T = 64K quick.
     let long = json!({
         "model_type": "gemma3_text", "vocab_size": 16, "hidden_size": 64, "intermediate_size": 128,
@@ -196,6 +211,15 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
         case("LoRA", two_layers.clone(), f32_, (1, 2048)).lora(8),
         case("LoRA", two_layers, bf16, (2, 1024)).lora(8),
         case("f64", qwen3(1000, 64, 128, 2, (4, 2, 16)), f64_, (2, 1024)).chunks(100, 100),
+        // 4. Deep and narrow, where the checkpoints are most of the peak: one per layer, per two
+        // layers, per three (⌈√8⌉).
+        case("8 layers", deep.clone(), f32_, (1, 4096)).chunks(256, 500),
+        case("8 layers", deep.clone(), f32_, (1, 4096))
+            .chunks(256, 500)
+            .every(2),
+        case("8 layers", deep, f32_, (1, 4096))
+            .chunks(256, 500)
+            .every(3),
     ];
     let mut failures = Vec::new();
     for c in &cases {
@@ -214,7 +238,10 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
             c.chunks.chunk,
             c.chunks.logits_chunk,
             c.lora.map(|r| format!(" LoRA r={r}")).unwrap_or_default()
-        );
+        ) + &match c.every {
+            1 => String::new(),
+            k => format!(" checkpoint every {k}"),
+        };
         let mut line = format!(
             "{label}: whole {} KiB, estimated {} KiB ({:+.1}%);",
             measured >> 10,

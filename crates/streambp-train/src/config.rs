@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use streambp_core::{Chunks, Mode};
+use streambp_core::{CheckpointEvery, Chunks, Mode};
 use streambp_models::{LoraConfig, ModelError, Projection};
 use streambp_objectives::{DpoLoss, DpoLossType, GrpoLossType};
 
@@ -81,6 +81,9 @@ pub struct TrainConfig {
     pub memory_budget: Option<u64>,
     /// Keep layer checkpoints in host memory during the backward.
     pub offload_checkpoints: bool,
+    /// Store every K-th layer's input only, recomputing the others' a segment at a time in the
+    /// backward (the same gradients; less memory for one more forward of the layers between).
+    pub checkpoint_every: CheckpointEvery,
     /// `f32`, `bf16` or `f64`, parsed by [`crate::device::parse_dtype`].
     pub dtype: String,
     /// `cpu`, `cuda` or `cuda:N`, parsed by [`crate::device::parse_device`].
@@ -174,6 +177,7 @@ impl TrainConfig {
             logits_chunk: 128,
             memory_budget: None,
             offload_checkpoints: false,
+            checkpoint_every: CheckpointEvery::default(),
             dtype: "f32".into(),
             device: "cpu".into(),
             save_every: 0,

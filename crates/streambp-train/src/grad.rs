@@ -7,7 +7,9 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use serde::Serialize;
-use streambp_core::{backward_with, Batch, ChunkPolicy, Chunks, Mode, Options, Plan, Problem};
+use streambp_core::{
+    backward_with, Batch, CheckpointEvery, ChunkPolicy, Chunks, Mode, Options, Plan, Problem,
+};
 use streambp_models::{load_model, resolve_adapter_dir, resolve_model_dir, save_safetensors};
 
 use crate::batch_file::load_batch;
@@ -61,6 +63,10 @@ pub struct GradArgs {
     /// Keep layer checkpoints in host memory (accelerator memory then no longer grows with L × T × d).
     #[arg(long)]
     pub offload_checkpoints: bool,
+    /// Store every K-th layer's input only and recompute the others' in the backward, a segment at
+    /// a time (`sqrt`: K = ⌈√layers⌉); the same gradients.
+    #[arg(long, default_value = "1")]
+    pub checkpoint_every: CheckpointEvery,
     /// LoRA: the gradient of an adapter's matrices (under their PEFT keys) instead of every weight's.
     #[command(flatten)]
     pub lora: LoraArgs,
@@ -190,6 +196,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     let (b, t) = batch.input_ids.dims2()?;
     let options = Options {
         offload_checkpoints: args.offload_checkpoints,
+        checkpoint_every: args.checkpoint_every,
         dropout: Some(DropoutKey {
             key: dropout_key(args.seed, 0, 0),
             first_row: 0,

@@ -383,6 +383,7 @@ impl TrainConfig {
     fn options(&self) -> Options {
         Options {
             offload_checkpoints: self.offload_checkpoints,
+            checkpoint_every: self.checkpoint_every,
             dropout: None,
         }
     }

@@ -3,11 +3,13 @@
 //! Phases, in the order they run (each a plain function, called in this order by `backward_impl`
 //! below, in the spirit of llm.c), and the buffers they pass on:
 //! 1. `forward_checkpoints`: the model once without a graph, keeping each layer's input (`L + 1`
-//!    tensors `[b, T, d]`, in host memory when offloaded).
+//!    tensors `[b, T, d]`, in host memory when offloaded), or only every `K`-th layer's
+//!    ([`CheckpointEvery`]).
 //! 2. `head_backward`: final norm, LM head and objective, streamed over logits chunks; yields the
 //!    loss, the target log-probs and the gradient of the last layer's output.
 //! 3. `layer_backward_streamed` (or `layer_backward_whole` for `checkpoint`), top layer first: each
-//!    turns the gradient of its output into that of its input.
+//!    turns the gradient of its output into that of its input. With `K > 1`, each segment of `K`
+//!    layers first gets its other inputs back from its stored one (`segment_inputs`).
 //! 4. `embedding_backward`: the gradient of the first layer's input into the embedding table.
 //!
 //! Parameter gradients go into a `GradSink` as they are produced, found by role through the model's
@@ -85,12 +87,69 @@ pub struct Chunks {
     pub logits_chunk: usize,
 }
 
+/// How many consecutive layers share one stored checkpoint (`--checkpoint-every`): the forward keeps
+/// the input of every `K`-th layer only, and the backward recomputes a segment's other inputs from
+/// it (one segment at a time) before streaming that segment's backwards. The recomputation repeats the
+/// forward's own arithmetic, so the gradients are the same bits for every `K`; what changes is memory
+/// (`⌈L/K⌉` stored inputs plus `K − 1` of the current segment, least near `K = √L`) against one more
+/// forward of the layers between.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointEvery {
+    /// Every `K`-th layer (1: every layer, no recomputation beyond the streamed backward's own).
+    Layers(usize),
+    /// `K = ⌈√L⌉`, which makes `⌈L/K⌉ + K − 1` about `2√L`.
+    Sqrt,
+}
+
+impl CheckpointEvery {
+    /// `K` for a model of `layers` layers (at least 1, at most `layers`).
+    pub fn layers(self, layers: usize) -> usize {
+        let k = match self {
+            CheckpointEvery::Layers(k) => k,
+            CheckpointEvery::Sqrt => (layers as f64).sqrt().ceil() as usize,
+        };
+        k.clamp(1, layers.max(1))
+    }
+}
+
+impl Default for CheckpointEvery {
+    fn default() -> Self {
+        CheckpointEvery::Layers(1)
+    }
+}
+
+impl std::str::FromStr for CheckpointEvery {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "sqrt" => Ok(CheckpointEvery::Sqrt),
+            n => match n.parse::<usize>() {
+                Ok(k) if k >= 1 => Ok(CheckpointEvery::Layers(k)),
+                _ => Err(format!(
+                    "{s:?}: expected a number of layers (at least 1) or `sqrt`"
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for CheckpointEvery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CheckpointEvery::Layers(k) => write!(f, "{k}"),
+            CheckpointEvery::Sqrt => f.write_str("sqrt"),
+        }
+    }
+}
+
 /// Engine options beyond the mode and chunk sizes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Options {
     /// Keep the layer checkpoints in host memory and bring each back for its layer's backward, so
     /// accelerator memory no longer grows with `L × T × d` (a no-op for a model on the CPU).
     pub offload_checkpoints: bool,
+    /// How many layers share one stored checkpoint ([`CheckpointEvery`]).
+    pub checkpoint_every: CheckpointEvery,
     /// LoRA dropout on, its masks derived from this key (the trainer's seed, step and micro-batch);
     /// every mode sees the same masks. `None`: no dropout.
     pub dropout: Option<DropoutKey>,
@@ -252,6 +311,11 @@ fn backward_impl(
     if chunks.chunk == 0 || chunks.logits_chunk == 0 {
         return Err(EngineError::Plan("chunk sizes must be at least 1".into()));
     }
+    if options.checkpoint_every == CheckpointEvery::Layers(0) {
+        return Err(EngineError::Plan(
+            "checkpoint_every must be at least 1 layer".into(),
+        ));
+    }
     let layout = match options.dropout {
         Some(key) => batch.layout()?.with_dropout(key),
         None => batch.layout()?,
@@ -270,19 +334,20 @@ fn backward_impl(
         }
         Mode::Stream | Mode::Checkpoint => {
             let detached = model.detached();
-            let mut inputs = on_workers(device, || {
+            let segments = segments(
+                model.layers.len(),
+                options.checkpoint_every.layers(model.layers.len()),
+            );
+            let Checkpoints { mut starts, last } = on_workers(device, || {
                 forward_checkpoints(
                     &detached,
                     batch.input_ids,
                     &layout,
-                    chunks.chunk,
+                    (chunks.chunk, &segments),
                     options.offload_checkpoints,
                 )
             })?;
             peaks.record("forward");
-            let last = inputs
-                .pop()
-                .expect("forward_checkpoints returns L + 1 tensors");
             let logits_chunk = match mode {
                 Mode::Stream => chunks.logits_chunk,
                 _ => t,
@@ -295,25 +360,32 @@ fn backward_impl(
             // phase's gradient.
             sink.seal(model.output_parameters())?;
             peaks.record("head");
-            for index in (0..model.layers.len()).rev() {
-                let x = inputs
+            for segment in segments.iter().rev() {
+                let start = starts
                     .pop()
-                    .expect("one checkpoint per layer")
+                    .expect("one checkpoint per segment")
                     .to_device(model.device())?;
-                grad = on_workers(device, || match mode {
-                    Mode::Stream => layer_backward_streamed(
-                        (model, index),
-                        &x,
-                        &grad,
-                        &layout,
-                        chunks.chunk,
-                        &mut sink,
-                    ),
-                    _ => layer_backward_whole((model, index), &x, &grad, &layout, &mut sink),
+                // The segment's other layer inputs, recomputed as the forward made them.
+                let mut inputs = on_workers(device, || {
+                    segment_inputs(&detached, start, segment, &layout, chunks.chunk)
                 })?;
-                sink.seal(model.layer_parameters(index).iter())?;
-                if let Some(hook) = finished.as_mut() {
-                    hook.take(sink.take(model.layer_parameters(index))?)?;
+                for index in segment.clone().rev() {
+                    let x = inputs.pop().expect("one input per layer of the segment");
+                    grad = on_workers(device, || match mode {
+                        Mode::Stream => layer_backward_streamed(
+                            (model, index),
+                            &x,
+                            &grad,
+                            &layout,
+                            chunks.chunk,
+                            &mut sink,
+                        ),
+                        _ => layer_backward_whole((model, index), &x, &grad, &layout, &mut sink),
+                    })?;
+                    sink.seal(model.layer_parameters(index).iter())?;
+                    if let Some(hook) = finished.as_mut() {
+                        hook.take(sink.take(model.layer_parameters(index))?)?;
+                    }
                 }
             }
             peaks.record("layers");
@@ -338,27 +410,62 @@ fn backward_impl(
     })
 }
 
-/// Phase 1: the model without a graph, each layer over query chunks; returns the input of every layer
-/// (in host memory with `offload`) and the last layer's output (`L + 1` tensors of `[batch, T, d]`).
+/// What phase 1 keeps: the input of each segment's first layer (in host memory when offloaded), and
+/// the last layer's output.
+struct Checkpoints {
+    starts: Vec<Tensor>,
+    last: Tensor,
+}
+
+/// The layers `0..layers` in runs of `every` (the last may be shorter), in order.
+fn segments(layers: usize, every: usize) -> Vec<Range<usize>> {
+    chunk_ranges(layers, every.max(1))
+}
+
+/// Phase 1: the model without a graph, each layer over query chunks; keeps the input of each
+/// segment's first layer (in host memory with `offload`) and the last layer's output (tensors of
+/// `[batch, T, d]`; with segments of one layer, every layer's input).
 fn forward_checkpoints(
     detached: &Model,
     input_ids: &Tensor,
     layout: &Layout,
-    chunk: usize,
+    (chunk, segments): (usize, &[Range<usize>]),
     offload: bool,
-) -> Result<Vec<Tensor>> {
-    let mut states = Vec::with_capacity(detached.layers.len() + 1);
+) -> Result<Checkpoints> {
+    let mut starts = Vec::with_capacity(segments.len());
     let mut current = detached.embed(input_ids)?;
-    for layer in &detached.layers {
-        let next = layer_forward_streamed(layer, &current, layout, chunk)?;
-        states.push(match offload {
+    for segment in segments {
+        starts.push(match offload {
             true => current.to_device(&candle_core::Device::Cpu)?,
-            false => current,
+            false => current.clone(),
         });
-        current = next;
+        for index in segment.clone() {
+            current = layer_forward_streamed(&detached.layers[index], &current, layout, chunk)?;
+        }
     }
-    states.push(current);
-    Ok(states)
+    Ok(Checkpoints {
+        starts,
+        last: current,
+    })
+}
+
+/// The inputs of every layer of `segment` (on the model's device), from that of its first: the
+/// forward of its layers but the last, made as phase 1 made it (the same chunks, so the same bits).
+fn segment_inputs(
+    detached: &Model,
+    start: Tensor,
+    segment: &Range<usize>,
+    layout: &Layout,
+    chunk: usize,
+) -> Result<Vec<Tensor>> {
+    let mut inputs = Vec::with_capacity(segment.len());
+    inputs.push(start);
+    for index in segment.start..segment.end.saturating_sub(1) {
+        let x = inputs.last().expect("the segment's first input");
+        let next = layer_forward_streamed(&detached.layers[index], x, layout, chunk)?;
+        inputs.push(next);
+    }
+    Ok(inputs)
 }
 
 /// Target log-probs `[batch, T]` of `targets` under `model`, without any graph and streamed like the

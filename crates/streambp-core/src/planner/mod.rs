@@ -7,7 +7,9 @@
 //! - gradient accumulators as the backward makes them: the head's in the head, all of them once the
 //!   layers are done;
 //! - the layer checkpoints `[b, T, d]`: `L + 1` at the forward's end and in the head, `L` when the
-//!   layers' backward starts, one at a time when they are offloaded to the host;
+//!   layers' backward starts, one at a time when they are offloaded to the host; with one stored per
+//!   segment of `K` layers, `⌈L/K⌉ + 1` and in the backward those not yet reached plus the
+//!   segment in flight's `K` recomputed inputs;
 //! - in the forward: one layer's keys and values and a chunk's activations;
 //! - in the head, per logits chunk: its logits `lc × V` (on the host one buffer, which the softmax and
 //!   its VJP overwrite; four elsewhere; half precision more) and its `lc × d` rows (the hidden
@@ -54,6 +56,9 @@ pub struct Problem<'a> {
     /// accelerator (see [`crate::Options::offloads_from`]). The device then holds the last layer's output
     /// during the head and one layer's input at a time during the layers.
     pub offloaded: bool,
+    /// Layers per stored checkpoint (`K` of [`crate::CheckpointEvery`], resolved for this model;
+    /// 1: every layer's input is stored).
+    pub checkpoint_every: usize,
     /// LoRA: only these adapters are trained (frozen base weights get no gradient, the head and the
     /// embedding none either); `None`: every weight is.
     pub lora: Option<&'a LoraConfig>,
@@ -76,6 +81,7 @@ impl<'a> Problem<'a> {
             seq_len,
             dtype: model.dtype(),
             offloaded: options.offloads_from(model.device()),
+            checkpoint_every: options.checkpoint_every.layers(model.layers.len()),
             lora: model.lora(),
             host: model.device().is_cpu(),
         }
@@ -206,11 +212,21 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let tokens = b * t * 48;
     let resident = weights + rope + slabs + tokens;
 
-    // `[b, T, d]` hidden states; the checkpoints on the device: `L + 1` in the forward's end and the
-    // head, `L` when the last layer's backward starts (one fewer per layer after it), one at a time
-    // when offloaded.
+    // `[b, T, d]` hidden states; the checkpoints on the device: one per segment of `K` layers and
+    // the last output at the forward's end and in the head (`L + 1` for `K = 1`); in the layers'
+    // backward the segments not yet reached and the inputs of the one in flight, recomputed from
+    // its stored one (`L` at the start for `K = 1`). Offloaded, the stored ones are on the host
+    // and the device holds the last output, then the segment in flight.
     let hidden = b * t * d * e;
-    let checkpoints = |n: u64| if p.offloaded { hidden } else { n * hidden };
+    let counts = checkpoint_counts(layers, p.checkpoint_every as u64);
+    let (forward_checkpoints, head_checkpoints, layer_checkpoints) = match p.offloaded {
+        true => (hidden, hidden, counts.segment * hidden),
+        false => (
+            counts.forward * hidden,
+            counts.head * hidden,
+            counts.backward * hidden,
+        ),
+    };
     let (c, lc) = (
         (chunks.chunk as u64).min(t),
         (chunks.logits_chunk as u64).min(t),
@@ -269,7 +285,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let projection_workspace = workspace(&projections(b * c), true);
 
     // The forward: the checkpoints, one layer's keys and values and a chunk's activations.
-    let forward_phase = checkpoints(layers + 1) + keys_values + forward_acts + projection_workspace;
+    let forward_phase = forward_checkpoints + keys_values + forward_acts + projection_workspace;
 
     // The head, per logits chunk of `b · lc` rows. The scores in the compute dtype, their softmax,
     // its VJP and the target scatter; on the host the scores alone, which their softmax and its VJP
@@ -301,7 +317,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // Each chunk's log-probs are a tensor of their own until they are joined (fitted: 320 bytes).
     let parts = t.div_ceil(lc) * 320;
     let head_phase = head_grad
-        + checkpoints(layers + 1)
+        + head_checkpoints
         + hidden
         + parts
         + logits
@@ -345,7 +361,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
         41 * b * heads * score_area(t, c, key_block) * f32b.max(e) / 10
     };
     let layer_phase = grads
-        + checkpoints(layers)
+        + layer_checkpoints
         + kv_state
         + grads_io
         + chunk_acts
@@ -379,6 +395,48 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
 /// The largest `queries × keys in one block` over the query chunks of `c` in `t` tokens. A chunk
 /// starting at `s` reads its `s` earlier keys in blocks of `key_block` and its own keys as one more
 /// block, so its largest block is `max(min(s, key_block), len)`; the largest product is that of the
+
+/// `[b, T, d]` layer inputs held at once, for `layers` layers in segments of `every`.
+struct CheckpointCounts {
+    /// In the forward: the stored ones, the last output, and while a segment's inner layers run the
+    /// unstored input of the one running.
+    forward: u64,
+    /// In the head: the stored ones and the last output.
+    head: u64,
+    /// In the layers' backward: the segments not yet reached plus the inputs of the one in flight.
+    backward: u64,
+    /// The inputs of the longest segment alone (what stays on the device when the stored ones are
+    /// offloaded).
+    segment: u64,
+}
+
+fn checkpoint_counts(layers: u64, every: u64) -> CheckpointCounts {
+    if layers == 0 {
+        return CheckpointCounts {
+            forward: 1,
+            head: 1,
+            backward: 0,
+            segment: 0,
+        };
+    }
+    let every = every.clamp(1, layers);
+    let stored = layers.div_ceil(every);
+    // Segment j, counted from the top (the shortest), runs while the `stored - 1 - j` below it wait.
+    let top = layers - (stored - 1) * every;
+    let lengths = (0..stored).map(|j| if j == 0 { top } else { every });
+    let backward = lengths
+        .clone()
+        .enumerate()
+        .map(|(j, len)| stored - 1 - j as u64 + len)
+        .max()
+        .unwrap_or(0);
+    CheckpointCounts {
+        forward: stored + 1 + u64::from(top > 1),
+        head: stored + 1,
+        backward,
+        segment: lengths.max().unwrap_or(0),
+    }
+}
 /// last chunk or of the one before it (the last full one).
 fn score_area(t: u64, c: u64, key_block: u64) -> u64 {
     let chunks = t.div_ceil(c);
