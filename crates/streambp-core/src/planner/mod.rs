@@ -392,10 +392,6 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     }
 }
 
-/// The largest `queries × keys in one block` over the query chunks of `c` in `t` tokens. A chunk
-/// starting at `s` reads its `s` earlier keys in blocks of `key_block` and its own keys as one more
-/// block, so its largest block is `max(min(s, key_block), len)`; the largest product is that of the
-
 /// `[b, T, d]` layer inputs held at once, for `layers` layers in segments of `every`.
 struct CheckpointCounts {
     /// In the forward: the stored ones, the last output, and while a segment's inner layers run the
@@ -437,6 +433,10 @@ fn checkpoint_counts(layers: u64, every: u64) -> CheckpointCounts {
         segment: lengths.max().unwrap_or(0),
     }
 }
+
+/// The largest `queries × keys in one block` over the query chunks of `c` in `t` tokens. A chunk
+/// starting at `s` reads its `s` earlier keys in blocks of `key_block` and its own keys as one more
+/// block, so its largest block is `max(min(s, key_block), len)`; the largest product is that of the
 /// last chunk or of the one before it (the last full one).
 fn score_area(t: u64, c: u64, key_block: u64) -> u64 {
     let chunks = t.div_ceil(c);
