@@ -224,14 +224,14 @@ fn checkpoint_every_is_validated() {
         chunk: 3,
         logits_chunk: 4,
     };
-    let err = streambp_core::backward_with(
+    let Err(err) = streambp_core::backward_with(
         &f.model,
         batch,
         &f.sft(),
         Plan::new(Mode::Stream, chunks).with(options),
-    )
-    .err()
-    .expect("zero layers refused");
+    ) else {
+        panic!("a segment of zero layers was accepted");
+    };
     assert!(err.to_string().contains("checkpoint_every"), "{err}");
     assert_eq!("sqrt".parse(), Ok(CheckpointEvery::Sqrt));
     assert_eq!("4".parse(), Ok(CheckpointEvery::Layers(4)));
