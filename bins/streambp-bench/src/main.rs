@@ -342,22 +342,30 @@ fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
     let in_unit = |b: u64| b as f64 / scale;
     println!();
     println!("Cost-model estimate of stream's peak (not a measurement):");
-    println!("| T | chunk | logits chunk | weights, rope, gemm slabs ({unit}) | head phase (with its gradients) | layer phase (with all gradients) | embedding phase | peak ({unit}) |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| T | chunk | logits chunk | layers per checkpoint | weights, rope, gemm slabs ({unit}) | head phase (with its gradients) | layer phase (with all gradients) | embedding phase | peak ({unit}) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for &t in &args.seq_lens {
         let p = problem(cfg, dtype, args, t, lora.as_ref());
-        let chunks = match chunk_policy(args, t).chunks_for(p) {
-            Ok(chunks) => chunks,
+        let planned = match chunk_policy(args, t).plan_for(p) {
+            Ok(planned) => planned,
             Err(e) => {
-                println!("| {t} | - | - | - | - | - | - | {e} |");
+                println!("| {t} | - | - | - | - | - | - | - | {e} |");
                 continue;
             }
         };
-        let est = estimate(p, chunks);
+        let chunks = planned.chunks;
+        let est = estimate(
+            Problem {
+                checkpoint_every: planned.checkpoint_every,
+                ..p
+            },
+            chunks,
+        );
         println!(
-            "| {t} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            "| {t} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
             chunks.chunk,
             chunks.logits_chunk,
+            planned.checkpoint_every,
             in_unit(est.resident),
             in_unit(est.head_phase),
             in_unit(est.layer_phase),
@@ -382,13 +390,14 @@ fn max_t(
         // Chunks as given, else the planner's for this T and budget (when even its smallest chunks
         // are estimated not to fit, that T does not fit).
         let problem = problem(&model.config, model.dtype(), args, t, model.lora());
-        let chunks = match chunk_policy(args, t).chunks_for(problem) {
-            Ok(chunks) => chunks,
+        let planned = match chunk_policy(args, t).plan_for(problem) {
+            Ok(planned) => planned,
             Err(e) => {
                 eprintln!("  {mode} T={t}: {e}");
                 return Ok(None);
             }
         };
+        let chunks = planned.chunks;
         let work = workload(&args.objective, vocab, t, args.group, model.device())?;
         let p = match run(
             (trained, model),
@@ -396,7 +405,7 @@ fn max_t(
             mode,
             chunks,
             1,
-            options(args),
+            planned.options(options(args)),
             false,
         ) {
             Ok(p) => p,

@@ -43,5 +43,7 @@ pub use engine::{
     CheckpointEvery, Chunks, FinishedGradients, Gradients, Mode, Options, Plan,
 };
 pub use error::{EngineError, Result};
-pub use planner::{estimate, plan_for_budget, ChunkPolicy, Estimate, Problem};
+pub use planner::{
+    estimate, plan_for_budget, plan_with_checkpoints, ChunkPolicy, Estimate, Planned, Problem,
+};
 pub use workers::{on_workers, settle_thread_settings};

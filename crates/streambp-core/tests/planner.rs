@@ -10,8 +10,8 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 use streambp_core::memory::{current_bytes, reset_peak, CountingAllocator};
 use streambp_core::{
-    backward_with, estimate, plan_for_budget, Batch, CheckpointEvery, Chunks, Mode, Options, Plan,
-    Problem,
+    backward_with, estimate, plan_for_budget, plan_with_checkpoints, Batch, CheckpointEvery,
+    Chunks, Mode, Options, Plan, Problem,
 };
 use streambp_models::{LoraConfig, Model, ModelConfig, Projection};
 use streambp_objectives::Sft;
@@ -217,7 +217,7 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
         case("8 layers", deep.clone(), f32_, (1, 4096))
             .chunks(256, 500)
             .every(2),
-        case("8 layers", deep, f32_, (1, 4096))
+        case("8 layers", deep.clone(), f32_, (1, 4096))
             .chunks(256, 500)
             .every(3),
     ];
@@ -279,21 +279,31 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
         (case("small", small(), bf16, (1, 2048)), 40),
         (case("vocab 16", tiny_vocab.clone(), f32_, (1, 8192)), 40),
         (case("vocab 16", tiny_vocab.clone(), f32_, (1, 8192)), 80),
+        // Fewer stored checkpoints where the chunks would otherwise fall below 128.
+        (case("8 layers", deep, f32_, (1, 4096)), 36),
     ] {
         let budget = budget_mib << 20;
         let cfg = c.config();
-        let chunks = plan_for_budget(c.problem(&cfg, None), budget).unwrap();
+        let planned = plan_with_checkpoints(c.problem(&cfg, None), budget).unwrap();
+        let chunks = planned.chunks;
         let (measured, _) = c
             .clone()
             .chunks(chunks.chunk, chunks.logits_chunk)
+            .every(planned.checkpoint_every)
             .measure(floor);
         println!(
-            "budget {budget_mib} MiB ({} {:?} T={}): planned {chunks:?}, measured {} KiB",
+            "budget {budget_mib} MiB ({} {:?} T={}): planned {chunks:?}, checkpoint every {}, \
+             measured {} KiB",
             c.name,
             c.dtype,
             c.t,
+            planned.checkpoint_every,
             measured >> 10
         );
+        if c.name == "8 layers" {
+            assert!(planned.checkpoint_every > 1, "{planned:?}");
+            assert!(chunks.chunk >= 128, "{planned:?}");
+        }
         if measured as u64 > budget {
             failures.push(format!(
                 "{} T={}: over the budget {budget_mib} MiB",

@@ -207,8 +207,16 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         (None, None, Some(budget)) => ChunkPolicy::Budget(budget),
         _ => ChunkPolicy::Fixed(reference_chunks),
     };
-    let chunks = policy.chunks_for(Problem::of(&model, b, t, options))?;
-    tracing::info!(?chunks, mode = %args.mode, batch = b, seq_len = t, "backward");
+    let planned = policy.plan_for(Problem::of(&model, b, t, options))?;
+    let (chunks, options) = (planned.chunks, planned.options(options));
+    tracing::info!(
+        ?chunks,
+        checkpoint_every = planned.checkpoint_every,
+        mode = %args.mode,
+        batch = b,
+        seq_len = t,
+        "backward"
+    );
     let start = Instant::now();
     let out = backward_with(
         &model,

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use streambp_core::{ChunkPolicy, Chunks, Options, Problem};
+use streambp_core::{ChunkPolicy, Chunks, Options, Planned, Problem};
 use streambp_dist::Communicator;
 use streambp_models::adapter::load_adapter;
 use streambp_models::hub::ADAPTER_FILES;
@@ -348,15 +348,21 @@ pub fn load_reference(
 }
 
 impl TrainConfig {
-    /// The chunk sizes for a micro-batch `input_ids`: as given, or the largest the memory budget
-    /// allows for its shape.
-    pub fn chunks_for(&self, model: &Model, input_ids: &Tensor) -> Result<Chunks> {
+    /// The chunk sizes and layers per stored checkpoint for a micro-batch `input_ids`: as given, or
+    /// what the memory budget allows for its shape (the largest chunks, and fewer stored
+    /// checkpoints where the chunks would otherwise be small).
+    pub fn plan_for(&self, model: &Model, input_ids: &Tensor) -> Result<Planned> {
         let policy = match self.memory_budget {
             Some(budget) => ChunkPolicy::Budget(budget),
             None => ChunkPolicy::Fixed(self.chunks()),
         };
         let (batch, seq_len) = input_ids.dims2()?;
-        Ok(policy.chunks_for(Problem::of(model, batch, seq_len, self.options()))?)
+        Ok(policy.plan_for(Problem::of(model, batch, seq_len, self.options()))?)
+    }
+
+    /// The chunk sizes of [`TrainConfig::plan_for`] (for forwards, which store no checkpoints).
+    pub fn chunks_for(&self, model: &Model, input_ids: &Tensor) -> Result<Chunks> {
+        Ok(self.plan_for(model, input_ids)?.chunks)
     }
 
     /// The engine options of micro-batch `micro` of optimizer step `step`, whose rows start at

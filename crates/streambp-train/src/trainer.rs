@@ -412,10 +412,11 @@ impl<'a> Trainer<'a> {
         weight: f64,
     ) -> Result<()> {
         let (cfg, model) = (self.cfg, &self.setup.model);
+        let planned = cfg.plan_for(model, batch.input_ids)?;
         let plan = Plan {
             mode: cfg.mode,
-            chunks: cfg.chunks_for(model, batch.input_ids)?,
-            options: cfg.options_for(self.step, micro, first_row),
+            chunks: planned.chunks,
+            options: planned.options(cfg.options_for(self.step, micro, first_row)),
         };
         let out = self
             .parallel

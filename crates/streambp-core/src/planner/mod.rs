@@ -99,11 +99,43 @@ pub enum ChunkPolicy {
 }
 
 impl ChunkPolicy {
-    /// The chunks for `problem`.
+    /// The chunks for `problem` (at its own `checkpoint_every`).
     pub fn chunks_for(&self, problem: Problem) -> Result<Chunks> {
         match *self {
             ChunkPolicy::Fixed(chunks) => Ok(chunks),
             ChunkPolicy::Budget(budget) => plan_for_budget(problem, budget),
+        }
+    }
+
+    /// The chunks and the layers per stored checkpoint for `problem`: fixed chunks keep its
+    /// `checkpoint_every`; a budget may raise it ([`plan_with_checkpoints`]), which changes memory
+    /// and time but not the gradients.
+    pub fn plan_for(&self, problem: Problem) -> Result<Planned> {
+        match *self {
+            ChunkPolicy::Fixed(chunks) => Ok(Planned {
+                chunks,
+                checkpoint_every: problem.checkpoint_every,
+            }),
+            ChunkPolicy::Budget(budget) => plan_with_checkpoints(problem, budget),
+        }
+    }
+}
+
+/// What a policy decided for one batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Planned {
+    /// The query chunk and the LM head's chunk.
+    pub chunks: Chunks,
+    /// Layers per stored checkpoint (`K`).
+    pub checkpoint_every: usize,
+}
+
+impl Planned {
+    /// `options` with this plan's layers per stored checkpoint.
+    pub fn options(&self, options: crate::Options) -> crate::Options {
+        crate::Options {
+            checkpoint_every: crate::CheckpointEvery::Layers(self.checkpoint_every),
+            ..options
         }
     }
 }
@@ -451,6 +483,41 @@ fn score_area(t: u64, c: u64, key_block: u64) -> u64 {
 /// Share of the budget the chunks are planned for: the cost model's measured error is within about
 /// ±6% (docs/benchmarks.md), so planning for the whole budget would overshoot it about half the time.
 pub const BUDGET_MARGIN: f64 = 0.93;
+
+/// The layer chunk below which a budget plan stores fewer checkpoints rather than chunk more finely
+/// (the memory setting of the benchmarks: smaller chunks cost more time than the recompute).
+pub const GOOD_CHUNK: usize = 128;
+
+/// [`plan_for_budget`] at the problem's `checkpoint_every` or more: the smallest `K` (up to `⌈√L⌉`,
+/// where the checkpoints take the least memory) whose layer chunk reaches [`GOOD_CHUNK`] (or `T`),
+/// else the `K` with the largest chunk; an error only when no `K` fits at all (the least-memory
+/// `K`'s error, which names the smallest budget that would).
+pub fn plan_with_checkpoints(p: Problem, budget: u64) -> Result<Planned> {
+    let layers = p.config.num_layers().max(1);
+    let first = p.checkpoint_every.clamp(1, layers);
+    let last = ((layers as f64).sqrt().ceil() as usize).max(first);
+    let good = GOOD_CHUNK.min(p.seq_len.max(1));
+    let plan = |k: usize| {
+        let problem = Problem {
+            checkpoint_every: k,
+            ..p
+        };
+        plan_for_budget(problem, budget).map(|chunks| Planned {
+            chunks,
+            checkpoint_every: k,
+        })
+    };
+    let mut best: Option<Planned> = None;
+    for planned in (first..=last).filter_map(|k| plan(k).ok()) {
+        if planned.chunks.chunk >= good {
+            return Ok(planned);
+        }
+        if best.is_none_or(|b| planned.chunks.chunk > b.chunks.chunk) {
+            best = Some(planned);
+        }
+    }
+    best.map_or_else(|| plan(last), Ok)
+}
 
 /// The largest chunk sizes (up to `T`) whose estimated peak fits in [`BUDGET_MARGIN`] of `budget` bytes.
 pub fn plan_for_budget(p: Problem, budget: u64) -> Result<Chunks> {
