@@ -156,6 +156,11 @@ pub struct TrainArgs {
     /// one more forward of the layers between; the gradients are the same [default: 1].
     #[arg(long)]
     checkpoint_every: Option<CheckpointEvery>,
+    /// Keep the stored layer checkpoints in a scratch file in this directory instead of memory:
+    /// written in the forward, read back in the backward, its space reserved up front and freed
+    /// after each step (also if the run is killed), so host memory no longer bounds T.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
     /// f32, bf16 or f64 [default: f32].
     #[arg(long)]
     dtype: Option<String>,
@@ -345,6 +350,7 @@ impl TrainArgs {
             memory_budget: self.memory_budget,
             offload_checkpoints: self.offload_checkpoints,
             checkpoint_every: self.checkpoint_every.unwrap_or(d.checkpoint_every),
+            checkpoint_dir: self.checkpoint_dir,
             dtype: self.dtype.unwrap_or(d.dtype),
             device: self.device.unwrap_or(d.device),
             save_every: self.save_every.unwrap_or(d.save_every),

@@ -91,6 +91,10 @@ struct Args {
     /// between, the same gradients. Applies to stream and checkpoint alike.
     #[arg(long, default_value = "1")]
     checkpoint_every: CheckpointEvery,
+    /// Keep the stored checkpoints in a scratch file in this directory (the disk tier); the bytes
+    /// written and read per step and their seconds are reported.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
     /// After each backward, one AdamW step with the trainer's optimizer (f32 moments created for it;
     /// learning rate 0, so the weights stay as they are): its seconds and peak bytes are reported too.
     #[arg(long)]
@@ -142,6 +146,8 @@ struct Point {
     loss: f64,
     /// With --optimizer-step: the step's peak bytes above what was live before it, and its seconds.
     optimizer: Option<(usize, f64)>,
+    /// With --checkpoint-dir: the checkpoints' bytes written and read and their seconds.
+    checkpoint_io: streambp_core::CheckpointIo,
 }
 
 fn rows_of(objective: &str, group: usize) -> usize {
@@ -240,7 +246,7 @@ fn run(
             model,
             Batch::new(ids, None),
             objective.as_ref(),
-            Plan::new(mode, chunks).with(options),
+            Plan::new(mode, chunks).with(options.clone()),
         )?;
         let seconds = start.elapsed().as_secs_f64();
         let optimizer = with_optimizer
@@ -270,6 +276,7 @@ fn run(
                 seconds,
                 loss: out.loss,
                 optimizer,
+                checkpoint_io: out.checkpoint_io,
             });
         }
     }
@@ -280,6 +287,7 @@ fn options(args: &Args) -> Options {
     Options {
         offload_checkpoints: args.offload_checkpoints,
         checkpoint_every: args.checkpoint_every,
+        checkpoint_dir: args.checkpoint_dir.as_deref().map(Into::into),
         ..Default::default()
     }
 }
@@ -317,7 +325,8 @@ fn problem<'a>(
         seq_len: t,
         dtype,
         // Offloading moves the checkpoints off an accelerator; on the CPU they stay where they were.
-        offloaded: args.offload_checkpoints && args.device != "cpu",
+        offloaded: (args.offload_checkpoints && args.device != "cpu")
+            || args.checkpoint_dir.is_some(),
         checkpoint_every: args.checkpoint_every.layers(config.num_layers()),
         host: args.device == "cpu",
     }
@@ -462,6 +471,10 @@ fn point_json(args: &Args, p: &Point, c: &Chunks) -> serde_json::Value {
         "logits_chunk": c.logits_chunk, "peak_bytes": p.peak, "base_bytes": p.base,
         "seconds": p.seconds, "loss": p.loss,
         "optimizer_step": p.optimizer.map(|(b, s)| serde_json::json!({"peak_bytes": b, "seconds": s})),
+        "checkpoint_io": args.checkpoint_dir.as_ref().map(|_| serde_json::json!({
+            "written_bytes": p.checkpoint_io.written, "read_bytes": p.checkpoint_io.read,
+            "seconds": p.checkpoint_io.seconds,
+        })),
         "phases": p.phases.iter().map(|(n, b, s)| serde_json::json!({"phase": n, "peak_bytes": b, "seconds": s})).collect::<Vec<_>>(),
     })
 }
@@ -736,6 +749,16 @@ fn sweep(
                 mib(p.peak),
                 p.seconds
             );
+            if let Some(dir) = &args.checkpoint_dir {
+                let io = p.checkpoint_io;
+                eprintln!(
+                    "T={t} {mode}: checkpoints in {}: {:.1} MiB written, {:.1} MiB read, {:.3} s",
+                    dir.display(),
+                    mib(io.written as usize),
+                    mib(io.read as usize),
+                    io.seconds
+                );
+            }
             if let Some((peak, seconds)) = p.optimizer {
                 println!(
                     "T={t} {mode}: AdamW step {seconds:.3} s, peak {:.1} MiB above the gradients (f32 moments included)",

@@ -22,6 +22,17 @@ pub enum EngineError {
     /// records none.
     #[error("no gradient reached {0}: an op on its path records no backward")]
     MissingGradient(String),
+    /// The checkpoint directory (`--checkpoint-dir`) cannot hold a step's checkpoints.
+    #[error("checkpoint directory {dir}: {reason}")]
+    CheckpointDir {
+        /// The directory.
+        dir: std::path::PathBuf,
+        /// What went wrong (no space: the bytes needed).
+        reason: String,
+    },
+    /// Writing a checkpoint to its scratch file or reading it back failed.
+    #[error("checkpoint scratch file: {0}")]
+    CheckpointIo(String),
     /// From the model (loading, layout, a layer's forward).
     #[error(transparent)]
     Model(#[from] streambp_models::ModelError),

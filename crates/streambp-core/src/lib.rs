@@ -40,7 +40,7 @@ pub mod workers;
 
 pub use engine::{
     backward, backward_into, backward_with, forward_logprobs, target_logprobs, Batch,
-    CheckpointEvery, Chunks, FinishedGradients, Gradients, Mode, Options, Plan,
+    CheckpointEvery, CheckpointIo, Chunks, FinishedGradients, Gradients, Mode, Options, Plan,
 };
 pub use error::{EngineError, Result};
 pub use planner::{

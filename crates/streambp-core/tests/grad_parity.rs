@@ -152,13 +152,16 @@ fn offloaded_checkpoints_give_the_same_gradients() {
 }
 
 /// Sparse checkpoints (`checkpoint_every` K > 1: a segment's other layer inputs recomputed in the
-/// backward) give the same gradients, bit for bit, as a checkpoint per layer: every family, both
-/// recomputing modes, segments that divide the layers and one that does not, `sqrt`, K beyond the
-/// depth, offloaded or not; and on a 7-layer model (segments of 3, 3 and 1; `sqrt` = 3).
+/// backward) and the disk tier give the same gradients, bit for bit, as a checkpoint per layer in
+/// memory: every family, both recomputing modes, segments that divide the layers and one that does
+/// not, `sqrt`, K beyond the depth, on the device, offloaded or on disk (everything written read
+/// back, nothing left in the directory); and on a 7-layer model (segments of 3, 3 and 1).
 #[test]
 fn sparse_checkpoints_give_the_same_gradients() {
     use streambp_core::{CheckpointEvery, Options};
-    let run = |model: &streambp_models::Model, f: &Fixture, mode, every, offload| {
+    let scratch = tempfile::tempdir().unwrap();
+    let disk: std::sync::Arc<std::path::Path> = scratch.path().into();
+    let run = |model: &streambp_models::Model, f: &Fixture, mode, every, place: Place| {
         let batch = streambp_core::Batch::new(&f.ids, Some(&f.reference["attention_mask"]));
         let chunks = streambp_core::Chunks {
             chunk: 3,
@@ -166,7 +169,8 @@ fn sparse_checkpoints_give_the_same_gradients() {
         };
         let options = Options {
             checkpoint_every: every,
-            offload_checkpoints: offload,
+            offload_checkpoints: place == Place::Host,
+            checkpoint_dir: (place == Place::Disk).then(|| disk.clone()),
             ..Default::default()
         };
         streambp_core::backward_with(
@@ -186,12 +190,25 @@ fn sparse_checkpoints_give_the_same_gradients() {
     for family in FAMILIES {
         let f = fixture(family, DType::F64);
         for mode in [Mode::Stream, Mode::Checkpoint] {
-            let dense = run(&f.model, &f, mode, CheckpointEvery::Layers(1), false);
-            for (every, offload) in everies.iter().flat_map(|&e| [(e, false), (e, true)]) {
-                let sparse = run(&f.model, &f, mode, every, offload);
+            let dense = run(
+                &f.model,
+                &f,
+                mode,
+                CheckpointEvery::Layers(1),
+                Place::Device,
+            );
+            let places = [Place::Device, Place::Host, Place::Disk];
+            let cases = [CheckpointEvery::Layers(1)].iter().chain(&everies);
+            for (every, place) in cases.flat_map(|&e| places.map(|p| (e, p))) {
+                let sparse = run(&f.model, &f, mode, every, place);
                 let (err, name) = worst_grad_err(&sparse, &dense);
-                assert_eq!(err, 0.0, "{family} {mode} every {every}: {name}");
+                assert_eq!(err, 0.0, "{family} {mode} every {every} {place:?}: {name}");
                 assert_eq!(sparse.loss, dense.loss, "{family} {mode} every {every}");
+                let io = sparse.checkpoint_io;
+                match place {
+                    Place::Disk => assert!(io.written > 0 && io.read == io.written, "{io:?}"),
+                    _ => assert_eq!(io.written + io.read, 0),
+                }
             }
         }
     }
@@ -202,12 +219,28 @@ fn sparse_checkpoints_give_the_same_gradients() {
     let deep =
         streambp_models::Model::random(config, DType::F64, &candle_core::Device::Cpu, 11).unwrap();
     assert_eq!(CheckpointEvery::Sqrt.layers(7), 3);
-    let dense = run(&deep, &f, Mode::Stream, CheckpointEvery::Layers(1), false);
+    let dense = run(
+        &deep,
+        &f,
+        Mode::Stream,
+        CheckpointEvery::Layers(1),
+        Place::Device,
+    );
     for every in [CheckpointEvery::Layers(3), CheckpointEvery::Sqrt] {
-        let sparse = run(&deep, &f, Mode::Stream, every, false);
+        let sparse = run(&deep, &f, Mode::Stream, every, Place::Disk);
         let (err, name) = worst_grad_err(&sparse, &dense);
         assert_eq!(err, 0.0, "7 layers every {every}: {name}");
     }
+    // Nothing is left in the checkpoint directory (the scratch file is unlinked when made).
+    assert_eq!(std::fs::read_dir(scratch.path()).unwrap().count(), 0);
+}
+
+/// Where a test keeps its stored checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Device,
+    Host,
+    Disk,
 }
 
 /// A segment of zero layers is refused, and `--checkpoint-every`'s text form parses.

@@ -84,6 +84,9 @@ pub struct TrainConfig {
     /// Store every K-th layer's input only, recomputing the others' a segment at a time in the
     /// backward (the same gradients; less memory for one more forward of the layers between).
     pub checkpoint_every: CheckpointEvery,
+    /// Keep the stored checkpoints in a scratch file in this directory instead of memory (written
+    /// in the forward, read back in the backward, freed after each step even if killed).
+    pub checkpoint_dir: Option<PathBuf>,
     /// `f32`, `bf16` or `f64`, parsed by [`crate::device::parse_dtype`].
     pub dtype: String,
     /// `cpu`, `cuda` or `cuda:N`, parsed by [`crate::device::parse_device`].
@@ -178,6 +181,7 @@ impl TrainConfig {
             memory_budget: None,
             offload_checkpoints: false,
             checkpoint_every: CheckpointEvery::default(),
+            checkpoint_dir: None,
             dtype: "f32".into(),
             device: "cpu".into(),
             save_every: 0,

@@ -67,6 +67,9 @@ pub struct GradArgs {
     /// a time (`sqrt`: K = ⌈√layers⌉); the same gradients.
     #[arg(long, default_value = "1")]
     pub checkpoint_every: CheckpointEvery,
+    /// Keep the stored checkpoints in a scratch file in this directory instead of memory.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
     /// LoRA: the gradient of an adapter's matrices (under their PEFT keys) instead of every weight's.
     #[command(flatten)]
     pub lora: LoraArgs,
@@ -197,6 +200,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     let options = Options {
         offload_checkpoints: args.offload_checkpoints,
         checkpoint_every: args.checkpoint_every,
+        checkpoint_dir: args.checkpoint_dir.as_deref().map(Into::into),
         dropout: Some(DropoutKey {
             key: dropout_key(args.seed, 0, 0),
             first_row: 0,
@@ -207,7 +211,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         (None, None, Some(budget)) => ChunkPolicy::Budget(budget),
         _ => ChunkPolicy::Fixed(reference_chunks),
     };
-    let planned = policy.plan_for(Problem::of(&model, b, t, options))?;
+    let planned = policy.plan_for(Problem::of(&model, b, t, &options))?;
     let (chunks, options) = (planned.chunks, planned.options(options));
     tracing::info!(
         ?chunks,

@@ -357,7 +357,7 @@ impl TrainConfig {
             None => ChunkPolicy::Fixed(self.chunks()),
         };
         let (batch, seq_len) = input_ids.dims2()?;
-        Ok(policy.plan_for(Problem::of(model, batch, seq_len, self.options()))?)
+        Ok(policy.plan_for(Problem::of(model, batch, seq_len, &self.options()))?)
     }
 
     /// The chunk sizes of [`TrainConfig::plan_for`] (for forwards, which store no checkpoints).
@@ -390,6 +390,7 @@ impl TrainConfig {
         Options {
             offload_checkpoints: self.offload_checkpoints,
             checkpoint_every: self.checkpoint_every,
+            checkpoint_dir: self.checkpoint_dir.as_deref().map(Into::into),
             dropout: None,
         }
     }

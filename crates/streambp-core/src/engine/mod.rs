@@ -23,6 +23,7 @@
 mod grad_sink;
 mod head;
 mod layers;
+mod store;
 
 use std::ops::Range;
 
@@ -42,6 +43,8 @@ use head::{head_backward, head_logprobs};
 use layers::{
     embedding_backward, layer_backward_streamed, layer_backward_whole, layer_forward_streamed,
 };
+pub use store::CheckpointIo;
+use store::CheckpointStore;
 
 /// How the backward is computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,7 +146,7 @@ impl std::fmt::Display for CheckpointEvery {
 }
 
 /// Engine options beyond the mode and chunk sizes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Options {
     /// Keep the layer checkpoints in host memory and bring each back for its layer's backward, so
     /// accelerator memory no longer grows with `L × T × d` (a no-op for a model on the CPU).
@@ -153,6 +156,8 @@ pub struct Options {
     /// LoRA dropout on, its masks derived from this key (the trainer's seed, step and micro-batch);
     /// every mode sees the same masks. `None`: no dropout.
     pub dropout: Option<DropoutKey>,
+    /// Keep the stored checkpoints in scratch files in this directory instead of memory.
+    pub checkpoint_dir: Option<std::sync::Arc<std::path::Path>>,
 }
 
 impl Options {
@@ -218,11 +223,13 @@ pub struct Gradients {
     /// Peak bytes (the host's with the counting allocator, or the CUDA memory pool's) and seconds of
     /// each phase.
     pub phases: PhaseLog,
+    /// What the checkpoints moved to and from disk (`checkpoint_dir`; zero otherwise).
+    pub checkpoint_io: CheckpointIo,
 }
 
 /// How one backward is computed: its mode, chunk sizes and options, decided together for a
 /// micro-batch (by the trainer, `grad` or the bench) and handed on as one value.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
     /// Stream, checkpoint or full.
     pub mode: Mode,
@@ -324,6 +331,7 @@ fn backward_impl(
     let device = model.device();
     let mut peaks = PhaseLog::start_on(device);
 
+    let mut checkpoint_io = CheckpointIo::default();
     let (loss, logp) = match mode {
         Mode::Full => {
             let out = on_workers(device, || {
@@ -338,13 +346,13 @@ fn backward_impl(
                 model.layers.len(),
                 options.checkpoint_every.layers(model.layers.len()),
             );
-            let Checkpoints { mut starts, last } = on_workers(device, || {
+            let (mut starts, last) = on_workers(device, || {
                 forward_checkpoints(
                     &detached,
                     batch.input_ids,
                     &layout,
                     (chunks.chunk, &segments),
-                    options.offload_checkpoints,
+                    &options,
                 )
             })?;
             peaks.record("forward");
@@ -361,10 +369,9 @@ fn backward_impl(
             sink.seal(model.output_parameters())?;
             peaks.record("head");
             for segment in segments.iter().rev() {
-                let start = starts
-                    .pop()
-                    .expect("one checkpoint per segment")
-                    .to_device(model.device())?;
+                let start = starts.pop(device)?.ok_or_else(|| {
+                    EngineError::CheckpointIo("fewer stored checkpoints than segments".into())
+                })?;
                 // The segment's other layer inputs, recomputed as the forward made them.
                 let mut inputs = on_workers(device, || {
                     segment_inputs(&detached, start, segment, &layout, chunks.chunk)
@@ -388,6 +395,7 @@ fn backward_impl(
                     }
                 }
             }
+            checkpoint_io = starts.io();
             peaks.record("layers");
             on_workers(device, || {
                 embedding_backward(model, batch.input_ids, &grad, &mut sink)
@@ -407,14 +415,8 @@ fn backward_impl(
         logp,
         metrics,
         phases: peaks,
+        checkpoint_io,
     })
-}
-
-/// What phase 1 keeps: the input of each segment's first layer (in host memory when offloaded), and
-/// the last layer's output.
-struct Checkpoints {
-    starts: Vec<Tensor>,
-    last: Tensor,
 }
 
 /// The layers `0..layers` in runs of `every` (the last may be shorter), in order.
@@ -422,31 +424,30 @@ fn segments(layers: usize, every: usize) -> Vec<Range<usize>> {
     chunk_ranges(layers, every.max(1))
 }
 
-/// Phase 1: the model without a graph, each layer over query chunks; keeps the input of each
-/// segment's first layer (in host memory with `offload`) and the last layer's output (tensors of
-/// `[batch, T, d]`; with segments of one layer, every layer's input).
+/// Phase 1: the model without a graph, each layer over query chunks; stores the input of each
+/// segment's first layer (with segments of one layer, every layer's: `[batch, T, d]` each) where
+/// `options` says (the device, host memory or disk), and returns them with the last layer's output.
 fn forward_checkpoints(
     detached: &Model,
     input_ids: &Tensor,
     layout: &Layout,
     (chunk, segments): (usize, &[Range<usize>]),
-    offload: bool,
-) -> Result<Checkpoints> {
-    let mut starts = Vec::with_capacity(segments.len());
+    options: &Options,
+) -> Result<(CheckpointStore, Tensor)> {
     let mut current = detached.embed(input_ids)?;
+    let mut store = CheckpointStore::new(
+        options.checkpoint_dir.as_deref(),
+        options.offloads_from(detached.device()),
+        segments.len(),
+        &current,
+    )?;
     for segment in segments {
-        starts.push(match offload {
-            true => current.to_device(&candle_core::Device::Cpu)?,
-            false => current.clone(),
-        });
+        store.push(&current)?;
         for index in segment.clone() {
             current = layer_forward_streamed(&detached.layers[index], &current, layout, chunk)?;
         }
     }
-    Ok(Checkpoints {
-        starts,
-        last: current,
-    })
+    Ok((store, current))
 }
 
 /// The inputs of every layer of `segment` (on the model's device), from that of its first: the

@@ -53,7 +53,7 @@ pub struct Problem<'a> {
     /// The model's parameter and activation dtype.
     pub dtype: DType,
     /// The layer checkpoints live outside the memory being planned: offloaded to the host from an
-    /// accelerator (see [`crate::Options::offloads_from`]). The device then holds the last layer's output
+    /// accelerator (see [`crate::Options::offloads_from`]) or on disk (`checkpoint_dir`). The device then holds the last layer's output
     /// during the head and one layer's input at a time during the layers.
     pub offloaded: bool,
     /// Layers per stored checkpoint (`K` of [`crate::CheckpointEvery`], resolved for this model;
@@ -73,14 +73,14 @@ impl<'a> Problem<'a> {
         model: &'a streambp_models::Model,
         batch: usize,
         seq_len: usize,
-        options: crate::Options,
+        options: &crate::Options,
     ) -> Self {
         Self {
             config: &model.config,
             batch,
             seq_len,
             dtype: model.dtype(),
-            offloaded: options.offloads_from(model.device()),
+            offloaded: options.offloads_from(model.device()) || options.checkpoint_dir.is_some(),
             checkpoint_every: options.checkpoint_every.layers(model.layers.len()),
             lora: model.lora(),
             host: model.device().is_cpu(),
