@@ -1,10 +1,10 @@
 //! One runtime-dispatched instruction set for the hand-written CPU passes (exponentials, softmax
 //! rows, norms, rope, SwiGLU, casts, in-place sums), through `pulp`, the crate gemm dispatches with.
 //!
-//! A pass is written once, as plain loops, and run through [`vectorized!`]: its body is compiled for
-//! each instruction set ([`Isa`]) and the one in force is picked at run time, so the same loops run
-//! at AVX-512's width where the CPU has it, at AVX2's elsewhere, and at the build's baseline
-//! (SSE2 on x86-64) on the oldest CPUs. The loops keep their order of operations at every width
+//! A pass is written once, as plain loops, and run through [`vectorized!`](crate::vectorized!):
+//! its body is compiled for each instruction set ([`Isa`]) and the one in force is picked at run
+//! time, so the same loops run at AVX-512's width where the CPU has it, at AVX2's elsewhere, and at
+//! the build's baseline (SSE2 on x86-64) on the oldest CPUs. The loops keep their order of operations at every width
 //! (their reductions add into a fixed number of lanes, and nothing is fused that the code does not
 //! fuse itself), so the AVX2 and AVX-512 paths give the same bits; only where [`Isa::fma`] picks a
 //! fused formula (the f32 exponential) does the baseline path differ, within its stated error.
