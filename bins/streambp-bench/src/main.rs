@@ -351,14 +351,20 @@ fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
     let in_unit = |b: u64| b as f64 / scale;
     println!();
     println!("Cost-model estimate of stream's peak (not a measurement):");
-    println!("| T | chunk | logits chunk | layers per checkpoint | weights, rope, gemm slabs ({unit}) | head phase (with its gradients) | layer phase (with all gradients) | embedding phase | peak ({unit}) |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    // Where the stored checkpoints are: in the peak (on the device), or beside it.
+    let place = match (&args.checkpoint_dir, args.offload_checkpoints && args.device != "cpu") {
+        (Some(_), _) => "on disk",
+        (None, true) => "in host memory",
+        (None, false) => "on the device, in the peak",
+    };
+    println!("| T | chunk | logits chunk | layers per checkpoint | weights, rope, gemm slabs ({unit}) | head phase (with its gradients) | layer phase (with all gradients) | embedding phase | peak ({unit}) | stored checkpoints ({unit}, {place}) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for &t in &args.seq_lens {
         let p = problem(cfg, dtype, args, t, lora.as_ref());
         let planned = match chunk_policy(args, t).plan_for(p) {
             Ok(planned) => planned,
             Err(e) => {
-                println!("| {t} | - | - | - | - | - | - | - | {e} |");
+                println!("| {t} | - | - | - | - | - | - | - | {e} | - |");
                 continue;
             }
         };
@@ -370,8 +376,13 @@ fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
             },
             chunks,
         );
+        let stored = cfg.num_layers().div_ceil(planned.checkpoint_every)
+            * p.batch
+            * t
+            * cfg.hidden_size
+            * dtype.size_in_bytes();
         println!(
-            "| {t} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            "| {t} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
             chunks.chunk,
             chunks.logits_chunk,
             planned.checkpoint_every,
@@ -379,7 +390,8 @@ fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
             in_unit(est.head_phase),
             in_unit(est.layer_phase),
             in_unit(est.embedding_phase),
-            in_unit(est.peak())
+            in_unit(est.peak()),
+            in_unit(stored as u64)
         );
     }
     Ok(())
