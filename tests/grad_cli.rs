@@ -114,6 +114,50 @@ fn offloaded_checkpoints_write_the_same_gradients() {
     }
 }
 
+/// Sparse checkpoints and the disk tier write the same gradients, bit for bit, for SFT, DPO and
+/// GRPO, full and LoRA, in both recomputing modes (llama3: 2 layers; gemma3: 3, so K = 2 leaves a
+/// segment of one), and leave nothing in the checkpoint directory.
+#[test]
+fn sparse_and_disk_checkpoints_write_the_same_gradients() {
+    let scratch = tempfile::tempdir().unwrap();
+    let disk = scratch.path().to_str().unwrap();
+    for family in ["llama3", "gemma3"] {
+        for batch in [
+            batch_json(family),
+            fixture_batch(family, "dpo-batch.json"),
+            fixture_batch(family, "grpo-batch.json"),
+        ] {
+            for trained in [&[][..], &["--lora-r", "4"]] {
+                for mode in ["stream", "checkpoint"] {
+                    let run = |extra: &[&str]| {
+                        let mut args = vec!["--dtype", "f64", "--chunk", "3", "--mode", mode];
+                        args.extend(trained);
+                        args.extend(extra);
+                        let (ok, _, stderr, out, dir) = grad(&fixture_dir(family), &batch, &args);
+                        assert!(ok, "{stderr}");
+                        let grads = candle_core::safetensors::load(&out, &Device::Cpu).unwrap();
+                        (grads, dir)
+                    };
+                    let (dense, _d1) = run(&[]);
+                    for extra in [
+                        &["--checkpoint-every", "2"][..],
+                        &["--checkpoint-dir", disk],
+                        &["--checkpoint-every", "sqrt", "--checkpoint-dir", disk],
+                    ] {
+                        let (sparse, _d2) = run(extra);
+                        assert_eq!(sparse.len(), dense.len());
+                        for (name, g) in &dense {
+                            let what = format!("{family} {mode} {trained:?} {extra:?} {name}");
+                            assert_eq!(rel_err(g, &sparse[name]), 0.0, "{what}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(std::fs::read_dir(scratch.path()).unwrap().count(), 0);
+}
+
 #[test]
 fn tied_embeddings_are_written_once() {
     let (ok, _, stderr, out, _dir) = grad(

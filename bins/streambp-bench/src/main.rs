@@ -352,7 +352,10 @@ fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
     println!();
     println!("Cost-model estimate of stream's peak (not a measurement):");
     // Where the stored checkpoints are: in the peak (on the device), or beside it.
-    let place = match (&args.checkpoint_dir, args.offload_checkpoints && args.device != "cpu") {
+    let place = match (
+        &args.checkpoint_dir,
+        args.offload_checkpoints && args.device != "cpu",
+    ) {
         (Some(_), _) => "on disk",
         (None, true) => "in host memory",
         (None, false) => "on the device, in the peak",
