@@ -147,6 +147,10 @@ pub struct TrainArgs {
     /// the optimizer state) fits this budget, e.g. 8GiB. Overrides --chunk and --logits-chunk.
     #[arg(long, value_parser = streambp_train::device::parse_budget)]
     memory_budget: Option<u64>,
+    /// With --memory-budget on an accelerator: host memory the plan may keep layer checkpoints in
+    /// (where the card alone would need small chunks), e.g. 100GiB.
+    #[arg(long, value_parser = streambp_train::device::parse_budget)]
+    host_memory_budget: Option<u64>,
     /// Keep layer checkpoints in host memory during the backward (accelerator memory then no longer
     /// grows with layers x sequence x hidden size).
     #[arg(long)]
@@ -348,6 +352,7 @@ impl TrainArgs {
             chunk: self.chunk.unwrap_or(d.chunk),
             logits_chunk: self.logits_chunk.unwrap_or(d.logits_chunk),
             memory_budget: self.memory_budget,
+            host_memory_budget: self.host_memory_budget,
             offload_checkpoints: self.offload_checkpoints,
             checkpoint_every: self.checkpoint_every.unwrap_or(d.checkpoint_every),
             checkpoint_dir: self.checkpoint_dir,

@@ -17,8 +17,8 @@ use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use streambp_core::memory::{CountingAllocator, Meter};
 use streambp_core::{
-    backward_with, estimate, Batch, CheckpointEvery, ChunkPolicy, Chunks, Mode, Options, Plan,
-    Problem,
+    backward_with, estimate, Batch, CheckpointEvery, CheckpointPlace, ChunkPolicy, Chunks, Mode,
+    Options, Plan, Problem, Tiers,
 };
 use streambp_models::device::{parse_budget, parse_device, parse_dtype};
 use streambp_models::LoraConfig;
@@ -95,6 +95,9 @@ struct Args {
     /// written and read per step and their seconds are reported.
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
+    /// With --max-t-budget on an accelerator: host memory the plan may keep checkpoints in.
+    #[arg(long, value_parser = parse_budget)]
+    host_memory_budget: Option<u64>,
     /// After each backward, one AdamW step with the trainer's optimizer (f32 moments created for it;
     /// learning rate 0, so the weights stay as they are): its seconds and peak bytes are reported too.
     #[arg(long)]
@@ -296,7 +299,9 @@ fn options(args: &Args) -> Options {
 /// `--max-t-budget`, else T/3 (the paper's timing setting).
 fn chunk_policy(args: &Args, t: usize) -> ChunkPolicy {
     match (args.chunk, args.max_t_budget) {
-        (None, Some(budget)) => ChunkPolicy::Budget(budget),
+        (None, Some(budget)) => {
+            ChunkPolicy::Budget(budget, Tiers::of(&options(args), args.host_memory_budget))
+        }
         _ => ChunkPolicy::Fixed(given_chunks(args, t)),
     }
 }
@@ -351,41 +356,44 @@ fn predict(cfg: &ModelConfig, dtype: DType, args: &Args) -> anyhow::Result<()> {
     let in_unit = |b: u64| b as f64 / scale;
     println!();
     println!("Cost-model estimate of stream's peak (not a measurement):");
-    // Where the stored checkpoints are: in the peak (on the device), or beside it.
-    let place = match (
-        &args.checkpoint_dir,
-        args.offload_checkpoints && args.device != "cpu",
-    ) {
-        (Some(_), _) => "on disk",
-        (None, true) => "in host memory",
-        (None, false) => "on the device, in the peak",
-    };
-    println!("| T | chunk | logits chunk | layers per checkpoint | weights, rope, gemm slabs ({unit}) | head phase (with its gradients) | layer phase (with all gradients) | embedding phase | peak ({unit}) | stored checkpoints ({unit}, {place}) |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| T | chunk | logits chunk | layers per checkpoint | weights, rope, gemm slabs ({unit}) | head phase (with its gradients) | layer phase (with all gradients) | embedding phase | peak ({unit}) | stored checkpoints ({unit}) | where |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for &t in &args.seq_lens {
         let p = problem(cfg, dtype, args, t, lora.as_ref());
         let planned = match chunk_policy(args, t).plan_for(p) {
             Ok(planned) => planned,
             Err(e) => {
-                println!("| {t} | - | - | - | - | - | - | - | {e} | - |");
+                println!("| {t} | - | - | - | - | - | - | - | {e} | - | - |");
                 continue;
             }
         };
         let chunks = planned.chunks;
+        // Where the stored checkpoints are: the plan's choice under a budget, else the flags'.
+        let place = planned.place.unwrap_or(match p.offloaded {
+            true if args.checkpoint_dir.is_some() => CheckpointPlace::Disk,
+            true => CheckpointPlace::Host,
+            false => CheckpointPlace::Device,
+        });
         let est = estimate(
             Problem {
                 checkpoint_every: planned.checkpoint_every,
+                offloaded: place != CheckpointPlace::Device,
                 ..p
             },
             chunks,
         );
+        let place = match place {
+            CheckpointPlace::Device => "on the device (in the peak)",
+            CheckpointPlace::Host => "host memory",
+            CheckpointPlace::Disk => "disk",
+        };
         let stored = cfg.num_layers().div_ceil(planned.checkpoint_every)
             * p.batch
             * t
             * cfg.hidden_size
             * dtype.size_in_bytes();
         println!(
-            "| {t} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            "| {t} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {place} |",
             chunks.chunk,
             chunks.logits_chunk,
             planned.checkpoint_every,

@@ -44,6 +44,7 @@ pub use engine::{
 };
 pub use error::{EngineError, Result};
 pub use planner::{
-    estimate, plan_for_budget, plan_with_checkpoints, ChunkPolicy, Estimate, Planned, Problem,
+    estimate, plan_for_budget, plan_with_checkpoints, CheckpointPlace, ChunkPolicy, Estimate,
+    Planned, Problem, Tiers,
 };
 pub use workers::{on_workers, settle_thread_settings};

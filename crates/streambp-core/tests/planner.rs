@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use streambp_core::memory::{current_bytes, reset_peak, CountingAllocator};
 use streambp_core::{
     backward_with, estimate, plan_for_budget, plan_with_checkpoints, Batch, CheckpointEvery,
-    Chunks, Mode, Options, Plan, Problem,
+    Chunks, Mode, Options, Plan, Problem, Tiers,
 };
 use streambp_models::{LoraConfig, Model, ModelConfig, Projection};
 use streambp_objectives::Sft;
@@ -284,7 +284,8 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
     ] {
         let budget = budget_mib << 20;
         let cfg = c.config();
-        let planned = plan_with_checkpoints(c.problem(&cfg, None), budget).unwrap();
+        let planned =
+            plan_with_checkpoints(c.problem(&cfg, None), budget, Tiers::default()).unwrap();
         let chunks = planned.chunks;
         let (measured, _) = c
             .clone()

@@ -79,6 +79,8 @@ pub struct TrainConfig {
     /// Pick chunk sizes per micro-batch so the backward's estimated peak fits this many bytes
     /// (overrides `chunk` and `logits_chunk`).
     pub memory_budget: Option<u64>,
+    /// Host memory the memory budget may move the stored checkpoints into, off an accelerator.
+    pub host_memory_budget: Option<u64>,
     /// Keep layer checkpoints in host memory during the backward.
     pub offload_checkpoints: bool,
     /// Store every K-th layer's input only, recomputing the others' a segment at a time in the
@@ -179,6 +181,7 @@ impl TrainConfig {
             chunk: 512,
             logits_chunk: 128,
             memory_budget: None,
+            host_memory_budget: None,
             offload_checkpoints: false,
             checkpoint_every: CheckpointEvery::default(),
             checkpoint_dir: None,
@@ -434,6 +437,14 @@ impl TrainConfig {
                 "--memory-budget",
                 budget,
                 "must be above 0 bytes",
+            )?;
+        }
+        if let Some(host) = self.host_memory_budget {
+            require(
+                self.memory_budget.is_some(),
+                "--host-memory-budget",
+                host,
+                "needs --memory-budget (the plan it gives room to)",
             )?;
         }
         crate::device::parse_dtype(&self.dtype)

@@ -8,7 +8,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use serde::Serialize;
 use streambp_core::{
-    backward_with, Batch, CheckpointEvery, ChunkPolicy, Chunks, Mode, Options, Plan, Problem,
+    backward_with, Batch, CheckpointEvery, ChunkPolicy, Chunks, Mode, Options, Plan, Problem, Tiers,
 };
 use streambp_models::{load_model, resolve_adapter_dir, resolve_model_dir, save_safetensors};
 
@@ -47,6 +47,9 @@ pub struct GradArgs {
     /// Pick the largest chunks whose estimated peak fits this budget (e.g. 8GiB).
     #[arg(long, value_parser = crate::device::parse_budget)]
     pub memory_budget: Option<u64>,
+    /// With --memory-budget on an accelerator: host memory the plan may keep checkpoints in.
+    #[arg(long, value_parser = crate::device::parse_budget)]
+    pub host_memory_budget: Option<u64>,
     /// Compute dtype: f64, f32 or bf16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
@@ -208,7 +211,9 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     };
     // A budget picks the chunks unless they are given.
     let policy = match (args.chunk, args.logits_chunk, args.memory_budget) {
-        (None, None, Some(budget)) => ChunkPolicy::Budget(budget),
+        (None, None, Some(budget)) => {
+            ChunkPolicy::Budget(budget, Tiers::of(&options, args.host_memory_budget))
+        }
         _ => ChunkPolicy::Fixed(reference_chunks),
     };
     let planned = policy.plan_for(Problem::of(&model, b, t, &options))?;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use streambp_core::{ChunkPolicy, Chunks, Options, Planned, Problem};
+use streambp_core::{ChunkPolicy, Chunks, Options, Planned, Problem, Tiers};
 use streambp_dist::Communicator;
 use streambp_models::adapter::load_adapter;
 use streambp_models::hub::ADAPTER_FILES;
@@ -353,7 +353,9 @@ impl TrainConfig {
     /// checkpoints where the chunks would otherwise be small).
     pub fn plan_for(&self, model: &Model, input_ids: &Tensor) -> Result<Planned> {
         let policy = match self.memory_budget {
-            Some(budget) => ChunkPolicy::Budget(budget),
+            Some(budget) => {
+                ChunkPolicy::Budget(budget, Tiers::of(&self.options(), self.host_memory_budget))
+            }
             None => ChunkPolicy::Fixed(self.chunks()),
         };
         let (batch, seq_len) = input_ids.dims2()?;

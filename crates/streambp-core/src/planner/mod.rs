@@ -94,8 +94,42 @@ impl<'a> Problem<'a> {
 pub enum ChunkPolicy {
     /// These chunk sizes for every batch.
     Fixed(Chunks),
-    /// The largest chunks whose estimated peak fits this many bytes ([`plan_for_budget`]).
-    Budget(u64),
+    /// The largest chunks whose estimated peak fits this many bytes ([`plan_for_budget`]), storing
+    /// fewer checkpoints or moving them to the tiers allowed where that keeps the chunks from
+    /// getting small ([`plan_with_checkpoints`]).
+    Budget(u64, Tiers),
+}
+
+/// Where a budget plan may move the stored checkpoints out of the memory it plans. With a budget
+/// the plan decides where they go; these say what is available.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tiers {
+    /// Host memory for them, in bytes (`--host-memory-budget`, or unbounded for
+    /// `--offload-checkpoints` alone; used off the CPU only).
+    pub host: Option<u64>,
+    /// A checkpoint directory is given (`--checkpoint-dir`).
+    pub disk: bool,
+}
+
+impl Tiers {
+    /// What `options` make available, with `host_budget` bytes of host memory for checkpoints.
+    pub fn of(options: &crate::Options, host_budget: Option<u64>) -> Self {
+        Self {
+            host: host_budget.or(options.offload_checkpoints.then_some(u64::MAX)),
+            disk: options.checkpoint_dir.is_some(),
+        }
+    }
+}
+
+/// Where a plan keeps the stored checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum CheckpointPlace {
+    /// With the rest of the planned memory (the device's).
+    Device,
+    /// In host memory, off an accelerator.
+    Host,
+    /// In a scratch file in the checkpoint directory.
+    Disk,
 }
 
 impl ChunkPolicy {
@@ -103,20 +137,21 @@ impl ChunkPolicy {
     pub fn chunks_for(&self, problem: Problem) -> Result<Chunks> {
         match *self {
             ChunkPolicy::Fixed(chunks) => Ok(chunks),
-            ChunkPolicy::Budget(budget) => plan_for_budget(problem, budget),
+            ChunkPolicy::Budget(budget, _) => plan_for_budget(problem, budget),
         }
     }
 
-    /// The chunks and the layers per stored checkpoint for `problem`: fixed chunks keep its
-    /// `checkpoint_every`; a budget may raise it ([`plan_with_checkpoints`]), which changes memory
-    /// and time but not the gradients.
+    /// The chunks, the layers per stored checkpoint and where they are kept for `problem`: fixed
+    /// chunks keep the problem's own; a budget may store fewer or move them out of the planned
+    /// memory ([`plan_with_checkpoints`]), which changes memory and time but not the gradients.
     pub fn plan_for(&self, problem: Problem) -> Result<Planned> {
         match *self {
             ChunkPolicy::Fixed(chunks) => Ok(Planned {
                 chunks,
                 checkpoint_every: problem.checkpoint_every,
+                place: None,
             }),
-            ChunkPolicy::Budget(budget) => plan_with_checkpoints(problem, budget),
+            ChunkPolicy::Budget(budget, tiers) => plan_with_checkpoints(problem, budget, tiers),
         }
     }
 }
@@ -128,14 +163,28 @@ pub struct Planned {
     pub chunks: Chunks,
     /// Layers per stored checkpoint (`K`).
     pub checkpoint_every: usize,
+    /// Where the stored checkpoints go, when the plan chose it (`None`: as the options say).
+    pub place: Option<CheckpointPlace>,
 }
 
 impl Planned {
-    /// `options` with this plan's layers per stored checkpoint.
+    /// `options` with this plan's layers per stored checkpoint and, when it chose one, their place
+    /// (`Disk` keeps the options' checkpoint directory, the others drop it).
     pub fn options(&self, options: crate::Options) -> crate::Options {
-        crate::Options {
+        let options = crate::Options {
             checkpoint_every: crate::CheckpointEvery::Layers(self.checkpoint_every),
             ..options
+        };
+        match self.place {
+            None => options,
+            Some(place) => crate::Options {
+                offload_checkpoints: place == CheckpointPlace::Host,
+                checkpoint_dir: match place {
+                    CheckpointPlace::Disk => options.checkpoint_dir.clone(),
+                    _ => None,
+                },
+                ..options
+            },
         }
     }
 }
@@ -484,31 +533,53 @@ fn score_area(t: u64, c: u64, key_block: u64) -> u64 {
 /// ±6% (docs/benchmarks.md), so planning for the whole budget would overshoot it about half the time.
 pub const BUDGET_MARGIN: f64 = 0.93;
 
-/// The layer chunk below which a budget plan stores fewer checkpoints rather than chunk more finely
-/// (the memory setting of the benchmarks: smaller chunks cost more time than the recompute).
+/// The layer chunk below which a budget plan stores fewer checkpoints, or moves them out of the
+/// planned memory, rather than chunk more finely (the memory setting of the benchmarks: smaller
+/// chunks cost more time than the recompute or the copies).
 pub const GOOD_CHUNK: usize = 128;
 
-/// [`plan_for_budget`] at the problem's `checkpoint_every` or more: the smallest `K` (up to `⌈√L⌉`,
-/// where the checkpoints take the least memory) whose layer chunk reaches [`GOOD_CHUNK`] (or `T`),
-/// else the `K` with the largest chunk; an error only when no `K` fits at all (the least-memory
-/// `K`'s error, which names the smallest budget that would).
-pub fn plan_with_checkpoints(p: Problem, budget: u64) -> Result<Planned> {
+/// [`plan_for_budget`] over the ways of storing the checkpoints, fastest first: on the device at
+/// the problem's `checkpoint_every` or more (up to `⌈√L⌉`, where they take the least memory); then,
+/// when `tiers` allow, in host memory (off an accelerator: the smallest `K` whose stored
+/// checkpoints fit `tiers.host`); then on disk (one per layer, the least device memory). The
+/// first way whose layer chunk reaches [`GOOD_CHUNK`] (or `T`) is taken, else the one with the
+/// largest chunk; an error only when none fits at all (the last way's error, which names the
+/// smallest budget that would). The problem's own `offloaded` is not looked at: the plan decides.
+/// On the CPU host memory is the planned memory, so only the device and disk are tried.
+pub fn plan_with_checkpoints(p: Problem, budget: u64, tiers: Tiers) -> Result<Planned> {
     let layers = p.config.num_layers().max(1);
     let first = p.checkpoint_every.clamp(1, layers);
     let last = ((layers as f64).sqrt().ceil() as usize).max(first);
     let good = GOOD_CHUNK.min(p.seq_len.max(1));
-    let plan = |k: usize| {
+    let hidden = (p.batch * p.seq_len * p.config.hidden_size * p.dtype.size_in_bytes()) as u64;
+    let mut ways: Vec<(CheckpointPlace, usize)> = (first..=last)
+        .map(|k| (CheckpointPlace::Device, k))
+        .collect();
+    if let (Some(bytes), false) = (tiers.host, p.host) {
+        let fits_host = |k: &usize| layers.div_ceil(*k) as u64 * hidden <= bytes;
+        ways.extend(
+            (first..=last)
+                .find(fits_host)
+                .map(|k| (CheckpointPlace::Host, k)),
+        );
+    }
+    if tiers.disk {
+        ways.push((CheckpointPlace::Disk, first));
+    }
+    let plan = |(place, k): (CheckpointPlace, usize)| {
         let problem = Problem {
             checkpoint_every: k,
+            offloaded: place != CheckpointPlace::Device,
             ..p
         };
         plan_for_budget(problem, budget).map(|chunks| Planned {
             chunks,
             checkpoint_every: k,
+            place: Some(place),
         })
     };
     let mut best: Option<Planned> = None;
-    for planned in (first..=last).filter_map(|k| plan(k).ok()) {
+    for planned in ways.iter().filter_map(|&way| plan(way).ok()) {
         if planned.chunks.chunk >= good {
             return Ok(planned);
         }
@@ -516,7 +587,10 @@ pub fn plan_with_checkpoints(p: Problem, budget: u64) -> Result<Planned> {
             best = Some(planned);
         }
     }
-    best.map_or_else(|| plan(last), Ok)
+    match best {
+        Some(planned) => Ok(planned),
+        None => plan(*ways.last().unwrap_or(&(CheckpointPlace::Device, last))),
+    }
 }
 
 /// The largest chunk sizes (up to `T`) whose estimated peak fits in [`BUDGET_MARGIN`] of `budget` bytes.
@@ -561,4 +635,94 @@ pub fn plan_for_budget(p: Problem, budget: u64) -> Result<Chunks> {
         chunk,
         logits_chunk,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen3_8b() -> ModelConfig {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../benches/configs/qwen3-8b.json");
+        ModelConfig::from_file(&path).unwrap()
+    }
+
+    fn problem(cfg: &ModelConfig, t: usize, host: bool) -> Problem<'_> {
+        Problem {
+            config: cfg,
+            batch: 1,
+            seq_len: t,
+            dtype: DType::BF16,
+            offloaded: false,
+            checkpoint_every: 1,
+            lora: None,
+            host,
+        }
+    }
+
+    /// A budget takes the fastest way of storing the checkpoints that keeps the layer chunk at 128 or
+    /// more: on the card while they fit, then fewer of them, then host memory when it has room for
+    /// them, then disk; without room anywhere, the way with the largest chunk.
+    #[test]
+    fn a_budget_moves_the_checkpoints_only_as_far_as_it_must() {
+        let cfg = qwen3_8b();
+        let budget = 80 << 30;
+        let gib = 1u64 << 30;
+        let place = |t: usize, tiers: Tiers| {
+            let planned = plan_with_checkpoints(problem(&cfg, t, false), budget, tiers).unwrap();
+            (planned.place.unwrap(), planned.checkpoint_every)
+        };
+        let everything = Tiers {
+            host: Some(120 * gib),
+            disk: true,
+        };
+        // 64K tokens: every checkpoint fits on the card.
+        assert_eq!(place(65_536, everything), (CheckpointPlace::Device, 1));
+        // 512K: not on the card at any K; 36 of 4 GiB do not fit 120 GiB of host memory, but 18
+        // (K = 2) do.
+        assert_eq!(place(524_288, everything), (CheckpointPlace::Host, 2));
+        // No host memory to spare: disk, one per layer.
+        let disk_only = Tiers {
+            host: None,
+            disk: true,
+        };
+        assert_eq!(place(524_288, disk_only), (CheckpointPlace::Disk, 1));
+        // Nowhere to go: the card cannot hold 512K at any K.
+        assert!(
+            plan_with_checkpoints(problem(&cfg, 524_288, false), budget, Tiers::default()).is_err()
+        );
+        // On the CPU host memory is the planned memory: only the device or disk.
+        let cpu = plan_with_checkpoints(problem(&cfg, 524_288, true), budget, everything).unwrap();
+        assert_eq!(cpu.place, Some(CheckpointPlace::Disk));
+    }
+
+    /// The plan's place sets the options: host offloads, disk keeps the directory, device drops both.
+    #[test]
+    fn the_planned_place_sets_the_options() {
+        let dir: std::sync::Arc<std::path::Path> = std::path::Path::new("/scratch").into();
+        let given = crate::Options {
+            offload_checkpoints: true,
+            checkpoint_dir: Some(dir.clone()),
+            ..Default::default()
+        };
+        let planned = |place| Planned {
+            chunks: Chunks {
+                chunk: 128,
+                logits_chunk: 100,
+            },
+            checkpoint_every: 2,
+            place,
+        };
+        let device = planned(Some(CheckpointPlace::Device)).options(given.clone());
+        assert!(!device.offload_checkpoints && device.checkpoint_dir.is_none());
+        assert_eq!(device.checkpoint_every, crate::CheckpointEvery::Layers(2));
+        let host = planned(Some(CheckpointPlace::Host)).options(given.clone());
+        assert!(host.offload_checkpoints && host.checkpoint_dir.is_none());
+        let disk = planned(Some(CheckpointPlace::Disk)).options(given.clone());
+        assert!(!disk.offload_checkpoints && disk.checkpoint_dir == Some(dir));
+        assert_eq!(
+            planned(None).options(given.clone()).checkpoint_dir,
+            given.checkpoint_dir
+        );
+    }
 }
