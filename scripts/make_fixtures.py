@@ -246,6 +246,9 @@ def dpo_case(model, vocab, gen):
     return batch, tensors
 
 
+GRPO_TEMPERATURE = 0.7
+
+
 def grpo_case(model, vocab, gen):
     """A group of 4 completions of one prompt, padded, with old log-probs that make some ratios clip."""
     prompt_len, completion_lens = 4, [5, 3, 6, 2]
@@ -265,8 +268,10 @@ def grpo_case(model, vocab, gen):
     ref = (current + 0.2 * torch.randn(current.shape, generator=gen, dtype=F64)) * mask
     beta, eps, max_completion_length = 0.04, 0.2, 8
 
-    def trl_loss(loss_type, old_logps, beta):
-        per_token_logps = token_logps(model(input_ids=ids, attention_mask=attention_mask).logits, ids)
+    def trl_loss(loss_type, old_logps, beta, temperature=1.0):
+        # TRL's _get_per_token_logps_and_entropies: logits / temperature, then the log-softmax.
+        logits = model(input_ids=ids, attention_mask=attention_mask).logits / temperature
+        per_token_logps = token_logps(logits, ids)
         old_per_token_logps = per_token_logps.detach() if old_logps is None else old_logps
         coef_1 = torch.exp(per_token_logps - old_per_token_logps)
         coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
@@ -294,10 +299,14 @@ def grpo_case(model, vocab, gen):
              "old_logps": aligned(old), "ref_logps": aligned(ref), "beta": beta, "epsilon": eps,
              "max_completion_length": max_completion_length}
     tensors = {}
-    variants = [(lt, old, beta) for lt in ("grpo", "bnpo", "dr_grpo")] + [("noold", None, 0.0)]
-    for name, old_logps, b in variants:
+    variants = [(lt, old, beta, 1.0) for lt in ("grpo", "bnpo", "dr_grpo")] + [("noold", None, 0.0, 1.0)]
+    # Sampled at temperature 0.7: the policy's log-probs at 0.7 too (the batch's old and reference
+    # log-probs are given as they are).
+    variants.append(("temperature", old, beta, GRPO_TEMPERATURE))
+    for name, old_logps, b, temperature in variants:
         model.zero_grad()
-        loss, clip_ratio, mean_kl = trl_loss("grpo" if name == "noold" else name, old_logps, b)
+        loss_type = "grpo" if name in ("noold", "temperature") else name
+        loss, clip_ratio, mean_kl = trl_loss(loss_type, old_logps, b, temperature)
         loss.backward()
         tensors[f"grpo.{name}.loss"] = loss.detach().reshape(1)
         tensors[f"grpo.{name}.clip_ratio"] = clip_ratio.reshape(1)

@@ -203,6 +203,7 @@ fn workload(
                     epsilon_high: 0.2,
                     loss_type: GrpoLossType::Grpo,
                     max_completion_length: None,
+                    temperature: 1.0,
                 },
                 vocab,
                 dev,

@@ -77,6 +77,9 @@ pub struct GrpoBatch<'a> {
     pub loss_type: GrpoLossType,
     /// The generation's completion-length limit, in tokens; required by `dr_grpo`.
     pub max_completion_length: Option<usize>,
+    /// The temperature the completions were sampled at: the policy's log-probs are taken from
+    /// `logits / temperature`, as TRL's (the old and reference log-probs must be too).
+    pub temperature: f64,
 }
 
 /// The GRPO objective of one batch, built from a [`GrpoBatch`].
@@ -95,6 +98,7 @@ pub struct Grpo {
     beta: f64,
     epsilon_low: f64,
     epsilon_high: f64,
+    temperature: f64,
 }
 
 /// Shifts a per-position array aligned with input_ids into logits coordinates (drops position 0).
@@ -201,6 +205,12 @@ impl Grpo {
                 "beta != 0 needs ref_logps (or a reference model)".into()
             ));
         }
+        if !(batch.temperature > 0.0 && batch.temperature.is_finite()) {
+            return Err(bad(format!(
+                "temperature {} must be above 0",
+                batch.temperature
+            )));
+        }
         if !(batch.beta >= 0.0 && batch.epsilon_low >= 0.0 && batch.epsilon_high >= 0.0) {
             return Err(bad("beta and epsilon must be non-negative".into()));
         }
@@ -252,6 +262,7 @@ impl Grpo {
             beta: batch.beta,
             epsilon_low: batch.epsilon_low,
             epsilon_high: batch.epsilon_high,
+            temperature: batch.temperature,
         })
     }
 
@@ -287,6 +298,10 @@ impl Objective for Grpo {
 
     fn separable(&self) -> bool {
         true
+    }
+
+    fn temperature(&self) -> f64 {
+        self.temperature
     }
 
     fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor> {

@@ -74,4 +74,10 @@ pub trait Objective: Send + Sync {
     fn metrics(&self, _logp: &Tensor) -> Result<Vec<(String, f64)>> {
         Ok(Vec::new())
     }
+
+    /// The temperature the log-probs are taken at: `log softmax(logits / temperature)`, as TRL's
+    /// GRPO scores completions at the temperature it sampled them with. 1 for the others.
+    fn temperature(&self) -> f64 {
+        1.0
+    }
 }

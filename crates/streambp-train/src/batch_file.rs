@@ -137,6 +137,14 @@ struct GrpoFile {
     #[serde(default = "default_loss_type")]
     loss_type: String,
     max_completion_length: Option<usize>,
+    /// TRL's GRPOConfig `temperature`: the policy's (and a computed reference's) log-probs are taken
+    /// from `logits / temperature` [default: 1].
+    #[serde(default = "default_temperature")]
+    temperature: f64,
+}
+
+fn default_temperature() -> f64 {
+    1.0
 }
 
 fn default_epsilon() -> f64 {
@@ -320,9 +328,9 @@ fn prepare_grpo(
     let ref_logps = match (&file.ref_logps, file.beta != 0.0) {
         (None, true) => Some(token_logps(
             reference,
-            &input_ids,
-            attention_mask.as_ref(),
+            (&input_ids, attention_mask.as_ref()),
             &file.input_ids,
+            file.temperature,
         )?),
         (given, _) => given.clone(),
     };
@@ -338,6 +346,7 @@ fn prepare_grpo(
             epsilon_high: file.epsilon_high.unwrap_or(file.epsilon),
             loss_type: file.loss_type.parse::<GrpoLossType>()?,
             max_completion_length: file.max_completion_length,
+            temperature: file.temperature,
         },
         vocab_size,
         device,

@@ -11,22 +11,23 @@ use crate::batch::to_u32_tensor;
 use crate::Result;
 
 /// Target log-probs `[batch, T]` (logits coordinates: position `t` scores `targets[t]`) of some frozen
-/// model for `(input_ids, attention_mask, targets)`.
-pub type Scorer<'a> = dyn FnMut(&Tensor, Option<&Tensor>, &Tensor) -> Result<Tensor> + 'a;
+/// model for `(input_ids, attention_mask, targets, temperature)`, taken from `logits / temperature`
+/// (1 but for GRPO, which scores at its sampling temperature).
+pub type Scorer<'a> = dyn FnMut(&Tensor, Option<&Tensor>, &Tensor, f64) -> Result<Tensor> + 'a;
 
 /// A [`Scorer`] that runs `model` streamed like the backward, with the chunks `chunks` picks for each
 /// batch.
 pub fn scorer<'a>(
     model: &'a Model,
     mut chunks: impl FnMut(&Tensor) -> Result<Chunks> + 'a,
-) -> impl FnMut(&Tensor, Option<&Tensor>, &Tensor) -> Result<Tensor> + 'a {
-    move |ids, mask, targets| {
+) -> impl FnMut(&Tensor, Option<&Tensor>, &Tensor, f64) -> Result<Tensor> + 'a {
+    move |ids, mask, targets, temperature| {
         let chunks = chunks(ids)?;
         Ok(forward_logprobs(
             model,
             Batch::new(ids, mask),
             targets,
-            chunks,
+            (chunks, temperature),
         )?)
     }
 }
@@ -38,22 +39,22 @@ pub fn sequence_logps(
     mask: Option<&Tensor>,
     targets: &TokenTargets,
 ) -> Result<Vec<f64>> {
-    let logp = score(ids, mask, &targets.ids)?;
+    let logp = score(ids, mask, &targets.ids, 1.0)?;
     Ok((logp.to_dtype(DType::F64)? * &targets.mask)?
         .sum(1)?
         .to_vec1::<f64>()?)
 }
 
-/// `log p(input_ids[t] | input_ids[..t])` for every token of `rows` (GRPO's per-token log-probs),
-/// aligned with the inputs: 0 at position 0, which nothing predicts.
+/// `log p(input_ids[t] | input_ids[..t])` for every token of `rows` at `temperature` (GRPO's
+/// per-token log-probs), aligned with the inputs: 0 at position 0, which nothing predicts.
 pub fn token_logps(
     score: &mut Scorer,
-    ids: &Tensor,
-    mask: Option<&Tensor>,
+    (ids, mask): (&Tensor, Option<&Tensor>),
     rows: &[Vec<i64>],
+    temperature: f64,
 ) -> Result<Vec<Vec<f64>>> {
     let targets = to_u32_tensor(&next_token_targets(rows), ids.device())?;
-    align_to_inputs(&score(ids, mask, &targets)?)
+    align_to_inputs(&score(ids, mask, &targets, temperature)?)
 }
 
 /// Targets that score every token of `rows` from the logits before it (logits position `t` scores

@@ -384,7 +384,7 @@ impl TrainConfig {
     pub fn scorer<'a>(
         &'a self,
         model: &'a Model,
-    ) -> impl FnMut(&Tensor, Option<&Tensor>, &Tensor) -> Result<Tensor> + 'a {
+    ) -> impl FnMut(&Tensor, Option<&Tensor>, &Tensor, f64) -> Result<Tensor> + 'a {
         crate::logprobs::scorer(model, move |ids| self.chunks_for(model, ids))
     }
 

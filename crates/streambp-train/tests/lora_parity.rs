@@ -88,7 +88,7 @@ fn backward(
     let path = tmp.path().join(file);
     std::fs::write(&path, json.to_string()).unwrap();
     let mut no_reference =
-        |_: &Tensor, _: Option<&Tensor>, _: &Tensor| -> streambp_train::Result<Tensor> {
+        |_: &Tensor, _: Option<&Tensor>, _: &Tensor, _: f64| -> streambp_train::Result<Tensor> {
             panic!("the fixture batches carry their reference log-probs")
         };
     let batch = load_batch(&path, 96, &Device::Cpu, &mut no_reference).unwrap();

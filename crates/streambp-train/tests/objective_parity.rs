@@ -30,7 +30,7 @@ fn run(
     std::fs::write(&path, json.to_string()).unwrap();
     let model = load_model(&dir, DType::F64, &Device::Cpu).unwrap();
     let mut no_reference =
-        |_: &Tensor, _: Option<&Tensor>, _: &Tensor| -> streambp_train::Result<Tensor> {
+        |_: &Tensor, _: Option<&Tensor>, _: &Tensor, _: f64| -> streambp_train::Result<Tensor> {
             panic!("the fixture batches carry their reference log-probs")
         };
     let batch = load_batch(
@@ -182,6 +182,13 @@ fn grpo_matches_full_backward_and_reference_for_each_loss_type() {
         };
         let out = check(family, "grpo-batch.json", &edit, "grpo.noold");
         assert_eq!(metric(&out, "clip_ratio"), 0.0);
+        // Sampled at temperature 0.7: the policy's log-probs from logits / 0.7, as TRL's.
+        let edit = |j: &mut serde_json::Value| j["temperature"] = 0.7.into();
+        let out = check(family, "grpo-batch.json", &edit, "grpo.temperature");
+        let clip = metric(&out, "clip_ratio");
+        assert!((clip - scalar(&r, "grpo.temperature.clip_ratio")).abs() < 1e-12);
+        let kl = metric(&out, "kl");
+        assert!((kl - scalar(&r, "grpo.temperature.kl")).abs() < 1e-10);
     }
 }
 

@@ -15,23 +15,32 @@ use super::grad_sink::GradSink;
 use super::{chunk_ranges, required};
 
 /// Target log-probs `[batch, T]` of the last layer's output `last` under a detached model's final norm
-/// and head, computed logits chunk by logits chunk (`ranges`), without a graph.
+/// and head at `temperature`, computed logits chunk by logits chunk (`ranges`), without a graph.
 pub(super) fn head_logprobs(
     detached: &Model,
     last: &Tensor,
     targets: &Tensor,
     ranges: &[Range<usize>],
+    temperature: f64,
 ) -> Result<Tensor> {
     let mut parts = Vec::with_capacity(ranges.len());
     for r in ranges {
         let normed = detached.final_norm(&last.narrow(1, r.start, r.len())?)?;
-        let logits = detached.logits(&normed)?;
+        let logits = tempered(detached.logits(&normed)?, temperature)?;
         parts.push(target_logprobs(
             &logits,
             &targets.narrow(1, r.start, r.len())?,
         )?);
     }
     Ok(Tensor::cat(&parts, 1)?)
+}
+
+/// `logits / temperature` (the logits themselves at temperature 1).
+pub(super) fn tempered(logits: Tensor, temperature: f64) -> Result<Tensor> {
+    Ok(match temperature == 1.0 {
+        true => logits,
+        false => logits.affine(1.0 / temperature, 0.0)?,
+    })
 }
 
 /// `log softmax(logits)[target]` for `logits` `[b, c, V]` and `targets` `[b, c]`, in f32 (f64 for f64
@@ -86,10 +95,11 @@ pub(super) fn head_backward(
     let targets = objective.targets();
     let ranges = chunk_ranges(t, logits_chunk);
     let detached = model.detached();
+    let temperature = objective.temperature();
     let whole = if objective.separable() {
         None
     } else {
-        let logp = head_logprobs(&detached, last, targets, &ranges)?;
+        let logp = head_logprobs(&detached, last, targets, &ranges, temperature)?;
         Some(loss_and_grad(objective, &logp, 0..t)?)
     };
 
@@ -112,7 +122,12 @@ pub(super) fn head_backward(
                 }
             })
         };
-        let out = head_chunk(&detached, &h.detach(), &chunk_targets, grad_of)?;
+        let out = head_chunk(
+            &detached,
+            &h.detach(),
+            (&chunk_targets, temperature),
+            grad_of,
+        )?;
         if let Some(name) = head {
             let (b, c, d) = h.dims3()?;
             let h = h.detach().reshape((b * c, d))?;
@@ -145,15 +160,17 @@ struct HeadChunk {
 }
 
 /// The LM head's forward and explicit VJP on one chunk of normed hidden states `h` (`[b, c, d]`,
-/// detached). `grad_of` maps the chunk's `logp` to `dLoss/dlogp`.
+/// detached), its log-probs of `targets` taken at `temperature`. `grad_of` maps the chunk's `logp`
+/// to `dLoss/dlogp`.
 ///
-/// With `z` the (soft-capped) logits in f32/f64 and `p = softmax(z)`, `d logp / dz = onehot − p`; a
-/// soft-cap (the model's [`Model::soft_cap`]) adds its slope as a factor. Writing it out avoids
-/// autograd's `[V, d]` zero-fill and strided transpose-add per chunk.
+/// With `z` the (soft-capped) logits in f32/f64 divided by the temperature `τ` and `p = softmax(z)`,
+/// `d logp / dz = onehot − p`, and `1/τ` and a soft-cap's slope (the model's [`Model::soft_cap`])
+/// are factors on the way back to the logits. Writing it out avoids autograd's `[V, d]` zero-fill
+/// and strided transpose-add per chunk.
 fn head_chunk(
     detached: &Model,
     h: &Tensor,
-    targets: &Tensor,
+    (targets, temperature): (&Tensor, f64),
     mut grad_of: impl FnMut(&Tensor) -> Result<Tensor>,
 ) -> Result<HeadChunk> {
     let (b, c, d) = h.dims3()?;
@@ -171,6 +188,7 @@ fn head_chunk(
     let idx = targets.reshape((n, 1))?.contiguous()?;
     // Before the softmax, which on the host writes its exponentials over `z`.
     let slope = detached.soft_cap_slope(&z)?;
+    let z = tempered(z, temperature)?;
     // On the CPU two passes per row in `z`'s buffer (crate::head_softmax); elsewhere the same with
     // tensor ops.
     let (logp, mut dz) = match crate::head_softmax::log_softmax_rows(&z, &idx)? {
@@ -193,6 +211,9 @@ fn head_chunk(
     };
     if let Some(slope) = slope {
         dz = (dz * slope)?;
+    }
+    if temperature != 1.0 {
+        dz = dz.affine(1.0 / temperature, 0.0)?;
     }
     let dz = dz.to_dtype(dtype)?;
     Ok(HeadChunk {

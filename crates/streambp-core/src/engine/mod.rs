@@ -469,14 +469,14 @@ fn segment_inputs(
     Ok(inputs)
 }
 
-/// Target log-probs `[batch, T]` of `targets` under `model`, without any graph and streamed like the
-/// backward (one layer's hidden states at a time, query chunks, logits chunks): the reference model of
-/// DPO and GRPO, and GRPO's old policy.
+/// Target log-probs `[batch, T]` of `targets` under `model` at `temperature` (`log softmax(logits /
+/// temperature)`), without any graph and streamed like the backward (one layer's hidden states at a
+/// time, query chunks, logits chunks): the reference model of DPO and GRPO, and GRPO's old policy.
 pub fn forward_logprobs(
     model: &Model,
     batch: Batch,
     targets: &Tensor,
-    chunks: Chunks,
+    (chunks, temperature): (Chunks, f64),
 ) -> Result<Tensor> {
     let detached = model.detached();
     let layout = batch.layout()?;
@@ -490,6 +490,7 @@ pub fn forward_logprobs(
             &h,
             targets,
             &chunk_ranges(h.dim(1)?, chunks.logits_chunk),
+            temperature,
         )
     })
 }
@@ -512,7 +513,10 @@ fn full_backward(
     for layer in &model.layers {
         h = layer.forward(&h, layout)?;
     }
-    let logits = model.logits(&model.final_norm(&h)?)?;
+    let logits = head::tempered(
+        model.logits(&model.final_norm(&h)?)?,
+        objective.temperature(),
+    )?;
     let logp = target_logprobs(&logits, objective.targets())?;
     let t = logp.dim(1)?;
     let loss = objective.loss(&logp, 0..t)?;

@@ -243,9 +243,9 @@ fn draw_rollouts(
             let ids = &r.rows.input_ids;
             r.old_logps = Some(token_logps(
                 &mut policy_scores,
-                &t.input_ids,
-                Some(&t.attention_mask),
+                (&t.input_ids, Some(&t.attention_mask)),
                 ids,
+                g.sampling.temperature,
             )?);
         }
         batch.push(r);
@@ -347,7 +347,12 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
             let t = r.rows.tensors(&setup.device)?;
             let mask = Some(&t.attention_mask);
             let ref_logps = match &mut reference_scores {
-                Some(score) => Some(token_logps(score, &t.input_ids, mask, &r.rows.input_ids)?),
+                Some(score) => Some(token_logps(
+                    score,
+                    (&t.input_ids, mask),
+                    &r.rows.input_ids,
+                    g.sampling.temperature,
+                )?),
                 None => None,
             };
             let objective = Grpo::new(
@@ -364,6 +369,8 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                     // TRL's `max_completion_length`: a completion, its EOS included, never has
                     // more than `--max-new-tokens` tokens (EOS is not added to a truncated one).
                     max_completion_length: Some(g.sampling.max_new_tokens),
+                    // The policy's log-probs at the temperature it sampled with, as TRL's.
+                    temperature: g.sampling.temperature,
                 },
                 model.config.vocab_size,
                 &setup.device,
