@@ -247,6 +247,7 @@ def dpo_case(model, vocab, gen):
 
 
 GRPO_TEMPERATURE = 0.7
+CISPO_EPSILON_HIGH = 1.2
 
 
 def grpo_case(model, vocab, gen):
@@ -268,25 +269,42 @@ def grpo_case(model, vocab, gen):
     ref = (current + 0.2 * torch.randn(current.shape, generator=gen, dtype=F64)) * mask
     beta, eps, max_completion_length = 0.04, 0.2, 8
 
-    def trl_loss(loss_type, old_logps, beta, temperature=1.0):
+    def trl_loss(loss_type, old_logps, beta, temperature=1.0, bias_correction_kl=True, num_items=None,
+                 eps_high=eps, sapo_pos=1.0, sapo_neg=1.05):
+        """TRL 1.16's GRPOTrainer._compute_loss (token-level importance sampling, one process, one
+        accumulation step: `num_items` stands for the global batch's completion tokens)."""
         # TRL's _get_per_token_logps_and_entropies: logits / temperature, then the log-softmax.
         logits = model(input_ids=ids, attention_mask=attention_mask).logits / temperature
         per_token_logps = token_logps(logits, ids)
         old_per_token_logps = per_token_logps.detach() if old_logps is None else old_logps
         coef_1 = torch.exp(per_token_logps - old_per_token_logps)
-        coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
         adv = advantages.unsqueeze(1)
-        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
         kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+        if bias_correction_kl:
+            kl = kl * coef_1
+        if loss_type == "cispo":
+            clamped = torch.clamp(coef_1, max=eps_high).detach()
+            per_token_loss = -clamped * adv * per_token_logps
+        elif loss_type == "sapo":
+            temps = torch.where(adv > 0, sapo_pos, sapo_neg)
+            per_token_loss = -(torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps) * adv
+        else:
+            coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps_high)
+            per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
         if beta != 0.0:
             per_token_loss = per_token_loss + beta * kl
-        if loss_type == "grpo":
+        if loss_type in ("grpo", "sapo"):
             loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
         elif loss_type == "bnpo":
             loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-        else:
+        elif loss_type == "dr_grpo":
             loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
-        clipped = ((coef_1 < 1 - eps) & (adv < 0)) | ((coef_1 > 1 + eps) & (adv > 0))
+        else:  # dapo, cispo
+            loss = (per_token_loss * mask).sum() / max(num_items or mask.sum().item(), 1.0)
+        if loss_type == "cispo":
+            clipped = (coef_1 > eps_high) & (adv > 0)
+        else:
+            clipped = ((coef_1 < 1 - eps) & (adv < 0)) | ((coef_1 > 1 + eps_high) & (adv > 0))
         clip_ratio = (clipped.to(F64) * mask).sum() / mask.sum()
         mean_kl = (kl * mask).sum() / mask.sum()
         return loss, clip_ratio.detach(), mean_kl.detach()
@@ -299,14 +317,25 @@ def grpo_case(model, vocab, gen):
              "old_logps": aligned(old), "ref_logps": aligned(ref), "beta": beta, "epsilon": eps,
              "max_completion_length": max_completion_length}
     tensors = {}
-    variants = [(lt, old, beta, 1.0) for lt in ("grpo", "bnpo", "dr_grpo")] + [("noold", None, 0.0, 1.0)]
-    # Sampled at temperature 0.7: the policy's log-probs at 0.7 too (the batch's old and reference
-    # log-probs are given as they are).
-    variants.append(("temperature", old, beta, GRPO_TEMPERATURE))
-    for name, old_logps, b, temperature in variants:
+    tokens = mask.sum().item()
+    # name -> (loss type, old log-probs, beta, extra arguments); the tests make the same batch edits.
+    variants = {
+        "grpo": ("grpo", old, beta, {}),
+        "bnpo": ("bnpo", old, beta, {}),
+        "dr_grpo": ("dr_grpo", old, beta, {}),
+        # dapo's normaliser is the whole global batch's tokens: as if this were half of it.
+        "dapo": ("dapo", old, beta, {"num_items": 2 * tokens}),
+        "cispo": ("cispo", old, beta, {"eps_high": CISPO_EPSILON_HIGH}),
+        "sapo": ("sapo", old, beta, {}),
+        "plain_kl": ("grpo", old, beta, {"bias_correction_kl": False}),
+        "noold": ("grpo", None, 0.0, {}),
+        # Sampled at temperature 0.7: the policy's log-probs at 0.7 too (the batch's old and
+        # reference log-probs are given as they are).
+        "temperature": ("grpo", old, beta, {"temperature": GRPO_TEMPERATURE}),
+    }
+    for name, (loss_type, old_logps, b, extra) in variants.items():
         model.zero_grad()
-        loss_type = "grpo" if name in ("noold", "temperature") else name
-        loss, clip_ratio, mean_kl = trl_loss(loss_type, old_logps, b, temperature)
+        loss, clip_ratio, mean_kl = trl_loss(loss_type, old_logps, b, **extra)
         loss.backward()
         tensors[f"grpo.{name}.loss"] = loss.detach().reshape(1)
         tensors[f"grpo.{name}.clip_ratio"] = clip_ratio.reshape(1)

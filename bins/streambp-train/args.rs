@@ -259,12 +259,20 @@ pub struct GrpoArgs {
     /// (the whole completion matches). Repeat the flag for several.
     #[arg(long = "reward")]
     rewards: Vec<String>,
-    /// grpo, bnpo or dr_grpo [default: grpo].
+    /// TRL 1.16's loss types: dapo (sum over the step's completion tokens / their count across
+    /// groups and ranks), grpo (mean per completion, then over completions), bnpo (mean over a
+    /// group's tokens), dr_grpo (sum / (group size x --max-new-tokens)), cispo (the ratio capped at
+    /// --epsilon-high weighting the log-prob; reduced as dapo), sapo (a sigmoid gate for the clip;
+    /// reduced as grpo) [default: dapo].
     #[arg(long, value_parser = loss_type)]
     loss_type: Option<GrpoLossType>,
     /// Clipping ε of the probability ratio (above 0) [default: 0.2].
     #[arg(long, allow_negative_numbers = true)]
     epsilon: Option<f64>,
+    /// The upper clip 1 + ε_high, or cispo's cap on the ratio (TRL recommends 0.28 for dapo and 5 for
+    /// cispo) [default: --epsilon].
+    #[arg(long, allow_negative_numbers = true)]
+    epsilon_high: Option<f64>,
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first) [default: 1].
     #[arg(long)]
     num_iterations: Option<usize>,
@@ -388,6 +396,7 @@ impl GrpoArgs {
             rewards: self.rewards,
             loss_type: self.loss_type.unwrap_or(d.loss_type),
             epsilon: self.epsilon.unwrap_or(d.epsilon),
+            epsilon_high: self.epsilon_high.or(d.epsilon_high),
             num_iterations: self.num_iterations.unwrap_or(d.num_iterations),
         }
     }

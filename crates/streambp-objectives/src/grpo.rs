@@ -1,8 +1,14 @@
-//! GRPO with TRL's per-token loss:
-//! `ℓ_t = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) + β·(e^{ρ−π} − (ρ−π) − 1)`, `r = e^{π − π_old}`,
-//! reduced by `grpo` (mean over each sequence's completion tokens, then over sequences), `bnpo` (mean over
-//! all completion tokens) or `dr_grpo` (sum / (G · max_completion_length)). Without old log-probs,
-//! `π_old = π` detached: `r = 1` with the gradient of the current policy. β = 0 skips the reference.
+//! GRPO with TRL 1.16's per-token losses (`_compute_loss`), `r = e^{π − π_old}`:
+//! - `grpo`, `bnpo`, `dr_grpo`, `dapo`: `−min(r·A, clip(r, 1−ε_low, 1+ε_high)·A)`;
+//! - `cispo`: `−min(r, ε_high)·A·π` with the capped ratio detached (ε_high is the cap itself);
+//! - `sapo`: `−σ(τ·(r − 1))·(4/τ)·A`, `τ` = `sapo_temperature_pos` where `A > 0`, else `_neg`;
+//!
+//! plus `β·KL`, `KL = e^{ρ−π} − (ρ−π) − 1`, times `r` with `use_bias_correction_kl` (TRL's default).
+//! Reduced by `grpo` and `sapo` (mean over each sequence's completion tokens, then over sequences),
+//! `bnpo` (mean over the batch's completion tokens), `dr_grpo` (sum / (G · max_completion_length)), or
+//! `dapo` and `cispo` (sum / the completion tokens of the whole global batch, `num_items_in_batch`).
+//! Without old log-probs, `π_old = π` detached: `r = 1` with the gradient of the current policy. β = 0
+//! skips the reference.
 //!
 //! Per-position inputs are aligned with `input_ids`: the log-prob at position `t` is that of
 //! `input_ids[t]` from the logits at `t − 1`. The loss is a sum over positions, so it streams.
@@ -22,11 +28,24 @@ pub enum GrpoLossType {
     Bnpo,
     /// `dr_grpo`: sum over all completion tokens / (`G` · `max_completion_length`).
     DrGrpo,
+    /// `dapo` (TRL's default): sum over all completion tokens / those of the whole global batch.
+    Dapo,
+    /// `cispo` (MiniMax-M1): the capped, detached ratio weighting the log-prob; reduced as `dapo`.
+    Cispo,
+    /// `sapo`: a sigmoid gate on the ratio in place of the clip; reduced as `grpo`.
+    Sapo,
 }
 
 impl GrpoLossType {
     /// Every loss type.
-    pub const ALL: [GrpoLossType; 3] = [Self::Grpo, Self::Bnpo, Self::DrGrpo];
+    pub const ALL: [GrpoLossType; 6] = [
+        Self::Grpo,
+        Self::Bnpo,
+        Self::DrGrpo,
+        Self::Dapo,
+        Self::Cispo,
+        Self::Sapo,
+    ];
 
     /// TRL's name of the loss type (`loss_type=`).
     pub fn name(self) -> &'static str {
@@ -34,7 +53,16 @@ impl GrpoLossType {
             Self::Grpo => "grpo",
             Self::Bnpo => "bnpo",
             Self::DrGrpo => "dr_grpo",
+            Self::Dapo => "dapo",
+            Self::Cispo => "cispo",
+            Self::Sapo => "sapo",
         }
+    }
+
+    /// Whether its normaliser spans the whole global batch (`num_items_in_batch`): every
+    /// micro-batch and rank of an optimizer step divides by the same token count.
+    pub fn global_normaliser(self) -> bool {
+        matches!(self, Self::Dapo | Self::Cispo)
     }
 }
 
@@ -46,7 +74,7 @@ impl std::str::FromStr for GrpoLossType {
             .find(|t| t.name() == s)
             .ok_or_else(|| {
                 ObjectiveError::Batch(format!(
-                    "unknown loss_type {s:?} (expected grpo, bnpo or dr_grpo)"
+                    "unknown loss_type {s:?} (expected grpo, bnpo, dr_grpo, dapo, cispo or sapo)"
                 ))
             })
     }
@@ -80,6 +108,13 @@ pub struct GrpoBatch<'a> {
     /// The temperature the completions were sampled at: the policy's log-probs are taken from
     /// `logits / temperature`, as TRL's (the old and reference log-probs must be too).
     pub temperature: f64,
+    /// `dapo`/`cispo`: the completion tokens of the whole global batch (every micro-batch and rank
+    /// of the optimizer step); `None`: this batch's own.
+    pub num_items_in_batch: Option<f64>,
+    /// The KL term times the ratio `r` (TRL's `use_bias_correction_kl`, default true).
+    pub use_bias_correction_kl: bool,
+    /// `sapo`'s gate temperatures for positive and negative advantages (TRL: 1.0 and 1.05).
+    pub sapo_temperatures: (f64, f64),
 }
 
 /// The GRPO objective of one batch, built from a [`GrpoBatch`].
@@ -99,6 +134,10 @@ pub struct Grpo {
     epsilon_low: f64,
     epsilon_high: f64,
     temperature: f64,
+    loss_type: GrpoLossType,
+    bias_corrected_kl: bool,
+    /// `[G, 1]`: `sapo`'s gate temperature for each sequence's advantage.
+    sapo_temperatures: Tensor,
 }
 
 /// Shifts a per-position array aligned with input_ids into logits coordinates (drops position 0).
@@ -214,10 +253,28 @@ impl Grpo {
         if !(batch.beta >= 0.0 && batch.epsilon_low >= 0.0 && batch.epsilon_high >= 0.0) {
             return Err(bad("beta and epsilon must be non-negative".into()));
         }
+        let (pos, neg) = batch.sapo_temperatures;
+        if !(pos > 0.0 && neg > 0.0 && pos.is_finite() && neg.is_finite()) {
+            return Err(bad(format!(
+                "sapo temperatures ({pos}, {neg}) must be above 0"
+            )));
+        }
+        let tokens = completion_lengths.iter().sum::<usize>() as f64;
         let longest = completion_lengths.iter().copied().max().unwrap_or(0);
         let denominators: Vec<f64> = match batch.loss_type {
-            GrpoLossType::Grpo => completion_lengths.iter().map(|&n| (n * g) as f64).collect(),
-            GrpoLossType::Bnpo => vec![completion_lengths.iter().sum::<usize>() as f64; g],
+            GrpoLossType::Grpo | GrpoLossType::Sapo => {
+                completion_lengths.iter().map(|&n| (n * g) as f64).collect()
+            }
+            GrpoLossType::Bnpo => vec![tokens; g],
+            GrpoLossType::Dapo | GrpoLossType::Cispo => {
+                let items = batch.num_items_in_batch.unwrap_or(tokens);
+                if !(items >= tokens && items.is_finite()) {
+                    return Err(bad(format!(
+                        "num_items_in_batch {items} is below this batch's {tokens} completion tokens"
+                    )));
+                }
+                vec![items; g]
+            }
             GrpoLossType::DrGrpo => {
                 let max_len = batch
                     .max_completion_length
@@ -263,6 +320,17 @@ impl Grpo {
             epsilon_low: batch.epsilon_low,
             epsilon_high: batch.epsilon_high,
             temperature: batch.temperature,
+            loss_type: batch.loss_type,
+            bias_corrected_kl: batch.use_bias_correction_kl,
+            sapo_temperatures: Tensor::from_vec(
+                batch
+                    .advantages
+                    .iter()
+                    .map(|&a| if a > 0.0 { pos } else { neg })
+                    .collect::<Vec<_>>(),
+                (g, 1),
+                device,
+            )?,
         })
     }
 
@@ -309,13 +377,31 @@ impl Objective for Grpo {
         let (log_ratio, kl_arg) = self.log_ratios(logp, &cols)?;
         let r = log_ratio.exp()?;
         let a = self.advantages.to_dtype(dt)?;
-        let unclipped = r.broadcast_mul(&a)?;
-        let clipped = r
-            .clamp(1.0 - self.epsilon_low, 1.0 + self.epsilon_high)?
-            .broadcast_mul(&a)?;
-        let mut per_token = unclipped.minimum(&clipped)?.neg()?;
+        let mut per_token = match self.loss_type {
+            GrpoLossType::Cispo => {
+                let capped = r.clamp(f64::NEG_INFINITY, self.epsilon_high)?.detach();
+                (capped.broadcast_mul(&a)? * logp)?.neg()?
+            }
+            GrpoLossType::Sapo => {
+                let tau = self.sapo_temperatures.to_dtype(dt)?;
+                let x = (&r - 1.0)?.broadcast_mul(&tau)?;
+                let gate = (x.neg()?.exp()? + 1.0)?.recip()?;
+                let soft = (gate.broadcast_div(&tau)? * 4.0)?;
+                soft.broadcast_mul(&a)?.neg()?
+            }
+            _ => {
+                let unclipped = r.broadcast_mul(&a)?;
+                let clipped = r
+                    .clamp(1.0 - self.epsilon_low, 1.0 + self.epsilon_high)?
+                    .broadcast_mul(&a)?;
+                unclipped.minimum(&clipped)?.neg()?
+            }
+        };
         if let Some(d) = kl_arg {
-            let kl = ((d.exp()? - &d)? - 1.0)?;
+            let mut kl = ((d.exp()? - &d)? - 1.0)?;
+            if self.bias_corrected_kl {
+                kl = (kl * &r)?;
+            }
             per_token = (per_token + (kl * self.beta)?)?;
         }
         let w = self
@@ -339,17 +425,34 @@ impl Objective for Grpo {
         let r = log_ratio.to_dtype(DType::F64)?.exp()?;
         let a = self.advantages.to_dtype(DType::F64)?;
         let zero = a.zeros_like()?;
-        let low = r
-            .lt(1.0 - self.epsilon_low)?
-            .mul(&a.lt(&zero)?.broadcast_as(r.shape())?)?;
-        let high = r
-            .gt(1.0 + self.epsilon_high)?
-            .mul(&a.gt(&zero)?.broadcast_as(r.shape())?)?;
-        let clipped = (low + high)?.to_dtype(DType::F64)?;
-        let mut out = vec![("clip_ratio".to_string(), masked_mean(&clipped)?)];
+        let positive = a.gt(&zero)?.broadcast_as(r.shape())?;
+        // TRL's clip fractions: the clip region's for the clipped losses, the cap's for cispo (its
+        // `cispo_clip_ratio`), none for sapo.
+        let clipped = match self.loss_type {
+            GrpoLossType::Sapo => None,
+            GrpoLossType::Cispo => Some(r.gt(self.epsilon_high)?.mul(&positive)?),
+            _ => {
+                let low = r
+                    .lt(1.0 - self.epsilon_low)?
+                    .mul(&a.lt(&zero)?.broadcast_as(r.shape())?)?;
+                let high = r.gt(1.0 + self.epsilon_high)?.mul(&positive)?;
+                Some((low + high)?)
+            }
+        };
+        let mut out = Vec::new();
+        if let Some(clipped) = clipped {
+            out.push((
+                "clip_ratio".to_string(),
+                masked_mean(&clipped.to_dtype(DType::F64)?)?,
+            ));
+        }
         if let Some(d) = kl_arg {
             let d = d.to_dtype(DType::F64)?;
-            out.push(("kl".into(), masked_mean(&((d.exp()? - &d)? - 1.0)?)?));
+            let mut kl = ((d.exp()? - &d)? - 1.0)?;
+            if self.bias_corrected_kl {
+                kl = (kl * &r)?;
+            }
+            out.push(("kl".into(), masked_mean(&kl)?));
         }
         Ok(out)
     }

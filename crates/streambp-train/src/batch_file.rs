@@ -141,6 +141,27 @@ struct GrpoFile {
     /// from `logits / temperature` [default: 1].
     #[serde(default = "default_temperature")]
     temperature: f64,
+    /// dapo/cispo: the completion tokens of the whole global batch [default: this batch's].
+    num_items_in_batch: Option<f64>,
+    /// TRL's default: the KL term times the ratio.
+    #[serde(default = "default_true")]
+    use_bias_correction_kl: bool,
+    #[serde(default = "default_sapo_pos")]
+    sapo_temperature_pos: f64,
+    #[serde(default = "default_sapo_neg")]
+    sapo_temperature_neg: f64,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_sapo_pos() -> f64 {
+    1.0
+}
+
+fn default_sapo_neg() -> f64 {
+    1.05
 }
 
 fn default_temperature() -> f64 {
@@ -151,8 +172,9 @@ fn default_epsilon() -> f64 {
     0.2
 }
 
+/// TRL 1.16's default.
 fn default_loss_type() -> String {
-    "grpo".into()
+    "dapo".into()
 }
 
 /// Reads and validates a batch file for a model with `vocab_size` tokens. `reference` supplies
@@ -347,6 +369,9 @@ fn prepare_grpo(
             loss_type: file.loss_type.parse::<GrpoLossType>()?,
             max_completion_length: file.max_completion_length,
             temperature: file.temperature,
+            num_items_in_batch: file.num_items_in_batch,
+            use_bias_correction_kl: file.use_bias_correction_kl,
+            sapo_temperatures: (file.sapo_temperature_pos, file.sapo_temperature_neg),
         },
         vocab_size,
         device,

@@ -131,8 +131,10 @@ pub struct GrpoConfig {
     pub rewards: Vec<String>,
     /// How per-token losses are reduced.
     pub loss_type: GrpoLossType,
-    /// Clipping ε of the probability ratio, on both sides.
+    /// Clipping ε of the probability ratio, below (and above unless `epsilon_high` is given).
     pub epsilon: f64,
+    /// The upper clip `1 + ε_high`, or cispo's cap on the ratio `ε_high` itself [default: ε].
+    pub epsilon_high: Option<f64>,
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first).
     pub num_iterations: usize,
 }
@@ -235,8 +237,10 @@ impl GrpoConfig {
                 max_new_tokens: if builtin { 5 } else { 256 },
             },
             rewards: Vec::new(),
-            loss_type: GrpoLossType::Grpo,
+            // TRL 1.16's default.
+            loss_type: GrpoLossType::Dapo,
             epsilon: 0.2,
+            epsilon_high: None,
             num_iterations: 1,
         }
     }
@@ -711,6 +715,14 @@ impl GrpoConfig {
             self.epsilon,
             "must be a number above 0",
         )?;
+        if let Some(high) = self.epsilon_high {
+            require(
+                high.is_finite() && high > 0.0,
+                "--epsilon-high",
+                high,
+                "must be a number above 0",
+            )?;
+        }
         for spec in &self.rewards {
             crate::rewards::parse_reward(spec)?;
         }

@@ -69,7 +69,12 @@ fn backward(
         }
         "dpo" => ("dpo-batch.json", |_| {}),
         "dpo_sft" => ("dpo-batch.json", |j| j["sft_weight"] = 0.5.into()),
-        "grpo" => ("grpo-batch.json", |_| {}),
+        // The loss the PEFT fixture wrote out (scripts/make_lora_fixtures.py): grpo's reduction,
+        // the plain KL.
+        "grpo" => ("grpo-batch.json", |j| {
+            j["loss_type"] = "grpo".into();
+            j["use_bias_correction_kl"] = false.into();
+        }),
         "dpo_ipo" => ("dpo-batch.json", |j| j["loss_type"] = "ipo".into()),
         "dpo_aot_unpaired" => ("dpo-batch.json", |j| {
             j["loss_type"] = "aot_unpaired".into();

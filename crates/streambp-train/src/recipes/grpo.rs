@@ -2,6 +2,7 @@
 //! score them with the reward functions, normalise rewards within the group into advantages, and take
 //! `num_iterations` optimizer steps on those rollouts (old log-probs fixed before the first one).
 
+use candle_core::Tensor;
 use serde_json::Value;
 use streambp_models::init::NormalRng;
 use streambp_objectives::{Grpo, GrpoBatch};
@@ -24,6 +25,19 @@ use crate::{Result, TrainError};
 
 /// One group of rollouts: the completions of one prompt, collated into right-padded rows (the loss on
 /// the completions), with their rewards and group-relative advantages.
+/// TRL's defaults of `sapo_temperature_pos` and `_neg`.
+const SAPO_TEMPERATURES: (f64, f64) = (1.0, 1.05);
+
+/// The completion tokens of every rank's `pending` rollouts: dapo's and cispo's normaliser.
+fn global_tokens(setup: &Setup, pending: &[Rollouts]) -> Result<f64> {
+    let local: i64 = pending
+        .iter()
+        .flat_map(|r| r.completion_mask.iter().flatten())
+        .sum();
+    let local = Tensor::new(&[local as f64], &setup.device)?;
+    Ok(setup.comm.all_reduce_sum(&local)?.to_vec1::<f64>()?[0])
+}
+
 struct Rollouts {
     rows: Collated,
     /// 1 on completion tokens (the labels that are targets).
@@ -341,8 +355,13 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
             pending = draw_rollouts(&mut trainer, g, &prompts, &rewards, local, step_seed)?;
             first_group = first;
         }
-        // Each group's loss is a mean over its sequences; the step averages every rank's groups.
-        let weight = 1.0 / (pending.len() * setup.comm.world_size()) as f64;
+        // dapo and cispo divide every group's summed loss by the completion tokens of the step's
+        // whole batch (all groups, all ranks: TRL's num_items_in_batch); the other loss types give
+        // each group's mean, which the step averages over every rank's groups.
+        let (weight, num_items) = match g.loss_type.global_normaliser() {
+            true => (1.0, Some(global_tokens(&setup, &pending)?)),
+            false => (1.0 / (pending.len() * setup.comm.world_size()) as f64, None),
+        };
         for (k, r) in pending.iter().enumerate() {
             let t = r.rows.tensors(&setup.device)?;
             let mask = Some(&t.attention_mask);
@@ -364,13 +383,16 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                     ref_logps: ref_logps.as_deref(),
                     beta: cfg.beta,
                     epsilon_low: g.epsilon,
-                    epsilon_high: g.epsilon,
+                    epsilon_high: g.epsilon_high.unwrap_or(g.epsilon),
                     loss_type: g.loss_type,
                     // TRL's `max_completion_length`: a completion, its EOS included, never has
                     // more than `--max-new-tokens` tokens (EOS is not added to a truncated one).
                     max_completion_length: Some(g.sampling.max_new_tokens),
                     // The policy's log-probs at the temperature it sampled with, as TRL's.
                     temperature: g.sampling.temperature,
+                    num_items_in_batch: num_items,
+                    use_bias_correction_kl: true,
+                    sapo_temperatures: SAPO_TEMPERATURES,
                 },
                 model.config.vocab_size,
                 &setup.device,
@@ -425,6 +447,7 @@ impl GrpoConfig {
             ("--max-new-tokens", s.max_new_tokens.into()),
             ("--loss-type", self.loss_type.name().into()),
             ("--epsilon", self.epsilon.into()),
+            ("--epsilon-high", self.epsilon_high.into()),
             ("--reward", rewards.into()),
         ] {
             run.insert(flag.into(), value);
