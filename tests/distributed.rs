@@ -144,20 +144,27 @@ fn dpo_with_nll_on_two_ranks_is_one_process() {
     );
 }
 
+/// GRPO with TRL's default dapo (one normaliser over both ranks' tokens), and with cispo and
+/// rewards scaled by the whole batch's standard deviation (both summed over the ranks).
 #[test]
 fn grpo_on_two_ranks_is_one_process() {
     if !mpi_available() {
         return;
     }
-    assert_two_ranks_match_one(
-        |b| {
-            format!(
-                "grpo --max-steps 4 --batch-size {b} --group-size 4 --num-iterations 2 \
-                 --beta 0.04 --seed 7"
-            )
-        },
-        1,
-    );
+    for extra in [
+        "",
+        " --loss-type cispo --epsilon-high 4 --scale-rewards batch",
+    ] {
+        assert_two_ranks_match_one(
+            |b| {
+                format!(
+                    "grpo --max-steps 4 --batch-size {b} --group-size 4 --num-iterations 2 \
+                     --beta 0.04 --seed 7{extra}"
+                )
+            },
+            1,
+        );
+    }
 }
 
 /// Element counts of each tensor group in a checkpoint's optimizer file(s).

@@ -11,7 +11,10 @@ use streambp_models::load_model;
 use streambp_train::config::{GrpoConfig, Recipe, TrainConfig};
 use streambp_train::grpo::run_grpo;
 use streambp_train::optim::Schedule;
-use streambp_train::rewards::{group_advantages, group_without_signal, parse_reward};
+use streambp_train::rewards::{
+    group_advantages, group_without_signal, parse_reward, scaled_advantages, std_from_sums,
+    ScaleRewards,
+};
 use streambp_train::sampling::{sample_group, SamplingConfig};
 
 #[test]
@@ -57,6 +60,16 @@ fn rewards_and_advantages_follow_trl() {
     let std = (4.0f64 / 3.0 * 0.25).sqrt();
     assert!((a[0] - 0.5 / (std + 1e-4)).abs() < 1e-12);
     assert_eq!(group_advantages(&[1.0, 1.0, 1.0]), vec![0.0, 0.0, 0.0]);
+    // scale_rewards: none leaves the centred rewards; batch divides by the batch's std, here from
+    // its sums as ranks add them up (the same as the group's when the batch is one group).
+    assert_eq!(
+        scaled_advantages(&[1.0, 0.0, 0.0, 1.0], None),
+        vec![0.5, -0.5, -0.5, 0.5]
+    );
+    assert!((std_from_sums(2.0, 2.0, 4.0) - std).abs() < 1e-15);
+    assert_eq!(std_from_sums(3.0, 9.0, 1.0), 0.0);
+    assert_eq!("batch".parse(), Ok(ScaleRewards::Batch));
+    assert!("global".parse::<ScaleRewards>().is_err());
     // TRL's frac_reward_zero_std counts the groups whose rewards are all the same.
     assert!(group_without_signal(&[1.0, 1.0, 1.0]));
     assert!(group_without_signal(&[0.5]));

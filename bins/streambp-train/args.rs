@@ -273,6 +273,10 @@ pub struct GrpoArgs {
     /// cispo) [default: --epsilon].
     #[arg(long, allow_negative_numbers = true)]
     epsilon_high: Option<f64>,
+    /// What each group's rewards less their mean are divided by (+ 1e-4): group (its own standard
+    /// deviation), batch (that of every reward of the step, all ranks) or none [default: group].
+    #[arg(long)]
+    scale_rewards: Option<streambp_train::rewards::ScaleRewards>,
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first) [default: 1].
     #[arg(long)]
     num_iterations: Option<usize>,
@@ -397,6 +401,7 @@ impl GrpoArgs {
             loss_type: self.loss_type.unwrap_or(d.loss_type),
             epsilon: self.epsilon.unwrap_or(d.epsilon),
             epsilon_high: self.epsilon_high.or(d.epsilon_high),
+            scale_rewards: self.scale_rewards.unwrap_or(d.scale_rewards),
             num_iterations: self.num_iterations.unwrap_or(d.num_iterations),
         }
     }

@@ -135,6 +135,8 @@ pub struct GrpoConfig {
     pub epsilon: f64,
     /// The upper clip `1 + ε_high`, or cispo's cap on the ratio `ε_high` itself [default: ε].
     pub epsilon_high: Option<f64>,
+    /// What each group's centred rewards are divided by (TRL's `scale_rewards`).
+    pub scale_rewards: crate::rewards::ScaleRewards,
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first).
     pub num_iterations: usize,
 }
@@ -241,6 +243,7 @@ impl GrpoConfig {
             loss_type: GrpoLossType::Dapo,
             epsilon: 0.2,
             epsilon_high: None,
+            scale_rewards: crate::rewards::ScaleRewards::Group,
             num_iterations: 1,
         }
     }

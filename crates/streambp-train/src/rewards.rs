@@ -145,12 +145,61 @@ pub fn parse_reward(spec: &str) -> Result<Box<dyn Reward>> {
     }
 }
 
+/// What TRL's `scale_rewards` divides a group's centred rewards by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScaleRewards {
+    /// The group's own standard deviation (TRL's default).
+    Group,
+    /// That of every reward of the step's whole batch (all groups, all ranks).
+    Batch,
+    /// Nothing: the advantages are the centred rewards.
+    None,
+}
+
+impl std::str::FromStr for ScaleRewards {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "group" => Ok(Self::Group),
+            "batch" => Ok(Self::Batch),
+            "none" => Ok(Self::None),
+            _ => Err(format!("{s:?}: expected group, batch or none")),
+        }
+    }
+}
+
+impl ScaleRewards {
+    /// TRL's name of it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Group => "group",
+            Self::Batch => "batch",
+            Self::None => "none",
+        }
+    }
+}
+
 /// TRL's group-relative advantages: `(r − mean) / (std + 1e-4)` within the group.
 pub fn group_advantages(rewards: &[f64]) -> Vec<f64> {
+    scaled_advantages(rewards, Some(group_std(rewards)))
+}
+
+/// A group's rewards less their mean, divided by `std + 1e-4` when given (TRL's `scale_rewards`).
+pub fn scaled_advantages(rewards: &[f64], std: Option<f64>) -> Vec<f64> {
     let n = rewards.len() as f64;
     let mean = rewards.iter().sum::<f64>() / n;
-    let std = group_std(rewards);
-    rewards.iter().map(|r| (r - mean) / (std + 1e-4)).collect()
+    let scale = std.map_or(1.0, |s| s + 1e-4);
+    rewards.iter().map(|r| (r - mean) / scale).collect()
+}
+
+/// The unbiased standard deviation of `n` rewards from their sum and sum of squares (so that ranks
+/// can add theirs up); 0 for fewer than two.
+pub fn std_from_sums(sum: f64, sum_squares: f64, n: f64) -> f64 {
+    if n < 2.0 {
+        return 0.0;
+    }
+    let mean = sum / n;
+    ((sum_squares - n * mean * mean).max(0.0) / (n - 1.0)).sqrt()
 }
 
 /// Whether a group's rewards are all the same (TRL's `frac_reward_zero_std` counts such groups):

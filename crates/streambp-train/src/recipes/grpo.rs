@@ -15,7 +15,10 @@ use crate::dataset::DataSource;
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::token_logps;
 use crate::output::temporary;
-use crate::rewards::{group_advantages, group_without_signal, parse_reward, Reward};
+use crate::rewards::{
+    group_advantages, group_without_signal, parse_reward, scaled_advantages, std_from_sums, Reward,
+    ScaleRewards,
+};
 use crate::sampling::sample_group;
 use crate::setup::Setup;
 use crate::token_store::{RecordStore, RecordWriter};
@@ -23,10 +26,19 @@ use crate::tokenizer::Keep;
 use crate::trainer::{Summary, Trainer, TrainingData};
 use crate::{Result, TrainError};
 
-/// One group of rollouts: the completions of one prompt, collated into right-padded rows (the loss on
-/// the completions), with their rewards and group-relative advantages.
 /// TRL's defaults of `sapo_temperature_pos` and `_neg`.
 const SAPO_TEMPERATURES: (f64, f64) = (1.0, 1.05);
+
+/// The standard deviation of every reward of the step's batch, all ranks' groups together (TRL's
+/// `scale_rewards="batch"`).
+fn batch_reward_std(setup: &Setup, batch: &[Rollouts]) -> Result<f64> {
+    let rewards = batch.iter().flat_map(|r| r.rewards.iter());
+    let (sum, squares, n) =
+        rewards.fold((0.0, 0.0, 0.0), |(s, q, n), &r| (s + r, q + r * r, n + 1.0));
+    let local = Tensor::new(&[sum, squares, n], &setup.device)?;
+    let total = setup.comm.all_reduce_sum(&local)?.to_vec1::<f64>()?;
+    Ok(std_from_sums(total[0], total[1], total[2]))
+}
 
 /// The completion tokens of every rank's `pending` rollouts: dapo's and cispo's normaliser.
 fn global_tokens(setup: &Setup, pending: &[Rollouts]) -> Result<f64> {
@@ -38,6 +50,8 @@ fn global_tokens(setup: &Setup, pending: &[Rollouts]) -> Result<f64> {
     Ok(setup.comm.all_reduce_sum(&local)?.to_vec1::<f64>()?[0])
 }
 
+/// One group of rollouts: the completions of one prompt, collated into right-padded rows (the loss on
+/// the completions), with their rewards and group-relative advantages.
 struct Rollouts {
     rows: Collated,
     /// 1 on completion tokens (the labels that are targets).
@@ -264,6 +278,18 @@ fn draw_rollouts(
         }
         batch.push(r);
     }
+    // Each group's advantages were scaled by its own std (TRL's default scale_rewards); the others
+    // replace them.
+    let std = match g.scale_rewards {
+        ScaleRewards::Group => None,
+        ScaleRewards::None => Some(None),
+        ScaleRewards::Batch => Some(Some(batch_reward_std(setup, &batch)?)),
+    };
+    if let Some(std) = std {
+        for r in &mut batch {
+            r.advantages = scaled_advantages(&r.rewards, std);
+        }
+    }
     let completions = (picked.len() * g.group_size) as f64;
     for (r, total) in rewards.iter().zip(&totals) {
         trainer.add_metric(r.name(), total / completions);
@@ -448,6 +474,7 @@ impl GrpoConfig {
             ("--loss-type", self.loss_type.name().into()),
             ("--epsilon", self.epsilon.into()),
             ("--epsilon-high", self.epsilon_high.into()),
+            ("--scale-rewards", self.scale_rewards.name().into()),
             ("--reward", rewards.into()),
         ] {
             run.insert(flag.into(), value);
