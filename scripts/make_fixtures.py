@@ -248,6 +248,7 @@ def dpo_case(model, vocab, gen):
 
 GRPO_TEMPERATURE = 0.7
 CISPO_EPSILON_HIGH = 1.2
+MASKED_ROW = 1
 
 
 def grpo_case(model, vocab, gen):
@@ -270,9 +271,13 @@ def grpo_case(model, vocab, gen):
     beta, eps, max_completion_length = 0.04, 0.2, 8
 
     def trl_loss(loss_type, old_logps, beta, temperature=1.0, bias_correction_kl=True, num_items=None,
-                 eps_high=eps, sapo_pos=1.0, sapo_neg=1.05):
+                 eps_high=eps, sapo_pos=1.0, sapo_neg=1.05, masked_row=None):
         """TRL 1.16's GRPOTrainer._compute_loss (token-level importance sampling, one process, one
         accumulation step: `num_items` stands for the global batch's completion tokens)."""
+        mask = completion_mask[:, 1:].to(F64)
+        if masked_row is not None:  # mask_truncated_completions: that completion leaves the loss
+            mask = mask.clone()
+            mask[masked_row] = 0
         # TRL's _get_per_token_logps_and_entropies: logits / temperature, then the log-softmax.
         logits = model(input_ids=ids, attention_mask=attention_mask).logits / temperature
         per_token_logps = token_logps(logits, ids)
@@ -332,6 +337,9 @@ def grpo_case(model, vocab, gen):
         # Sampled at temperature 0.7: the policy's log-probs at 0.7 too (the batch's old and
         # reference log-probs are given as they are).
         "temperature": ("grpo", old, beta, {"temperature": GRPO_TEMPERATURE}),
+        # A truncated completion masked out (mask_truncated_completions): its row counts in grpo's
+        # mean over sequences with nothing in it.
+        "masked_row": ("grpo", old, beta, {"masked_row": MASKED_ROW}),
     }
     for name, (loss_type, old_logps, b, extra) in variants.items():
         model.zero_grad()

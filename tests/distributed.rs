@@ -144,8 +144,10 @@ fn dpo_with_nll_on_two_ranks_is_one_process() {
     );
 }
 
-/// GRPO with TRL's default dapo (one normaliser over both ranks' tokens), and with cispo and
-/// rewards scaled by the whole batch's standard deviation (both summed over the ranks).
+/// GRPO with TRL's default dapo (one normaliser over both ranks' tokens); with cispo and rewards
+/// scaled by the whole batch's standard deviation (both summed over the ranks); and with truncated
+/// completions masked out of completions of at most 2 tokens (groups left without any run at
+/// weight 0, so the ranks' calls stay paired).
 #[test]
 fn grpo_on_two_ranks_is_one_process() {
     if !mpi_available() {
@@ -154,6 +156,7 @@ fn grpo_on_two_ranks_is_one_process() {
     for extra in [
         "",
         " --loss-type cispo --epsilon-high 4 --scale-rewards batch",
+        " --mask-truncated-completions --max-new-tokens 2",
     ] {
         assert_two_ranks_match_one(
             |b| {

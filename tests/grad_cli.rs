@@ -351,11 +351,18 @@ fn bad_dpo_and_grpo_batches_are_clear_errors() {
     smoothing["label_smoothing"] = 0.1.into();
     cases.push((smoothing, "label_smoothing needs loss_type"));
 
+    // One row without completion tokens is allowed (TRL's masked truncated completions), none at
+    // all is not.
     let mut empty = fixture_batch("qwen2", "grpo-batch.json");
-    for v in empty["completion_mask"][2].as_array_mut().unwrap() {
-        *v = 0.into();
+    for row in empty["completion_mask"].as_array_mut().unwrap() {
+        for v in row.as_array_mut().unwrap() {
+            *v = 0.into();
+        }
     }
-    cases.push((empty, "completion_mask row 2 has no completion token"));
+    cases.push((
+        empty,
+        "completion_mask marks no completion token in any row",
+    ));
 
     let mut short = fixture_batch("qwen2", "grpo-batch.json");
     short["old_logps"][1].as_array_mut().unwrap().pop();

@@ -277,6 +277,10 @@ pub struct GrpoArgs {
     /// deviation), batch (that of every reward of the step, all ranks) or none [default: group].
     #[arg(long)]
     scale_rewards: Option<streambp_train::rewards::ScaleRewards>,
+    /// Leave completions cut at --max-new-tokens (no EOS) out of the loss; their rewards still
+    /// count in their group's advantages, as in TRL.
+    #[arg(long)]
+    mask_truncated_completions: bool,
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first) [default: 1].
     #[arg(long)]
     num_iterations: Option<usize>,
@@ -402,6 +406,7 @@ impl GrpoArgs {
             epsilon: self.epsilon.unwrap_or(d.epsilon),
             epsilon_high: self.epsilon_high.or(d.epsilon_high),
             scale_rewards: self.scale_rewards.unwrap_or(d.scale_rewards),
+            mask_truncated_completions: self.mask_truncated_completions,
             num_iterations: self.num_iterations.unwrap_or(d.num_iterations),
         }
     }

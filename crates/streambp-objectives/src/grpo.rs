@@ -213,13 +213,14 @@ impl Grpo {
                     "completion_mask row {b} marks position 0, which has no preceding logits"
                 )));
             }
-            let n = row.iter().filter(|&&m| m == 1).count();
-            if n == 0 {
-                return Err(bad(format!(
-                    "completion_mask row {b} has no completion token"
-                )));
-            }
-            completion_lengths.push(n);
+            // A row without completion tokens adds nothing (TRL's mask_truncated_completions
+            // leaves such rows); a batch without any is refused.
+            completion_lengths.push(row.iter().filter(|&&m| m == 1).count());
+        }
+        if completion_lengths.iter().all(|&n| n == 0) {
+            return Err(bad(
+                "completion_mask marks no completion token in any row".into()
+            ));
         }
         for (name, arr) in [
             ("old_logps", batch.old_logps),
@@ -262,9 +263,11 @@ impl Grpo {
         let tokens = completion_lengths.iter().sum::<usize>() as f64;
         let longest = completion_lengths.iter().copied().max().unwrap_or(0);
         let denominators: Vec<f64> = match batch.loss_type {
-            GrpoLossType::Grpo | GrpoLossType::Sapo => {
-                completion_lengths.iter().map(|&n| (n * g) as f64).collect()
-            }
+            // TRL's `mask.sum(-1).clamp(min=1.0)`.
+            GrpoLossType::Grpo | GrpoLossType::Sapo => completion_lengths
+                .iter()
+                .map(|&n| (n.max(1) * g) as f64)
+                .collect(),
             GrpoLossType::Bnpo => vec![tokens; g],
             GrpoLossType::Dapo | GrpoLossType::Cispo => {
                 let items = batch.num_items_in_batch.unwrap_or(tokens);

@@ -137,6 +137,9 @@ pub struct GrpoConfig {
     pub epsilon_high: Option<f64>,
     /// What each group's centred rewards are divided by (TRL's `scale_rewards`).
     pub scale_rewards: crate::rewards::ScaleRewards,
+    /// Completions cut at `max_new_tokens` (no EOS) leave the loss (TRL's
+    /// `mask_truncated_completions`).
+    pub mask_truncated_completions: bool,
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first).
     pub num_iterations: usize,
 }
@@ -244,6 +247,7 @@ impl GrpoConfig {
             epsilon: 0.2,
             epsilon_high: None,
             scale_rewards: crate::rewards::ScaleRewards::Group,
+            mask_truncated_completions: false,
             num_iterations: 1,
         }
     }

@@ -206,6 +206,16 @@ fn grpo_matches_full_backward_and_reference_for_each_loss_type() {
                 j["temperature"] = 0.7.into();
             }),
         ),
+        // A masked truncated completion: row 1 without completion tokens.
+        (
+            "masked_row",
+            Box::new(|j| {
+                j["loss_type"] = "grpo".into();
+                for v in j["completion_mask"][1].as_array_mut().unwrap() {
+                    *v = 0.into();
+                }
+            }),
+        ),
     ];
     for family in FAMILIES {
         let r = reference(family);

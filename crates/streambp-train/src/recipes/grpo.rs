@@ -214,6 +214,11 @@ fn rollout(
     })?;
     let mut scores = Vec::with_capacity(completions.len());
     let mut examples = Vec::with_capacity(completions.len());
+    // Cut at --max-new-tokens: no EOS (one that stopped on EOS is shorter before it is added).
+    let truncated: Vec<bool> = completions
+        .iter()
+        .map(|c| c.len() >= g.sampling.max_new_tokens)
+        .collect();
     for c in completions {
         let text = tok.decode(&c)?;
         let mut total = 0.0;
@@ -230,8 +235,18 @@ fn rollout(
         examples.push(Example::from_pair(prompt.ids.clone(), completion));
     }
     let rows = collate(&examples.iter().collect::<Vec<_>>(), tok.pad_id);
+    let mut completion_mask = rows.target_mask();
+    if g.mask_truncated_completions {
+        for (row, _) in completion_mask
+            .iter_mut()
+            .zip(&truncated)
+            .filter(|(_, &t)| t)
+        {
+            row.iter_mut().for_each(|m| *m = 0);
+        }
+    }
     Ok(Rollouts {
-        completion_mask: rows.target_mask(),
+        completion_mask,
         lengths: examples
             .iter()
             .map(|e| e.input_ids.len() - prompt.ids.len())
@@ -400,10 +415,21 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 )?),
                 None => None,
             };
+            // A group whose every completion was masked out (truncated) adds nothing; it still
+            // runs, its completions unmasked at weight 0, so that every rank makes the same calls.
+            let unmasked;
+            let (completion_mask, weight, num_items) =
+                match r.completion_mask.iter().flatten().any(|&m| m == 1) {
+                    true => (&r.completion_mask, weight, num_items),
+                    false => {
+                        unmasked = r.rows.target_mask();
+                        (&unmasked, 0.0, None)
+                    }
+                };
             let objective = Grpo::new(
                 &GrpoBatch {
                     input_ids: &r.rows.input_ids,
-                    completion_mask: &r.completion_mask,
+                    completion_mask,
                     advantages: &r.advantages,
                     old_logps: r.old_logps.as_deref(),
                     ref_logps: ref_logps.as_deref(),
@@ -475,6 +501,10 @@ impl GrpoConfig {
             ("--epsilon", self.epsilon.into()),
             ("--epsilon-high", self.epsilon_high.into()),
             ("--scale-rewards", self.scale_rewards.name().into()),
+            (
+                "--mask-truncated-completions",
+                self.mask_truncated_completions.into(),
+            ),
             ("--reward", rewards.into()),
         ] {
             run.insert(flag.into(), value);
