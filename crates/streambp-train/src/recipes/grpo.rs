@@ -2,12 +2,14 @@
 //! score them with the reward functions, normalise rewards within the group into advantages, and take
 //! `num_iterations` optimizer steps on those rollouts (old log-probs fixed before the first one).
 
+use std::time::Instant;
+
 use candle_core::Tensor;
 use serde_json::Value;
 use streambp_models::init::NormalRng;
 use streambp_objectives::{Grpo, GrpoBatch};
 
-use crate::batch::{collate, Collated};
+use crate::batch::{collate, padded, Collated};
 use crate::checkpoint::{Digest, Fingerprint, RunRecord};
 use crate::config::{GrpoConfig, Recipe, TrainConfig};
 use crate::data::{text_field, Example, LoadReport, Overflow, Row, Text};
@@ -40,6 +42,45 @@ fn batch_reward_std(setup: &Setup, batch: &[Rollouts]) -> Result<f64> {
     Ok(std_from_sums(total[0], total[1], total[2]))
 }
 
+/// One micro-batch's groups as one batch of rows (`--batch-size` prompts' groups: one backward, as
+/// TRL's micro-batch), right-padded to the longest row; masks and log-probs padded with 0.
+struct MicroBatch {
+    rows: Collated,
+    completion_mask: Vec<Vec<i64>>,
+    advantages: Vec<f64>,
+    old_logps: Option<Vec<Vec<f64>>>,
+}
+
+impl MicroBatch {
+    fn of(groups: &[Rollouts], pad_id: u32) -> Self {
+        let examples: Vec<&Example> = groups.iter().flat_map(|g| &g.examples).collect();
+        let rows = collate(&examples, pad_id);
+        let t = rows.input_ids.first().map_or(0, Vec::len);
+        let completion_mask = groups
+            .iter()
+            .flat_map(|g| &g.completion_mask)
+            .map(|r| padded(r, t, 0))
+            .collect();
+        // Old log-probs are kept for every group of a step or for none.
+        let old_logps = groups
+            .iter()
+            .map(|g| g.old_logps.as_ref())
+            .collect::<Option<Vec<_>>>()
+            .map(|olds| {
+                olds.into_iter()
+                    .flatten()
+                    .map(|r| padded(r, t, 0.0))
+                    .collect()
+            });
+        Self {
+            completion_mask,
+            advantages: groups.iter().flat_map(|g| g.advantages.clone()).collect(),
+            old_logps,
+            rows,
+        }
+    }
+}
+
 /// The completion tokens of every rank's `pending` rollouts: dapo's and cispo's normaliser.
 fn global_tokens(setup: &Setup, pending: &[Rollouts]) -> Result<f64> {
     let local: i64 = pending
@@ -53,6 +94,9 @@ fn global_tokens(setup: &Setup, pending: &[Rollouts]) -> Result<f64> {
 /// One group of rollouts: the completions of one prompt, collated into right-padded rows (the loss on
 /// the completions), with their rewards and group-relative advantages.
 struct Rollouts {
+    /// The prompt and completion of each row (collated again with the other groups of its
+    /// micro-batch).
+    examples: Vec<Example>,
     rows: Collated,
     /// 1 on completion tokens (the labels that are targets).
     completion_mask: Vec<Vec<i64>>,
@@ -251,6 +295,7 @@ fn rollout(
             .iter()
             .map(|e| e.input_ids.len() - prompt.ids.len())
             .collect(),
+        examples,
         rows,
         advantages: group_advantages(&scores),
         rewards: scores,
@@ -393,45 +438,62 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
             let (mine, first) = trainer.local(&picked);
             let (mine, step_seed) = (mine.to_vec(), step);
             let local = (mine.as_slice(), first);
+            let start = Instant::now();
             pending = draw_rollouts(&mut trainer, g, &prompts, &rewards, local, step_seed)?;
+            // Sampling, rewards and (with several iterations) the old policy's log-probs.
+            trainer.add_metric("time/rollouts", start.elapsed().as_secs_f64());
             first_group = first;
         }
-        // dapo and cispo divide every group's summed loss by the completion tokens of the step's
-        // whole batch (all groups, all ranks: TRL's num_items_in_batch); the other loss types give
-        // each group's mean, which the step averages over every rank's groups.
+        let (mut scoring, mut backward) = (0.0, 0.0);
+        // One backward per micro-batch of --batch-size prompts' groups. dapo and cispo divide
+        // its summed loss by the completion tokens of the step's whole batch (all micro-batches,
+        // all ranks: TRL's num_items_in_batch); the other loss types give the micro-batch's mean,
+        // which the step averages over every rank's micro-batches.
+        let micro_batches: Vec<MicroBatch> = pending
+            .chunks(cfg.batch_size.max(1))
+            .map(|groups| MicroBatch::of(groups, setup.tokenizer.pad_id))
+            .collect();
         let (weight, num_items) = match g.loss_type.global_normaliser() {
             true => (1.0, Some(global_tokens(&setup, &pending)?)),
-            false => (1.0 / (pending.len() * setup.comm.world_size()) as f64, None),
+            false => (
+                1.0 / (micro_batches.len() * setup.comm.world_size()) as f64,
+                None,
+            ),
         };
-        for (k, r) in pending.iter().enumerate() {
-            let t = r.rows.tensors(&setup.device)?;
+        let mut first_row = first_group * g.group_size;
+        for m in &micro_batches {
+            let t = m.rows.tensors(&setup.device)?;
             let mask = Some(&t.attention_mask);
+            let start = Instant::now();
             let ref_logps = match &mut reference_scores {
                 Some(score) => Some(token_logps(
                     score,
                     (&t.input_ids, mask),
-                    &r.rows.input_ids,
+                    &m.rows.input_ids,
                     g.sampling.temperature,
                 )?),
                 None => None,
             };
-            // A group whose every completion was masked out (truncated) adds nothing; it still
-            // runs, its completions unmasked at weight 0, so that every rank makes the same calls.
+            scoring += start.elapsed().as_secs_f64();
+            let start = Instant::now();
+            // A micro-batch whose every completion was masked out (truncated) adds nothing; it
+            // still runs, its completions unmasked at weight 0, so that every rank makes the same
+            // calls.
             let unmasked;
             let (completion_mask, weight, num_items) =
-                match r.completion_mask.iter().flatten().any(|&m| m == 1) {
-                    true => (&r.completion_mask, weight, num_items),
+                match m.completion_mask.iter().flatten().any(|&v| v == 1) {
+                    true => (&m.completion_mask, weight, num_items),
                     false => {
-                        unmasked = r.rows.target_mask();
+                        unmasked = m.rows.target_mask();
                         (&unmasked, 0.0, None)
                     }
                 };
             let objective = Grpo::new(
                 &GrpoBatch {
-                    input_ids: &r.rows.input_ids,
+                    input_ids: &m.rows.input_ids,
                     completion_mask,
-                    advantages: &r.advantages,
-                    old_logps: r.old_logps.as_deref(),
+                    advantages: &m.advantages,
+                    old_logps: m.old_logps.as_deref(),
                     ref_logps: ref_logps.as_deref(),
                     beta: cfg.beta,
                     epsilon_low: g.epsilon,
@@ -449,9 +511,14 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 model.config.vocab_size,
                 &setup.device,
             )?;
-            let group = (first_group + k, 0);
-            trainer.backward(t.batch(), &objective, group, r.rows.tokens(), weight)?;
+            // Dropout masks by each row's place in the step, whatever the ranks and micro-batches.
+            let place = (0, first_row);
+            first_row += m.advantages.len();
+            trainer.backward(t.batch(), &objective, place, m.rows.tokens(), weight)?;
+            backward += start.elapsed().as_secs_f64();
         }
+        trainer.add_metric("time/reference", scoring);
+        trainer.add_metric("time/backward", backward);
         let metrics = trainer.finish_step()?;
         if fresh {
             let metric = |name: &str| metrics.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
