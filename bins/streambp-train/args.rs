@@ -58,8 +58,8 @@ pub struct TrainArgs {
     /// command line override it.
     #[arg(long, value_name = "FILE.toml")]
     config: Option<PathBuf>,
-    /// Model directory (HF format) or hub id [default: the built-in tiny model: random init for sft and
-    /// grpo, the shipped SFT checkpoint of the task for dpo].
+    /// Model directory (HF format) or hub id [default: the built-in tiny model: random init for sft,
+    /// the shipped SFT checkpoint of the task for dpo and grpo].
     #[arg(long)]
     pub model: Option<String>,
     /// Training data in TRL's formats (sft: messages, prompt/completion or text; dpo:
@@ -92,30 +92,30 @@ pub struct TrainArgs {
     /// directory is refused, unless --resume continues that run).
     #[arg(long)]
     overwrite_output_dir: bool,
-    /// Optimizer steps [default: --epochs over the data; built-in task: sft 600, dpo 300, grpo 60].
+    /// Optimizer steps [default: --epochs over the data; built-in task: sft 600, dpo 300, grpo 300].
     #[arg(long)]
     max_steps: Option<usize>,
     /// Passes over the data when --max-steps is not given (above 0) [default: 1].
     #[arg(long, allow_negative_numbers = true)]
     epochs: Option<f64>,
     /// Sequences per micro-batch (dpo: pairs, grpo: prompts) [default: 8; built-in task: sft 64, dpo
-    /// 32, grpo 8].
+    /// 32, grpo 32].
     #[arg(long)]
     batch_size: Option<usize>,
     /// Micro-batches per optimizer step (the loss is normalised over all their target tokens)
     /// [default: 1].
     #[arg(long)]
     grad_accum: Option<usize>,
-    /// Peak learning rate, above 0 [default: 2e-5; built-in task: sft 5e-3, dpo 2e-4, grpo 2e-3].
+    /// Peak learning rate, above 0 [default: 2e-5; built-in task: sft 5e-3, dpo 2e-4, grpo 3e-5].
     #[arg(long, allow_negative_numbers = true)]
     lr: Option<f64>,
     /// AdamW's decoupled weight decay (at least 0; not on biases and norms) [default: 0].
     #[arg(long, allow_negative_numbers = true)]
     weight_decay: Option<f64>,
-    /// Warmup steps [default: 0; built-in task: 20].
+    /// Warmup steps [default: 0; built-in task: sft and dpo 20].
     #[arg(long)]
     warmup_steps: Option<usize>,
-    /// cosine, linear or constant [default: cosine].
+    /// cosine, linear or constant [default: cosine; built-in grpo: constant].
     #[arg(long)]
     schedule: Option<Schedule>,
     /// Global gradient-norm clip (0: off) [default: 1].

@@ -376,7 +376,8 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     let builtin = cfg.data.is_none();
     let reward_specs: Vec<String> = match (g.rewards.is_empty(), builtin) {
         (false, _) => g.rewards.clone(),
-        (true, true) => vec!["exact:completion".into(), "format:[0-9]+".into()],
+        // The built-in task's answers: exactly right or not.
+        (true, true) => vec!["exact:completion".into()],
         (true, false) => {
             return Err(TrainError::flag(
                 "--reward",

@@ -111,11 +111,16 @@ static RECIPES: [RecipeFacts; 3] = [
         flags: &["--beta"],
         // The KL weight is 0 by default, as in TRL.
         beta: Beta::NonNegative(0.0),
-        // 8 prompts a step, a quicker learning rate.
+        // Refines the shipped SFT checkpoint on the exact-answer reward (measured to raise held-out
+        // exact match, as TRL's GRPOTrainer does on the same settings): 32 prompts a step, a small
+        // constant learning rate.
         builtin: |task| TrainConfig {
-            max_steps: Some(60),
-            batch_size: 8,
-            lr: 2e-3,
+            builtin_model: BuiltinModel::Sft,
+            max_steps: Some(300),
+            batch_size: 32,
+            lr: 3e-5,
+            warmup_steps: 0,
+            schedule: crate::optim::Schedule::Constant,
             ..task
         },
         // GRPO's own settings (group, sampling, loss) are recorded by its loop.
