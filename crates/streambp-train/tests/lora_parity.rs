@@ -75,6 +75,17 @@ fn backward(
             j["loss_type"] = "grpo".into();
             j["use_bias_correction_kl"] = false.into();
         }),
+        // TRL 1.16's other GRPO losses (bias-corrected KL), at a sampling temperature.
+        "grpo_dapo" => ("grpo-batch.json", |j| {
+            j["loss_type"] = "dapo".into();
+            j["num_items_in_batch"] = 40.into();
+            j["temperature"] = 0.7.into();
+        }),
+        "grpo_cispo" => ("grpo-batch.json", |j| {
+            j["loss_type"] = "cispo".into();
+            j["epsilon_high"] = 1.2.into();
+        }),
+        "grpo_sapo" => ("grpo-batch.json", |j| j["loss_type"] = "sapo".into()),
         "dpo_ipo" => ("dpo-batch.json", |j| j["loss_type"] = "ipo".into()),
         "dpo_aot_unpaired" => ("dpo-batch.json", |j| {
             j["loss_type"] = "aot_unpaired".into();
@@ -201,12 +212,20 @@ fn dropout_stays_exact_in_every_mode() {
 }
 
 /// DPO's other loss types on the adapters (IPO's length averaging, aot's batch-wide sorts, a weighted
-/// list with the NLL term), with dropout: every mode and chunking equals the full backward.
+/// list with the NLL term) and GRPO's (dapo at temperature 0.7, cispo, sapo), with dropout: every
+/// mode and chunking equals the full backward.
 #[test]
 fn dpo_loss_types_stay_exact_with_lora() {
     for family in FAMILIES {
         let model = lora_model(family, 0.3);
-        for objective in ["dpo_ipo", "dpo_aot_unpaired", "dpo_list"] {
+        for objective in [
+            "dpo_ipo",
+            "dpo_aot_unpaired",
+            "dpo_list",
+            "grpo_dapo",
+            "grpo_cispo",
+            "grpo_sapo",
+        ] {
             let key = Some(5);
             let full = backward(&model, family, objective, Mode::Full, (1, 1), key);
             for (mode, chunk, logits_chunk) in RUNS {
