@@ -328,8 +328,9 @@ def grpo_case(model, vocab, gen):
         "grpo": ("grpo", old, beta, {}),
         "bnpo": ("bnpo", old, beta, {}),
         "dr_grpo": ("dr_grpo", old, beta, {}),
-        # dapo's normaliser is the whole global batch's tokens: as if this were half of it.
-        "dapo": ("dapo", old, beta, {"num_items": 2 * tokens}),
+        # dapo's normaliser is the whole global batch's tokens: as if this were a third of it (not
+        # half: 2 x 16 tokens would equal dr_grpo's 4 completions x 8 and hide a swapped normaliser).
+        "dapo": ("dapo", old, beta, {"num_items": 3 * tokens}),
         "cispo": ("cispo", old, beta, {"eps_high": CISPO_EPSILON_HIGH}),
         "sapo": ("sapo", old, beta, {}),
         "plain_kl": ("grpo", old, beta, {"bias_correction_kl": False}),

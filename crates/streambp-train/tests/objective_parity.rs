@@ -176,12 +176,12 @@ fn grpo_matches_full_backward_and_reference_for_each_loss_type() {
         ("grpo", loss_type("grpo")),
         ("bnpo", loss_type("bnpo")),
         ("dr_grpo", loss_type("dr_grpo")),
-        // dapo divides by the global batch's tokens: as if this were half of it.
+        // dapo divides by the global batch's tokens: as if this were a third of it.
         (
             "dapo",
             Box::new(move |j| {
                 j["loss_type"] = "dapo".into();
-                j["num_items_in_batch"] = (2.0 * tokens(j)).into();
+                j["num_items_in_batch"] = (3.0 * tokens(j)).into();
             }),
         ),
         (
