@@ -18,7 +18,7 @@
 //!
 //! Files: this one (the entry points, phase 1 and the phases' order, `full`), `head.rs` (phase 2),
 //! `layers.rs` (a layer's chunked forward, phases 3 and 4), `grad_sink.rs` (where parameter
-//! gradients accumulate).
+//! gradients accumulate), `store.rs` (where phase 1's stored checkpoints wait: device, host, disk).
 
 mod grad_sink;
 mod head;
