@@ -2,7 +2,8 @@
 //! default), host memory (`offload_checkpoints`), or a scratch file on disk (`checkpoint_dir`).
 //!
 //! They are pushed in layer order and popped in reverse, so the disk tier is one file written front
-//! to back and read back to front. The file is reserved at its full size before the forward writes
+//! to back and read back to front; while a checkpoint's layers run their backward, the one before it
+//! is read on a thread of its own (one checkpoint's bytes more in memory, the disk's time hidden). The file is reserved at its full size before the forward writes
 //! anything (a full disk is an error naming the directory and the bytes, before any work is lost),
 //! and unlinked as soon as it is created: the kernel frees its blocks when the step ends or the
 //! process dies, even by `kill -9`, so no scratch file is ever left behind.
@@ -37,8 +38,18 @@ enum Place {
     Device,
     /// Copied to host memory.
     Host,
-    /// Written to this file (unlinked), `next` bytes in.
-    Disk { file: std::fs::File, next: u64 },
+    /// Written to this file (unlinked), `next` bytes in; the read ahead of the next entry to pop.
+    Disk {
+        file: std::fs::File,
+        next: u64,
+        ahead: Option<ReadAhead>,
+    },
+}
+
+/// An entry's bytes being read on a thread of its own.
+struct ReadAhead {
+    offset: u64,
+    bytes: std::thread::JoinHandle<std::io::Result<Vec<u8>>>,
 }
 
 enum Entry {
@@ -61,6 +72,7 @@ impl CheckpointStore {
                 Place::Disk {
                     file: scratch_file(dir, bytes)?,
                     next: 0,
+                    ahead: None,
                 }
             }
             None if host => Place::Host,
@@ -78,7 +90,7 @@ impl CheckpointStore {
         let entry = match &mut self.place {
             Place::Device => Entry::Tensor(t.clone()),
             Place::Host => Entry::Tensor(t.to_device(&Device::Cpu)?),
-            Place::Disk { file, next } => {
+            Place::Disk { file, next, .. } => {
                 let start = Instant::now();
                 let bytes = to_bytes(t)?;
                 write_at(file, &bytes, *next)?;
@@ -111,21 +123,51 @@ impl CheckpointStore {
                 shape,
                 dtype,
             } => {
-                let Place::Disk { file, .. } = &self.place else {
+                let Place::Disk { file, ahead, .. } = &mut self.place else {
                     return Err(EngineError::CheckpointIo(
                         "a checkpoint on disk in a store without a file".into(),
                     ));
                 };
                 let start = Instant::now();
-                let mut buf = vec![0u8; bytes];
-                read_at(file, &mut buf, offset)?;
+                let buf = match ahead.take() {
+                    Some(read) if read.offset == offset => read
+                        .bytes
+                        .join()
+                        .map_err(|_| EngineError::CheckpointIo("the read-ahead panicked".into()))?
+                        .map_err(|e| EngineError::CheckpointIo(format!("reading ahead: {e}")))?,
+                    _ => {
+                        let mut buf = vec![0u8; bytes];
+                        read_at(file, &mut buf, offset)?;
+                        buf
+                    }
+                };
                 let t = Tensor::from_raw_buffer(&buf, dtype, shape.dims(), device)?;
                 self.io.read += bytes as u64;
                 self.io.seconds += start.elapsed().as_secs_f64();
                 t
             }
         };
+        self.read_ahead()?;
         Ok(Some(t))
+    }
+
+    /// Starts reading the next entry to pop, when it is on disk.
+    fn read_ahead(&mut self) -> Result<()> {
+        let (Place::Disk { file, ahead, .. }, Some(&Entry::OnDisk { offset, bytes, .. })) =
+            (&mut self.place, self.entries.last())
+        else {
+            return Ok(());
+        };
+        let file = file
+            .try_clone()
+            .map_err(|e| EngineError::CheckpointIo(format!("reading ahead: {e}")))?;
+        let bytes = std::thread::spawn(move || {
+            use std::os::unix::fs::FileExt;
+            let mut buf = vec![0u8; bytes];
+            file.read_exact_at(&mut buf, offset).map(|_| buf)
+        });
+        *ahead = Some(ReadAhead { offset, bytes });
+        Ok(())
     }
 
     /// What this store moved to and from disk so far.

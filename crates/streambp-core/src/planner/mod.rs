@@ -300,8 +300,10 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // and the device holds the last output, then the segment in flight.
     let hidden = b * t * d * e;
     let counts = checkpoint_counts(layers, p.checkpoint_every as u64);
+    // On the CPU only the disk tier offloads; its read-ahead holds the next checkpoint's bytes.
+    let read_ahead = u64::from(p.offloaded && p.host);
     let (forward_checkpoints, head_checkpoints, layer_checkpoints) = match p.offloaded {
-        true => (hidden, hidden, counts.segment * hidden),
+        true => (hidden, hidden, (counts.segment + read_ahead) * hidden),
         false => (
             counts.forward * hidden,
             counts.head * hidden,
