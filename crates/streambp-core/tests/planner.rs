@@ -317,25 +317,32 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
     assert!(plan_for_budget(c.problem(&cfg, None), 1 << 20).is_err());
     assert!(failures.is_empty(), "cost model off: {failures:#?}");
 
-    // 3. Offloaded checkpoints leave the device: the head and the layers hold one `[T, d]` state.
+    // 3. Offloaded checkpoints leave an accelerator: the head and the layers hold one `[T, d]`
+    // state; on the host (the disk tier) the layers hold one more, the checkpoint read ahead.
     let chunks = Chunks {
         chunk: 128,
         logits_chunk: 100,
     };
-    let kept = estimate(c.problem(&cfg, None), chunks);
-    let offloaded = estimate(
-        Problem {
-            offloaded: true,
-            ..c.problem(&cfg, None)
-        },
-        chunks,
-    );
     let hidden = (c.t * cfg.hidden_size * 4) as u64;
     let layers = cfg.num_layers() as u64;
-    assert_eq!(kept.head_phase - offloaded.head_phase, layers * hidden);
-    assert_eq!(
-        kept.layer_phase - offloaded.layer_phase,
-        (layers - 1) * hidden
-    );
-    assert_eq!(kept.embedding_phase, offloaded.embedding_phase);
+    for (host, read_ahead) in [(false, 0), (true, 1)] {
+        let kept = Problem {
+            host,
+            ..c.problem(&cfg, None)
+        };
+        let offloaded = estimate(
+            Problem {
+                offloaded: true,
+                ..kept
+            },
+            chunks,
+        );
+        let kept = estimate(kept, chunks);
+        assert_eq!(kept.head_phase - offloaded.head_phase, layers * hidden);
+        assert_eq!(
+            kept.layer_phase - offloaded.layer_phase,
+            (layers - 1 - read_ahead) * hidden
+        );
+        assert_eq!(kept.embedding_phase, offloaded.embedding_phase);
+    }
 }
