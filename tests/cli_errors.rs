@@ -83,6 +83,7 @@ const CASES: &[Case] = &[
     case("sft --checkpoint-every 0", 2, "a number of layers (at least 1) or `sqrt`"),
     case("grpo --scale-rewards x", 2, "expected group, batch or none"),
     case("grpo --epsilon-high 0", 2, "--epsilon-high 0: must be a number above 0"),
+    case("grpo --sapo-temperature-neg -1", 2, "--sapo-temperature-neg -1: must be a number above 0"),
     case("grpo --loss-type gspo", 2, "expected one of grpo, bnpo, dr_grpo, dapo, cispo, sapo"),
     case("sft --checkpoint-every x", 2, "a number of layers (at least 1) or `sqrt`"),
     case("sft --host-memory-budget 1GiB", 2, "--host-memory-budget 1073741824: needs --memory-budget"),

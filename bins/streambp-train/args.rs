@@ -281,6 +281,12 @@ pub struct GrpoArgs {
     /// count in their group's advantages, as in TRL.
     #[arg(long)]
     mask_truncated_completions: bool,
+    /// sapo's gate temperature where the advantage is positive [default: 1.0, as TRL's].
+    #[arg(long, allow_negative_numbers = true)]
+    sapo_temperature_pos: Option<f64>,
+    /// sapo's gate temperature where the advantage is not positive [default: 1.05, as TRL's].
+    #[arg(long, allow_negative_numbers = true)]
+    sapo_temperature_neg: Option<f64>,
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first) [default: 1].
     #[arg(long)]
     num_iterations: Option<usize>,
@@ -407,6 +413,10 @@ impl GrpoArgs {
             epsilon_high: self.epsilon_high.or(d.epsilon_high),
             scale_rewards: self.scale_rewards.unwrap_or(d.scale_rewards),
             mask_truncated_completions: self.mask_truncated_completions,
+            sapo_temperatures: (
+                self.sapo_temperature_pos.unwrap_or(d.sapo_temperatures.0),
+                self.sapo_temperature_neg.unwrap_or(d.sapo_temperatures.1),
+            ),
             num_iterations: self.num_iterations.unwrap_or(d.num_iterations),
         }
     }

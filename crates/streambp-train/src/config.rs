@@ -140,6 +140,9 @@ pub struct GrpoConfig {
     /// Completions cut at `max_new_tokens` (no EOS) leave the loss (TRL's
     /// `mask_truncated_completions`).
     pub mask_truncated_completions: bool,
+    /// sapo's gate temperatures for positive and negative advantages (TRL's
+    /// `sapo_temperature_pos` / `_neg`: 1.0 and 1.05).
+    pub sapo_temperatures: (f64, f64),
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first).
     pub num_iterations: usize,
 }
@@ -248,6 +251,7 @@ impl GrpoConfig {
             epsilon_high: None,
             scale_rewards: crate::rewards::ScaleRewards::Group,
             mask_truncated_completions: false,
+            sapo_temperatures: (1.0, 1.05),
             num_iterations: 1,
         }
     }
@@ -722,6 +726,17 @@ impl GrpoConfig {
             self.epsilon,
             "must be a number above 0",
         )?;
+        for (flag, value) in [
+            ("--sapo-temperature-pos", self.sapo_temperatures.0),
+            ("--sapo-temperature-neg", self.sapo_temperatures.1),
+        ] {
+            require(
+                value.is_finite() && value > 0.0,
+                flag,
+                value,
+                "must be a number above 0",
+            )?;
+        }
         if let Some(high) = self.epsilon_high {
             require(
                 high.is_finite() && high > 0.0,

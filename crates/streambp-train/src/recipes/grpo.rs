@@ -28,9 +28,6 @@ use crate::tokenizer::Keep;
 use crate::trainer::{Summary, Trainer, TrainingData};
 use crate::{Result, TrainError};
 
-/// TRL's defaults of `sapo_temperature_pos` and `_neg`.
-const SAPO_TEMPERATURES: (f64, f64) = (1.0, 1.05);
-
 /// The standard deviation of every reward of the step's batch, all ranks' groups together (TRL's
 /// `scale_rewards="batch"`).
 fn batch_reward_std(setup: &Setup, batch: &[Rollouts]) -> Result<f64> {
@@ -507,7 +504,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                     temperature: g.sampling.temperature,
                     num_items_in_batch: num_items,
                     use_bias_correction_kl: true,
-                    sapo_temperatures: SAPO_TEMPERATURES,
+                    sapo_temperatures: g.sapo_temperatures,
                 },
                 model.config.vocab_size,
                 &setup.device,
@@ -569,6 +566,8 @@ impl GrpoConfig {
             ("--epsilon", self.epsilon.into()),
             ("--epsilon-high", self.epsilon_high.into()),
             ("--scale-rewards", self.scale_rewards.name().into()),
+            ("--sapo-temperature-pos", self.sapo_temperatures.0.into()),
+            ("--sapo-temperature-neg", self.sapo_temperatures.1.into()),
             (
                 "--mask-truncated-completions",
                 self.mask_truncated_completions.into(),
