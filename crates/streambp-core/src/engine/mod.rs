@@ -420,7 +420,7 @@ fn backward_impl(
 }
 
 /// The layers `0..layers` in runs of `every` (the last may be shorter), in order.
-fn segments(layers: usize, every: usize) -> Vec<Range<usize>> {
+pub(crate) fn segments(layers: usize, every: usize) -> Vec<Range<usize>> {
     chunk_ranges(layers, every.max(1))
 }
 

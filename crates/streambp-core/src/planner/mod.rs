@@ -299,7 +299,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // its stored one (`L` at the start for `K = 1`). Offloaded, the stored ones are on the host
     // and the device holds the last output, then the segment in flight.
     let hidden = b * t * d * e;
-    let counts = checkpoint_counts(layers, p.checkpoint_every as u64);
+    let counts = checkpoint_counts(cfg.num_layers(), p.checkpoint_every);
     // On the CPU only the disk tier offloads; its read-ahead holds the next checkpoint's bytes.
     let read_ahead = u64::from(p.offloaded && p.host);
     let (forward_checkpoints, head_checkpoints, layer_checkpoints) = match p.offloaded {
@@ -489,31 +489,26 @@ struct CheckpointCounts {
     segment: u64,
 }
 
-fn checkpoint_counts(layers: u64, every: u64) -> CheckpointCounts {
-    if layers == 0 {
-        return CheckpointCounts {
-            forward: 1,
-            head: 1,
-            backward: 0,
-            segment: 0,
-        };
-    }
-    let every = every.clamp(1, layers);
-    let stored = layers.div_ceil(every);
-    // Segment j, counted from the top (the shortest), runs while the `stored - 1 - j` below it wait.
-    let top = layers - (stored - 1) * every;
-    let lengths = (0..stored).map(|j| if j == 0 { top } else { every });
+fn checkpoint_counts(layers: usize, every: usize) -> CheckpointCounts {
+    // The engine's own segments, bottom up (the backward takes them top down).
+    let lengths: Vec<u64> = crate::engine::segments(layers, every)
+        .iter()
+        .map(|s| s.len() as u64)
+        .collect();
+    let stored = lengths.len() as u64;
+    // Segment i from the bottom runs while the i below it wait.
     let backward = lengths
-        .clone()
+        .iter()
         .enumerate()
-        .map(|(j, len)| stored - 1 - j as u64 + len)
+        .map(|(i, &len)| i as u64 + len)
         .max()
         .unwrap_or(0);
+    let top = lengths.last().copied().unwrap_or(0);
     CheckpointCounts {
         forward: stored + 1 + u64::from(top > 1),
         head: stored + 1,
         backward,
-        segment: lengths.max().unwrap_or(0),
+        segment: lengths.iter().copied().max().unwrap_or(0),
     }
 }
 
@@ -551,7 +546,7 @@ pub const GOOD_CHUNK: usize = 128;
 pub fn plan_with_checkpoints(p: Problem, budget: u64, tiers: Tiers) -> Result<Planned> {
     let layers = p.config.num_layers().max(1);
     let first = p.checkpoint_every.clamp(1, layers);
-    let last = ((layers as f64).sqrt().ceil() as usize).max(first);
+    let last = crate::CheckpointEvery::Sqrt.layers(layers).max(first);
     let good = GOOD_CHUNK.min(p.seq_len.max(1));
     let hidden = (p.batch * p.seq_len * p.config.hidden_size * p.dtype.size_in_bytes()) as u64;
     let mut ways: Vec<(CheckpointPlace, usize)> = (first..=last)
