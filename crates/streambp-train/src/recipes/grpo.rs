@@ -4,7 +4,6 @@
 
 use std::time::Instant;
 
-use candle_core::Tensor;
 use serde_json::Value;
 use streambp_models::init::NormalRng;
 use streambp_objectives::{Grpo, GrpoBatch};
@@ -34,9 +33,8 @@ fn batch_reward_std(setup: &Setup, batch: &[Rollouts]) -> Result<f64> {
     let rewards = batch.iter().flat_map(|r| r.rewards.iter());
     let (sum, squares, n) =
         rewards.fold((0.0, 0.0, 0.0), |(s, q, n), &r| (s + r, q + r * r, n + 1.0));
-    let local = Tensor::new(&[sum, squares, n], &setup.device)?;
-    let total = setup.comm.all_reduce_sum(&local)?.to_vec1::<f64>()?;
-    Ok(std_from_sums(total[0], total[1], total[2]))
+    let total = |x: f64| setup.comm.sum(x).map_err(TrainError::from);
+    Ok(std_from_sums(total(sum)?, total(squares)?, total(n)?))
 }
 
 /// One micro-batch's groups as one batch of rows (`--batch-size` prompts' groups: one backward, as
@@ -84,8 +82,7 @@ fn global_tokens(setup: &Setup, pending: &[Rollouts]) -> Result<f64> {
         .iter()
         .flat_map(|r| r.completion_mask.iter().flatten())
         .sum();
-    let local = Tensor::new(&[local as f64], &setup.device)?;
-    Ok(setup.comm.all_reduce_sum(&local)?.to_vec1::<f64>()?[0])
+    Ok(setup.comm.sum(local as f64)?)
 }
 
 /// One group of rollouts: the completions of one prompt, collated into right-padded rows (the loss on
