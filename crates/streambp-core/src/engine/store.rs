@@ -135,11 +135,9 @@ impl CheckpointStore {
                         .join()
                         .map_err(|_| EngineError::CheckpointIo("the read-ahead panicked".into()))?
                         .map_err(|e| EngineError::CheckpointIo(format!("reading ahead: {e}")))?,
-                    _ => {
-                        let mut buf = vec![0u8; bytes];
-                        read_at(file, &mut buf, offset)?;
-                        buf
-                    }
+                    _ => read_at(file, offset, bytes).map_err(|e| {
+                        EngineError::CheckpointIo(format!("reading a checkpoint back: {e}"))
+                    })?,
                 };
                 let t = Tensor::from_raw_buffer(&buf, dtype, shape.dims(), device)?;
                 self.io.read += bytes as u64;
@@ -161,11 +159,7 @@ impl CheckpointStore {
         let file = file
             .try_clone()
             .map_err(|e| EngineError::CheckpointIo(format!("reading ahead: {e}")))?;
-        let bytes = std::thread::spawn(move || {
-            use std::os::unix::fs::FileExt;
-            let mut buf = vec![0u8; bytes];
-            file.read_exact_at(&mut buf, offset).map(|_| buf)
-        });
+        let bytes = std::thread::spawn(move || read_at(&file, offset, bytes));
         *ahead = Some(ReadAhead { offset, bytes });
         Ok(())
     }
@@ -221,10 +215,12 @@ fn write_at(file: &std::fs::File, bytes: &[u8], offset: u64) -> Result<()> {
         .map_err(|e| EngineError::CheckpointIo(format!("writing a checkpoint: {e}")))
 }
 
-fn read_at(file: &std::fs::File, buf: &mut [u8], offset: u64) -> Result<()> {
+/// `bytes` bytes of `file` from `offset` (here, or on the read-ahead's thread).
+fn read_at(file: &std::fs::File, offset: u64, bytes: usize) -> std::io::Result<Vec<u8>> {
     use std::os::unix::fs::FileExt;
-    file.read_exact_at(buf, offset)
-        .map_err(|e| EngineError::CheckpointIo(format!("reading a checkpoint back: {e}")))
+    let mut buf = vec![0u8; bytes];
+    file.read_exact_at(&mut buf, offset)?;
+    Ok(buf)
 }
 
 /// `t`'s elements as little-endian bytes (the layout `Tensor::from_raw_buffer` reads).
