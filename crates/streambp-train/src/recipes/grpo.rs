@@ -91,7 +91,6 @@ struct Rollouts {
     /// The prompt and completion of each row (collated again with the other groups of its
     /// micro-batch).
     examples: Vec<Example>,
-    rows: Collated,
     /// 1 on completion tokens (the labels that are targets).
     completion_mask: Vec<Vec<i64>>,
     advantages: Vec<f64>,
@@ -100,6 +99,13 @@ struct Rollouts {
     /// Per-token log-probs of the policy that sampled them, kept for the later iterations on these
     /// rollouts (`--num-iterations` > 1).
     old_logps: Option<Vec<Vec<f64>>>,
+}
+
+impl Rollouts {
+    /// The group's rows alone, right-padded (as they were scored and masked when sampled).
+    fn collated(&self, pad_id: u32) -> Collated {
+        collate(&self.examples.iter().collect::<Vec<_>>(), pad_id)
+    }
 }
 
 /// A prompt to sample from: its tokens (cut to fit `--max-length` with the completion) and its data row,
@@ -290,7 +296,6 @@ fn rollout(
             .map(|e| e.input_ids.len() - prompt.ids.len())
             .collect(),
         examples,
-        rows,
         advantages: group_advantages(&scores),
         rewards: scores,
         old_logps: None,
@@ -321,12 +326,12 @@ fn draw_rollouts(
         let prompt: Prompt = prompts.get(i)?;
         let mut r = rollout(setup, &prompt, rewards, g, &mut rng, &mut totals)?;
         if g.num_iterations > 1 {
-            let t = r.rows.tensors(&setup.device)?;
-            let ids = &r.rows.input_ids;
+            let rows = r.collated(setup.tokenizer.pad_id);
+            let t = rows.tensors(&setup.device)?;
             r.old_logps = Some(token_logps(
                 &mut policy_scores,
                 (&t.input_ids, Some(&t.attention_mask)),
-                ids,
+                &rows.input_ids,
                 g.sampling.temperature,
             )?);
         }
