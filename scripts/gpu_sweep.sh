@@ -3,16 +3,17 @@
 # Build and pack here first (docs/cuda.md):
 #
 #   . ../shared/cuda/env.sh
-#   CARGO_TARGET_DIR=target-cuda cargo build --release -p streambp-bench --features streambp-bench/cuda
+#   CARGO_TARGET_DIR=target-cuda cargo build --release -p streambp-bench -p streambp-train \
+#       --features streambp-bench/cuda,streambp-train/cuda
 #   CARGO_TARGET_DIR=target-cuda cargo test --release -p streambp-core --features cuda --test cuda_parity --no-run
 #   scripts/gpu_sweep.sh pack        # -> gpu/*.xz (ignored by git), plus the transformers peer script
 #
 # then carry `gpu` and run one step per device call (each stays under the 10-minute limit), from the
-# repository root: `scripts/gpu_sweep.sh parity|time|maxt|long|peer`. Results go to $OUT (or gpu-out),
+# repository root: `scripts/gpu_sweep.sh parity|train|time|maxt|long|peer`. Results go to $OUT (or gpu-out),
 # JSON lines written as each point finishes, so a step cut off by the time limit keeps what it measured.
 set -euo pipefail
 
-step=${1:?usage: gpu_sweep.sh pack|parity|time|maxt|long|peer}
+step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer}
 out=${OUT:-gpu-out}
 config=benches/configs/qwen3-8b.json
 bench=gpu/streambp-bench
@@ -21,7 +22,7 @@ unpack() {
     for f in gpu/*.xz; do
         [ -e "${f%.xz}" ] || xz -dk "$f"
     done
-    chmod +x gpu/streambp-bench gpu/cuda_parity
+    chmod +x gpu/streambp-bench gpu/streambp-train gpu/cuda_parity
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/card.csv"
 }
@@ -30,6 +31,7 @@ case "$step" in
 pack)
     mkdir -p gpu
     xz -T2 -6 -c target-cuda/release/streambp-bench > gpu/streambp-bench.xz
+    xz -T2 -6 -c target-cuda/release/streambp-train > gpu/streambp-train.xz
     test_bin=$(ls -t target-cuda/release/deps/cuda_parity-* | grep -v '\.d$' | head -1)
     xz -T2 -6 -c "$test_bin" > gpu/cuda_parity.xz
     cp ../shared/cuda/peer_transformers.py gpu/
@@ -40,11 +42,27 @@ parity)
     unpack
     STREAMBP_FIXTURES=tests/fixtures gpu/cuda_parity --nocapture 2>&1 | tee "$out/cuda_parity.txt"
     ;;
+train)
+    # The trainer on the card: the built-in SFT run (full, then LoRA), DPO and GRPO, a few steps each;
+    # their losses set beside the CPU's same runs (the first steps agree to f32 rounding).
+    unpack
+    train=gpu/streambp-train
+    for job in "sft --max-steps 60" "sft --max-steps 60 --lora-r 8" "dpo --max-steps 20" \
+        "grpo --max-steps 4 --batch-size 8"; do
+        name=$(echo "$job" | tr -d ' -' | cut -c1-24)
+        echo "== $job" | tee -a "$out/train.log"
+        # shellcheck disable=SC2086
+        timeout "${LIMIT:-120}" "$train" $job --device cuda --output-dir "/tmp/run-$name" \
+            --overwrite-output-dir 2>&1 | tr '\r' '\n' | tail -8 | tee -a "$out/train.log" || true
+        head -4 "/tmp/run-$name/metrics.jsonl" >> "$out/train.log" 2>/dev/null || true
+    done
+    ;;
 time)
     # Qwen3-8B, bf16, one backward per mode at fixed T (the peers' lengths), side by side.
     unpack
-    timeout "${LIMIT:-570}" "$bench" --config "$config" --device cuda --dtype bf16 --seq-lens 16384,24576 \
-        --chunk 2048 --logits-chunk 1024 --modes stream,checkpoint,full \
+    timeout "${LIMIT:-570}" "$bench" --config "$config" --device cuda --dtype bf16 \
+        --seq-lens "${SEQS:-16384,24576}" --repeats "${REPEATS:-1}" \
+        --chunk 2048 --logits-chunk 1024 --modes "${MODES:-stream,checkpoint,full}" \
         --json "$out/time.jsonl" 2>&1 | tee "$out/time.md"
     ;;
 maxt)
@@ -69,8 +87,8 @@ long)
 peer)
     # transformers with gradient checkpointing on the same config, same card.
     unpack
-    /opt/torch/.venv/bin/python gpu/peer_transformers.py --config "$config" --mode gc \
-        --seqs 4096,16384,24576,28672,32768 2>&1 | tee "$out/peer_gc.jsonl"
+    timeout "${LIMIT:-570}" /opt/torch/.venv/bin/python gpu/peer_transformers.py --config "$config" --mode gc \
+        --seqs "${SEQS:-4096,16384,24576,28672,32768}" 2>&1 | tee "$out/peer_gc.jsonl"
     ;;
 *)
     echo "unknown step $step" >&2
