@@ -319,7 +319,7 @@ fn missing_reference_logps_use_the_policy_or_ref_model() {
 }
 
 #[test]
-fn bad_dpo_and_grpo_batches_are_clear_errors() {
+fn bad_pair_and_grpo_batches_are_clear_errors() {
     let model = fixture_dir("qwen2");
     let mut cases: Vec<(serde_json::Value, &str)> = Vec::new();
 
@@ -350,6 +350,27 @@ fn bad_dpo_and_grpo_batches_are_clear_errors() {
     let mut smoothing = fixture_batch("qwen2", "dpo-batch.json");
     smoothing["label_smoothing"] = 0.1.into();
     cases.push((smoothing, "label_smoothing needs loss_type"));
+
+    // ORPO and CPO read no reference and refuse the other objectives' settings by name.
+    let mut orpo_ref = fixture_batch("qwen2", "dpo-batch.json");
+    orpo_ref["objective"] = "orpo".into();
+    cases.push((orpo_ref, "ref_chosen_logps applies to dpo, not orpo"));
+
+    let mut cpo_batch = fixture_batch("qwen2", "dpo-batch.json");
+    let fields = cpo_batch.as_object_mut().unwrap();
+    fields.remove("ref_chosen_logps");
+    fields.remove("ref_rejected_logps");
+    fields.insert("objective".into(), "cpo".into());
+    let mut cpo_type = cpo_batch.clone();
+    cpo_type["loss_type"] = "robust".into();
+    cases.push((cpo_type, "unknown CPO loss type \"robust\""));
+    let mut cpo_tau = cpo_batch.clone();
+    cpo_tau["discopop_tau"] = 0.1.into();
+    cases.push((cpo_tau, "discopop_tau applies to dpo, not cpo"));
+    let mut orpo_alpha = cpo_batch;
+    orpo_alpha["objective"] = "orpo".into();
+    orpo_alpha["cpo_alpha"] = 1.0.into();
+    cases.push((orpo_alpha, "cpo_alpha applies to cpo, not orpo"));
 
     // One row without completion tokens is allowed (TRL's masked truncated completions), none at
     // all is not.

@@ -203,7 +203,7 @@ fn overlong_examples_are_skipped_or_truncated() {
 
     // DPO pairs: cut to their first tokens per side (TRL's keep_start) or skipped; a pair whose
     // completion would be cut away entirely is skipped either way.
-    use streambp_train::dpo::load_pairs;
+    use streambp_train::recipes::pairs::load_pairs;
     std::fs::write(
         &path,
         "{\"prompt\": \"12+34=\", \"chosen\": \"46\", \"rejected\": \"47\"}\n",
@@ -288,12 +288,9 @@ fn resumed_dpo_run_keeps_its_reference() {
     assert_eq!(whole[2..], tail[..]);
 }
 
-/// DPO on a few fixed pairs learns to prefer the chosen answers (the loss falls, margins grow), and a
-/// malformed pair is reported by line.
-#[test]
-fn dpo_learns_fixed_preferences_and_reports_bad_pairs() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("pairs.jsonl");
+/// Eight pairs `i+i=`: `2i` chosen over `2i + 1`, in `dir/pairs.jsonl`.
+fn fixed_pairs(dir: &Path) -> PathBuf {
+    let data = dir.join("pairs.jsonl");
     let pairs: String = (0..8)
         .map(|i| {
             format!(
@@ -303,7 +300,76 @@ fn dpo_learns_fixed_preferences_and_reports_bad_pairs() {
             )
         })
         .collect();
-    std::fs::write(&data, &pairs).unwrap();
+    std::fs::write(&data, pairs).unwrap();
+    data
+}
+
+/// ORPO and CPO (SimPO) on the fixed pairs: the loss falls and every held-out pair (here the training
+/// pairs) ends preferred; a checkpoint records CPO's settings.
+#[test]
+fn orpo_and_cpo_learn_fixed_preferences() {
+    use streambp_objectives::{CpoLoss, CpoLossType};
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixed_pairs(dir.path());
+    let simpo = CpoLoss {
+        loss_type: CpoLossType::Simpo,
+        cpo_alpha: 0.0,
+        ..CpoLoss::default()
+    };
+    for (recipe, loss) in [
+        (Recipe::Orpo, CpoLoss::default()),
+        (Recipe::Cpo, CpoLoss::default()),
+        (Recipe::Cpo, simpo),
+    ] {
+        let out = dir
+            .path()
+            .join(format!("{}-{:?}", recipe.name(), loss.loss_type));
+        let mut cfg = TrainConfig {
+            data: Some(data.clone()),
+            eval_data: Some(data.clone()),
+            max_steps: Some(25),
+            batch_size: 8,
+            grad_accum: 1,
+            lr: 1e-3,
+            schedule: Schedule::Constant,
+            save_every: 20,
+            cpo_loss: loss,
+            ..config(&out)
+        };
+        if loss.loss_type == CpoLossType::Simpo {
+            cfg.beta = 2.0;
+        }
+        let summary = match recipe {
+            Recipe::Orpo => streambp_train::orpo::run_orpo(&cfg),
+            _ => streambp_train::cpo::run_cpo(&cfg),
+        }
+        .unwrap();
+        let accuracy = |list: &[(String, f64)]| {
+            list.iter()
+                .find(|(n, _)| n == "preference_accuracy")
+                .map(|(_, v)| *v)
+                .unwrap()
+        };
+        let what = format!("{} {:?}: {summary:?}", recipe.name(), loss.loss_type);
+        assert!(summary.last_loss < summary.first_loss, "{what}");
+        assert_eq!(accuracy(&summary.after), 1.0, "{what}");
+        let state = out
+            .join("checkpoint-20")
+            .join(streambp_train::checkpoint::STATE_FILE);
+        let record = std::fs::read_to_string(state).unwrap_or_else(|e| panic!("{what}: {e}"));
+        if recipe == Recipe::Cpo {
+            assert!(record.contains("--cpo-alpha"), "{record}");
+            assert!(record.contains(loss.loss_type.name()), "{record}");
+        }
+    }
+}
+
+/// DPO on a few fixed pairs learns to prefer the chosen answers (the loss falls, margins grow), and a
+/// malformed pair is reported by line.
+#[test]
+fn dpo_learns_fixed_preferences_and_reports_bad_pairs() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixed_pairs(dir.path());
     let mut cfg = config(&dir.path().join("out"));
     cfg.data = Some(data.clone());
     cfg.max_steps = Some(25);
@@ -354,6 +420,7 @@ fn dpo_learns_fixed_preferences_and_reports_bad_pairs() {
     let logged = last["rewards/margins"].as_f64().unwrap() as f32;
     assert_eq!(margins.last().map(|m| (m.1, m.2)), Some((25, logged)));
 
+    let pairs = std::fs::read_to_string(&data).unwrap();
     std::fs::write(
         &data,
         format!("{pairs}{{\"prompt\": \"1+1=\", \"chosen\": \"2\"}}\n"),

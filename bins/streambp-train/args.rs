@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use streambp_core::{CheckpointEvery, Mode};
-use streambp_objectives::{DpoLoss, GrpoLossType};
+use streambp_objectives::{CpoLoss, DpoLoss, GrpoLossType};
 use streambp_train::config::{GrpoConfig, LoraArgs, Recipe, TrainConfig};
 use streambp_train::data::Overflow;
 use streambp_train::grad::GradArgs;
@@ -46,6 +46,19 @@ pub enum Command {
         train: TrainArgs,
         #[command(flatten)]
         grpo: GrpoArgs,
+    },
+    /// ORPO (TRL's ORPOTrainer): the chosen sequences' NLL plus β × an odds-ratio term on
+    /// prompt/chosen/rejected rows, no reference model. With no arguments: the built-in arithmetic
+    /// pairs, from the shipped SFT checkpoint of the task.
+    Orpo(TrainArgs),
+    /// CPO (TRL's CPOTrainer): a loss on the policy's own margin plus --cpo-alpha × the chosen
+    /// completions' NLL, no reference model; `--loss-type simpo --cpo-alpha 0` is SimPO. With no
+    /// arguments: the built-in arithmetic pairs, from the shipped SFT checkpoint of the task.
+    Cpo {
+        #[command(flatten)]
+        train: TrainArgs,
+        #[command(flatten)]
+        cpo: CpoArgs,
     },
     /// One backward on a batch file; writes every gradient under its HF name and prints one JSON line
     /// {"loss","mode","peak_bytes","seconds","tokens",...}.
@@ -241,6 +254,43 @@ impl DpoArgs {
 }
 
 #[derive(clap::Args)]
+pub struct CpoArgs {
+    /// TRL's CPO loss types: sigmoid, hinge, ipo, simpo, or alphapo (simpo with --cpo-alpha 0; give
+    /// --alphapo-alpha) [default: sigmoid].
+    #[arg(long = "loss-type")]
+    loss_type: Option<String>,
+    /// Label smoothing ε of sigmoid and simpo, in [0, 0.5) [default: 0].
+    #[arg(long, allow_negative_numbers = true)]
+    label_smoothing: Option<f64>,
+    /// Weight of the chosen completions' NLL, at least 0 [default: 1; alphapo: 0].
+    #[arg(long, allow_negative_numbers = true)]
+    cpo_alpha: Option<f64>,
+    /// SimPO's target reward margin γ [default: 0.5].
+    #[arg(long, allow_negative_numbers = true)]
+    simpo_gamma: Option<f64>,
+    /// AlphaPO's reward shape α: rewards (1 − p^(−α)) / α instead of log p (TRL's `alpha`)
+    /// [default: 0].
+    #[arg(long, allow_negative_numbers = true)]
+    alphapo_alpha: Option<f64>,
+}
+
+impl CpoArgs {
+    /// CPO's loss: `--loss-type`'s settings (TRL's defaults for it), then the flags given.
+    fn into_loss(self) -> Result<CpoLoss, TrainError> {
+        let name = self.loss_type.as_deref().unwrap_or("sigmoid");
+        let of_type = CpoLoss::of_type(name)
+            .map_err(|e| TrainError::flag("--loss-type", name, e.to_string()))?;
+        Ok(CpoLoss {
+            label_smoothing: self.label_smoothing.unwrap_or(of_type.label_smoothing),
+            cpo_alpha: self.cpo_alpha.unwrap_or(of_type.cpo_alpha),
+            simpo_gamma: self.simpo_gamma.unwrap_or(of_type.simpo_gamma),
+            alpha: self.alphapo_alpha.unwrap_or(of_type.alpha),
+            ..of_type
+        })
+    }
+}
+
+#[derive(clap::Args)]
 pub struct GrpoArgs {
     /// Completions sampled per prompt (at least 2) [default: 8].
     #[arg(long)]
@@ -302,6 +352,13 @@ impl TrainArgs {
         if whole_loss_typed {
             cfg.sft_weight = 0.0;
         }
+        Ok(cfg)
+    }
+
+    /// A CPO run's configuration: [`TrainArgs::into_config`] with the loss `cpo` names.
+    pub fn into_cpo_config(self, cpo: CpoArgs) -> Result<TrainConfig, TrainError> {
+        let mut cfg = self.into_config(Recipe::Cpo)?;
+        cfg.cpo_loss = cpo.into_loss()?;
         Ok(cfg)
     }
 
@@ -386,6 +443,7 @@ impl TrainArgs {
             beta: self.beta.unwrap_or(d.beta),
             sft_weight: self.sft_weight.unwrap_or(d.sft_weight),
             dpo_loss: d.dpo_loss,
+            cpo_loss: d.cpo_loss,
             ref_model: self.ref_model,
             progress: !self.no_progress,
             lora: self.lora.config()?,

@@ -5,9 +5,11 @@ mod args;
 use anyhow::Context;
 use streambp_core::memory::CountingAllocator;
 use streambp_train::config::Recipe;
+use streambp_train::cpo::run_cpo;
 use streambp_train::dpo::run_dpo;
 use streambp_train::grad::run_grad;
 use streambp_train::grpo::run_grpo;
+use streambp_train::orpo::run_orpo;
 use streambp_train::sft::run_sft;
 use streambp_train::trainer::Summary;
 use streambp_train::TrainError;
@@ -209,6 +211,22 @@ fn run() -> anyhow::Result<()> {
             report(
                 "dpo",
                 &run_dpo(&cfg).map_err(located).context("dpo failed")?,
+            );
+        }
+        Command::Orpo(args) => {
+            let cfg = args.into_config(Recipe::Orpo).map_err(located)?;
+            let _ranks = start(&cfg.device)?;
+            report(
+                "orpo",
+                &run_orpo(&cfg).map_err(located).context("orpo failed")?,
+            );
+        }
+        Command::Cpo { train, cpo } => {
+            let cfg = train.into_cpo_config(cpo).map_err(located)?;
+            let _ranks = start(&cfg.device)?;
+            report(
+                "cpo",
+                &run_cpo(&cfg).map_err(located).context("cpo failed")?,
             );
         }
         Command::Grpo { train, grpo } => {

@@ -10,16 +10,16 @@
 
 use std::ops::Range;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::dpo_loss::{per_pair, DpoLoss, DpoLossType, Pairs};
-use crate::{Objective, ObjectiveError, Result, TokenTargets};
+use crate::pairs::{check_beta, check_nll_tokens, pair_metrics, PairRows};
+use crate::{Objective, ObjectiveError, Result};
 
 /// The DPO (optionally RPO) objective of one batch of preference pairs.
 #[derive(Debug, Clone)]
 pub struct Dpo {
-    targets: TokenTargets,
-    pairs: usize,
+    rows: PairRows,
     /// `[2P]`: ρ_c then ρ_r.
     reference: Tensor,
     beta: f64,
@@ -49,11 +49,7 @@ impl Dpo {
                 ref_rejected.len()
             )));
         }
-        if !beta.is_finite() || beta <= 0.0 {
-            return Err(ObjectiveError::Batch(format!(
-                "beta must be positive, got {beta}"
-            )));
-        }
+        check_beta(beta)?;
         if let Some(v) = ref_chosen
             .iter()
             .chain(ref_rejected)
@@ -63,18 +59,10 @@ impl Dpo {
                 "reference log-prob {v} is not finite"
             )));
         }
-        let targets = TokenTargets::from_labels(labels, vocab_size, device)?;
-        if let Some(row) = targets.rows_without_target().first() {
-            return Err(ObjectiveError::Batch(format!(
-                "{} row {} has no target token",
-                if *row < pairs { "chosen" } else { "rejected" },
-                row % pairs
-            )));
-        }
+        let rows = PairRows::new(labels, None, vocab_size, device)?;
         let reference: Vec<f64> = ref_chosen.iter().chain(ref_rejected).copied().collect();
         Ok(Self {
-            targets,
-            pairs,
+            rows,
             reference: Tensor::from_vec(reference, 2 * pairs, device)?,
             beta,
             loss: DpoLoss::default(),
@@ -105,51 +93,19 @@ impl Dpo {
     /// data-parallel step splits one micro-batch over ranks: each rank passes the micro-batch's chosen
     /// tokens over the number of ranks, so the ranks' terms average to the whole micro-batch's mean.
     pub fn with_nll_tokens(mut self, tokens: f64) -> Result<Self> {
-        if !tokens.is_finite() || tokens <= 0.0 {
-            return Err(ObjectiveError::Batch(format!(
-                "the NLL's token count must be positive, got {tokens}"
-            )));
-        }
-        self.nll_tokens = Some(tokens);
+        self.nll_tokens = Some(check_nll_tokens(tokens)?);
         Ok(self)
     }
 
     /// The chosen rows' target tokens (what the NLL's mean is over on one process).
     pub fn chosen_tokens(&self) -> Result<f64> {
-        let mask = self.targets.mask.narrow(0, 0, self.pairs)?;
-        Ok(mask
-            .sum_all()?
-            .to_dtype(candle_core::DType::F64)?
-            .to_scalar::<f64>()?)
-    }
-
-    /// Mean token NLL of the chosen rows.
-    fn chosen_nll(&self, logp: &Tensor) -> Result<Tensor> {
-        let mask = self.targets.mask.narrow(0, 0, self.pairs)?;
-        let tokens = match self.nll_tokens {
-            Some(t) => t,
-            None => self.chosen_tokens()?,
-        };
-        let sum = (logp.narrow(0, 0, self.pairs)? * mask.to_dtype(logp.dtype())?)?.sum_all()?;
-        Ok((sum.neg()? / tokens)?)
-    }
-
-    /// Summed target log-probs per row (`[2P]`).
-    fn sequence_logps(&self, logp: &Tensor) -> Result<Tensor> {
-        let mask = self.targets.mask.to_dtype(logp.dtype())?;
-        Ok((logp * mask)?.sum(1)?)
-    }
-
-    /// Target tokens per row (`[2P]`, in `dtype`): what IPO's and `sigmoid_norm`'s log-ratios are
-    /// averaged over (TRL's completion tokens).
-    fn row_tokens(&self, dtype: candle_core::DType) -> Result<Tensor> {
-        Ok(self.targets.mask.to_dtype(dtype)?.sum(1)?)
+        self.rows.nll_tokens()
     }
 
     /// `β (π − ρ)` per row: chosen rewards then rejected rewards.
     fn rewards(&self, logp: &Tensor) -> Result<Tensor> {
         let rho = self.reference.to_dtype(logp.dtype())?;
-        Ok(((self.sequence_logps(logp)? - rho)? * self.beta)?)
+        Ok(((self.rows.logps(logp, false)? - rho)? * self.beta)?)
     }
 }
 
@@ -159,7 +115,7 @@ impl Objective for Dpo {
     }
 
     fn targets(&self) -> &Tensor {
-        &self.targets.ids
+        &self.rows.targets.ids
     }
 
     fn separable(&self) -> bool {
@@ -167,29 +123,26 @@ impl Objective for Dpo {
     }
 
     fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor> {
-        if cols.start != 0 || cols.len() != self.targets.ids.dim(1)? {
-            return Err(ObjectiveError::Batch(
-                "DPO needs the log-probs of all positions at once".into(),
-            ));
-        }
-        let p = self.pairs;
-        let seq = self.sequence_logps(logp)?;
-        let rho = self.reference.to_dtype(logp.dtype())?;
-        let tokens = self.row_tokens(logp.dtype())?;
+        self.rows.check_all_positions("DPO", &cols)?;
+        let rows = &self.rows;
+        let (chosen, rejected) = rows.split(&rows.logps(logp, false)?)?;
+        let (ref_chosen, ref_rejected) = rows.split(&self.reference.to_dtype(logp.dtype())?)?;
+        let (chosen_tokens, rejected_tokens) =
+            rows.split(&rows.completion_tokens(logp.dtype())?)?;
         let pairs = Pairs {
-            chosen: seq.narrow(0, 0, p)?,
-            rejected: seq.narrow(0, p, p)?,
-            ref_chosen: rho.narrow(0, 0, p)?,
-            ref_rejected: rho.narrow(0, p, p)?,
-            chosen_tokens: tokens.narrow(0, 0, p)?,
-            rejected_tokens: tokens.narrow(0, p, p)?,
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            chosen_tokens,
+            rejected_tokens,
             beta: self.beta,
         };
         // As TRL: each type's mean over the pairs, times its weight, summed.
         let mut total: Option<Tensor> = None;
         for &(kind, weight) in &self.loss.terms {
             let term = match kind {
-                DpoLossType::Sft => self.chosen_nll(logp)?,
+                DpoLossType::Sft => self.rows.chosen_nll(logp, self.nll_tokens)?,
                 other => per_pair(other, &pairs, &self.loss)?.mean_all()?,
             };
             let term = (term * weight)?;
@@ -202,24 +155,10 @@ impl Objective for Dpo {
     }
 
     fn metrics(&self, logp: &Tensor) -> Result<Vec<(String, f64)>> {
-        let rewards = self
-            .rewards(logp)?
-            .to_dtype(candle_core::DType::F64)?
-            .to_vec1::<f64>()?;
-        let (chosen, rejected) = rewards.split_at(self.pairs);
-        let p = self.pairs as f64;
-        let mean = |v: &[f64]| v.iter().sum::<f64>() / p;
-        let margins: Vec<f64> = chosen.iter().zip(rejected).map(|(c, r)| c - r).collect();
-        let accuracy = margins.iter().filter(|m| **m > 0.0).count() as f64 / p;
-        let mut metrics = vec![
-            ("rewards/chosen".into(), mean(chosen)),
-            ("rewards/rejected".into(), mean(rejected)),
-            ("rewards/margins".into(), mean(&margins)),
-            ("rewards/accuracies".into(), accuracy),
-        ];
+        let mut metrics = pair_metrics(&self.rewards(logp)?, self.rows.pairs, "rewards", true)?;
         if self.loss.has(DpoLossType::Sft) {
-            let nll = self.chosen_nll(logp)?.to_dtype(candle_core::DType::F64)?;
-            metrics.push(("nll_loss".into(), nll.to_scalar::<f64>()?));
+            let nll = self.rows.chosen_nll(logp, self.nll_tokens)?;
+            metrics.push(("nll_loss".into(), nll.to_dtype(DType::F64)?.to_scalar()?));
         }
         Ok(metrics)
     }

@@ -287,7 +287,7 @@ pub(crate) struct Pairs {
 }
 
 /// `log σ(x)`, as `−softplus(−x)`.
-fn log_sigmoid(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn log_sigmoid(x: &Tensor) -> Result<Tensor> {
     Ok(crate::dpo::softplus(&x.neg()?)?.neg()?)
 }
 

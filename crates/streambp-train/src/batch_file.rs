@@ -2,14 +2,14 @@
 //!
 //! SFT: `{"objective":"sft","input_ids":[[..]],"labels":[[..]],"attention_mask":[[..]]}`; labels are
 //! aligned with input_ids (shifted inside), -100 (`IGNORE_INDEX`) is ignored, rows are right-padded, the attention mask
-//! is optional (all ones when absent). DPO and GRPO: see docs/grad.md.
+//! is optional (all ones when absent). DPO, ORPO, CPO and GRPO: see docs/grad.md.
 
 use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use serde::Deserialize;
 use streambp_objectives::{
-    Dpo, DpoLoss, Grpo, GrpoBatch, GrpoLossType, Objective, Sft, IGNORE_INDEX,
+    Cpo, CpoLoss, Dpo, DpoLoss, Grpo, GrpoBatch, GrpoLossType, Objective, Orpo, Sft, IGNORE_INDEX,
 };
 
 use crate::batch::{padded, to_u32_tensor};
@@ -41,10 +41,11 @@ struct SftFile {
     position_ids: Option<Vec<Vec<i64>>>,
 }
 
+/// A batch of preference pairs: DPO's, ORPO's or CPO's (each reads its own settings; a setting of
+/// another objective is refused).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct DpoFile {
-    #[allow(dead_code)]
+struct PairFile {
     objective: String,
     chosen_input_ids: Vec<Vec<i64>>,
     chosen_labels: Vec<Vec<i64>>,
@@ -67,6 +68,12 @@ struct DpoFile {
     label_smoothing: Option<f64>,
     /// TRL's `discopop_tau` [default: 0.05].
     discopop_tau: Option<f64>,
+    /// CPO's NLL weight [default: 1; 0 for loss_type alphapo].
+    cpo_alpha: Option<f64>,
+    /// SimPO's target margin [default: 0.5].
+    simpo_gamma: Option<f64>,
+    /// AlphaPO's reward shape [default: 0].
+    alpha: Option<f64>,
 }
 
 /// A name or a list of names, as TRL's config takes `loss_type`.
@@ -77,7 +84,63 @@ enum OneOrMany {
     Many(Vec<String>),
 }
 
-impl DpoFile {
+impl PairFile {
+    /// Refuses the settings `self.objective` does not read (named as TRL's config names them).
+    fn check_fields(&self) -> Result<()> {
+        let objective = self.objective.as_str();
+        let given = [
+            ("ref_chosen_logps", self.ref_chosen_logps.is_some(), "dpo"),
+            (
+                "ref_rejected_logps",
+                self.ref_rejected_logps.is_some(),
+                "dpo",
+            ),
+            ("sft_weight", self.sft_weight != 0.0, "dpo"),
+            ("loss_weights", self.loss_weights.is_some(), "dpo"),
+            ("discopop_tau", self.discopop_tau.is_some(), "dpo"),
+            ("loss_type", self.loss_type.is_some(), "dpo cpo"),
+            ("label_smoothing", self.label_smoothing.is_some(), "dpo cpo"),
+            ("cpo_alpha", self.cpo_alpha.is_some(), "cpo"),
+            ("simpo_gamma", self.simpo_gamma.is_some(), "cpo"),
+            ("alpha", self.alpha.is_some(), "cpo"),
+        ];
+        for (field, set, takers) in given {
+            if set && !takers.split(' ').any(|t| t == objective) {
+                return Err(TrainError::data(
+                    "batch",
+                    format!(
+                        "{field} applies to {}, not {objective}",
+                        takers.replace(' ', " and ")
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// CPO's settings: `loss_type`'s (TRL's defaults for it), then the file's own values.
+    fn cpo_loss(&self) -> Result<CpoLoss> {
+        let loss = match &self.loss_type {
+            None => CpoLoss::default(),
+            Some(OneOrMany::One(name)) => CpoLoss::of_type(name)?,
+            Some(OneOrMany::Many(_)) => {
+                return Err(TrainError::data(
+                    "batch",
+                    "cpo takes one loss_type, not a list",
+                ))
+            }
+        };
+        let loss = CpoLoss {
+            label_smoothing: self.label_smoothing.unwrap_or(loss.label_smoothing),
+            cpo_alpha: self.cpo_alpha.unwrap_or(loss.cpo_alpha),
+            simpo_gamma: self.simpo_gamma.unwrap_or(loss.simpo_gamma),
+            alpha: self.alpha.unwrap_or(loss.alpha),
+            ..loss
+        };
+        loss.validate()?;
+        Ok(loss)
+    }
+
     /// The loss the file asks for with `loss_type` (and its weights and constants); `None` without
     /// one: the default sigmoid, plus `sft_weight`'s NLL term.
     fn loss(&self) -> Result<Option<DpoLoss>> {
@@ -202,7 +265,7 @@ pub fn load_batch(
     let objective = value
         .get("objective")
         .and_then(|o| o.as_str())
-        .ok_or_else(|| fail("no \"objective\" field (sft, dpo or grpo)".into()))?;
+        .ok_or_else(|| fail(format!("no \"objective\" field ({OBJECTIVES})")))?;
     let named = |e: TrainError| match e {
         TrainError::Data { reason, .. } => fail(reason),
         TrainError::Objective(o) => fail(o.to_string()),
@@ -214,10 +277,10 @@ pub fn load_batch(
                 .map_err(|e| fail(format!("bad sft batch: {e}")))?;
             prepare_sft(file, vocab_size, device).map_err(named)
         }
-        "dpo" => {
-            let file: DpoFile = serde_json::from_value(value.clone())
-                .map_err(|e| fail(format!("bad dpo batch: {e}")))?;
-            prepare_dpo(file, vocab_size, device, reference).map_err(named)
+        "dpo" | "orpo" | "cpo" => {
+            let file: PairFile = serde_json::from_value(value.clone())
+                .map_err(|e| fail(format!("bad {objective} batch: {e}")))?;
+            prepare_pairs(file, vocab_size, device, reference).map_err(named)
         }
         "grpo" => {
             let file: GrpoFile = serde_json::from_value(value.clone())
@@ -225,19 +288,23 @@ pub fn load_batch(
             prepare_grpo(file, vocab_size, device, reference).map_err(named)
         }
         other => Err(fail(format!(
-            "unknown objective {other:?} (expected sft, dpo or grpo)"
+            "unknown objective {other:?} (expected {OBJECTIVES})"
         ))),
     }
 }
 
-/// Chosen and rejected rows stacked (chosen first) and right-padded to one length.
-fn prepare_dpo(
-    file: DpoFile,
+/// The objectives a batch file may name.
+const OBJECTIVES: &str = "sft, dpo, orpo, cpo or grpo";
+
+/// Chosen and rejected rows stacked (chosen first) and right-padded to one length, under the pair
+/// objective the file names.
+fn prepare_pairs(
+    file: PairFile,
     vocab_size: usize,
     device: &Device,
     reference: &mut Scorer,
 ) -> Result<PreparedBatch> {
-    let loss = file.loss()?;
+    file.check_fields()?;
     let (pc, tc) = check_rectangular("chosen_input_ids", &file.chosen_input_ids)?;
     let (pr, tr) = check_rectangular("rejected_input_ids", &file.rejected_input_ids)?;
     if pc != pr {
@@ -281,12 +348,50 @@ fn prepare_dpo(
     check_right_padded(&mask)?;
     let input_ids = to_u32_tensor(&ids, device)?;
     let attention_mask = to_u32_tensor(&mask, device)?;
-    let (ref_chosen, ref_rejected) = match (file.ref_chosen_logps, file.ref_rejected_logps) {
-        (Some(c), Some(r)) => (c, r),
+    let objective: Box<dyn Objective> = match file.objective.as_str() {
+        "orpo" => {
+            let every_token = masked_labels(&ids, &mask);
+            let orpo = Orpo::new(&labels, &every_token, file.beta, vocab_size, device)?;
+            Box::new(orpo)
+        }
+        "cpo" => Box::new(Cpo::new(
+            &labels,
+            file.beta,
+            file.cpo_loss()?,
+            vocab_size,
+            device,
+        )?),
+        _ => {
+            let rows = (&input_ids, &attention_mask, pc);
+            Box::new(dpo_objective(&file, &labels, rows, vocab_size, reference)?)
+        }
+    };
+    Ok(PreparedBatch {
+        input_ids,
+        attention_mask: Some(attention_mask),
+        position_ids: None,
+        objective,
+        tokens: mask.iter().flatten().filter(|&&v| v != 0).count(),
+    })
+}
+
+/// DPO over stacked rows `(input_ids, attention_mask, pairs)`, its reference log-probs the file's or
+/// `reference`'s.
+fn dpo_objective(
+    file: &PairFile,
+    labels: &[Vec<i64>],
+    (input_ids, attention_mask, pc): (&Tensor, &Tensor, usize),
+    vocab_size: usize,
+    reference: &mut Scorer,
+) -> Result<Dpo> {
+    let loss = file.loss()?;
+    let device = input_ids.device();
+    let (ref_chosen, ref_rejected) = match (&file.ref_chosen_logps, &file.ref_rejected_logps) {
+        (Some(c), Some(r)) => (c.clone(), r.clone()),
         (None, None) => {
             let targets =
-                streambp_objectives::TokenTargets::from_labels(&labels, vocab_size, device)?;
-            let sums = sequence_logps(reference, &input_ids, Some(&attention_mask), &targets)?;
+                streambp_objectives::TokenTargets::from_labels(labels, vocab_size, device)?;
+            let sums = sequence_logps(reference, input_ids, Some(attention_mask), &targets)?;
             (sums[..pc].to_vec(), sums[pc..].to_vec())
         }
         _ => {
@@ -297,23 +402,16 @@ fn prepare_dpo(
         }
     };
     let dpo = Dpo::new(
-        &labels,
+        labels,
         &ref_chosen,
         &ref_rejected,
         file.beta,
         vocab_size,
         device,
     )?;
-    let dpo = match loss {
+    Ok(match loss {
         Some(loss) => dpo.with_loss(loss)?,
         None => dpo.with_sft_weight(file.sft_weight)?,
-    };
-    Ok(PreparedBatch {
-        input_ids,
-        attention_mask: Some(attention_mask),
-        position_ids: None,
-        objective: Box::new(dpo),
-        tokens: mask.iter().flatten().filter(|&&v| v != 0).count(),
     })
 }
 

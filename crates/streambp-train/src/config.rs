@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use streambp_core::{CheckpointEvery, Chunks, Mode};
 use streambp_models::{LoraConfig, ModelError, Projection};
-use streambp_objectives::{DpoLoss, DpoLossType, GrpoLossType};
+use streambp_objectives::{CpoLoss, DpoLoss, DpoLossType, GrpoLossType};
 
 use crate::data::Overflow;
 use crate::optim::Schedule;
@@ -106,6 +106,9 @@ pub struct TrainConfig {
     /// DPO: TRL's loss types and weights, label smoothing and DiscoPOP's τ (default: sigmoid);
     /// `sft_weight` adds its `sft` term to these.
     pub dpo_loss: DpoLoss,
+    /// CPO's loss (`cpo`: `--loss-type`, `--label-smoothing`, `--cpo-alpha`, `--simpo-gamma`,
+    /// `--alphapo-alpha`).
+    pub cpo_loss: CpoLoss,
     /// DPO: the reference model's directory or hub id; `None`: a frozen copy of the initial policy.
     pub ref_model: Option<String>,
     /// Show the progress bar.
@@ -208,6 +211,7 @@ impl TrainConfig {
             },
             sft_weight: 0.0,
             dpo_loss: DpoLoss::default(),
+            cpo_loss: CpoLoss::default(),
             ref_model: None,
             progress: true,
             lora: None,
@@ -360,9 +364,18 @@ impl TrainConfig {
     /// The job flags ([`crate::recipes::JOB_FLAGS`]) whose settings here are not their off values,
     /// so a job that does not take one refuses it (β has no off value: the command line checks it).
     fn job_flags_set(&self) -> Vec<&'static str> {
+        let cpo = CpoLoss::default();
         [
             ("--sft-weight", self.sft_weight != 0.0),
             ("--loss-type", self.dpo_loss != DpoLoss::default()),
+            ("--loss-type", self.cpo_loss.loss_type != cpo.loss_type),
+            ("--label-smoothing", self.cpo_loss.label_smoothing != 0.0),
+            ("--cpo-alpha", self.cpo_loss.cpo_alpha != cpo.cpo_alpha),
+            (
+                "--simpo-gamma",
+                self.cpo_loss.simpo_gamma != cpo.simpo_gamma,
+            ),
+            ("--alphapo-alpha", self.cpo_loss.alpha != cpo.alpha),
             ("--ref-model", self.ref_model.is_some()),
             ("--dataset-text-field", self.text_field != "text"),
             ("--packing", self.packing),
@@ -501,6 +514,10 @@ impl TrainConfig {
         }
         self.dpo_loss.validate().map_err(|e| {
             TrainError::flag("--loss-type", self.dpo_loss.describe(), e.to_string())
+        })?;
+        self.cpo_loss.validate().map_err(|e| {
+            let name = self.cpo_loss.loss_type.name();
+            TrainError::flag("--loss-type", name, e.to_string())
         })?;
         recipe.check_job_flags(&self.job_flags_set())?;
         Ok(())

@@ -17,7 +17,7 @@ use parquet::schema::parser::parse_message_type;
 use serde_json::{json, Value};
 use streambp_train::data::{load_sft, Overflow};
 use streambp_train::dataset::DataSource;
-use streambp_train::dpo::load_pairs;
+use streambp_train::recipes::pairs::load_pairs;
 use streambp_train::tokenizer::TextTokenizer;
 
 /// A column's Parquet type: `datasets`' for a string, or for a list of messages.

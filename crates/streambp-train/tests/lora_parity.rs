@@ -95,6 +95,23 @@ fn backward(
             j["loss_type"] = serde_json::json!(["sigmoid", "bco_pair", "sft"]);
             j["loss_weights"] = serde_json::json!([0.8, 0.2, 1.0]);
         }),
+        // The reference-free preference objectives (no reference log-probs in their files).
+        "orpo" => ("dpo-batch.json", |j| {
+            j["objective"] = "orpo".into();
+            reference_free(j);
+        }),
+        "cpo_simpo" => ("dpo-batch.json", |j| {
+            j["objective"] = "cpo".into();
+            j["loss_type"] = "simpo".into();
+            j["label_smoothing"] = 0.1.into();
+            reference_free(j);
+        }),
+        "alphapo" => ("dpo-batch.json", |j| {
+            j["objective"] = "cpo".into();
+            j["loss_type"] = "alphapo".into();
+            j["alpha"] = 0.25.into();
+            reference_free(j);
+        }),
         other => panic!("no objective {other}"),
     };
     let mut json: serde_json::Value =
@@ -116,6 +133,13 @@ fn backward(
         Plan::new(mode, chunks).with(options),
     )
     .unwrap()
+}
+
+/// A DPO batch file made ORPO's or CPO's: without reference log-probs.
+fn reference_free(json: &mut serde_json::Value) {
+    let o = json.as_object_mut().unwrap();
+    o.remove("ref_chosen_logps");
+    o.remove("ref_rejected_logps");
 }
 
 const OBJECTIVES: [&str; 4] = ["sft", "dpo", "dpo_sft", "grpo"];
@@ -212,8 +236,8 @@ fn dropout_stays_exact_in_every_mode() {
 }
 
 /// DPO's other loss types on the adapters (IPO's length averaging, aot's batch-wide sorts, a weighted
-/// list with the NLL term) and GRPO's (dapo at temperature 0.7, cispo, sapo), with dropout: every
-/// mode and chunking equals the full backward.
+/// list with the NLL term), GRPO's (dapo at temperature 0.7, cispo, sapo), ORPO and CPO (SimPO with
+/// smoothing, AlphaPO), with dropout: every mode and chunking equals the full backward.
 #[test]
 fn dpo_loss_types_stay_exact_with_lora() {
     for family in FAMILIES {
@@ -225,6 +249,9 @@ fn dpo_loss_types_stay_exact_with_lora() {
             "grpo_dapo",
             "grpo_cispo",
             "grpo_sapo",
+            "orpo",
+            "cpo_simpo",
+            "alphapo",
         ] {
             let key = Some(5);
             let full = backward(&model, family, objective, Mode::Full, (1, 1), key);

@@ -1,225 +1,59 @@
-//! The DPO recipe (TRL's loss types, sigmoid by default): pairs of completions of one prompt, a
-//! frozen reference model (default: a copy of the initial policy, as in TRL), one readable loop
-//! over [`crate::setup::Setup`] and [`crate::trainer::Trainer`].
+//! The DPO recipe (TRL's loss types, sigmoid by default): pairs of completions of one prompt against
+//! a frozen reference model (default: a copy of the initial policy, as in TRL), through the shared
+//! pair loop ([`super::pairs`]).
 
 use streambp_models::Model;
-use streambp_objectives::{Dpo, DpoLossType, TokenTargets};
+use streambp_objectives::{Dpo, DpoLoss, DpoLossType, Objective};
 
-use crate::batch::{collate, Collated};
-use crate::checkpoint::{Digest, Fingerprint, RunRecord};
+use super::pairs::{train_on_pairs, PairBatch, PairJob};
 use crate::config::{Recipe, TrainConfig};
-use crate::data::{encode_pair, row_columns, text_field, Example, LoadReport, Overflow, Text};
-use crate::dataset::DataSource;
-use crate::eval::{eval_accuracy, eval_rows};
-use crate::logprobs::sequence_logps;
-use crate::output::temporary;
 use crate::setup::Setup;
-use crate::token_store::{ExampleSink, StoreWriter};
-use crate::tokenizer::TextTokenizer;
-use crate::trainer::{Summary, Trainer, TrainingData};
+use crate::trainer::Summary;
 use crate::{Result, TrainError};
 
-/// A tokenized preference pair.
-pub struct Pair {
-    /// Prompt + preferred completion, the loss on the completion.
-    pub chosen: Example,
-    /// Prompt + dispreferred completion, the loss on the completion.
-    pub rejected: Example,
+/// DPO's part of the pair loop: the reference, β and the loss.
+struct DpoJob {
+    reference: Model,
+    beta: f64,
+    loss: DpoLoss,
 }
 
-impl Digest for Pair {
-    fn digest(&self, into: &mut Fingerprint) {
-        self.chosen.digest(into);
-        self.rejected.digest(into);
+impl PairJob for DpoJob {
+    fn reference(&self) -> Option<&Model> {
+        Some(&self.reference)
     }
-}
 
-/// Pairs in TRL's preference formats: `prompt` + `chosen` + `rejected`, or `chosen` + `rejected` with
-/// the prompt implicit in both (their shared start, as TRL's `maybe_extract_prompt` finds it, also
-/// when a `prompt` column of the other kind sits beside conversations); strings (EOS ends each
-/// completion) or conversations rendered with the chat template. A pair longer than `max_length` is
-/// skipped or, as TRL's default `keep_start` truncation does, cut to its first `max_length` tokens per
-/// side (and skipped when a side has no completion token left).
-pub fn load_pairs(
-    source: &DataSource,
-    tok: &TextTokenizer,
-    max_length: usize,
-    overflow: Overflow,
-) -> Result<Vec<Pair>> {
-    let mut sides = Vec::new();
-    load_pairs_into(source, tok, (max_length, overflow), &mut sides)?;
-    let mut sides = sides.into_iter();
-    Ok(std::iter::from_fn(|| {
-        Some(Pair {
-            chosen: sides.next()?,
-            rejected: sides.next()?,
+    fn averaged(&self) -> bool {
+        false
+    }
+
+    fn objective(&self, batch: &PairBatch) -> Result<Box<dyn Objective>> {
+        let n = batch.pairs();
+        let reference = batch
+            .reference_logps
+            .as_deref()
+            .ok_or_else(|| TrainError::Internal("DPO's micro-batch came unscored".into()))?;
+        let (vocab, device) = batch.vocab_and_device();
+        let labels = &batch.rows.labels;
+        let dpo = Dpo::new(
+            labels,
+            &reference[..n],
+            &reference[n..],
+            self.beta,
+            vocab,
+            device,
+        )?
+        .with_loss(self.loss.clone())?;
+        // The NLL is a mean over the whole micro-batch's chosen tokens, whichever rank holds them.
+        let pooled = match self.loss.has(DpoLossType::Sft) {
+            true => batch.pooled_nll_tokens(dpo.chosen_tokens()?)?,
+            false => None,
+        };
+        Ok(match pooled {
+            Some(tokens) => Box::new(dpo.with_nll_tokens(tokens)?),
+            None => Box::new(dpo),
         })
-    })
-    .collect())
-}
-
-/// [`load_pairs`] into `out`, one pair at a time as its chosen then its rejected example (a
-/// [`crate::token_store::StoreWriter`] keeps a data set of any size on disk: pair `i` is examples
-/// `2i` and `2i + 1`); `limits` are `--max-length` and `--overflow`.
-pub fn load_pairs_into(
-    source: &DataSource,
-    tok: &TextTokenizer,
-    (max_length, overflow): (usize, Overflow),
-    out: &mut impl ExampleSink,
-) -> Result<()> {
-    let mut report = LoadReport::default();
-    for row in source.rows() {
-        let (at, row) = row?;
-        let where_ = at.to_string();
-        let need = |k: &str| -> Result<Text> {
-            text_field(&row, k, &where_)?.ok_or_else(|| {
-                TrainError::data(
-                    &where_,
-                    format!(
-                        "expected \"chosen\" and \"rejected\" (and \"prompt\" unless both hold it), \
-                         no {k:?}; the row has {}",
-                        row_columns(&row)
-                    ),
-                )
-            })
-        };
-        let (chosen, rejected) = (need("chosen")?, need("rejected")?);
-        let (prompt, chosen, rejected) = match text_field(&row, "prompt", &where_)? {
-            Some(prompt) if same_kind(&prompt, &chosen) => (prompt, chosen, rejected),
-            _ => extract_prompt(chosen, rejected, &where_)?,
-        };
-        let side = |reply: Text| -> Result<Example> {
-            let (p, completion) = encode_pair(tok, prompt.clone(), reply, max_length, &where_)?;
-            Ok(Example::from_pair(p, completion))
-        };
-        let (mut chosen, mut rejected) = (side(chosen)?, side(rejected)?);
-        report.note_unknown(tok, &chosen.input_ids, &where_);
-        report.note_unknown(tok, &rejected.input_ids, &where_);
-        if chosen.input_ids.len() > max_length || rejected.input_ids.len() > max_length {
-            if overflow == Overflow::Skip {
-                report.skipped += 1;
-                continue;
-            }
-            chosen.truncate(max_length);
-            rejected.truncate(max_length);
-            report.truncated += 1;
-        }
-        // A side with no completion token left (empty, or cut away) has nothing to compare.
-        if chosen.targets() == 0 || rejected.targets() == 0 {
-            report.skipped += 1;
-            continue;
-        }
-        // Identical sides (as written, or once truncated) carry no preference: the loss is ln 2 and
-        // the gradient zero whatever the model.
-        if chosen.input_ids == rejected.input_ids {
-            report.note_identical(&where_);
-            continue;
-        }
-        out.push(chosen)?;
-        out.push(rejected)?;
     }
-    report.finish(
-        source,
-        "pairs",
-        out.count() / 2,
-        &format!("--max-length {max_length}"),
-    )
-}
-
-fn same_kind(a: &Text, b: &Text) -> bool {
-    matches!(
-        (a, b),
-        (Text::Plain(_), Text::Plain(_)) | (Text::Messages(_), Text::Messages(_))
-    )
-}
-
-/// The prompt `chosen` and `rejected` share, and what each adds, as TRL's `extract_prompt` cuts them:
-/// at the first message (conversations) or character (strings) where they differ, a space before that
-/// character going with the completions; where one holds the other, before the shorter's last item.
-fn extract_prompt(chosen: Text, rejected: Text, where_: &str) -> Result<(Text, Text, Text)> {
-    fn cut<T: PartialEq + Clone>(c: &[T], r: &[T], is_space: impl Fn(&T) -> bool) -> Option<usize> {
-        let n = c.len().min(r.len());
-        let first_difference = (0..n).find(|&i| c[i] != r[i]);
-        match first_difference {
-            Some(i) if i > 0 && is_space(&c[i - 1]) => Some(i - 1),
-            Some(i) => Some(i),
-            None => n.checked_sub(1),
-        }
-    }
-    let none = || {
-        TrainError::data(
-            where_,
-            "no \"prompt\", and \"chosen\" or \"rejected\" is empty: no prompt to find in them",
-        )
-    };
-    match (chosen, rejected) {
-        (Text::Messages(c), Text::Messages(r)) => {
-            let at = cut(&c, &r, |_| false).ok_or_else(none)?;
-            if at == 0 {
-                return Err(TrainError::data(
-                    where_,
-                    "no \"prompt\", and the conversations \"chosen\" and \"rejected\" differ from \
-                     their first message: no shared prompt",
-                ));
-            }
-            Ok((
-                Text::Messages(c[..at].to_vec()),
-                Text::Messages(c[at..].to_vec()),
-                Text::Messages(r[at..].to_vec()),
-            ))
-        }
-        (Text::Plain(c), Text::Plain(r)) => {
-            let (cc, rc): (Vec<char>, Vec<char>) = (c.chars().collect(), r.chars().collect());
-            let at = cut(&cc, &rc, |ch| *ch == ' ').ok_or_else(none)?;
-            let text = |chars: &[char]| chars.iter().collect::<String>();
-            Ok((
-                Text::Plain(text(&cc[..at])),
-                Text::Plain(text(&cc[at..])),
-                Text::Plain(text(&rc[at..])),
-            ))
-        }
-        _ => Err(TrainError::data(
-            where_,
-            "\"chosen\" and \"rejected\" must both be strings or both be conversations",
-        )),
-    }
-}
-
-/// Stacks `pairs` as `[chosen…, rejected…]` right-padded rows.
-fn stack(pairs: &[&Pair], pad: u32) -> Collated {
-    let rows: Vec<&Example> = pairs
-        .iter()
-        .map(|p| &p.chosen)
-        .chain(pairs.iter().map(|p| &p.rejected))
-        .collect();
-    collate(&rows, pad)
-}
-
-/// Fraction of pairs whose implicit reward margin `(π_c − ρ_c) − (π_r − ρ_r)` is positive.
-fn preference_accuracy(
-    setup: &Setup,
-    reference: &Model,
-    pairs: &[Pair],
-    cfg: &TrainConfig,
-) -> Result<f64> {
-    let mut policy_scores = cfg.scorer(&setup.model);
-    let mut reference_scores = cfg.scorer(reference);
-    let mut wins = 0;
-    for group in pairs.chunks(32) {
-        let refs: Vec<&Pair> = group.iter().collect();
-        let c = stack(&refs, setup.tokenizer.pad_id);
-        let t = c.tensors(&setup.device)?;
-        let targets =
-            TokenTargets::from_labels(&c.labels, setup.model.config.vocab_size, &setup.device)?;
-        let mask = Some(&t.attention_mask);
-        let policy = sequence_logps(&mut policy_scores, &t.input_ids, mask, &targets)?;
-        let reference = sequence_logps(&mut reference_scores, &t.input_ids, mask, &targets)?;
-        let n = group.len();
-        wins += (0..n)
-            .filter(|&i| (policy[i] - reference[i]) - (policy[n + i] - reference[n + i]) > 0.0)
-            .count();
-    }
-    Ok(wins as f64 / pairs.len() as f64)
 }
 
 /// Trains `cfg`'s model on preference pairs against a frozen reference (the built-in pairs by
@@ -230,103 +64,10 @@ pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
         Some(spec) => setup.load_reference(spec)?,
         None => setup.initial_reference(cfg)?,
     };
-    let data = setup.data_source(cfg, "dpo.jsonl")?;
-    // Tokenized pair by pair onto disk and read back by index, as SFT's examples.
-    let mut store = StoreWriter::create(&temporary(&cfg.output_dir, "tokenized"))?;
-    let limits = (cfg.max_length, cfg.overflow);
-    load_pairs_into(&data, &setup.tokenizer, limits, &mut store)?;
-    let sides = store.finish()?;
-    let pairs = sides.len() / 2;
-    let pair = |i: usize| Pair {
-        chosen: sides.get(2 * i),
-        rejected: sides.get(2 * i + 1),
+    let job = DpoJob {
+        reference,
+        beta: cfg.beta,
+        loss: cfg.dpo_loss_with_sft(),
     };
-    // Held-out pairs (scored by preference accuracy): --eval-data's (or --eval-split's) when its
-    // rows are pairs, the built-in task's test pairs when training on the built-in task; held-out
-    // prompt/completion rows are scored by exact-match accuracy.
-    let eval_source = setup.eval_source(cfg)?;
-    let holds_pairs = |source: &DataSource| {
-        source.rows().next().is_some_and(|row| {
-            row.is_ok_and(|(_, r)| r.contains_key("chosen") && r.contains_key("rejected"))
-        })
-    };
-    let load =
-        |source: &DataSource| load_pairs(source, &setup.tokenizer, cfg.max_length, cfg.overflow);
-    let (eval_pairs, eval) = match &eval_source {
-        Some(source) if holds_pairs(source) => (Some(load(source)?), None),
-        Some(source) => (None, eval_rows(source, &setup.tokenizer, cfg.max_length)?),
-        None => (None, None),
-    };
-    let eval_pairs = match (eval_pairs, &cfg.data) {
-        (None, None) => Some(load(&setup.builtin_file("dpo_test.jsonl")?)?),
-        (pairs, _) => pairs,
-    };
-    let held_out = |setup: &Setup| -> Result<Vec<(String, f64)>> {
-        let mut m = eval_accuracy(setup, &eval)?;
-        if let Some(p) = &eval_pairs {
-            m.push((
-                "preference_accuracy".into(),
-                preference_accuracy(setup, &reference, p, cfg)?,
-            ));
-        }
-        Ok(m)
-    };
-    tracing::info!(pairs, data = data.name(), beta = cfg.beta, "dpo");
-    let training = TrainingData {
-        count: pairs,
-        identity: sides.identity().clone(),
-        what: "pairs",
-        source: data.name(),
-    };
-    let mut trainer = Trainer::new(cfg, &setup, Recipe::Dpo, &training, RunRecord::new())?;
-    let before = trainer.held_out_before(|| held_out(&setup))?;
-    let model = &setup.model;
-    let mut reference_scores = cfg.scorer(&reference);
-    let world = setup.comm.world_size();
-    let loss = cfg.dpo_loss_with_sft();
-    for step in trainer.start_step..trainer.max_steps {
-        trainer.begin_step(step);
-        let picked = trainer.data.take(trainer.global_step_items()?);
-        // Every rank's micro-batch is a mean over its pairs, all of one size: the step's loss is the
-        // mean of all of them, over micro-batches and ranks.
-        let weight = 1.0 / (picked.len() / cfg.batch_size) as f64;
-        for (m, global) in picked.chunks(cfg.batch_size * world).enumerate() {
-            let (micro, first) = trainer.local(global);
-            let group: Vec<Pair> = micro.iter().map(|&i| pair(i)).collect();
-            let c = stack(&group.iter().collect::<Vec<_>>(), setup.tokenizer.pad_id);
-            let t = c.tensors(&setup.device)?;
-            let targets =
-                TokenTargets::from_labels(&c.labels, model.config.vocab_size, &setup.device)?;
-            let ref_logps = sequence_logps(
-                &mut reference_scores,
-                &t.input_ids,
-                Some(&t.attention_mask),
-                &targets,
-            )?;
-            let n = group.len();
-            let dpo = Dpo::new(
-                &c.labels,
-                &ref_logps[..n],
-                &ref_logps[n..],
-                cfg.beta,
-                model.config.vocab_size,
-                &setup.device,
-            )?
-            .with_loss(loss.clone())?;
-            // The NLL is a mean over the whole micro-batch's chosen tokens, whichever rank holds them.
-            let dpo = match (loss.has(DpoLossType::Sft), world) {
-                (true, 2..) => {
-                    let tokens = setup.comm.sum(dpo.chosen_tokens()?)?;
-                    dpo.with_nll_tokens(tokens / world as f64)?
-                }
-                _ => dpo,
-            };
-            // Chosen and rejected rows of the pairs from `first` on (dropout masks by row).
-            let rows = (m, 2 * first);
-            trainer.backward(t.batch(), &dpo, rows, c.tokens(), weight)?;
-        }
-        trainer.finish_step()?;
-        trainer.evaluate_if_due(|| held_out(&setup))?;
-    }
-    trainer.finish(before, || held_out(&setup))
+    train_on_pairs(cfg, Recipe::Dpo, &setup, &job)
 }

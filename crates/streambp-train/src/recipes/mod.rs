@@ -3,8 +3,11 @@
 //! built-in task's settings and the settings a checkpoint records. A new job is its loop's file, a
 //! [`Recipe`] variant, its row in the table and its subcommand.
 
+pub mod cpo;
 pub mod dpo;
 pub mod grpo;
+pub mod orpo;
+pub mod pairs;
 pub mod sft;
 
 use crate::checkpoint::RunRecord;
@@ -20,6 +23,10 @@ pub enum Recipe {
     Dpo,
     /// Group relative policy optimisation (`grpo.rs`).
     Grpo,
+    /// Odds ratio preference optimisation, no reference model (`orpo.rs`).
+    Orpo,
+    /// Contrastive preference optimisation and SimPO/AlphaPO, no reference model (`cpo.rs`).
+    Cpo,
 }
 
 /// What `--beta` is to a job.
@@ -61,10 +68,14 @@ pub const JOB_FLAGS: &[&str] = &[
     "--dataset-text-field",
     "--packing",
     "--loss-type",
+    "--label-smoothing",
+    "--cpo-alpha",
+    "--simpo-gamma",
+    "--alphapo-alpha",
 ];
 
 /// Every job's row, in [`Recipe`]'s order.
-static RECIPES: [RecipeFacts; 3] = [
+static RECIPES: [RecipeFacts; 5] = [
     RecipeFacts {
         recipe: Recipe::Sft,
         name: "sft",
@@ -83,7 +94,13 @@ static RECIPES: [RecipeFacts; 3] = [
     RecipeFacts {
         recipe: Recipe::Dpo,
         name: "dpo",
-        flags: &["--beta", "--sft-weight", "--ref-model", "--loss-type"],
+        flags: &[
+            "--beta",
+            "--sft-weight",
+            "--ref-model",
+            "--loss-type",
+            "--label-smoothing",
+        ],
         beta: Beta::Positive(DPO_BETA),
         // Refines the shipped SFT checkpoint with TRL's sigmoid + SFT loss, which keeps the correct
         // answers likely.
@@ -128,18 +145,69 @@ static RECIPES: [RecipeFacts; 3] = [
             run.insert("--beta".into(), cfg.beta.into());
         },
     },
+    RecipeFacts {
+        recipe: Recipe::Orpo,
+        name: "orpo",
+        flags: &["--beta"],
+        beta: Beta::Positive(DPO_BETA),
+        builtin: preference_builtin,
+        record: |cfg, run| {
+            run.insert("--beta".into(), cfg.beta.into());
+        },
+    },
+    RecipeFacts {
+        recipe: Recipe::Cpo,
+        name: "cpo",
+        flags: &[
+            "--beta",
+            "--loss-type",
+            "--label-smoothing",
+            "--cpo-alpha",
+            "--simpo-gamma",
+            "--alphapo-alpha",
+        ],
+        beta: Beta::Positive(DPO_BETA),
+        builtin: preference_builtin,
+        record: |cfg, run| {
+            let loss = &cfg.cpo_loss;
+            run.insert("--beta".into(), cfg.beta.into());
+            run.insert("--loss-type".into(), loss.loss_type.name().into());
+            run.insert("--label-smoothing".into(), loss.label_smoothing.into());
+            run.insert("--cpo-alpha".into(), loss.cpo_alpha.into());
+            run.insert("--simpo-gamma".into(), loss.simpo_gamma.into());
+            run.insert("--alphapo-alpha".into(), loss.alpha.into());
+        },
+    },
 ];
+
+/// The built-in task's run of the reference-free preference jobs: DPO's, from the shipped SFT
+/// checkpoint on the same pairs.
+fn preference_builtin(task: TrainConfig) -> TrainConfig {
+    TrainConfig {
+        builtin_model: BuiltinModel::Sft,
+        max_steps: Some(300),
+        batch_size: 32,
+        lr: 2e-4,
+        ..task
+    }
+}
 
 impl Recipe {
     /// Every job, in the table's order.
-    pub const ALL: [Recipe; 3] = [Recipe::Sft, Recipe::Dpo, Recipe::Grpo];
+    pub const ALL: [Recipe; 5] = [
+        Recipe::Sft,
+        Recipe::Dpo,
+        Recipe::Grpo,
+        Recipe::Orpo,
+        Recipe::Cpo,
+    ];
 
     /// This job's row of the table.
     pub fn facts(self) -> &'static RecipeFacts {
         &RECIPES[self as usize]
     }
 
-    /// The subcommand's name: `sft`, `dpo` or `grpo`.
+    /// The subcommand's name: `sft`, `dpo`, `grpo`, `orpo` or `cpo`.
     pub fn name(self) -> &'static str {
         self.facts().name
     }
@@ -194,7 +262,10 @@ mod tests {
         }
         let refused = Recipe::Sft.check_job_flags(&["--packing", "--beta"]);
         let message = refused.unwrap_err().to_string();
-        assert_eq!(message, "--beta: applies to dpo and grpo only, not sft");
+        assert_eq!(
+            message,
+            "--beta: applies to dpo, grpo, orpo and cpo only, not sft"
+        );
         assert!(Recipe::Grpo.check_job_flags(&["--beta"]).is_ok());
     }
 }
