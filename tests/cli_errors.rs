@@ -73,8 +73,8 @@ const CASES: &[Case] = &[
     case("sft --dtype f16", 2, "--dtype f16: unknown dtype"),
     case("sft --device tpu", 2, "--device tpu: unknown device"),
     // Flags that do not apply.
-    case("sft --beta 0.1", 2, "--beta: applies to dpo, grpo, orpo and cpo only, not sft"),
-    case("sft --ref-model x/y", 2, "--ref-model: applies to dpo only, not sft"),
+    case("sft --beta 0.1", 2, "--beta: applies to dpo, grpo, orpo, cpo and kto only, not sft"),
+    case("sft --ref-model x/y", 2, "--ref-model: applies to dpo and kto only, not sft"),
     case("grpo --sft-weight 1", 2, "--sft-weight: applies to dpo only, not grpo"),
     case("dpo --packing", 2, "--packing: applies to sft only"),
     case("grpo --packing", 2, "--packing: applies to sft only"),
@@ -110,7 +110,7 @@ const CASES: &[Case] = &[
     case("sft --loss-type ipo", 2, "unexpected argument '--loss-type'"),
     // ORPO and CPO.
     case("orpo --loss-type ipo", 2, "unexpected argument '--loss-type'"),
-    case("orpo --ref-model {fixtures}/qwen3", 2, "--ref-model: applies to dpo only, not orpo"),
+    case("orpo --ref-model {fixtures}/qwen3", 2, "--ref-model: applies to dpo and kto only, not orpo"),
     case("orpo --beta 0", 2, "--beta 0: must be a number above 0"),
     case("orpo --batch-size 20000", 2, "is more than the 9800 pairs"),
     case("cpo --loss-type kto", 2, "--loss-type kto: unknown CPO loss type \"kto\""),
@@ -123,6 +123,13 @@ const CASES: &[Case] = &[
     case("cpo --label-smoothing 0.5 --max-steps 1", 2, "label_smoothing 0.5 is outside [0, 0.5)"),
     case("cpo --sft-weight 1", 2, "--sft-weight: applies to dpo only, not cpo"),
     case("dpo --cpo-alpha 1", 2, "unexpected argument '--cpo-alpha'"),
+    // KTO.
+    case("kto --loss-type sigmoid", 2, "expected kto or apo_zero_unpaired"),
+    case("kto --desirable-weight 0 --max-steps 1", 2, "desirable_weight must be a number above 0, got 0"),
+    case("kto --undesirable-weight nan --max-steps 1", 2, "undesirable_weight must be a number above 0"),
+    case("kto --sft-weight 1", 2, "--sft-weight: applies to dpo only, not kto"),
+    case("kto --data {dir}/small.jsonl", 1, "expected \"prompt\", \"completion\" and a boolean \"label\""),
+    case("dpo --desirable-weight 1", 2, "unexpected argument '--desirable-weight'"),
     case("grpo --group-size 1", 2, "--group-size 1: must be at least 2"),
     case("grpo --group-size 0", 2, "--group-size 0: must be at least 2"),
     case("grpo --temperature nan", 2, "--temperature NaN: must be a number above 0"),

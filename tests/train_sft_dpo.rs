@@ -364,6 +364,66 @@ fn orpo_and_cpo_learn_fixed_preferences() {
     }
 }
 
+/// KTO on fixed unpaired rows (TRL's prompt/completion/label, the desirable and undesirable answers
+/// of each prompt in separate rows) and on the same rows as pairs, unpaired: the loss falls, the
+/// held-out pairs end preferred over the reference, and a row without a boolean label is reported by
+/// line.
+#[test]
+fn kto_learns_unpaired_rows_and_reports_bad_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let pairs = fixed_pairs(dir.path());
+    let unpaired = dir.path().join("unpaired.jsonl");
+    let rows: String = (0..8)
+        .flat_map(|i| {
+            let row = |answer: usize, label: bool| {
+                format!("{{\"prompt\": \"{i}+{i}=\", \"completion\": \"{answer}\", \"label\": {label}}}\n")
+            };
+            [row(2 * i, true), row(2 * i + 1, false)]
+        })
+        .collect();
+    std::fs::write(&unpaired, &rows).unwrap();
+    for data in [&unpaired, &pairs] {
+        let cfg = TrainConfig {
+            data: Some(data.clone()),
+            eval_data: Some(pairs.clone()),
+            max_steps: Some(25),
+            batch_size: 8,
+            grad_accum: 1,
+            lr: 1e-3,
+            schedule: Schedule::Constant,
+            save_every: 0,
+            ..config(&dir.path().join("out"))
+        };
+        let cfg = TrainConfig {
+            overwrite_output_dir: true,
+            ..cfg
+        };
+        let summary = streambp_train::kto::run_kto(&cfg).unwrap();
+        let accuracy = summary
+            .after
+            .iter()
+            .find(|(n, _)| n == "preference_accuracy")
+            .map(|(_, v)| *v);
+        assert!(summary.last_loss < summary.first_loss, "{summary:?}");
+        assert_eq!(accuracy, Some(1.0), "{summary:?}");
+    }
+    std::fs::write(
+        &unpaired,
+        format!("{rows}{{\"prompt\": \"1+1=\", \"completion\": \"2\", \"label\": 1}}\n"),
+    )
+    .unwrap();
+    let cfg = TrainConfig {
+        data: Some(unpaired),
+        overwrite_output_dir: true,
+        ..config(&dir.path().join("out"))
+    };
+    let err = streambp_train::kto::run_kto(&cfg).unwrap_err().to_string();
+    assert!(
+        err.contains("line 17") && err.contains("\"label\" is 1"),
+        "{err}"
+    );
+}
+
 /// DPO on a few fixed pairs learns to prefer the chosen answers (the loss falls, margins grow), and a
 /// malformed pair is reported by line.
 #[test]

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use streambp_core::{CheckpointEvery, Mode};
-use streambp_objectives::{CpoLoss, DpoLoss, GrpoLossType};
+use streambp_objectives::{CpoLoss, DpoLoss, GrpoLossType, KtoLoss, KtoLossType};
 use streambp_train::config::{GrpoConfig, LoraArgs, Recipe, TrainConfig};
 use streambp_train::data::Overflow;
 use streambp_train::grad::GradArgs;
@@ -59,6 +59,15 @@ pub enum Command {
         train: TrainArgs,
         #[command(flatten)]
         cpo: CpoArgs,
+    },
+    /// KTO (TRL's KTOTrainer) on unpaired prompt/completion/label rows (or pairs, unpaired) against a
+    /// frozen reference. With no arguments: the built-in arithmetic pairs unpaired, from the shipped
+    /// SFT checkpoint of the task.
+    Kto {
+        #[command(flatten)]
+        train: TrainArgs,
+        #[command(flatten)]
+        kto: KtoArgs,
     },
     /// One backward on a batch file; writes every gradient under its HF name and prints one JSON line
     /// {"loss","mode","peak_bytes","seconds","tokens",...}.
@@ -291,6 +300,25 @@ impl CpoArgs {
 }
 
 #[derive(clap::Args)]
+pub struct KtoArgs {
+    /// kto (with the KL baseline) or apo_zero_unpaired [default: kto].
+    #[arg(long = "loss-type", value_parser = kto_loss_type)]
+    loss_type: Option<KtoLossType>,
+    /// Weight of the desirable rows' losses, above 0 [default: 1].
+    #[arg(long, allow_negative_numbers = true)]
+    desirable_weight: Option<f64>,
+    /// Weight of the undesirable rows' losses, above 0 [default: 1].
+    #[arg(long, allow_negative_numbers = true)]
+    undesirable_weight: Option<f64>,
+}
+
+/// KTO's `--loss-type`, or the accepted ones.
+fn kto_loss_type(s: &str) -> Result<KtoLossType, String> {
+    s.parse()
+        .map_err(|_| "expected kto or apo_zero_unpaired".to_string())
+}
+
+#[derive(clap::Args)]
 pub struct GrpoArgs {
     /// Completions sampled per prompt (at least 2) [default: 8].
     #[arg(long)]
@@ -352,6 +380,18 @@ impl TrainArgs {
         if whole_loss_typed {
             cfg.sft_weight = 0.0;
         }
+        Ok(cfg)
+    }
+
+    /// A KTO run's configuration: [`TrainArgs::into_config`] with the loss `kto` names.
+    pub fn into_kto_config(self, kto: KtoArgs) -> Result<TrainConfig, TrainError> {
+        let mut cfg = self.into_config(Recipe::Kto)?;
+        let d = cfg.kto_loss;
+        cfg.kto_loss = KtoLoss {
+            loss_type: kto.loss_type.unwrap_or(d.loss_type),
+            desirable_weight: kto.desirable_weight.unwrap_or(d.desirable_weight),
+            undesirable_weight: kto.undesirable_weight.unwrap_or(d.undesirable_weight),
+        };
         Ok(cfg)
     }
 
@@ -444,6 +484,7 @@ impl TrainArgs {
             sft_weight: self.sft_weight.unwrap_or(d.sft_weight),
             dpo_loss: d.dpo_loss,
             cpo_loss: d.cpo_loss,
+            kto_loss: d.kto_loss,
             ref_model: self.ref_model,
             progress: !self.no_progress,
             lora: self.lora.config()?,

@@ -9,6 +9,7 @@ use streambp_train::cpo::run_cpo;
 use streambp_train::dpo::run_dpo;
 use streambp_train::grad::run_grad;
 use streambp_train::grpo::run_grpo;
+use streambp_train::kto::run_kto;
 use streambp_train::orpo::run_orpo;
 use streambp_train::sft::run_sft;
 use streambp_train::trainer::Summary;
@@ -227,6 +228,14 @@ fn run() -> anyhow::Result<()> {
             report(
                 "cpo",
                 &run_cpo(&cfg).map_err(located).context("cpo failed")?,
+            );
+        }
+        Command::Kto { train, kto } => {
+            let cfg = train.into_kto_config(kto).map_err(located)?;
+            let _ranks = start(&cfg.device)?;
+            report(
+                "kto",
+                &run_kto(&cfg).map_err(located).context("kto failed")?,
             );
         }
         Command::Grpo { train, grpo } => {

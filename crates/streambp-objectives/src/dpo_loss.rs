@@ -292,7 +292,7 @@ pub(crate) fn log_sigmoid(x: &Tensor) -> Result<Tensor> {
 }
 
 /// `σ(x)`, as `exp(log σ(x))` (composed ops, so autograd has its backward).
-fn sigmoid(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn sigmoid(x: &Tensor) -> Result<Tensor> {
     Ok(log_sigmoid(x)?.exp()?)
 }
 

@@ -1,6 +1,6 @@
 //! Training objectives, written over the log-probabilities of target tokens.
 //!
-//! Every objective here (SFT cross entropy, DPO, ORPO, CPO, GRPO) depends on the logits only through
+//! Every objective here (SFT cross entropy, DPO, KTO, ORPO, CPO, GRPO) depends on the logits only through
 //! `logp[b, t] = log softmax(logits[b, t])[target[b, t]]`: the log-prob, at logits position `t`, of the
 //! token the objective scores there. `logp` is tiny (`[batch, T]`), so an engine can stream the LM head
 //! over chunks of positions, hand each chunk's `logp` to the objective, and backpropagate
@@ -9,7 +9,8 @@
 //! Objectives that are sums over positions ([`Objective::separable`]) get their loss chunk by chunk;
 //! the others (DPO's sequence-level sigmoid) get all of `logp` at once after a first pass.
 //!
-//! Exports: the [`Objective`] trait; [`Sft`], [`Dpo`], the reference-free [`Orpo`] and [`Cpo`]
+//! Exports: the [`Objective`] trait; [`Sft`], [`Dpo`], [`Kto`] (unpaired rows, [`KtoLoss`]), the
+//! reference-free [`Orpo`] and [`Cpo`]
 //! (SimPO, AlphaPO: [`CpoLoss`]) over a batch's [`PairRows`], and [`Grpo`] (built from a
 //! [`GrpoBatch`], reduced per [`GrpoLossType`]); [`TokenTargets`] and [`IGNORE_INDEX`] for HF-style labels; [`ObjectiveError`].
 //!
@@ -26,6 +27,7 @@ pub mod cpo;
 pub mod dpo;
 pub mod dpo_loss;
 pub mod grpo;
+pub mod kto;
 pub mod orpo;
 pub mod pairs;
 pub mod sft;
@@ -35,6 +37,7 @@ pub use cpo::{Cpo, CpoLoss, CpoLossType};
 pub use dpo::Dpo;
 pub use dpo_loss::{DpoLoss, DpoLossType};
 pub use grpo::{Grpo, GrpoBatch, GrpoLossType};
+pub use kto::{Kto, KtoLoss, KtoLossType};
 pub use orpo::Orpo;
 pub use pairs::PairRows;
 pub use sft::Sft;

@@ -2,14 +2,15 @@
 //!
 //! SFT: `{"objective":"sft","input_ids":[[..]],"labels":[[..]],"attention_mask":[[..]]}`; labels are
 //! aligned with input_ids (shifted inside), -100 (`IGNORE_INDEX`) is ignored, rows are right-padded, the attention mask
-//! is optional (all ones when absent). DPO, ORPO, CPO and GRPO: see docs/grad.md.
+//! is optional (all ones when absent). DPO, ORPO, CPO, KTO and GRPO: see docs/grad.md.
 
 use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use serde::Deserialize;
 use streambp_objectives::{
-    Cpo, CpoLoss, Dpo, DpoLoss, Grpo, GrpoBatch, GrpoLossType, Objective, Orpo, Sft, IGNORE_INDEX,
+    Cpo, CpoLoss, Dpo, DpoLoss, Grpo, GrpoBatch, GrpoLossType, Kto, KtoLoss, KtoLossType,
+    Objective, Orpo, Sft, IGNORE_INDEX,
 };
 
 use crate::batch::{padded, to_u32_tensor};
@@ -74,6 +75,29 @@ struct PairFile {
     simpo_gamma: Option<f64>,
     /// AlphaPO's reward shape [default: 0].
     alpha: Option<f64>,
+}
+
+/// A batch of unpaired KTO rows.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KtoFile {
+    #[allow(dead_code)]
+    objective: String,
+    input_ids: Vec<Vec<i64>>,
+    labels: Vec<Vec<i64>>,
+    attention_mask: Option<Vec<Vec<i64>>>,
+    /// Each row's kind: desirable (true) or undesirable.
+    label: Vec<bool>,
+    /// The reference's summed completion log-probs (computed when absent).
+    ref_logps: Option<Vec<f64>>,
+    /// The detached KL baseline (`kto`; at least 0).
+    kl: Option<f64>,
+    #[serde(default = "default_dpo_beta")]
+    beta: f64,
+    /// `kto` or `apo_zero_unpaired` [default: kto].
+    loss_type: Option<String>,
+    desirable_weight: Option<f64>,
+    undesirable_weight: Option<f64>,
 }
 
 /// A name or a list of names, as TRL's config takes `loss_type`.
@@ -282,6 +306,11 @@ pub fn load_batch(
                 .map_err(|e| fail(format!("bad {objective} batch: {e}")))?;
             prepare_pairs(file, vocab_size, device, reference).map_err(named)
         }
+        "kto" => {
+            let file: KtoFile = serde_json::from_value(value.clone())
+                .map_err(|e| fail(format!("bad kto batch: {e}")))?;
+            prepare_kto(file, vocab_size, device, reference).map_err(named)
+        }
         "grpo" => {
             let file: GrpoFile = serde_json::from_value(value.clone())
                 .map_err(|e| fail(format!("bad grpo batch: {e}")))?;
@@ -294,7 +323,7 @@ pub fn load_batch(
 }
 
 /// The objectives a batch file may name.
-const OBJECTIVES: &str = "sft, dpo, orpo, cpo or grpo";
+const OBJECTIVES: &str = "sft, dpo, orpo, cpo, kto or grpo";
 
 /// Chosen and rejected rows stacked (chosen first) and right-padded to one length, under the pair
 /// objective the file names.
@@ -483,6 +512,69 @@ fn prepare_grpo(
             Some(m) => m.iter().flatten().filter(|&&v| v != 0).count(),
             None => b * t,
         },
+    })
+}
+
+/// KTO's rows, their kinds and the KL baseline as the file gives them (the reference's log-probs
+/// computed when absent).
+fn prepare_kto(
+    file: KtoFile,
+    vocab_size: usize,
+    device: &Device,
+    reference: &mut Scorer,
+) -> Result<PreparedBatch> {
+    let (b, t) = check_rectangular("input_ids", &file.input_ids)?;
+    check_same_shape("labels", &file.labels, b, t)?;
+    let mask = file.attention_mask.clone().unwrap_or(vec![vec![1; t]; b]);
+    check_same_shape("attention_mask", &mask, b, t)?;
+    check_right_padded(&mask)?;
+    check_vocab(&file.input_ids, vocab_size)?;
+    let loss_type: KtoLossType = match &file.loss_type {
+        Some(name) => name.parse()?,
+        None => KtoLossType::Kto,
+    };
+    let kl = match (loss_type.uses_kl(), file.kl) {
+        (true, Some(kl)) => kl,
+        (true, None) => {
+            return Err(TrainError::data(
+                "batch",
+                "kto needs kl, the detached KL baseline (TRL's mean over the batch of the \
+                 mismatched rows' policy-minus-reference log-probs, clamped at 0)",
+            ))
+        }
+        (false, Some(_)) => {
+            return Err(TrainError::data(
+                "batch",
+                "kl applies to loss_type kto, not apo_zero_unpaired",
+            ))
+        }
+        (false, None) => 0.0,
+    };
+    let d = KtoLoss::default();
+    let loss = KtoLoss {
+        loss_type,
+        desirable_weight: file.desirable_weight.unwrap_or(d.desirable_weight),
+        undesirable_weight: file.undesirable_weight.unwrap_or(d.undesirable_weight),
+    };
+    let labels = masked_labels(&file.labels, &mask);
+    let input_ids = to_u32_tensor(&file.input_ids, device)?;
+    let attention_mask = to_u32_tensor(&mask, device)?;
+    let ref_logps = match file.ref_logps {
+        Some(given) => given,
+        None => {
+            let targets =
+                streambp_objectives::TokenTargets::from_labels(&labels, vocab_size, device)?;
+            sequence_logps(reference, &input_ids, Some(&attention_mask), &targets)?
+        }
+    };
+    let on = (vocab_size, device);
+    let kto = Kto::new(&labels, &file.label, &ref_logps, kl, file.beta, loss, on)?;
+    Ok(PreparedBatch {
+        input_ids,
+        attention_mask: Some(attention_mask),
+        position_ids: None,
+        objective: Box::new(kto),
+        tokens: mask.iter().flatten().filter(|&&v| v != 0).count(),
     })
 }
 

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use streambp_core::{CheckpointEvery, Chunks, Mode};
 use streambp_models::{LoraConfig, ModelError, Projection};
-use streambp_objectives::{CpoLoss, DpoLoss, DpoLossType, GrpoLossType};
+use streambp_objectives::{CpoLoss, DpoLoss, DpoLossType, GrpoLossType, KtoLoss};
 
 use crate::data::Overflow;
 use crate::optim::Schedule;
@@ -109,6 +109,8 @@ pub struct TrainConfig {
     /// CPO's loss (`cpo`: `--loss-type`, `--label-smoothing`, `--cpo-alpha`, `--simpo-gamma`,
     /// `--alphapo-alpha`).
     pub cpo_loss: CpoLoss,
+    /// KTO's loss (`kto`: `--loss-type`, `--desirable-weight`, `--undesirable-weight`).
+    pub kto_loss: KtoLoss,
     /// DPO: the reference model's directory or hub id; `None`: a frozen copy of the initial policy.
     pub ref_model: Option<String>,
     /// Show the progress bar.
@@ -212,6 +214,7 @@ impl TrainConfig {
             sft_weight: 0.0,
             dpo_loss: DpoLoss::default(),
             cpo_loss: CpoLoss::default(),
+            kto_loss: KtoLoss::default(),
             ref_model: None,
             progress: true,
             lora: None,
@@ -365,6 +368,7 @@ impl TrainConfig {
     /// so a job that does not take one refuses it (β has no off value: the command line checks it).
     fn job_flags_set(&self) -> Vec<&'static str> {
         let cpo = CpoLoss::default();
+        let kto = KtoLoss::default();
         [
             ("--sft-weight", self.sft_weight != 0.0),
             ("--loss-type", self.dpo_loss != DpoLoss::default()),
@@ -376,6 +380,15 @@ impl TrainConfig {
                 self.cpo_loss.simpo_gamma != cpo.simpo_gamma,
             ),
             ("--alphapo-alpha", self.cpo_loss.alpha != cpo.alpha),
+            ("--loss-type", self.kto_loss.loss_type != kto.loss_type),
+            (
+                "--desirable-weight",
+                self.kto_loss.desirable_weight != kto.desirable_weight,
+            ),
+            (
+                "--undesirable-weight",
+                self.kto_loss.undesirable_weight != kto.undesirable_weight,
+            ),
             ("--ref-model", self.ref_model.is_some()),
             ("--dataset-text-field", self.text_field != "text"),
             ("--packing", self.packing),
@@ -514,6 +527,10 @@ impl TrainConfig {
         }
         self.dpo_loss.validate().map_err(|e| {
             TrainError::flag("--loss-type", self.dpo_loss.describe(), e.to_string())
+        })?;
+        self.kto_loss.validate().map_err(|e| {
+            let name = self.kto_loss.loss_type.name();
+            TrainError::flag("--loss-type", name, e.to_string())
         })?;
         self.cpo_loss.validate().map_err(|e| {
             let name = self.cpo_loss.loss_type.name();

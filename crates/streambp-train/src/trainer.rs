@@ -233,7 +233,7 @@ impl<'a> Trainer<'a> {
             let dir = streambp_models::resolve_adapter_dir(spec)?;
             record_weights(&mut run, "--adapter", &dir)?;
         }
-        if let (Recipe::Dpo, Some(spec)) = (recipe, &cfg.ref_model) {
+        if let (Recipe::Dpo | Recipe::Kto, Some(spec)) = (recipe, &cfg.ref_model) {
             let dir = streambp_models::resolve_model_dir(spec)?;
             record_weights(&mut run, "--ref-model", &dir)?;
         }

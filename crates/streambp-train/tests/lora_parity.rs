@@ -112,6 +112,19 @@ fn backward(
             j["alpha"] = 0.25.into();
             reference_free(j);
         }),
+        // KTO with a KL baseline given (the recipe's estimate is a constant of the step).
+        "kto" => ("kto-batch.json", |j| {
+            let o = j.as_object_mut().unwrap();
+            for key in [
+                "kl_input_ids",
+                "kl_attention_mask",
+                "kl_labels",
+                "ref_kl_logps",
+            ] {
+                o.remove(key);
+            }
+            o.insert("kl".into(), 0.3.into());
+        }),
         other => panic!("no objective {other}"),
     };
     let mut json: serde_json::Value =
@@ -236,8 +249,8 @@ fn dropout_stays_exact_in_every_mode() {
 }
 
 /// DPO's other loss types on the adapters (IPO's length averaging, aot's batch-wide sorts, a weighted
-/// list with the NLL term), GRPO's (dapo at temperature 0.7, cispo, sapo), ORPO and CPO (SimPO with
-/// smoothing, AlphaPO), with dropout: every mode and chunking equals the full backward.
+/// list with the NLL term), GRPO's (dapo at temperature 0.7, cispo, sapo), ORPO, CPO (SimPO with
+/// smoothing, AlphaPO) and KTO, with dropout: every mode and chunking equals the full backward.
 #[test]
 fn dpo_loss_types_stay_exact_with_lora() {
     for family in FAMILIES {
@@ -252,6 +265,7 @@ fn dpo_loss_types_stay_exact_with_lora() {
             "orpo",
             "cpo_simpo",
             "alphapo",
+            "kto",
         ] {
             let key = Some(5);
             let full = backward(&model, family, objective, Mode::Full, (1, 1), key);

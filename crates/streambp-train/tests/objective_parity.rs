@@ -56,6 +56,23 @@ fn scalar(r: &HashMap<String, Tensor>, key: &str) -> f64 {
     r[key].to_vec1::<f64>().unwrap()[0]
 }
 
+/// Every metric of `names` within 1e-10 of the reference's `{variant}.{name}` (`/` written `_`).
+fn assert_metrics_match(
+    out: &Gradients,
+    r: &HashMap<String, Tensor>,
+    (family, variant): (&str, &str),
+    names: &[&str],
+) {
+    for name in names {
+        let key = format!("{variant}.{}", name.replace('/', "_"));
+        let (ours, theirs) = (metric(out, name), scalar(r, &key));
+        assert!(
+            (ours - theirs).abs() < 1e-10 * theirs.abs().max(1.0),
+            "{family} {variant} {name}: {ours} vs TRL {theirs}"
+        );
+    }
+}
+
 /// Checks every mode and chunking of one objective variant against the full backward and the reference.
 fn check(
     family: &str,
@@ -425,14 +442,138 @@ fn orpo_and_cpo_match_trl_on_the_models() {
             let out = check_against(&r, family, "dpo-batch.json", &edit, name);
             let odds = ["log_odds_ratio", "log_odds_chosen"];
             let orpo_only = odds.iter().filter(|_| name.starts_with("orpo"));
-            for metric_name in metrics.iter().chain(orpo_only) {
-                let key = format!("{name}.{}", metric_name.replace('/', "_"));
-                let (ours, theirs) = (metric(&out, metric_name), scalar(&r, &key));
-                assert!(
-                    (ours - theirs).abs() < 1e-10 * theirs.abs().max(1.0),
-                    "{family} {name} {metric_name}: {ours} vs TRL {theirs}"
-                );
-            }
+            let logged: Vec<&str> = metrics.iter().chain(orpo_only).copied().collect();
+            assert_metrics_match(&out, &r, (family, name), &logged);
         }
+    }
+}
+
+/// KTO as TRL 1.16's own `KTOTrainer._compute_loss` computes it on transformers' float64 models
+/// (scripts/make_kto_fixtures.py): two desirable rows and one undesirable, padded; `kto` with the KL
+/// baseline TRL used, weighted kinds, and `apo_zero_unpaired`: the loss, every gradient within 1e-8,
+/// every logged metric; each mode and chunking equals the plain backward.
+#[test]
+fn kto_matches_trl_on_the_models() {
+    use serde_json::json;
+    let variants = [
+        ("kto", json!({"beta": 0.1})),
+        (
+            "kto_weighted",
+            json!({"beta": 0.3, "desirable_weight": 1.33, "undesirable_weight": 0.5}),
+        ),
+        (
+            "apo_zero_unpaired",
+            json!({"beta": 0.1, "loss_type": "apo_zero_unpaired"}),
+        ),
+    ];
+    for family in FAMILIES {
+        let r = candle_core::safetensors::load(
+            fixture_dir(family).join("kto.safetensors"),
+            &Device::Cpu,
+        )
+        .expect("fixture kto.safetensors");
+        for (name, settings) in &variants {
+            let kl = scalar(&r, &format!("{name}.kl"));
+            let edit = |j: &mut serde_json::Value| {
+                let o = j.as_object_mut().unwrap();
+                for key in [
+                    "kl_input_ids",
+                    "kl_attention_mask",
+                    "kl_labels",
+                    "ref_kl_logps",
+                ] {
+                    o.remove(key);
+                }
+                for (k, v) in settings.as_object().unwrap() {
+                    o.insert(k.clone(), v.clone());
+                }
+                if *name != "apo_zero_unpaired" {
+                    o.insert("kl".into(), kl.into());
+                }
+            };
+            let out = check_against(&r, family, "kto-batch.json", &edit, name);
+            let logged = [
+                "kl",
+                "rewards/chosen",
+                "rewards/rejected",
+                "rewards/margins",
+                "logps/chosen",
+                "logps/rejected",
+            ];
+            assert_metrics_match(&out, &r, (family, name), &logged);
+        }
+    }
+}
+
+/// The KTO recipe's KL baseline as TRL's collator and `_compute_kl_logps` build it: each prompt with
+/// the previous row's completion (the fixture's KL rows, made by TRL's own collator), their summed
+/// completion log-probs under the policy (the fixture's `kl_logps`), and the clamped mean difference
+/// from the reference's (`kto.kl`).
+#[test]
+fn kto_kl_rows_and_baseline_match_trl() {
+    use streambp_train::data::Example;
+    for family in FAMILIES {
+        let dir = fixture_dir(family);
+        let batch: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("kto-batch.json")).unwrap())
+                .unwrap();
+        let rows = |ids: &str, labels: &str, mask: &str| -> Vec<Example> {
+            let list = |key: &str| -> Vec<Vec<i64>> {
+                serde_json::from_value(batch[key].clone()).unwrap()
+            };
+            let (ids, labels, mask) = (list(ids), list(labels), list(mask));
+            (0..ids.len())
+                .map(|i| {
+                    let n = mask[i].iter().filter(|&&m| m == 1).count();
+                    let input_ids = ids[i][..n].iter().map(|&t| t as u32).collect();
+                    Example::new(input_ids, labels[i][..n].to_vec())
+                })
+                .collect()
+        };
+        let examples = rows("input_ids", "labels", "attention_mask");
+        let want = rows("kl_input_ids", "kl_labels", "kl_attention_mask");
+        let got = streambp_train::kto::mismatched_rows(&examples, 1024);
+        assert_eq!(got, want, "{family}: KL rows");
+
+        let model = load_model(&dir, DType::F64, &Device::Cpu).unwrap();
+        let chunks = |_: &Tensor| {
+            Ok(Chunks {
+                chunk: 3,
+                logits_chunk: 4,
+            })
+        };
+        let mut score = streambp_train::logprobs::scorer(&model, chunks);
+        let refs: Vec<&Example> = got.iter().collect();
+        let c = streambp_train::batch::collate(&refs, 0);
+        let t = c.tensors(&Device::Cpu).unwrap();
+        let targets =
+            streambp_objectives::TokenTargets::from_labels(&c.labels, 96, &Device::Cpu).unwrap();
+        let logps = streambp_train::logprobs::sequence_logps(
+            &mut score,
+            &t.input_ids,
+            Some(&t.attention_mask),
+            &targets,
+        )
+        .unwrap();
+        let r = candle_core::safetensors::load(dir.join("kto.safetensors"), &Device::Cpu).unwrap();
+        let trl = r["kl_logps"].to_vec1::<f64>().unwrap();
+        for (ours, theirs) in logps.iter().zip(&trl) {
+            assert!(
+                (ours - theirs).abs() < 1e-10 * theirs.abs(),
+                "{family}: {ours} vs {theirs}"
+            );
+        }
+        let reference: Vec<f64> = serde_json::from_value(batch["ref_kl_logps"].clone()).unwrap();
+        let kl = logps
+            .iter()
+            .zip(&reference)
+            .map(|(p, r)| p - r)
+            .sum::<f64>()
+            / 3.0;
+        let want = scalar(&r, "kto.kl");
+        assert!(
+            (kl.max(0.0) - want).abs() < 1e-10,
+            "{family}: kl {kl} vs TRL {want}"
+        );
     }
 }

@@ -6,6 +6,7 @@
 pub mod cpo;
 pub mod dpo;
 pub mod grpo;
+pub mod kto;
 pub mod orpo;
 pub mod pairs;
 pub mod sft;
@@ -27,6 +28,8 @@ pub enum Recipe {
     Orpo,
     /// Contrastive preference optimisation and SimPO/AlphaPO, no reference model (`cpo.rs`).
     Cpo,
+    /// Kahneman-Tversky optimisation on unpaired rows (`kto.rs`).
+    Kto,
 }
 
 /// What `--beta` is to a job.
@@ -72,10 +75,12 @@ pub const JOB_FLAGS: &[&str] = &[
     "--cpo-alpha",
     "--simpo-gamma",
     "--alphapo-alpha",
+    "--desirable-weight",
+    "--undesirable-weight",
 ];
 
 /// Every job's row, in [`Recipe`]'s order.
-static RECIPES: [RecipeFacts; 5] = [
+static RECIPES: [RecipeFacts; 6] = [
     RecipeFacts {
         recipe: Recipe::Sft,
         name: "sft",
@@ -178,10 +183,34 @@ static RECIPES: [RecipeFacts; 5] = [
             run.insert("--alphapo-alpha".into(), loss.alpha.into());
         },
     },
+    RecipeFacts {
+        recipe: Recipe::Kto,
+        name: "kto",
+        flags: &[
+            "--beta",
+            "--ref-model",
+            "--loss-type",
+            "--desirable-weight",
+            "--undesirable-weight",
+        ],
+        beta: Beta::Positive(DPO_BETA),
+        builtin: preference_builtin,
+        record: |cfg, run| {
+            let loss = &cfg.kto_loss;
+            run.insert("--beta".into(), cfg.beta.into());
+            run.insert("--ref-model".into(), cfg.ref_model.clone().into());
+            run.insert("--loss-type".into(), loss.loss_type.name().into());
+            run.insert("--desirable-weight".into(), loss.desirable_weight.into());
+            run.insert(
+                "--undesirable-weight".into(),
+                loss.undesirable_weight.into(),
+            );
+        },
+    },
 ];
 
-/// The built-in task's run of the reference-free preference jobs: DPO's, from the shipped SFT
-/// checkpoint on the same pairs.
+/// The built-in task's run of the other preference jobs: DPO's, from the shipped SFT checkpoint on
+/// the same pairs (KTO's unpaired).
 fn preference_builtin(task: TrainConfig) -> TrainConfig {
     TrainConfig {
         builtin_model: BuiltinModel::Sft,
@@ -194,12 +223,13 @@ fn preference_builtin(task: TrainConfig) -> TrainConfig {
 
 impl Recipe {
     /// Every job, in the table's order.
-    pub const ALL: [Recipe; 5] = [
+    pub const ALL: [Recipe; 6] = [
         Recipe::Sft,
         Recipe::Dpo,
         Recipe::Grpo,
         Recipe::Orpo,
         Recipe::Cpo,
+        Recipe::Kto,
     ];
 
     /// This job's row of the table.
@@ -207,7 +237,7 @@ impl Recipe {
         &RECIPES[self as usize]
     }
 
-    /// The subcommand's name: `sft`, `dpo`, `grpo`, `orpo` or `cpo`.
+    /// The subcommand's name: `sft`, `dpo`, `grpo`, `orpo`, `cpo` or `kto`.
     pub fn name(self) -> &'static str {
         self.facts().name
     }
@@ -264,7 +294,7 @@ mod tests {
         let message = refused.unwrap_err().to_string();
         assert_eq!(
             message,
-            "--beta: applies to dpo, grpo, orpo and cpo only, not sft"
+            "--beta: applies to dpo, grpo, orpo, cpo and kto only, not sft"
         );
         assert!(Recipe::Grpo.check_job_flags(&["--beta"]).is_ok());
     }

@@ -267,39 +267,78 @@ impl PairBatch<'_> {
     }
 }
 
-/// Fraction of `pairs` whose margin is positive: the policy's chosen-minus-rejected log-prob (summed,
-/// or averaged per [`PairJob::averaged`]), less the reference's where the job has one.
-fn preference_accuracy(
-    setup: &Setup,
-    job: &dyn PairJob,
-    pairs: &[Pair],
-    cfg: &TrainConfig,
-) -> Result<f64> {
-    let mut policy_scores = cfg.scorer(&setup.model);
-    let mut reference_scores = job.reference().map(|r| cfg.scorer(r));
-    let mut wins = 0;
-    for group in pairs.chunks(32) {
-        let refs: Vec<&Pair> = group.iter().collect();
-        let c = stack(&refs, setup.tokenizer.pad_id);
-        let t = c.tensors(&setup.device)?;
-        let targets =
-            TokenTargets::from_labels(&c.labels, setup.model.config.vocab_size, &setup.device)?;
-        let mask = Some(&t.attention_mask);
-        let mut margin = sequence_logps(&mut policy_scores, &t.input_ids, mask, &targets)?;
-        if let Some(scores) = &mut reference_scores {
-            let reference = sequence_logps(scores, &t.input_ids, mask, &targets)?;
-            margin.iter_mut().zip(reference).for_each(|(m, r)| *m -= r);
-        }
-        if job.averaged() {
-            margin
-                .iter_mut()
-                .zip(&targets.counts)
-                .for_each(|(m, &n)| *m /= n as f64);
-        }
-        let n = group.len();
-        wins += (0..n).filter(|&i| margin[i] - margin[n + i] > 0.0).count();
+/// What a preference run is scored on before, during and after training: held-out pairs by
+/// preference accuracy (--eval-data's or --eval-split's when its rows are pairs, the built-in task's
+/// test pairs on the built-in task), held-out prompt/completion rows by exact-match accuracy.
+pub struct HeldOut {
+    pairs: Option<Vec<Pair>>,
+    questions: Option<Vec<crate::eval::Question>>,
+}
+
+impl HeldOut {
+    /// The run's held-out data, loaded and tokenized.
+    pub fn load(cfg: &TrainConfig, setup: &Setup) -> Result<Self> {
+        let holds_pairs = |source: &DataSource| {
+            source.rows().next().is_some_and(|row| {
+                row.is_ok_and(|(_, r)| r.contains_key("chosen") && r.contains_key("rejected"))
+            })
+        };
+        let load = |source: &DataSource| {
+            load_pairs(source, &setup.tokenizer, cfg.max_length, cfg.overflow)
+        };
+        let (pairs, questions) = match &setup.eval_source(cfg)? {
+            Some(source) if holds_pairs(source) => (Some(load(source)?), None),
+            Some(source) => (None, eval_rows(source, &setup.tokenizer, cfg.max_length)?),
+            None => (None, None),
+        };
+        let pairs = match (pairs, &cfg.data) {
+            (None, None) => Some(load(&setup.builtin_file("dpo_test.jsonl")?)?),
+            (pairs, _) => pairs,
+        };
+        Ok(Self { pairs, questions })
     }
-    Ok(wins as f64 / pairs.len() as f64)
+
+    /// Exact-match accuracy, and preference accuracy: the fraction of pairs whose margin is
+    /// positive, the policy's chosen-minus-rejected completion log-prob (summed, or its tokens' mean
+    /// when `averaged`) less the `reference`'s where there is one.
+    pub fn measure(
+        &self,
+        setup: &Setup,
+        cfg: &TrainConfig,
+        (reference, averaged): (Option<&Model>, bool),
+    ) -> Result<Vec<(String, f64)>> {
+        let mut metrics = eval_accuracy(setup, &self.questions)?;
+        let Some(pairs) = &self.pairs else {
+            return Ok(metrics);
+        };
+        let mut policy_scores = cfg.scorer(&setup.model);
+        let mut reference_scores = reference.map(|r| cfg.scorer(r));
+        let mut wins = 0;
+        for group in pairs.chunks(32) {
+            let refs: Vec<&Pair> = group.iter().collect();
+            let c = stack(&refs, setup.tokenizer.pad_id);
+            let t = c.tensors(&setup.device)?;
+            let vocab = setup.model.config.vocab_size;
+            let targets = TokenTargets::from_labels(&c.labels, vocab, &setup.device)?;
+            let mask = Some(&t.attention_mask);
+            let mut margin = sequence_logps(&mut policy_scores, &t.input_ids, mask, &targets)?;
+            if let Some(scores) = &mut reference_scores {
+                let reference = sequence_logps(scores, &t.input_ids, mask, &targets)?;
+                margin.iter_mut().zip(reference).for_each(|(m, r)| *m -= r);
+            }
+            if averaged {
+                margin
+                    .iter_mut()
+                    .zip(&targets.counts)
+                    .for_each(|(m, &n)| *m /= n as f64);
+            }
+            let n = group.len();
+            wins += (0..n).filter(|&i| margin[i] - margin[n + i] > 0.0).count();
+        }
+        let accuracy = wins as f64 / pairs.len() as f64;
+        metrics.push(("preference_accuracy".into(), accuracy));
+        Ok(metrics)
+    }
 }
 
 /// Trains `setup`'s model on preference pairs as `job` says (the built-in pairs by default).
@@ -320,36 +359,9 @@ pub fn train_on_pairs(
         chosen: sides.get(2 * i),
         rejected: sides.get(2 * i + 1),
     };
-    // Held-out pairs (scored by preference accuracy): --eval-data's (or --eval-split's) when its
-    // rows are pairs, the built-in task's test pairs when training on the built-in task; held-out
-    // prompt/completion rows are scored by exact-match accuracy.
-    let eval_source = setup.eval_source(cfg)?;
-    let holds_pairs = |source: &DataSource| {
-        source.rows().next().is_some_and(|row| {
-            row.is_ok_and(|(_, r)| r.contains_key("chosen") && r.contains_key("rejected"))
-        })
-    };
-    let load =
-        |source: &DataSource| load_pairs(source, &setup.tokenizer, cfg.max_length, cfg.overflow);
-    let (eval_pairs, eval) = match &eval_source {
-        Some(source) if holds_pairs(source) => (Some(load(source)?), None),
-        Some(source) => (None, eval_rows(source, &setup.tokenizer, cfg.max_length)?),
-        None => (None, None),
-    };
-    let eval_pairs = match (eval_pairs, &cfg.data) {
-        (None, None) => Some(load(&setup.builtin_file("dpo_test.jsonl")?)?),
-        (pairs, _) => pairs,
-    };
-    let held_out = |setup: &Setup| -> Result<Vec<(String, f64)>> {
-        let mut m = eval_accuracy(setup, &eval)?;
-        if let Some(p) = &eval_pairs {
-            m.push((
-                "preference_accuracy".into(),
-                preference_accuracy(setup, job, p, cfg)?,
-            ));
-        }
-        Ok(m)
-    };
+    let held_out_data = HeldOut::load(cfg, setup)?;
+    let scoring = (job.reference(), job.averaged());
+    let held_out = |setup: &Setup| held_out_data.measure(setup, cfg, scoring);
     tracing::info!(
         pairs,
         data = data.name(),
