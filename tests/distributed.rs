@@ -144,6 +144,22 @@ fn dpo_with_nll_on_two_ranks_is_one_process() {
     );
 }
 
+/// ORPO (its NLL over every chosen token, one mean over the micro-batch whichever rank holds the
+/// tokens) and CPO's SimPO with the NLL term. (KTO is not here: its KL baseline comes from each
+/// rank's own rows, as TRL's from each device's, so two ranks are not one process there.)
+#[test]
+fn orpo_and_cpo_on_two_ranks_are_one_process() {
+    if !mpi_available() {
+        return;
+    }
+    for job in ["orpo", "cpo --loss-type simpo --cpo-alpha 0.5"] {
+        assert_two_ranks_match_one(
+            |b| format!("{job} --max-steps 3 --batch-size {b} --grad-accum 2 --chunk 5 --seed 2"),
+            2,
+        );
+    }
+}
+
 /// GRPO with TRL's default dapo (one normaliser over both ranks' tokens); with cispo and rewards
 /// scaled by the whole batch's standard deviation (both summed over the ranks); and with truncated
 /// completions masked out of completions of at most 2 tokens (groups left without any run at
