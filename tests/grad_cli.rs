@@ -372,6 +372,23 @@ fn bad_pair_and_grpo_batches_are_clear_errors() {
     orpo_alpha["cpo_alpha"] = 1.0.into();
     cases.push((orpo_alpha, "cpo_alpha applies to cpo, not orpo"));
 
+    // A reward batch on a causal LM, and a pair setting a reward model does not read.
+    let mut on_causal = fixture_batch("qwen2", "dpo-batch.json");
+    let fields = on_causal.as_object_mut().unwrap();
+    for key in [
+        "ref_chosen_logps",
+        "ref_rejected_logps",
+        "chosen_labels",
+        "rejected_labels",
+    ] {
+        fields.remove(key);
+    }
+    fields.insert("objective".into(), "reward".into());
+    let mut with_beta = on_causal.clone();
+    cases.push((on_causal, "objective reward needs a reward model"));
+    with_beta["beta"] = 0.5.into();
+    cases.push((with_beta, "beta applies to dpo, orpo and cpo, not reward"));
+
     // One row without completion tokens is allowed (TRL's masked truncated completions), none at
     // all is not.
     let mut empty = fixture_batch("qwen2", "grpo-batch.json");

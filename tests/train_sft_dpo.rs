@@ -424,6 +424,45 @@ fn kto_learns_unpaired_rows_and_reports_bad_ones() {
     );
 }
 
+/// A reward model from the built-in causal model (a fresh score head) on the fixed pairs: the loss
+/// falls, every held-out pair (the training pairs) ends ranked right, and the final checkpoint is a
+/// transformers sequence classifier (its config and `score.weight`) that loads back as one.
+#[test]
+fn reward_model_learns_fixed_preferences_and_saves_a_classifier() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = fixed_pairs(dir.path());
+    let out = dir.path().join("out");
+    let cfg = TrainConfig {
+        data: Some(data.clone()),
+        eval_data: Some(data),
+        max_steps: Some(40),
+        batch_size: 8,
+        grad_accum: 1,
+        lr: 1e-3,
+        schedule: Schedule::Constant,
+        save_every: 0,
+        center_rewards_coefficient: Some(0.01),
+        ..config(&out)
+    };
+    let summary = streambp_train::reward::run_reward(&cfg).unwrap();
+    let accuracy = |list: &[(String, f64)]| {
+        list.iter()
+            .find(|(n, _)| n == "preference_accuracy")
+            .map(|(_, v)| *v)
+    };
+    assert!(summary.last_loss < summary.first_loss, "{summary:?}");
+    assert_eq!(accuracy(&summary.after), Some(1.0), "{summary:?}");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("final/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["architectures"][0], "Qwen3ForSequenceClassification");
+    assert_eq!(config["id2label"].as_object().map(|m| m.len()), Some(1));
+    let model = streambp_models::load_model(&out.join("final"), DType::F32, &Device::Cpu).unwrap();
+    assert!(model.scores_positions());
+    assert!(model.weights().iter().any(|(n, _)| n == "score.weight"));
+    assert!(!model.weights().iter().any(|(n, _)| n == "lm_head.weight"));
+}
+
 /// DPO on a few fixed pairs learns to prefer the chosen answers (the loss falls, margins grow), and a
 /// malformed pair is reported by line.
 #[test]

@@ -69,6 +69,18 @@ pub enum Command {
         #[command(flatten)]
         kto: KtoArgs,
     },
+    /// A reward model (TRL's RewardTrainer): Bradley-Terry on prompt/chosen/rejected rows, each row's
+    /// reward the score head's output at its last token; a causal LM gets a fresh score head and is
+    /// saved as a *ForSequenceClassification model. With no arguments: the built-in arithmetic pairs,
+    /// from the shipped SFT checkpoint of the task.
+    Reward {
+        #[command(flatten)]
+        train: TrainArgs,
+        /// Adds this times the mean squared sum of each pair's rewards (TRL's
+        /// center_rewards_coefficient; 0.01 is its suggestion), at least 0 [default: none].
+        #[arg(long, allow_negative_numbers = true)]
+        center_rewards_coefficient: Option<f64>,
+    },
     /// One backward on a batch file; writes every gradient under its HF name and prints one JSON line
     /// {"loss","mode","peak_bytes","seconds","tokens",...}.
     Grad(GradArgs),
@@ -485,6 +497,7 @@ impl TrainArgs {
             dpo_loss: d.dpo_loss,
             cpo_loss: d.cpo_loss,
             kto_loss: d.kto_loss,
+            center_rewards_coefficient: d.center_rewards_coefficient,
             ref_model: self.ref_model,
             progress: !self.no_progress,
             lora: self.lora.config()?,

@@ -11,6 +11,7 @@ use streambp_train::grad::run_grad;
 use streambp_train::grpo::run_grpo;
 use streambp_train::kto::run_kto;
 use streambp_train::orpo::run_orpo;
+use streambp_train::reward::run_reward;
 use streambp_train::sft::run_sft;
 use streambp_train::trainer::Summary;
 use streambp_train::TrainError;
@@ -236,6 +237,18 @@ fn run() -> anyhow::Result<()> {
             report(
                 "kto",
                 &run_kto(&cfg).map_err(located).context("kto failed")?,
+            );
+        }
+        Command::Reward {
+            train,
+            center_rewards_coefficient,
+        } => {
+            let mut cfg = train.into_config(Recipe::Reward).map_err(located)?;
+            cfg.center_rewards_coefficient = center_rewards_coefficient;
+            let _ranks = start(&cfg.device)?;
+            report(
+                "reward",
+                &run_reward(&cfg).map_err(located).context("reward failed")?,
             );
         }
         Command::Grpo { train, grpo } => {

@@ -227,6 +227,18 @@ pub struct ModelConfig {
     pub pad_token_id: Option<u32>,
     /// One entry per decoder layer, in order: its attention span and rotary table.
     pub layers: Vec<LayerKind>,
+    /// What the final norm's output feeds: the LM head, or a reward model's score.
+    pub head: Head,
+}
+
+/// The head on top of the final norm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Head {
+    /// `*ForCausalLM`: logits over the vocabulary (`lm_head.weight`, or the tied embedding table).
+    Lm,
+    /// `*ForSequenceClassification` with one label (a reward model): one score per position
+    /// (`score.weight`, `[1, hidden]`, never tied), read at each row's last token by the objective.
+    Score,
 }
 
 /// The token embedding table's name in a checkpoint.
@@ -235,6 +247,8 @@ pub const EMBED_TOKENS: &str = "model.embed_tokens.weight";
 pub const FINAL_NORM: &str = "model.norm.weight";
 /// The untied LM head.
 pub const LM_HEAD: &str = "lm_head.weight";
+/// A sequence-classification (reward) model's score head.
+pub const SCORE: &str = "score.weight";
 
 /// The names (under `model.layers.{i}.`, before `.weight`) of a layer's norms after its attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -290,6 +304,9 @@ struct RawConfig {
     max_position_embeddings: Option<usize>,
     pad_token_id: Option<i64>,
     text_config: Option<Value>,
+    architectures: Option<Vec<String>>,
+    num_labels: Option<usize>,
+    id2label: Option<serde_json::Map<String, Value>>,
 }
 
 impl ModelConfig {
@@ -420,10 +437,40 @@ impl ModelConfig {
             }
         }
         out.push((FINAL_NORM.to_string(), vec![d]));
-        if !self.tie_word_embeddings {
-            out.push((LM_HEAD.to_string(), vec![self.vocab_size, d]));
+        match self.head {
+            Head::Score => out.push((SCORE.to_string(), vec![1, d])),
+            Head::Lm if !self.tie_word_embeddings => {
+                out.push((LM_HEAD.to_string(), vec![self.vocab_size, d]))
+            }
+            Head::Lm => {}
         }
         out
+    }
+
+    /// The checkpoint name of the head's weight (the embedding table's under tied embeddings).
+    pub fn head_name(&self) -> &'static str {
+        match (self.head, self.tie_word_embeddings) {
+            (Head::Score, _) => SCORE,
+            (Head::Lm, true) => EMBED_TOKENS,
+            (Head::Lm, false) => LM_HEAD,
+        }
+    }
+
+    /// transformers' class name of this model with this head (`Qwen3ForCausalLM`,
+    /// `LlamaForSequenceClassification`, ...), as a saved config.json's `architectures` says.
+    pub fn architecture(&self) -> String {
+        let base = match self.family {
+            Family::Qwen2 => "Qwen2",
+            Family::Qwen3 => "Qwen3",
+            Family::Llama => "Llama",
+            Family::Gemma3 => "Gemma3Text",
+        };
+        let head = match (self.head, self.family) {
+            (Head::Lm, Family::Gemma3) => return "Gemma3ForCausalLM".into(),
+            (Head::Lm, _) => "ForCausalLM",
+            (Head::Score, _) => "ForSequenceClassification",
+        };
+        format!("{base}{head}")
     }
 }
 
@@ -523,7 +570,32 @@ fn build(family: Family, raw: RawConfig, path: &Path) -> Result<ModelConfig> {
             .and_then(|p| u32::try_from(p).ok())
             .filter(|&p| (p as usize) < vocab_size),
         layers,
+        head: head_of(&raw).map_err(err)?,
     })
+}
+
+/// The head `architectures` names: a sequence classifier must have one label (a reward model);
+/// transformers' default for a classifier that does not say is two.
+fn head_of(raw: &RawConfig) -> std::result::Result<Head, String> {
+    let classifies = raw
+        .architectures
+        .iter()
+        .flatten()
+        .any(|a| a.ends_with("ForSequenceClassification"));
+    if !classifies {
+        return Ok(Head::Lm);
+    }
+    let labels = raw
+        .num_labels
+        .or(raw.id2label.as_ref().map(|m| m.len()))
+        .unwrap_or(2);
+    match labels {
+        1 => Ok(Head::Score),
+        n => Err(format!(
+            "a sequence classifier with {n} labels: streambp trains reward models, which have one \
+             (num_labels 1)"
+        )),
+    }
 }
 
 /// The per-layer attention types, from `layer_types` or the legacy fields.

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{ModelConfig, NormStyle};
+use crate::config::{Head, ModelConfig, NormStyle, LM_HEAD, SCORE};
 use crate::error::Result;
 use crate::model::Model;
 
@@ -85,6 +85,32 @@ impl Model {
             };
             tensors.insert(name, t);
         }
+        Model::from_tensors(config, tensors)
+    }
+}
+
+impl Model {
+    /// This model with a fresh score head in place of its LM head: a reward model started from a
+    /// causal LM, as transformers' `AutoModelForSequenceClassification` starts one (`score.weight`
+    /// drawn from N(0, 0.02²), here from `seed`). The weights are shared, not copied.
+    pub fn with_score_head(&self, seed: u64) -> Result<Self> {
+        let mut config = self.config.clone();
+        config.head = Head::Score;
+        let mut tensors: HashMap<String, Tensor> = self
+            .weights()
+            .iter()
+            .filter(|(name, _)| name != LM_HEAD)
+            .cloned()
+            .collect();
+        let like = &self.embed_tokens;
+        let score = NormalRng::new(seed).tensor(
+            &[1, config.hidden_size],
+            0.0,
+            0.02,
+            like.dtype(),
+            like.device(),
+        )?;
+        tensors.insert(SCORE.to_string(), score);
         Model::from_tensors(config, tensors)
     }
 }

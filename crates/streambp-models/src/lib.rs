@@ -42,7 +42,9 @@ mod swiglu;
 #[cfg(test)]
 mod testing;
 
-pub use config::{Activation, Family, LayerKind, ModelConfig, NormStyle, RopeConfig, RopeScaling};
+pub use config::{
+    Activation, Family, Head, LayerKind, ModelConfig, NormStyle, RopeConfig, RopeScaling,
+};
 pub use error::{ModelError, Result};
 pub use hub::{resolve_adapter_dir, resolve_model_dir};
 pub use layer::{DecoderLayer, KeyBlock};

@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
 
-use crate::config::{ModelConfig, EMBED_TOKENS, FINAL_NORM, LM_HEAD};
+use crate::config::{Head, ModelConfig, EMBED_TOKENS, FINAL_NORM};
 use crate::error::{ModelError, Result};
 use crate::init::NormalRng;
 use crate::layer::DecoderLayer;
@@ -55,7 +55,7 @@ struct Roles {
 
 impl Roles {
     /// The roles of a fully trainable model's parameters (checkpoint names, checkpoint order).
-    fn of(params: &[(String, Var)], layers: usize) -> Result<Self> {
+    fn of(params: &[(String, Var)], layers: usize, head: &str) -> Result<Self> {
         let find = |name: &str| params.iter().position(|(n, _)| n == name);
         let missing = |name: &str| ModelError::MissingTensor {
             name: name.into(),
@@ -80,7 +80,7 @@ impl Roles {
         Ok(Self {
             embedding: Some(embedding),
             final_norm: Some(find(FINAL_NORM).ok_or_else(|| missing(FINAL_NORM))?),
-            head: Some(find(LM_HEAD).unwrap_or(embedding)),
+            head: Some(find(head).ok_or_else(|| missing(head))?),
             layers,
         })
     }
@@ -157,12 +157,8 @@ impl Model {
             })
             .collect();
         let embed_tokens = get(EMBED_TOKENS);
-        let lm_head = if config.tie_word_embeddings {
-            embed_tokens.clone()
-        } else {
-            get(LM_HEAD)
-        };
-        let roles = Roles::of(&params, config.num_layers())?;
+        let lm_head = get(config.head_name());
+        let roles = Roles::of(&params, config.num_layers(), config.head_name())?;
         Ok(Self {
             norm: norm(FINAL_NORM),
             config,
@@ -314,13 +310,23 @@ impl Model {
         self.norm.forward(h)
     }
 
-    /// Logits `[.., vocab]` of final-normed hidden states, soft-capped where the config says so.
+    /// Logits `[.., vocab]` of final-normed hidden states, soft-capped where the config says so; a
+    /// reward model's scores `[.., 1]` (never capped, as transformers' classifiers are not).
     pub fn logits(&self, normed: &Tensor) -> Result<Tensor> {
         let head = Linear {
             frozen: self.lora.is_some(),
             ..Linear::new(self.lm_head.clone(), None)
         };
-        self.soft_cap(&head.forward(normed)?)
+        let out = head.forward(normed)?;
+        match self.config.head {
+            Head::Lm => self.soft_cap(&out),
+            Head::Score => Ok(out),
+        }
+    }
+
+    /// Whether the head yields one score per position (a reward model) rather than logits.
+    pub fn scores_positions(&self) -> bool {
+        self.config.head == Head::Score
     }
 
     /// The final soft-cap of raw logits `l` where the config has one (Gemma): `cap·tanh(l / cap)`.

@@ -10,7 +10,7 @@
 //! the others (DPO's sequence-level sigmoid) get all of `logp` at once after a first pass.
 //!
 //! Exports: the [`Objective`] trait; [`Sft`], [`Dpo`], [`Kto`] (unpaired rows, [`KtoLoss`]), the
-//! reference-free [`Orpo`] and [`Cpo`]
+//! reference-free [`Orpo`] and [`Cpo`], a reward model's [`RewardModel`]
 //! (SimPO, AlphaPO: [`CpoLoss`]) over a batch's [`PairRows`], and [`Grpo`] (built from a
 //! [`GrpoBatch`], reduced per [`GrpoLossType`]); [`TokenTargets`] and [`IGNORE_INDEX`] for HF-style labels; [`ObjectiveError`].
 //!
@@ -30,6 +30,7 @@ pub mod grpo;
 pub mod kto;
 pub mod orpo;
 pub mod pairs;
+pub mod reward;
 pub mod sft;
 mod targets;
 
@@ -40,6 +41,7 @@ pub use grpo::{Grpo, GrpoBatch, GrpoLossType};
 pub use kto::{Kto, KtoLoss, KtoLossType};
 pub use orpo::Orpo;
 pub use pairs::PairRows;
+pub use reward::{pooled_positions, RewardModel};
 pub use sft::Sft;
 pub use targets::{TokenTargets, IGNORE_INDEX};
 
@@ -77,7 +79,8 @@ pub trait Objective: Send + Sync {
     fn separable(&self) -> bool;
 
     /// The loss (a scalar tensor) from `logp` of positions `cols` (`[batch, cols.len()]`), differentiable
-    /// in `logp`. For separable objectives this is the share of those positions.
+    /// in `logp`. For separable objectives this is the share of those positions. On a reward model
+    /// (a score head) `logp` holds each position's score instead.
     fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor>;
 
     /// Metrics of the batch from the final `[batch, T]` log-probs (DPO rewards, GRPO clip ratio…).

@@ -8,9 +8,11 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use serde::Deserialize;
+use streambp_models::ModelConfig;
+use streambp_objectives::pooled_positions;
 use streambp_objectives::{
     Cpo, CpoLoss, Dpo, DpoLoss, Grpo, GrpoBatch, GrpoLossType, Kto, KtoLoss, KtoLossType,
-    Objective, Orpo, Sft, IGNORE_INDEX,
+    Objective, Orpo, RewardModel, Sft, IGNORE_INDEX,
 };
 
 use crate::batch::{padded, to_u32_tensor};
@@ -49,10 +51,11 @@ struct SftFile {
 struct PairFile {
     objective: String,
     chosen_input_ids: Vec<Vec<i64>>,
-    chosen_labels: Vec<Vec<i64>>,
+    /// The completions' labels (every objective but `reward`, which reads whole rows).
+    chosen_labels: Option<Vec<Vec<i64>>>,
     chosen_attention_mask: Option<Vec<Vec<i64>>>,
     rejected_input_ids: Vec<Vec<i64>>,
-    rejected_labels: Vec<Vec<i64>>,
+    rejected_labels: Option<Vec<Vec<i64>>>,
     rejected_attention_mask: Option<Vec<Vec<i64>>>,
     ref_chosen_logps: Option<Vec<f64>>,
     ref_rejected_logps: Option<Vec<f64>>,
@@ -75,6 +78,10 @@ struct PairFile {
     simpo_gamma: Option<f64>,
     /// AlphaPO's reward shape [default: 0].
     alpha: Option<f64>,
+    /// The reward model's per-pair margins (TRL's `margin` column).
+    margin: Option<Vec<f64>>,
+    /// The reward model's `center_rewards_coefficient`.
+    center_rewards_coefficient: Option<f64>,
 }
 
 /// A batch of unpaired KTO rows.
@@ -98,6 +105,15 @@ struct KtoFile {
     loss_type: Option<String>,
     desirable_weight: Option<f64>,
     undesirable_weight: Option<f64>,
+}
+
+/// `"a b c"` as "a, b and c".
+fn listed(words: &str) -> String {
+    let words: Vec<&str> = words.split(' ').collect();
+    match words.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => words.join(""),
+    }
 }
 
 /// A name or a list of names, as TRL's config takes `loss_type`.
@@ -127,15 +143,36 @@ impl PairFile {
             ("cpo_alpha", self.cpo_alpha.is_some(), "cpo"),
             ("simpo_gamma", self.simpo_gamma.is_some(), "cpo"),
             ("alpha", self.alpha.is_some(), "cpo"),
+            ("beta", self.beta != default_dpo_beta(), "dpo orpo cpo"),
+            (
+                "chosen_labels",
+                self.chosen_labels.is_some(),
+                "dpo orpo cpo",
+            ),
+            (
+                "rejected_labels",
+                self.rejected_labels.is_some(),
+                "dpo orpo cpo",
+            ),
+            ("margin", self.margin.is_some(), "reward"),
+            (
+                "center_rewards_coefficient",
+                self.center_rewards_coefficient.is_some(),
+                "reward",
+            ),
         ];
+        let has_labels = self.chosen_labels.is_some() && self.rejected_labels.is_some();
+        if objective != "reward" && !has_labels {
+            return Err(TrainError::data(
+                "batch",
+                format!("{objective} needs chosen_labels and rejected_labels"),
+            ));
+        }
         for (field, set, takers) in given {
             if set && !takers.split(' ').any(|t| t == objective) {
                 return Err(TrainError::data(
                     "batch",
-                    format!(
-                        "{field} applies to {}, not {objective}",
-                        takers.replace(' ', " and ")
-                    ),
+                    format!("{field} applies to {}, not {objective}", listed(takers)),
                 ));
             }
         }
@@ -264,14 +301,16 @@ fn default_loss_type() -> String {
     "dapo".into()
 }
 
-/// Reads and validates a batch file for a model with `vocab_size` tokens. `reference` supplies
-/// reference log-probs that DPO / GRPO files leave out.
+/// Reads and validates a batch file for the model `config` describes (its vocabulary, and for a
+/// reward model its pad token, which says where rows are read). `reference` supplies reference
+/// log-probs that DPO / GRPO files leave out.
 pub fn load_batch(
     path: &Path,
-    vocab_size: usize,
+    config: &ModelConfig,
     device: &Device,
     reference: &mut Scorer,
 ) -> Result<PreparedBatch> {
+    let vocab_size = config.vocab_size;
     let name = path.display().to_string();
     let fail = |reason: String| TrainError::BatchFile {
         path: name.clone(),
@@ -290,6 +329,12 @@ pub fn load_batch(
         .get("objective")
         .and_then(|o| o.as_str())
         .ok_or_else(|| fail(format!("no \"objective\" field ({OBJECTIVES})")))?;
+    if config.head == streambp_models::Head::Score && objective != "reward" {
+        return Err(fail(format!(
+            "objective {objective} needs a causal LM, and --model is a reward model (a sequence \
+             classifier): give objective reward"
+        )));
+    }
     let named = |e: TrainError| match e {
         TrainError::Data { reason, .. } => fail(reason),
         TrainError::Objective(o) => fail(o.to_string()),
@@ -301,10 +346,10 @@ pub fn load_batch(
                 .map_err(|e| fail(format!("bad sft batch: {e}")))?;
             prepare_sft(file, vocab_size, device).map_err(named)
         }
-        "dpo" | "orpo" | "cpo" => {
+        "dpo" | "orpo" | "cpo" | "reward" => {
             let file: PairFile = serde_json::from_value(value.clone())
                 .map_err(|e| fail(format!("bad {objective} batch: {e}")))?;
-            prepare_pairs(file, vocab_size, device, reference).map_err(named)
+            prepare_pairs(file, config, device, reference).map_err(named)
         }
         "kto" => {
             let file: KtoFile = serde_json::from_value(value.clone())
@@ -323,16 +368,17 @@ pub fn load_batch(
 }
 
 /// The objectives a batch file may name.
-const OBJECTIVES: &str = "sft, dpo, orpo, cpo, kto or grpo";
+const OBJECTIVES: &str = "sft, dpo, orpo, cpo, kto, reward or grpo";
 
 /// Chosen and rejected rows stacked (chosen first) and right-padded to one length, under the pair
 /// objective the file names.
 fn prepare_pairs(
     file: PairFile,
-    vocab_size: usize,
+    config: &ModelConfig,
     device: &Device,
     reference: &mut Scorer,
 ) -> Result<PreparedBatch> {
+    let vocab_size = config.vocab_size;
     file.check_fields()?;
     let (pc, tc) = check_rectangular("chosen_input_ids", &file.chosen_input_ids)?;
     let (pr, tr) = check_rectangular("rejected_input_ids", &file.rejected_input_ids)?;
@@ -342,8 +388,17 @@ fn prepare_pairs(
             format!("{pc} chosen rows but {pr} rejected rows: pairs must match"),
         ));
     }
-    check_same_shape("chosen_labels", &file.chosen_labels, pc, tc)?;
-    check_same_shape("rejected_labels", &file.rejected_labels, pr, tr)?;
+    // A reward model reads whole rows: its labels (never given) are the ids.
+    let chosen_labels = file
+        .chosen_labels
+        .clone()
+        .unwrap_or(file.chosen_input_ids.clone());
+    let rejected_labels = file
+        .rejected_labels
+        .clone()
+        .unwrap_or(file.rejected_input_ids.clone());
+    check_same_shape("chosen_labels", &chosen_labels, pc, tc)?;
+    check_same_shape("rejected_labels", &rejected_labels, pr, tr)?;
     let ones = |b: usize, t: usize| vec![vec![1i64; t]; b];
     let chosen_mask = file
         .chosen_attention_mask
@@ -367,8 +422,8 @@ fn prepare_pairs(
     let mask = [pad(&chosen_mask, 0), pad(&rejected_mask, 0)].concat();
     let labels = masked_labels(
         &[
-            pad(&file.chosen_labels, IGNORE_INDEX),
-            pad(&file.rejected_labels, IGNORE_INDEX),
+            pad(&chosen_labels, IGNORE_INDEX),
+            pad(&rejected_labels, IGNORE_INDEX),
         ]
         .concat(),
         &mask,
@@ -383,6 +438,7 @@ fn prepare_pairs(
             let orpo = Orpo::new(&labels, &every_token, file.beta, vocab_size, device)?;
             Box::new(orpo)
         }
+        "reward" => Box::new(reward_objective(&file, &ids, config, device)?),
         "cpo" => Box::new(Cpo::new(
             &labels,
             file.beta,
@@ -402,6 +458,39 @@ fn prepare_pairs(
         objective,
         tokens: mask.iter().flatten().filter(|&&v| v != 0).count(),
     })
+}
+
+/// A reward model's objective over the stacked rows `ids`, read where `config`'s classifier reads
+/// them (transformers' rule: the last token that is not the pad token).
+fn reward_objective(
+    file: &PairFile,
+    ids: &[Vec<i64>],
+    config: &ModelConfig,
+    device: &Device,
+) -> Result<RewardModel> {
+    if config.head != streambp_models::Head::Score {
+        return Err(TrainError::data(
+            "batch",
+            "objective reward needs a reward model (--model a *ForSequenceClassification directory \
+             with num_labels 1)",
+        ));
+    }
+    let pad = config.pad_token_id.ok_or_else(|| {
+        TrainError::data(
+            "batch",
+            "the reward model's config has no pad_token_id: transformers reads each row at its \
+             last non-pad token",
+        )
+    })?;
+    let t = ids.first().map(Vec::len).unwrap_or(0);
+    let mut reward = RewardModel::new(&pooled_positions(ids, pad), t, device)?;
+    if let Some(margins) = &file.margin {
+        reward = reward.with_margins(margins)?;
+    }
+    if let Some(c) = file.center_rewards_coefficient {
+        reward = reward.with_center(c)?;
+    }
+    Ok(reward)
 }
 
 /// DPO over stacked rows `(input_ids, attention_mask, pairs)`, its reference log-probs the file's or

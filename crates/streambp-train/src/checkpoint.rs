@@ -228,7 +228,8 @@ pub fn identity(count: usize, fingerprint: &Fingerprint) -> serde_json::Value {
 
 /// Copies `config.json` with its dtype set to the one the weights are saved in, so that
 /// `from_pretrained(..., dtype="auto")` loads them as they are.
-fn write_config(src: &Path, dtype: DType, dst: &Path) -> Result<()> {
+fn write_config(src: &Path, model: &Model, dst: &Path) -> Result<()> {
+    let dtype = model.dtype();
     let text = std::fs::read_to_string(src).map_err(TrainError::io("read", src))?;
     let mut config: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| TrainError::data(src.display(), format!("not valid JSON: {e}")))?;
@@ -243,6 +244,21 @@ fn write_config(src: &Path, dtype: DType, dst: &Path) -> Result<()> {
         object.insert("torch_dtype".into(), name.into());
         if object.contains_key("dtype") {
             object.insert("dtype".into(), name.into());
+        }
+        // A reward model (also one started from a causal LM's config): transformers' classifier
+        // with one label, reading rows at their last non-pad token.
+        if model.scores_positions() {
+            let config = &model.config;
+            object.insert(
+                "architectures".into(),
+                serde_json::json!([config.architecture()]),
+            );
+            object.insert("id2label".into(), serde_json::json!({"0": "LABEL_0"}));
+            object.insert("label2id".into(), serde_json::json!({"LABEL_0": 0}));
+            object.remove("num_labels");
+            if let Some(pad) = config.pad_token_id {
+                object.insert("pad_token_id".into(), pad.into());
+            }
         }
     }
     let pretty = serde_json::to_string_pretty(&config)
@@ -349,11 +365,7 @@ fn write_into(files: &CheckpointFiles, tmp: &Path) -> Result<()> {
                 .map(|(n, t)| (n.clone(), t.detach()))
                 .collect();
             save_tensors(&on_host(&tensors)?, &tmp.join("model.safetensors"))?;
-            write_config(
-                files.config_json,
-                files.model.dtype(),
-                &tmp.join("config.json"),
-            )?;
+            write_config(files.config_json, files.model, &tmp.join("config.json"))?;
         }
     }
     for f in files.tokenizer_files {

@@ -111,6 +111,8 @@ pub struct TrainConfig {
     pub cpo_loss: CpoLoss,
     /// KTO's loss (`kto`: `--loss-type`, `--desirable-weight`, `--undesirable-weight`).
     pub kto_loss: KtoLoss,
+    /// The reward model's `center_rewards_coefficient` (`reward`; none by default, as TRL's).
+    pub center_rewards_coefficient: Option<f64>,
     /// DPO: the reference model's directory or hub id; `None`: a frozen copy of the initial policy.
     pub ref_model: Option<String>,
     /// Show the progress bar.
@@ -215,6 +217,7 @@ impl TrainConfig {
             dpo_loss: DpoLoss::default(),
             cpo_loss: CpoLoss::default(),
             kto_loss: KtoLoss::default(),
+            center_rewards_coefficient: None,
             ref_model: None,
             progress: true,
             lora: None,
@@ -380,6 +383,10 @@ impl TrainConfig {
                 self.cpo_loss.simpo_gamma != cpo.simpo_gamma,
             ),
             ("--alphapo-alpha", self.cpo_loss.alpha != cpo.alpha),
+            (
+                "--center-rewards-coefficient",
+                self.center_rewards_coefficient.is_some(),
+            ),
             ("--loss-type", self.kto_loss.loss_type != kto.loss_type),
             (
                 "--desirable-weight",
@@ -528,6 +535,22 @@ impl TrainConfig {
         self.dpo_loss.validate().map_err(|e| {
             TrainError::flag("--loss-type", self.dpo_loss.describe(), e.to_string())
         })?;
+        if let Some(c) = self.center_rewards_coefficient {
+            require(
+                non_negative(c),
+                "--center-rewards-coefficient",
+                c,
+                "must be a number at least 0",
+            )?;
+        }
+        if recipe == Recipe::Reward && self.lora.is_some() {
+            return Err(TrainError::flag(
+                "--lora-r",
+                "",
+                "a reward model trains its score head beside the adapters (PEFT's \
+                 modules_to_save), which streambp's LoRA does not yet: train it in full",
+            ));
+        }
         self.kto_loss.validate().map_err(|e| {
             let name = self.kto_loss.loss_type.name();
             TrainError::flag("--loss-type", name, e.to_string())

@@ -193,12 +193,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     let mut reference = scorer(ref_model.as_ref().unwrap_or(&model), |_| {
         Ok(reference_chunks)
     });
-    let batch = load_batch(
-        &args.batch,
-        model.config.vocab_size,
-        &device,
-        &mut reference,
-    )?;
+    let batch = load_batch(&args.batch, &model.config, &device, &mut reference)?;
     let (b, t) = batch.input_ids.dims2()?;
     let options = Options {
         offload_checkpoints: args.offload_checkpoints,

@@ -2,7 +2,8 @@
 //! everything the `streambp-train` CLI runs.
 //!
 //! - Recipes: [`sft::run_sft`], [`dpo::run_dpo`] (and [`orpo::run_orpo`], [`cpo::run_cpo`] through
-//!   the same pair loop, [`recipes::pairs`]), [`kto::run_kto`] and [`grpo::run_grpo`], each one loop over
+//!   the same pair loop, [`recipes::pairs`], as [`reward::run_reward`]), [`kto::run_kto`] and
+//!   [`grpo::run_grpo`], each one loop over
 //!   [`setup::Setup`] (model, tokenizer, data sources) and [`trainer::Trainer`] (the optimizer
 //!   step, metrics, evaluation, checkpoints and resume), configured by
 //!   [`config::TrainConfig`] / [`config::GrpoConfig`] (defaults in [`config::TrainConfig::defaults`], `--config`
@@ -49,7 +50,7 @@ pub mod token_store;
 pub mod tokenizer;
 pub mod trainer;
 
-pub use recipes::{cpo, dpo, grpo, kto, orpo, sft};
+pub use recipes::{cpo, dpo, grpo, kto, orpo, reward, sft};
 
 /// Typed errors of the trainer library: each variant says what went wrong and names the flag, file,
 /// line or path a user has to fix.

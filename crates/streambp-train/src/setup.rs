@@ -199,6 +199,17 @@ impl Setup {
             (Some(dir), None) => (load_model(dir, dtype, &device)?, dir.clone()),
             _ => (initial.load(dtype, &device)?, initial.dir().to_path_buf()),
         };
+        if model.scores_positions() && recipe != Recipe::Reward {
+            return Err(TrainError::flag(
+                "--model",
+                model_dir.display(),
+                format!(
+                    "is a reward model (a sequence classifier with a score head): {} trains a \
+                     causal LM",
+                    recipe.name()
+                ),
+            ));
+        }
         let adapter_dir = resumed_adapter.or(adapter_dir);
         let model = attach_lora(model, adapter_dir, cfg.lora.clone(), cfg.seed)?;
         let tokenizer = TextTokenizer::from_dir(&model_dir)?;

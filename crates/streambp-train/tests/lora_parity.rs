@@ -137,7 +137,7 @@ fn backward(
         |_: &Tensor, _: Option<&Tensor>, _: &Tensor, _: f64| -> streambp_train::Result<Tensor> {
             panic!("the fixture batches carry their reference log-probs")
         };
-    let batch = load_batch(&path, 96, &Device::Cpu, &mut no_reference).unwrap();
+    let batch = load_batch(&path, &model.config, &Device::Cpu, &mut no_reference).unwrap();
     let input = Batch::new(&batch.input_ids, batch.attention_mask.as_ref());
     backward_with(
         model,

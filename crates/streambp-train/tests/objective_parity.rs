@@ -33,13 +33,7 @@ fn run(
         |_: &Tensor, _: Option<&Tensor>, _: &Tensor, _: f64| -> streambp_train::Result<Tensor> {
             panic!("the fixture batches carry their reference log-probs")
         };
-    let batch = load_batch(
-        &path,
-        model.config.vocab_size,
-        &Device::Cpu,
-        &mut no_reference,
-    )
-    .unwrap();
+    let batch = load_batch(&path, &model.config, &Device::Cpu, &mut no_reference).unwrap();
     let input = Batch::new(&batch.input_ids, batch.attention_mask.as_ref());
     backward(&model, input, batch.objective.as_ref(), mode, chunks).unwrap()
 }
@@ -575,5 +569,50 @@ fn kto_kl_rows_and_baseline_match_trl() {
             (kl.max(0.0) - want).abs() < 1e-10,
             "{family}: kl {kl} vs TRL {want}"
         );
+    }
+}
+
+/// A reward model as TRL 1.16's own `RewardTrainer.compute_loss` trains it, on transformers'
+/// `*ForSequenceClassification` models in float64 (scripts/make_reward_fixtures.py: the fixture
+/// models with a score head, the DPO pairs as whole rows): plain, with per-pair margins, with
+/// `center_rewards_coefficient`, and both. The loss, every gradient (the score head's and the
+/// embedding's pad row, which transformers leaves without one, included) within 1e-8 and every
+/// logged metric; each mode and chunking equals the plain backward.
+#[test]
+fn reward_model_matches_trl_on_the_models() {
+    use serde_json::json;
+    let variants = [
+        ("reward", json!({})),
+        ("reward_margin", json!({"margin": [0.5, -0.25]})),
+        ("reward_center", json!({"center_rewards_coefficient": 0.01})),
+        (
+            "reward_margin_center",
+            json!({"margin": [0.5, -0.25], "center_rewards_coefficient": 0.01}),
+        ),
+    ];
+    for family in FAMILIES {
+        let case = format!("{family}/reward");
+        let r = candle_core::safetensors::load(
+            fixture_dir(&case).join("reference.safetensors"),
+            &Device::Cpu,
+        )
+        .expect("fixture reward/reference.safetensors");
+        for (name, settings) in &variants {
+            let edit = |j: &mut serde_json::Value| {
+                let o = j.as_object_mut().unwrap();
+                for (k, v) in settings.as_object().unwrap() {
+                    o.insert(k.clone(), v.clone());
+                }
+            };
+            let out = check_against(&r, &case, "reward-batch.json", &edit, name);
+            let logged = [
+                "accuracy",
+                "margin",
+                "min_reward",
+                "mean_reward",
+                "max_reward",
+            ];
+            assert_metrics_match(&out, &r, (&case, name), &logged);
+        }
     }
 }

@@ -26,13 +26,31 @@ pub(super) fn head_logprobs(
     let mut parts = Vec::with_capacity(ranges.len());
     for r in ranges {
         let normed = detached.final_norm(&last.narrow(1, r.start, r.len())?)?;
-        let logits = tempered(detached.logits(&normed)?, temperature)?;
-        parts.push(target_logprobs(
-            &logits,
-            &targets.narrow(1, r.start, r.len())?,
+        let chunk_targets = targets.narrow(1, r.start, r.len())?;
+        parts.push(head_outputs(
+            detached,
+            detached.logits(&normed)?,
+            &chunk_targets,
+            temperature,
         )?);
     }
     Ok(Tensor::cat(&parts, 1)?)
+}
+
+/// What the objective reads from the head's `logits` `[b, c, V]`: the targets' log-probs at
+/// `temperature`, or a reward model's scores (`V = 1`: one per position), in f32 (f64 for f64
+/// models), differentiable in the logits.
+pub(super) fn head_outputs(
+    model: &Model,
+    logits: Tensor,
+    targets: &Tensor,
+    temperature: f64,
+) -> Result<Tensor> {
+    if model.scores_positions() {
+        let compute = compute_dtype(logits.dtype());
+        return Ok(logits.squeeze(D::Minus1)?.to_dtype(compute)?);
+    }
+    target_logprobs(&tempered(logits, temperature)?, targets)
 }
 
 /// `logits / temperature` (the logits themselves at temperature 1).
@@ -43,15 +61,18 @@ pub(super) fn tempered(logits: Tensor, temperature: f64) -> Result<Tensor> {
     })
 }
 
+/// What the head's outputs are computed in: f32, f64 for f64 models.
+fn compute_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
 /// `log softmax(logits)[target]` for `logits` `[b, c, V]` and `targets` `[b, c]`, in f32 (f64 for f64
 /// models), differentiable in the logits.
 pub fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let compute = if logits.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
-    let z = logits.to_dtype(compute)?;
+    let z = logits.to_dtype(compute_dtype(logits.dtype()))?;
     let lse = z.log_sum_exp(D::Minus1)?;
     let picked = z
         .gather(&targets.unsqueeze(D::Minus1)?.contiguous()?, D::Minus1)?
@@ -178,13 +199,19 @@ fn head_chunk(
     let h2 = h.reshape((n, d))?;
     let weight = detached.head_weight();
     let dtype = h.dtype();
-    let compute = if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
+    let compute = compute_dtype(dtype);
     // The model's own head product (on the host one gemm into a buffer that is never zero-filled).
     let z = detached.logits(&h2)?.to_dtype(compute)?;
+    if detached.scores_positions() {
+        // A reward model: the `[n, 1]` scores are what the objective reads; their gradient is its.
+        let scores = z.reshape((b, c))?;
+        let dz = grad_of(&scores)?.to_dtype(dtype)?.reshape((n, 1))?;
+        return Ok(HeadChunk {
+            logp: scores,
+            grad_hidden: half_product::matmul(&dz, weight)?.reshape((b, c, d))?,
+            grad_logits: dz,
+        });
+    }
     let idx = targets.reshape((n, 1))?.contiguous()?;
     // Before the softmax, which on the host writes its exponentials over `z`.
     let slope = detached.soft_cap_slope(&z)?;

@@ -513,11 +513,8 @@ fn full_backward(
     for layer in &model.layers {
         h = layer.forward(&h, layout)?;
     }
-    let logits = head::tempered(
-        model.logits(&model.final_norm(&h)?)?,
-        objective.temperature(),
-    )?;
-    let logp = target_logprobs(&logits, objective.targets())?;
+    let logits = model.logits(&model.final_norm(&h)?)?;
+    let logp = head::head_outputs(model, logits, objective.targets(), objective.temperature())?;
     let t = logp.dim(1)?;
     let loss = objective.loss(&logp, 0..t)?;
     let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;

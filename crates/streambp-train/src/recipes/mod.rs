@@ -9,6 +9,7 @@ pub mod grpo;
 pub mod kto;
 pub mod orpo;
 pub mod pairs;
+pub mod reward;
 pub mod sft;
 
 use crate::checkpoint::RunRecord;
@@ -30,6 +31,8 @@ pub enum Recipe {
     Cpo,
     /// Kahneman-Tversky optimisation on unpaired rows (`kto.rs`).
     Kto,
+    /// A Bradley-Terry reward model (`reward.rs`).
+    Reward,
 }
 
 /// What `--beta` is to a job.
@@ -77,10 +80,11 @@ pub const JOB_FLAGS: &[&str] = &[
     "--alphapo-alpha",
     "--desirable-weight",
     "--undesirable-weight",
+    "--center-rewards-coefficient",
 ];
 
 /// Every job's row, in [`Recipe`]'s order.
-static RECIPES: [RecipeFacts; 6] = [
+static RECIPES: [RecipeFacts; 7] = [
     RecipeFacts {
         recipe: Recipe::Sft,
         name: "sft",
@@ -207,6 +211,21 @@ static RECIPES: [RecipeFacts; 6] = [
             );
         },
     },
+    RecipeFacts {
+        recipe: Recipe::Reward,
+        name: "reward",
+        flags: &["--center-rewards-coefficient"],
+        beta: Beta::Unused,
+        // The fresh score head needs a larger step than the preference jobs' refinements.
+        builtin: |task| TrainConfig {
+            lr: 1e-3,
+            ..preference_builtin(task)
+        },
+        record: |cfg, run| {
+            let c = cfg.center_rewards_coefficient;
+            run.insert("--center-rewards-coefficient".into(), c.into());
+        },
+    },
 ];
 
 /// The built-in task's run of the other preference jobs: DPO's, from the shipped SFT checkpoint on
@@ -223,13 +242,14 @@ fn preference_builtin(task: TrainConfig) -> TrainConfig {
 
 impl Recipe {
     /// Every job, in the table's order.
-    pub const ALL: [Recipe; 6] = [
+    pub const ALL: [Recipe; 7] = [
         Recipe::Sft,
         Recipe::Dpo,
         Recipe::Grpo,
         Recipe::Orpo,
         Recipe::Cpo,
         Recipe::Kto,
+        Recipe::Reward,
     ];
 
     /// This job's row of the table.
@@ -237,7 +257,7 @@ impl Recipe {
         &RECIPES[self as usize]
     }
 
-    /// The subcommand's name: `sft`, `dpo`, `grpo`, `orpo`, `cpo` or `kto`.
+    /// The subcommand's name: `sft`, `dpo`, `grpo`, `orpo`, `cpo`, `kto` or `reward`.
     pub fn name(self) -> &'static str {
         self.facts().name
     }

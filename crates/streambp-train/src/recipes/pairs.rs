@@ -300,13 +300,17 @@ impl HeldOut {
 
     /// Exact-match accuracy, and preference accuracy: the fraction of pairs whose margin is
     /// positive, the policy's chosen-minus-rejected completion log-prob (summed, or its tokens' mean
-    /// when `averaged`) less the `reference`'s where there is one.
+    /// when `averaged`) less the `reference`'s where there is one. A reward model (which generates
+    /// nothing) is scored by its rewards' margins alone.
     pub fn measure(
         &self,
         setup: &Setup,
         cfg: &TrainConfig,
         (reference, averaged): (Option<&Model>, bool),
     ) -> Result<Vec<(String, f64)>> {
+        if setup.model.scores_positions() {
+            return self.measure_rewards(setup, cfg);
+        }
         let mut metrics = eval_accuracy(setup, &self.questions)?;
         let Some(pairs) = &self.pairs else {
             return Ok(metrics);
@@ -338,6 +342,34 @@ impl HeldOut {
         let accuracy = wins as f64 / pairs.len() as f64;
         metrics.push(("preference_accuracy".into(), accuracy));
         Ok(metrics)
+    }
+
+    /// A reward model's preference accuracy: the fraction of held-out pairs whose chosen row's
+    /// reward (its score where transformers reads it) beats the rejected row's.
+    fn measure_rewards(&self, setup: &Setup, cfg: &TrainConfig) -> Result<Vec<(String, f64)>> {
+        let Some(pairs) = &self.pairs else {
+            return Ok(Vec::new());
+        };
+        let mut scores = cfg.scorer(&setup.model);
+        let pad = setup.tokenizer.pad_id;
+        let mut wins = 0;
+        for group in pairs.chunks(32) {
+            let refs: Vec<&Pair> = group.iter().collect();
+            let c = stack(&refs, pad);
+            let t = c.tensors(&setup.device)?;
+            let no_targets = t.input_ids.zeros_like()?;
+            let all = scores(&t.input_ids, Some(&t.attention_mask), &no_targets, 1.0)?;
+            let all = all.to_dtype(candle_core::DType::F64)?.to_vec2::<f64>()?;
+            let rewards: Vec<f64> = streambp_objectives::pooled_positions(&c.input_ids, pad)
+                .iter()
+                .zip(&all)
+                .map(|(&p, row)| row[p])
+                .collect();
+            let n = group.len();
+            wins += (0..n).filter(|&i| rewards[i] > rewards[n + i]).count();
+        }
+        let accuracy = wins as f64 / pairs.len() as f64;
+        Ok(vec![("preference_accuracy".into(), accuracy)])
     }
 }
 
