@@ -426,15 +426,24 @@ fn kto_learns_unpaired_rows_and_reports_bad_ones() {
 
 /// A reward model from the built-in causal model (a fresh score head) on the fixed pairs: the loss
 /// falls, every held-out pair (the training pairs) ends ranked right, and the final checkpoint is a
-/// transformers sequence classifier (its config and `score.weight`) that loads back as one.
+/// transformers sequence classifier (its config and `score.weight`) that loads back as one. The data
+/// carries TRL's margin column, which must be on every pair or none.
 #[test]
 fn reward_model_learns_fixed_preferences_and_saves_a_classifier() {
     let dir = tempfile::tempdir().unwrap();
-    let data = fixed_pairs(dir.path());
+    let pairs = fixed_pairs(dir.path());
+    // TRL's margin column: each chosen reward must beat its rejected one by 0.5.
+    let data = dir.path().join("margins.jsonl");
+    let with_margins: String = std::fs::read_to_string(&pairs)
+        .unwrap()
+        .lines()
+        .map(|l| format!("{}, \"margin\": 0.5}}\n", l.trim_end_matches('}')))
+        .collect();
+    std::fs::write(&data, &with_margins).unwrap();
     let out = dir.path().join("out");
     let cfg = TrainConfig {
         data: Some(data.clone()),
-        eval_data: Some(data),
+        eval_data: Some(pairs),
         max_steps: Some(40),
         batch_size: 8,
         grad_accum: 1,
@@ -461,6 +470,28 @@ fn reward_model_learns_fixed_preferences_and_saves_a_classifier() {
     assert!(model.scores_positions());
     assert!(model.weights().iter().any(|(n, _)| n == "score.weight"));
     assert!(!model.weights().iter().any(|(n, _)| n == "lm_head.weight"));
+
+    // A margin on some pairs only is refused, naming the row.
+    let first_without = with_margins.replacen(", \"margin\": 0.5", "", 1);
+    std::fs::write(
+        &data,
+        format!(
+            "{}{first_without}",
+            with_margins.lines().next().unwrap().to_owned() + "\n"
+        ),
+    )
+    .unwrap();
+    let cfg = TrainConfig {
+        overwrite_output_dir: true,
+        ..cfg
+    };
+    let err = streambp_train::reward::run_reward(&cfg)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("line 2") && err.contains("on every pair or on none"),
+        "{err}"
+    );
 }
 
 /// DPO on a few fixed pairs learns to prefer the chosen answers (the loss falls, margins grow), and a

@@ -67,11 +67,22 @@ pub fn load_pairs_into(
     tok: &TextTokenizer,
     (max_length, overflow): (usize, Overflow),
     out: &mut impl ExampleSink,
-) -> Result<()> {
+) -> Result<Option<Vec<f64>>> {
     let mut report = LoadReport::default();
+    // TRL's `margin` column (read by reward models): every kept pair's, or none.
+    let mut margins: Option<Vec<f64>> = None;
     for row in source.rows() {
         let (at, row) = row?;
         let where_ = at.to_string();
+        let margin = match row.get("margin") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => Some(v.as_f64().filter(|m| m.is_finite()).ok_or_else(|| {
+                TrainError::data(
+                    &where_,
+                    format!("\"margin\" must be a finite number, not {v}"),
+                )
+            })?),
+        };
         let need = |k: &str| -> Result<Text> {
             text_field(&row, k, &where_)?.ok_or_else(|| {
                 TrainError::data(
@@ -116,6 +127,18 @@ pub fn load_pairs_into(
             report.note_identical(&where_);
             continue;
         }
+        let kept = out.count() / 2;
+        match (&mut margins, margin) {
+            (None, Some(m)) if kept == 0 => margins = Some(vec![m]),
+            (Some(list), Some(m)) => list.push(m),
+            (None, None) => {}
+            _ => {
+                return Err(TrainError::data(
+                    &where_,
+                    "\"margin\" must be given on every pair or on none",
+                ))
+            }
+        }
         out.push(chosen)?;
         out.push(rejected)?;
     }
@@ -124,7 +147,8 @@ pub fn load_pairs_into(
         "pairs",
         out.count() / 2,
         &format!("--max-length {max_length}"),
-    )
+    )?;
+    Ok(margins)
 }
 
 fn same_kind(a: &Text, b: &Text) -> bool {
@@ -216,6 +240,8 @@ pub trait PairJob {
 pub struct PairBatch<'a> {
     /// The rows, chosen first.
     pub rows: &'a Collated,
+    /// Each pair's `margin`, when the data has that column.
+    pub margins: Option<Vec<f64>>,
     /// The same rows on the model's device.
     pub tensors: &'a BatchTensors,
     /// The reference's summed completion log-prob of each row, when the job has a reference.
@@ -384,7 +410,7 @@ pub fn train_on_pairs(
     // Tokenized pair by pair onto disk and read back by index, as SFT's examples.
     let mut store = StoreWriter::create(&temporary(&cfg.output_dir, "tokenized"))?;
     let limits = (cfg.max_length, cfg.overflow);
-    load_pairs_into(&data, &setup.tokenizer, limits, &mut store)?;
+    let margins = load_pairs_into(&data, &setup.tokenizer, limits, &mut store)?;
     let sides = store.finish()?;
     let pairs = sides.len() / 2;
     let pair = |i: usize| Pair {
@@ -437,6 +463,9 @@ pub fn train_on_pairs(
             };
             let batch = PairBatch {
                 rows: &c,
+                margins: margins
+                    .as_ref()
+                    .map(|all| micro.iter().map(|&i| all[i]).collect()),
                 tensors: &t,
                 reference_logps,
                 setup,

@@ -3,6 +3,7 @@
 //! pair loop ([`super::pairs`]). A `*ForSequenceClassification` model (one label) trains as it is;
 //! a causal LM gets a fresh score head (seeded by `--seed`) in place of its LM head, as transformers'
 //! `AutoModelForSequenceClassification` gives it, and its checkpoints are saved as the classifier.
+//! A `margin` column (on every pair) asks each chosen reward to beat the rejected one by it.
 
 use streambp_objectives::{pooled_positions, Objective, RewardModel};
 
@@ -27,11 +28,14 @@ impl PairJob for RewardJob {
         let ids = &batch.rows.input_ids;
         let t = ids.first().map(Vec::len).unwrap_or(0);
         let (_, device) = batch.vocab_and_device();
-        let reward = RewardModel::new(&pooled_positions(ids, self.pad), t, device)?;
-        Ok(Box::new(match self.center {
-            Some(c) => reward.with_center(c)?,
-            None => reward,
-        }))
+        let mut reward = RewardModel::new(&pooled_positions(ids, self.pad), t, device)?;
+        if let Some(margins) = &batch.margins {
+            reward = reward.with_margins(margins)?;
+        }
+        if let Some(c) = self.center {
+            reward = reward.with_center(c)?;
+        }
+        Ok(Box::new(reward))
     }
 }
 
