@@ -132,7 +132,6 @@ const CASES: &[Case] = &[
     case("dpo --desirable-weight 1", 2, "unexpected argument '--desirable-weight'"),
     // Reward models.
     case("reward --center-rewards-coefficient -1", 2, "--center-rewards-coefficient -1: must be a number at least 0"),
-    case("reward --lora-r 8", 2, "streambp's LoRA does not yet: train it in full"),
     case("reward --beta 0.1", 2, "--beta: applies to"),
     case("dpo --center-rewards-coefficient 0.01", 2, "unexpected argument '--center-rewards-coefficient'"),
     case("sft --model {fixtures}/qwen3/reward", 2, "is a reward model (a sequence classifier with a score head): sft trains a causal LM"),

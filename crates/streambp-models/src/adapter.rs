@@ -19,12 +19,20 @@ use crate::hub::ADAPTER_FILES;
 use crate::lora::{LoraConfig, Projection};
 use crate::model::Model;
 
+/// The modules PEFT's `SEQ_CLS` task trains in full beside the adapters (`modules_to_save`).
+const SCORE_MODULES: [&str; 2] = ["classifier", "score"];
+
+/// A reward model's score head in a PEFT adapter (PEFT saves `modules_to_save` without the
+/// adapter's name).
+pub const PEFT_SCORE_KEY: &str = "base_model.model.score.weight";
+
 /// An adapter read from disk: its settings and its matrices under PEFT's keys.
 #[derive(Debug)]
 pub struct Adapter {
     /// r, alpha, targets, rsLoRA and dropout, from `adapter_config.json`.
     pub config: LoraConfig,
-    /// Every `lora_A` / `lora_B` matrix, as stored (f32 usually).
+    /// Every `lora_A` / `lora_B` matrix, as stored (f32 usually), and a reward model's trained score
+    /// head under [`PEFT_SCORE_KEY`].
     pub tensors: HashMap<String, Tensor>,
     /// `base_model_name_or_path`, when the file names one.
     pub base_model: Option<String>,
@@ -111,11 +119,21 @@ fn parse_config(value: &Value, path: &Path) -> Result<(LoraConfig, Option<String
             ));
         }
     }
-    for key in [
-        "modules_to_save",
-        "layers_to_transform",
-        "trainable_token_indices",
-    ] {
+    // A reward model's adapter trains its score head in full (PEFT's default for SEQ_CLS).
+    let saved = field("modules_to_save")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten();
+    if let Some(other) = saved
+        .filter_map(Value::as_str)
+        .find(|m| !SCORE_MODULES.contains(m))
+    {
+        return Err(config_error(
+            path,
+            format!("modules_to_save: {other:?} is not supported (only a reward model's score)"),
+        ));
+    }
+    for key in ["layers_to_transform", "trainable_token_indices"] {
         if field(key).is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
             return Err(config_error(path, format!("{key}: not supported")));
         }
@@ -156,7 +174,7 @@ fn parse_config(value: &Value, path: &Path) -> Result<(LoraConfig, Option<String
 /// The projections the adapter's tensors cover, which must be the same in every layer that has any.
 fn targets_of(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<Vec<Projection>> {
     let mut per_layer: HashMap<usize, BTreeSet<Projection>> = HashMap::new();
-    for key in tensors.keys() {
+    for key in tensors.keys().filter(|k| *k != PEFT_SCORE_KEY) {
         let site = key
             .strip_prefix("base_model.model.model.layers.")
             .and_then(|rest| rest.split_once('.'))
@@ -235,6 +253,11 @@ pub fn save_adapter(model: &Model, base_model: Option<&str>, dir: &Path) -> Resu
         false => json!(config.alpha),
     };
     let targets: Vec<&str> = config.targets.iter().map(|p| p.name()).collect();
+    // A reward model's score head is trained in full beside the adapters, as PEFT's SEQ_CLS does.
+    let (saved, task) = match model.scores_positions() {
+        true => (json!(SCORE_MODULES), "SEQ_CLS"),
+        false => (Value::Null, "CAUSAL_LM"),
+    };
     // serde_json's map is ordered by key: the file comes out sorted, as PEFT writes it.
     let file = json!({
         "alpha_pattern": {},
@@ -247,13 +270,13 @@ pub fn save_adapter(model: &Model, base_model: Option<&str>, dir: &Path) -> Resu
         "layers_to_transform": null,
         "lora_alpha": alpha,
         "lora_dropout": config.dropout,
-        "modules_to_save": null,
+        "modules_to_save": saved,
         "peft_type": "LORA",
         "r": config.r,
         "rank_pattern": {},
         "revision": null,
         "target_modules": targets,
-        "task_type": "CAUSAL_LM",
+        "task_type": task,
         "use_dora": false,
         "use_rslora": config.use_rslora,
     });

@@ -313,8 +313,9 @@ impl Model {
     /// Logits `[.., vocab]` of final-normed hidden states, soft-capped where the config says so; a
     /// reward model's scores `[.., 1]` (never capped, as transformers' classifiers are not).
     pub fn logits(&self, normed: &Tensor) -> Result<Tensor> {
+        // Under LoRA the LM head is a constant; a reward model's score head is trained.
         let head = Linear {
-            frozen: self.lora.is_some(),
+            frozen: self.lora.is_some() && !self.scores_positions(),
             ..Linear::new(self.lm_head.clone(), None)
         };
         let out = head.forward(normed)?;
@@ -462,6 +463,28 @@ impl Model {
             }
             ranges.push(start..params.len());
         }
+        // A reward model's score head is trained in full beside the adapters (PEFT's
+        // modules_to_save): the adapter's copy, or the base's to start, in the model's dtype.
+        let mut head = None;
+        if model.scores_positions() {
+            let given_score = given
+                .as_mut()
+                .and_then(|t| t.remove(crate::adapter::PEFT_SCORE_KEY));
+            let start = given_score.unwrap_or_else(|| model.lm_head.clone());
+            let score = start.to_dtype(model.lm_head.dtype())?.to_device(&device)?;
+            if score.dims() != model.lm_head.dims() {
+                return Err(ModelError::ShapeMismatch {
+                    name: crate::adapter::PEFT_SCORE_KEY.into(),
+                    path: "the adapter".into(),
+                    expected: model.lm_head.dims().to_vec(),
+                    found: score.dims().to_vec(),
+                });
+            }
+            let var = Var::from_tensor(&score)?;
+            model.lm_head = var.as_tensor().clone();
+            head = Some(params.len());
+            params.push((crate::adapter::PEFT_SCORE_KEY.to_string(), var));
+        }
         if let Some(left) = given.and_then(|t| t.into_keys().min()) {
             return Err(ModelError::Input(format!(
                 "the adapter's tensor {left:?} fits no LoRA target of this model (targets: {})",
@@ -482,7 +505,7 @@ impl Model {
         model.roles = Roles {
             embedding: None,
             final_norm: None,
-            head: None,
+            head,
             layers: ranges,
         };
         model.lora = Some(config);
@@ -515,6 +538,10 @@ impl Model {
                     merged.insert(name, (w + delta)?.to_dtype(linear.weight.dtype())?);
                 }
             }
+        }
+        // A reward model's trained score head replaces the base's.
+        if self.lora.is_some() && self.scores_positions() {
+            merged.insert(crate::config::SCORE.to_string(), self.lm_head.detach());
         }
         Ok(self
             .weights

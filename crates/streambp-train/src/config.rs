@@ -543,14 +543,6 @@ impl TrainConfig {
                 "must be a number at least 0",
             )?;
         }
-        if recipe == Recipe::Reward && self.lora.is_some() {
-            return Err(TrainError::flag(
-                "--lora-r",
-                "",
-                "a reward model trains its score head beside the adapters (PEFT's \
-                 modules_to_save), which streambp's LoRA does not yet: train it in full",
-            ));
-        }
         self.kto_loss.validate().map_err(|e| {
             let name = self.kto_loss.loss_type.name();
             TrainError::flag("--loss-type", name, e.to_string())

@@ -86,6 +86,22 @@ pub fn materialize_builtin(dir: &Path) -> Result<PathBuf> {
     Ok(dir.to_path_buf())
 }
 
+/// `model` as the reward model a `reward` run trains: a sequence classifier as it is, a causal LM
+/// with a fresh score head (seeded by `seed`) as transformers' `AutoModelForSequenceClassification`
+/// gives it; its rows are padded with the tokenizer's pad token, and read before it (TRL sets the
+/// model's `pad_token_id` to it).
+fn reward_model(model: Model, tokenizer: &TextTokenizer, seed: u64) -> Result<Model> {
+    let mut model = match model.scores_positions() {
+        true => model,
+        false => {
+            tracing::info!(seed, "a fresh score head in place of the LM head");
+            model.with_score_head(seed)?
+        }
+    };
+    model.config.pad_token_id = Some(tokenizer.pad_id);
+    Ok(model)
+}
+
 /// The model, tokenizer, output directory and data paths of a run.
 pub struct Setup {
     /// The device the model and batches live on (`--device`).
@@ -210,9 +226,13 @@ impl Setup {
                 ),
             ));
         }
+        let tokenizer = TextTokenizer::from_dir(&model_dir)?;
+        let model = match recipe {
+            Recipe::Reward => reward_model(model, &tokenizer, cfg.seed)?,
+            _ => model,
+        };
         let adapter_dir = resumed_adapter.or(adapter_dir);
         let model = attach_lora(model, adapter_dir, cfg.lora.clone(), cfg.seed)?;
-        let tokenizer = TextTokenizer::from_dir(&model_dir)?;
         if tokenizer.vocab_size() > model.config.vocab_size {
             return Err(TrainError::Tokenizer(format!(
                 "{}: the tokenizer has {} tokens but the model only {}",

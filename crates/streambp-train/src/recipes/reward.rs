@@ -42,20 +42,10 @@ impl PairJob for RewardJob {
 /// Trains a reward model on preference pairs (the built-in pairs by default, from the shipped SFT
 /// checkpoint given a fresh score head).
 pub fn run_reward(cfg: &TrainConfig) -> Result<Summary> {
-    let mut setup = Setup::new(cfg, Recipe::Reward)?;
-    let pad = setup.tokenizer.pad_id;
-    if !setup.model.scores_positions() {
-        tracing::info!(
-            seed = cfg.seed,
-            "a fresh score head in place of the LM head"
-        );
-        setup.model = setup.model.with_score_head(cfg.seed)?;
-    }
-    // Rows are padded with the tokenizer's pad token, which is also where transformers stops
-    // reading them: the saved classifier says so.
-    setup.model.config.pad_token_id = Some(pad);
+    // The setup gives a causal LM its score head (before any adapters) and the tokenizer's pad token.
+    let setup = Setup::new(cfg, Recipe::Reward)?;
     let job = RewardJob {
-        pad,
+        pad: setup.tokenizer.pad_id,
         center: cfg.center_rewards_coefficient,
     };
     train_on_pairs(cfg, Recipe::Reward, &setup, &job)
