@@ -138,6 +138,8 @@ class Head(PlainHead):
     def __init__(self, model):
         super().__init__(model)
         self.training, self.is_gradient_checkpointing, self.calls = True, False, []
+        # With peft installed, TRL asks accelerate's is_peft_model, which reads `_modules`.
+        self._modules = {}
 
     def __call__(self, use_cache=False, **kw):  # compute_ref_log_probs passes no use_cache
         out = super().__call__(use_cache=use_cache, **kw)

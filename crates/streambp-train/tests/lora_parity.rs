@@ -1,8 +1,9 @@
 //! LoRA, exact: on every family's PEFT adapter (tests/fixtures/<family>/lora, written by PEFT with
 //! scripts/make_lora_fixtures.py), the adapters' gradients of `stream` and `checkpoint` equal `full`'s
 //! (f64, awkward chunkings, padded batches, GQA, tied embeddings, Gemma3's window), with and without
-//! dropout, for SFT, DPO (and its SFT term) and GRPO; and every mode matches transformers + PEFT's
-//! float64 losses and gradients. The merged model's logits equal the adapter's; the adapter streambp
+//! dropout, for SFT, DPO (and its SFT term), GRPO, ORPO, CPO, KTO and a reward model; and every mode
+//! matches transformers + PEFT's float64 losses and gradients (with TRL's own loss code for the
+//! preference objectives and the reward model). The merged model's logits equal the adapter's; the adapter streambp
 //! writes is the one PEFT wrote (keys, values, settings, metadata); bad adapters are clear errors.
 
 mod common;
@@ -125,6 +126,12 @@ fn backward(
             }
             o.insert("kl".into(), 0.3.into());
         }),
+        // A reward model's pairs: whole rows (the fixture's reward/ directory).
+        "reward" => ("reward-batch.json", |_| {}),
+        "reward_margin_center" => ("reward-batch.json", |j| {
+            j["margin"] = serde_json::json!([0.5, -0.25]);
+            j["center_rewards_coefficient"] = 0.01.into();
+        }),
         other => panic!("no objective {other}"),
     };
     let mut json: serde_json::Value =
@@ -174,50 +181,118 @@ fn adapter_gradients_match_full_backward_and_peft() {
         let model = lora_model(family, 0.0);
         let r = lora_reference(family);
         for objective in OBJECTIVES {
-            let full = backward(&model, family, objective, Mode::Full, (1, 1), None);
-            let ref_loss = r[&format!("{objective}.loss")].to_vec1::<f64>().unwrap()[0];
-            let mut worst = 0.0f64;
-            for (mode, chunk, logits_chunk) in [(Mode::Full, 1, 1)].into_iter().chain(RUNS) {
-                let out = match mode {
-                    Mode::Full => None,
-                    _ => Some(backward(
-                        &model,
-                        family,
-                        objective,
-                        mode,
-                        (chunk, logits_chunk),
-                        None,
-                    )),
-                };
-                let out = out.as_ref().unwrap_or(&full);
-                assert!(
-                    (out.loss - ref_loss).abs() < 1e-10 * ref_loss.abs(),
-                    "{family} {objective} {mode}: loss {} vs PEFT {ref_loss}",
-                    out.loss
-                );
-                // Only the adapters are trained, under PEFT's keys.
-                let expected = r
-                    .keys()
-                    .filter(|k| k.starts_with(&format!("{objective}.grad.")))
-                    .count();
-                assert_eq!(out.grads.len(), expected, "{family} {objective}");
-                for ((name, g), (_, g_full)) in out.grads.iter().zip(&full.grads) {
-                    let vs_full = rel_err(g, g_full);
-                    assert!(
-                        vs_full < 1e-10,
-                        "{family} {objective} {mode} {chunk}/{logits_chunk}: {name} vs full {vs_full:.2e}"
-                    );
-                    let vs_peft = rel_err(g, &r[&format!("{objective}.grad.{name}")]);
-                    worst = worst.max(vs_peft);
-                    assert!(
-                        vs_peft < 1e-8,
-                        "{family} {objective} {mode}: {name} vs PEFT {vs_peft:.2e}"
-                    );
-                }
-            }
-            println!("{family} {objective}: worst adapter gradient error vs PEFT {worst:.2e}");
+            assert_matches_peft(&model, family, objective, &r);
         }
     }
+}
+
+/// ORPO, CPO (SimPO with smoothing, AlphaPO) and KTO through the same adapters, against TRL's own
+/// loss code on PEFT's float64 model (scripts/make_lora_preference_fixtures.py: KTO's KL baseline
+/// made 0.3); and a LoRA reward model, its score head trained beside the adapters as PEFT's
+/// `SEQ_CLS` does (the fixture's `reward/lora`), against TRL's `RewardTrainer` on PEFT's classifier.
+#[test]
+fn new_objectives_and_lora_reward_models_match_peft() {
+    for family in FAMILIES {
+        let model = lora_model(family, 0.0);
+        let r = candle_core::safetensors::load(
+            lora_dir(family).join("preference.safetensors"),
+            &Device::Cpu,
+        )
+        .expect("fixture lora/preference.safetensors");
+        for objective in ["orpo", "cpo_simpo", "alphapo", "kto"] {
+            assert_matches_peft(&model, family, objective, &r);
+        }
+        let case = format!("{family}/reward");
+        let base = load_model(&fixture_dir(&case), DType::F64, &Device::Cpu).unwrap();
+        let adapter = load_adapter(&lora_dir(&case), &Device::Cpu).unwrap();
+        let model = base
+            .with_lora(adapter.config, Some(adapter.tensors), 0)
+            .unwrap();
+        let r = candle_core::safetensors::load(
+            lora_dir(&case).join("reference.safetensors"),
+            &Device::Cpu,
+        )
+        .expect("fixture reward/lora/reference.safetensors");
+        for objective in ["reward", "reward_margin_center"] {
+            assert_matches_peft(&model, &case, objective, &r);
+        }
+        // Written back, the adapter is PEFT's: the same tensors under the same keys, the score
+        // head's included, and PEFT's SEQ_CLS settings.
+        let out = tempfile::tempdir().unwrap();
+        save_adapter(&model, None, out.path()).unwrap();
+        let ours = candle_core::safetensors::load(
+            out.path().join("adapter_model.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let peft = candle_core::safetensors::load(
+            lora_dir(&case).join("adapter_model.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        assert_eq!(ours.len(), peft.len(), "{case}");
+        for (key, t) in &peft {
+            let written = ours[key].to_dtype(t.dtype()).unwrap();
+            assert_eq!(rel_err(&written, t), 0.0, "{case}: {key}");
+        }
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.path().join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(config["task_type"], "SEQ_CLS");
+        assert_eq!(
+            config["modules_to_save"],
+            serde_json::json!(["classifier", "score"])
+        );
+    }
+}
+
+/// `objective` on `model` (the adapters of `case`'s fixture) in every mode and chunking: the loss and
+/// every trained parameter's gradient equal the full backward's within 1e-10 and the PEFT
+/// reference `r`'s (`{objective}.loss`, `{objective}.grad.{key}`) within 1e-8.
+fn assert_matches_peft(model: &Model, case: &str, objective: &str, r: &HashMap<String, Tensor>) {
+    let full = backward(model, case, objective, Mode::Full, (1, 1), None);
+    let ref_loss = r[&format!("{objective}.loss")].to_vec1::<f64>().unwrap()[0];
+    let mut worst = 0.0f64;
+    for (mode, chunk, logits_chunk) in [(Mode::Full, 1, 1)].into_iter().chain(RUNS) {
+        let out = match mode {
+            Mode::Full => None,
+            _ => Some(backward(
+                model,
+                case,
+                objective,
+                mode,
+                (chunk, logits_chunk),
+                None,
+            )),
+        };
+        let out = out.as_ref().unwrap_or(&full);
+        assert!(
+            (out.loss - ref_loss).abs() < 1e-10 * ref_loss.abs(),
+            "{case} {objective} {mode}: loss {} vs PEFT {ref_loss}",
+            out.loss
+        );
+        // Only the adapters (and a reward model's score head) are trained, under PEFT's keys.
+        let expected = r
+            .keys()
+            .filter(|k| k.starts_with(&format!("{objective}.grad.")))
+            .count();
+        assert_eq!(out.grads.len(), expected, "{case} {objective}");
+        for ((name, g), (_, g_full)) in out.grads.iter().zip(&full.grads) {
+            let vs_full = rel_err(g, g_full);
+            assert!(
+                vs_full < 1e-10,
+                "{case} {objective} {mode} {chunk}/{logits_chunk}: {name} vs full {vs_full:.2e}"
+            );
+            let vs_peft = rel_err(g, &r[&format!("{objective}.grad.{name}")]);
+            worst = worst.max(vs_peft);
+            assert!(
+                vs_peft < 1e-8,
+                "{case} {objective} {mode}: {name} vs PEFT {vs_peft:.2e}"
+            );
+        }
+    }
+    println!("{case} {objective}: worst adapter gradient error vs PEFT {worst:.2e}");
 }
 
 /// Dropout masks come from the token's place, not a running generator: every mode and chunking sees
