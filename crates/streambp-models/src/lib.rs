@@ -23,6 +23,7 @@ pub mod attention;
 mod bf16_kernel;
 pub mod config;
 pub mod cpu;
+pub mod decode;
 pub mod device;
 pub mod error;
 pub mod half_product;

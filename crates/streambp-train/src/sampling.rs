@@ -1,9 +1,11 @@
-//! Sampling with a KV cache: a group of completions of one prompt (GRPO's rollouts), with temperature and
-//! top-p, each row stopping at EOS. All rows share the prompt, so no padding is needed during generation.
+//! Sampling with a KV cache (`streambp_models::decode`): a group of completions of one prompt (GRPO's
+//! rollouts), with temperature and top-p, each row stopping at EOS. All rows share the prompt, so no
+//! padding is needed during generation.
 
 use candle_core::{DType, Device, Tensor};
+use streambp_models::decode::KvCache;
 use streambp_models::init::NormalRng;
-use streambp_models::{KeyBlock, Layout, Model};
+use streambp_models::Model;
 
 use crate::Result;
 
@@ -16,49 +18,6 @@ pub struct SamplingConfig {
     pub top_p: f64,
     /// Longest completion in tokens; a row that emits no EOS stops here.
     pub max_new_tokens: usize,
-}
-
-/// Per-layer cached keys and values `[rows, kv_heads, t, head_dim]`, and the layout of the sequence
-/// (one prompt for every row, so no padding and no packing), which keeps its rope tables across steps.
-struct Cache {
-    keys: Vec<Option<Tensor>>,
-    values: Vec<Option<Tensor>>,
-    layout: Layout,
-}
-
-/// Runs `x` (`[rows, n, d]`, positions `start..start + n`) through the model, extending the cache, and
-/// returns the logits of the last position (`[rows, vocab]`).
-fn step(model: &Model, cache: &mut Cache, x: Tensor, start: usize) -> Result<Tensor> {
-    let mut h = x;
-    let layout = cache.layout.clone();
-    for (i, layer) in model.layers.iter().enumerate() {
-        let normed = layer.norm_input(&h)?;
-        let (k, v) = layer.keys_values(&normed, start, &layout)?;
-        let k = match cache.keys[i].take() {
-            Some(prev) => Tensor::cat(&[&prev, &k], 2)?,
-            None => k,
-        };
-        let v = match cache.values[i].take() {
-            Some(prev) => Tensor::cat(&[&prev, &v], 2)?,
-            None => v,
-        };
-        let q = layer.queries(&normed, start, &layout)?;
-        let k0 = layer.first_visible_key(start, &layout);
-        let len = k.dim(2)? - k0;
-        let block = KeyBlock {
-            q_start: start,
-            k_start: k0,
-            layout: &layout,
-            earlier: None,
-        };
-        let attn = layer.attend(&q, &k.narrow(2, k0, len)?, &v.narrow(2, k0, len)?, block)?;
-        h = layer.after_attention(&h, &attn, start, &layout)?;
-        cache.keys[i] = Some(k);
-        cache.values[i] = Some(v);
-    }
-    let n = h.dim(1)?;
-    let last = model.final_norm(&h.narrow(1, n - 1, 1)?)?;
-    Ok(model.logits(&last)?.squeeze(1)?)
 }
 
 /// Draws a token from `logits` with temperature and nucleus (top-p) sampling; temperature 0 is greedy.
@@ -120,15 +79,11 @@ pub fn sample_group(
     }
     let model = model.detached();
     let device: &Device = model.device();
-    let mut cache = Cache {
-        keys: vec![None; model.layers.len()],
-        values: vec![None; model.layers.len()],
-        layout: Layout::default(),
-    };
+    let mut cache = KvCache::new(&model);
     let ids = Tensor::new(prompt, device)?
         .unsqueeze(0)?
         .repeat((rows, 1))?;
-    let mut logits = step(&model, &mut cache, model.embed(&ids)?, 0)?;
+    let mut logits = cache.step(&model, &ids)?;
     let mut out = vec![Vec::new(); rows];
     let mut done = vec![false; rows];
     for t in 0..cfg.max_new_tokens {
@@ -153,8 +108,7 @@ pub fn sample_group(
             .zip(&done)
             .map(|(&tok, &d)| if d { eos } else { tok })
             .collect();
-        let x = model.embed(&Tensor::new(feed.as_slice(), device)?.unsqueeze(1)?)?;
-        logits = step(&model, &mut cache, x, prompt.len() + t)?;
+        logits = cache.step(&model, &Tensor::new(feed.as_slice(), device)?.unsqueeze(1)?)?;
     }
     Ok(out)
 }
