@@ -31,31 +31,28 @@ mod builtin {
     pub const FILES: [(&str, &str); 7] = [
         (
             "config.json",
-            include_str!("../../../assets/arithmetic/config.json"),
+            include_str!("../assets/arithmetic/config.json"),
         ),
         (
             "tokenizer.json",
-            include_str!("../../../assets/arithmetic/tokenizer.json"),
+            include_str!("../assets/arithmetic/tokenizer.json"),
         ),
         (
             "tokenizer_config.json",
-            include_str!("../../../assets/arithmetic/tokenizer_config.json"),
+            include_str!("../assets/arithmetic/tokenizer_config.json"),
         ),
         (
             "train.jsonl",
-            include_str!("../../../assets/arithmetic/train.jsonl"),
+            include_str!("../assets/arithmetic/train.jsonl"),
         ),
         (
             "test.jsonl",
-            include_str!("../../../assets/arithmetic/test.jsonl"),
+            include_str!("../assets/arithmetic/test.jsonl"),
         ),
-        (
-            "dpo.jsonl",
-            include_str!("../../../assets/arithmetic/dpo.jsonl"),
-        ),
+        ("dpo.jsonl", include_str!("../assets/arithmetic/dpo.jsonl")),
         (
             "dpo_test.jsonl",
-            include_str!("../../../assets/arithmetic/dpo_test.jsonl"),
+            include_str!("../assets/arithmetic/dpo_test.jsonl"),
         ),
     ];
 
@@ -63,8 +60,7 @@ mod builtin {
     pub const SFT_MODEL_DIR: &str = "sft-model";
 
     /// Written by `streambp-train sft --seed 2` (600 steps, 88.5% held-out accuracy).
-    pub const SFT_WEIGHTS: &[u8] =
-        include_bytes!("../../../assets/arithmetic/sft-model.safetensors");
+    pub const SFT_WEIGHTS: &[u8] = include_bytes!("../assets/arithmetic/sft-model.safetensors");
 }
 
 /// Writes the built-in task's files into `dir` (the shipped SFT checkpoint into `dir/sft-model`) and
