@@ -1,6 +1,10 @@
 //! Qwen2.5, Qwen3, Llama-3.x and Gemma3 (text) as decomposed layers that an engine can drive chunk by
 //! chunk, loaded from Hugging Face directories or the hub.
 //!
+//! `examples/generate.rs` loads a model and decodes greedily with the KV cache ([`decode`]);
+//! `examples/merge_adapter.rs` puts a PEFT adapter on its base and merges it:
+//! `cargo run --release -p streambp-models --example generate`.
+//!
 //! One set of blocks serves all four families; their differences are data in [`ModelConfig`].
 //! Every op records a correct backward: candle's own for composed tensor ops, a written one for the
 //! fused host kernels (attention, RMS norm, rope, SwiGLU, the linear projections), so the same code runs the

@@ -1,5 +1,7 @@
 //! The streambp trainer as a library: the training loops, the `grad` command and the pieces they share,
-//! everything the `streambp-train` CLI runs.
+//! everything the `streambp-train` CLI runs. `examples/custom_loop.rs` is a training loop of one's own
+//! over these parts in about 80 lines (`cargo run --release -p streambp-train --example custom_loop`),
+//! `examples/data_parallel.rs` data parallelism over a `Communicator` of one's own.
 //!
 //! - Recipes: [`sft::run_sft`], [`dpo::run_dpo`] (and [`orpo::run_orpo`], [`cpo::run_cpo`] through
 //!   the same pair loop, [`recipes::pairs`], as [`reward::run_reward`]), [`kto::run_kto`] and
