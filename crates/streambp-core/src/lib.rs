@@ -20,8 +20,9 @@
 //!
 //! `examples/exact_gradients.rs` runs one batch through all three modes side by side (their
 //! gradients agree to 1e-15 in f64), the planner for a budget, and sparse checkpoints on disk:
-//! `cargo run --release -p streambp-core --example exact_gradients`. `examples/custom_objective.rs`
-//! writes a loss of one's own against [`streambp_objectives::Objective`] and streams it exactly.
+//! `cargo run --release -p streambp-core --example exact_gradients`. `streambp-objectives`'
+//! `custom_objective` example writes a loss of one's own against [`streambp_objectives::Objective`]
+//! and streams it exactly.
 //!
 //! ```no_run
 //! # use streambp_core::{backward, Batch, Chunks, Mode};

@@ -1,8 +1,8 @@
 //! Training objectives, written over the log-probabilities of target tokens.
 //!
-//! A loss of one's own implements [`Objective`]; `streambp-core`'s `custom_objective` example runs one
-//! through the engine and checks its streamed gradient against the full backward:
-//! `cargo run --release -p streambp-core --example custom_objective`.
+//! A loss of one's own implements [`Objective`]; `examples/custom_objective.rs` writes one and runs it
+//! through `streambp-core`'s engine, its streamed gradient checked against the full backward:
+//! `cargo run --release -p streambp-objectives --example custom_objective`.
 //!
 //! Every objective here (SFT cross entropy, DPO, KTO, ORPO, CPO, GRPO) depends on the logits only through
 //! `logp[b, t] = log softmax(logits[b, t])[target[b, t]]`: the log-prob, at logits position `t`, of the

@@ -3,7 +3,7 @@
 //! plain `full` backward. The pattern to follow for any loss over target log-probabilities.
 //!
 //! ```sh
-//! cargo run --release -p streambp-core --example custom_objective
+//! cargo run --release -p streambp-objectives --example custom_objective
 //! ```
 
 use std::ops::Range;
