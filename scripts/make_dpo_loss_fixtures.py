@@ -19,7 +19,6 @@ weighted [1, 0.5]) reproduce `dpo.*` (and `dpo_sft.*`) in reference.safetensors.
 
 Run: .venv/bin/python scripts/make_dpo_loss_fixtures.py [--only qwen3 ...]   (CPU; needs trl)
 """
-import argparse
 import json
 import os
 import types
@@ -32,9 +31,10 @@ from transformers import AutoModelForCausalLM
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from dpo_loss_reference import bare_trainer
+import fixture_tools
 from make_fixtures import F64, exact_float64, token_logps
 
-FAMILIES = ["qwen2", "qwen3", "llama3", "gemma3"]
+FAMILIES = fixture_tools.FAMILIES
 LOSSES = {
     "ipo": dict(loss_type=["ipo"], loss_weights=[1.0]),
     "aot_unpaired": dict(loss_type=["aot_unpaired"], label_smoothing=0.2),
@@ -127,14 +127,5 @@ def make_family(name, root):
     save_file(out, os.path.join(d, "dpo_loss_types.safetensors"), metadata=meta)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fixtures", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
-    ap.add_argument("--only", nargs="*", default=FAMILIES)
-    args = ap.parse_args()
-    for name in args.only:
-        make_family(name, args.fixtures)
-
-
 if __name__ == "__main__":
-    main()
+    fixture_tools.run_families(__doc__, lambda name, root, _: make_family(name, root))

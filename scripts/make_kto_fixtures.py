@@ -36,7 +36,6 @@ gradient is finite and nonzero.
 
 Run: .venv/bin/python scripts/make_kto_fixtures.py [--only qwen3 ...]   (CPU; needs trl)
 """
-import argparse
 import contextlib
 import json
 import os
@@ -55,9 +54,10 @@ from trl import KTOConfig, KTOTrainer
 from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
 from make_dpo_loss_fixtures import PlainHead
+import fixture_tools
 from make_fixtures import F64, exact_float64, token_logps
 
-FAMILIES = ["qwen2", "qwen3", "llama3", "gemma3"]
+FAMILIES = fixture_tools.FAMILIES
 VARIANTS = {
     "kto": dict(loss_type="kto", beta=0.1, desirable_weight=1.0, undesirable_weight=1.0),
     "kto_weighted": dict(loss_type="kto", beta=0.3, desirable_weight=1.33, undesirable_weight=0.5),
@@ -242,21 +242,9 @@ def hand_loss(model, rows, kl_rows, ref_logps, ref_kl_logps, cfg):
 
 
 def compare(name, variant, got, want):
-    worst_value, worst_grad = 0.0, 0.0
-    assert set(got) == set(want), set(got) ^ set(want)
     for k in got:
         assert got[k].dtype == F64 and want[k].dtype == F64, (k, got[k].dtype, want[k].dtype)
-        if k.startswith("grad."):
-            g = got[k]
-            assert torch.isfinite(g).all(), f"{name} {variant}: {k} is not finite"
-            assert g.abs().max() > 0, f"{name} {variant}: {k} is all zero"
-            worst_grad = max(worst_grad, ((g - want[k]).abs().max() / g.abs().max()).item())
-        else:
-            err = ((got[k] - want[k]).abs() / want[k].abs().clamp(min=1.0)).max().item()
-            assert err < LOSS_TOLERANCE, f"{name} {variant}: {k} TRL {got[k].item()} by hand {want[k].item()}"
-            worst_value = max(worst_value, err)
-    assert worst_grad < GRAD_TOLERANCE, f"{name} {variant}: gradients differ by {worst_grad}"
-    return worst_value, worst_grad
+    return fixture_tools.compare(name, variant, got, want, LOSS_TOLERANCE, GRAD_TOLERANCE)
 
 
 def make_family(name, root):
@@ -317,14 +305,5 @@ def make_family(name, root):
         f.write("\n")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fixtures", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
-    ap.add_argument("--only", nargs="*", default=FAMILIES)
-    args = ap.parse_args()
-    for name in args.only:
-        make_family(name, args.fixtures)
-
-
 if __name__ == "__main__":
-    main()
+    fixture_tools.run_families(__doc__, lambda name, root, _: make_family(name, root))

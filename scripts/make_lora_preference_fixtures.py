@@ -53,7 +53,6 @@ separately): loss 1e-12, gradients 1e-10 relative; every gradient is finite and 
 
 Run: .venv/bin/python scripts/make_lora_preference_fixtures.py [--only qwen3 ...]   (CPU; needs trl, peft)
 """
-import argparse
 import json
 import os
 import sys
@@ -74,10 +73,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import make_kto_fixtures as kto  # noqa: E402
 import make_preference_fixtures as pref  # noqa: E402
 import make_reward_fixtures as rew  # noqa: E402
+import fixture_tools  # noqa: E402
 from make_fixtures import F32, F64, exact_float64, token_logps  # noqa: E402
 from make_lora_fixtures import load_base, saved_key  # noqa: E402
 
-FAMILIES = ["qwen2", "qwen3", "llama3", "gemma3"]
+FAMILIES = fixture_tools.FAMILIES
 PREFERENCE_VARIANTS = {
     "orpo": dict(trainer="orpo", beta=0.1),
     "cpo_simpo": dict(trainer="cpo", loss_type="simpo", beta=0.1, cpo_alpha=1.0, simpo_gamma=0.5,
@@ -383,14 +383,5 @@ def make_family(family, fixtures, seed):
           f"{[k for k in stored if 'lora_' not in k]}; rewards {[round(x, 6) for x in out['rewards'].tolist()]}")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fixtures", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
-    ap.add_argument("--only", nargs="*", default=FAMILIES)
-    args = ap.parse_args()
-    for name in args.only:
-        make_family(name, args.fixtures, REWARD_SEED + FAMILIES.index(name))
-
-
 if __name__ == "__main__":
-    main()
+    fixture_tools.run_families(__doc__, lambda name, root, i: make_family(name, root, REWARD_SEED + i))

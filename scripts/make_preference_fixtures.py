@@ -25,7 +25,6 @@ forwards of the chosen and rejected rows, the formulas in `hand_loss`) and check
 
 Run: .venv/bin/python scripts/make_preference_fixtures.py [--only qwen3 ...]   (CPU; needs trl)
 """
-import argparse
 import json
 import os
 import types
@@ -42,9 +41,10 @@ from transformers import AutoModelForCausalLM
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
+import fixture_tools
 from make_fixtures import F64, exact_float64, token_logps
 
-FAMILIES = ["qwen2", "qwen3", "llama3", "gemma3"]
+FAMILIES = fixture_tools.FAMILIES
 VARIANTS = {
     "orpo": dict(trainer="orpo", beta=0.1),
     "orpo_beta_half": dict(trainer="orpo", beta=0.5),
@@ -190,21 +190,7 @@ def hand_loss(model, batch, cfg):
 
 
 def compare(name, variant, got, want):
-    worst_value, worst_grad = 0.0, 0.0
-    assert set(got) == set(want), set(got) ^ set(want)
-    for k in got:
-        if k.startswith("grad."):
-            g = got[k]
-            assert torch.isfinite(g).all(), f"{name} {variant}: {k} is not finite"
-            assert g.abs().max() > 0, f"{name} {variant}: {k} is all zero"
-            err = ((g - want[k]).abs().max() / g.abs().max()).item()
-            worst_grad = max(worst_grad, err)
-        else:
-            err = ((got[k] - want[k]).abs() / want[k].abs().clamp(min=1.0)).max().item()
-            assert err < LOSS_TOLERANCE, f"{name} {variant}: {k} TRL {got[k].item()} by hand {want[k].item()}"
-            worst_value = max(worst_value, err)
-    assert worst_grad < GRAD_TOLERANCE, f"{name} {variant}: gradients differ by {worst_grad}"
-    return worst_value, worst_grad
+    return fixture_tools.compare(name, variant, got, want, LOSS_TOLERANCE, GRAD_TOLERANCE)
 
 
 def make_family(name, root):
@@ -226,14 +212,5 @@ def make_family(name, root):
     save_file(out, os.path.join(d, "preference.safetensors"), metadata=meta)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fixtures", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
-    ap.add_argument("--only", nargs="*", default=FAMILIES)
-    args = ap.parse_args()
-    for name in args.only:
-        make_family(name, args.fixtures)
-
-
 if __name__ == "__main__":
-    main()
+    fixture_tools.run_families(__doc__, lambda name, root, _: make_family(name, root))

@@ -37,7 +37,6 @@ gradient is finite and that score.weight's is nonzero.
 
 Run: .venv/bin/python scripts/make_reward_fixtures.py [--only qwen3 ...]   (CPU; needs trl)
 """
-import argparse
 import json
 import os
 import types
@@ -60,9 +59,10 @@ from transformers import (
 from trl import RewardConfig
 from trl.trainer.reward_trainer import DataCollatorForPreference, RewardTrainer
 
+import fixture_tools
 from make_fixtures import F32, F64, _TO, exact_float64
 
-FAMILIES = ["qwen2", "qwen3", "llama3", "gemma3"]
+FAMILIES = fixture_tools.FAMILIES
 CLASSES = {
     "qwen2": Qwen2ForSequenceClassification,
     "qwen3": Qwen3ForSequenceClassification,
@@ -110,7 +110,8 @@ def build_reward_model(name, d, out_dir, seed):
         path = os.path.join(out_dir, extra_file)
         if os.path.exists(path):
             os.remove(path)
-    written = set(os.listdir(out_dir)) - {"reward-batch.json", "reference.safetensors"}  # those from an earlier run
+    # Besides an earlier run's batch and references, and make_lora_preference_fixtures.py's lora/:
+    written = set(os.listdir(out_dir)) - {"reward-batch.json", "reference.safetensors", "lora"}
     assert written == {"config.json", "model.safetensors"}, os.listdir(out_dir)
     with open(os.path.join(out_dir, "config.json")) as f:
         saved = json.load(f)
@@ -234,22 +235,9 @@ def hand_loss(model, batch, cfg):
 
 
 def compare(name, variant, got, want):
-    worst_value, worst_grad = 0.0, 0.0
-    assert set(got) == set(want), set(got) ^ set(want)
-    for k in got:
-        if k.startswith("grad."):
-            g = got[k]
-            assert torch.isfinite(g).all(), f"{name} {variant}: {k} is not finite"
-            scale = max(g.abs().max().item(), want[k].abs().max().item())
-            err = 0.0 if scale == 0 else (g - want[k]).abs().max().item() / scale
-            worst_grad = max(worst_grad, err)
-        else:
-            err = ((got[k] - want[k]).abs() / want[k].abs().clamp(min=1.0)).max().item()
-            assert err < LOSS_TOLERANCE, f"{name} {variant}: {k} TRL {got[k].item()} by hand {want[k].item()}"
-            worst_value = max(worst_value, err)
+    # The embedding's pad row gets no gradient (transformers' padding_idx); score.weight must get one.
     assert got["grad.score.weight"].abs().max() > 0, f"{name} {variant}: score.weight's gradient is zero"
-    assert worst_grad < GRAD_TOLERANCE, f"{name} {variant}: gradients differ by {worst_grad}"
-    return worst_value, worst_grad
+    return fixture_tools.compare(name, variant, got, want, LOSS_TOLERANCE, GRAD_TOLERANCE, nonzero=False)
 
 
 def make_family(name, root, seed):
@@ -323,14 +311,5 @@ def make_family(name, root, seed):
     print(f"{name}: parameters {names}")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fixtures", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
-    ap.add_argument("--only", nargs="*", default=FAMILIES)
-    args = ap.parse_args()
-    for name in args.only:
-        make_family(name, args.fixtures, SEED + FAMILIES.index(name))
-
-
 if __name__ == "__main__":
-    main()
+    fixture_tools.run_families(__doc__, lambda name, root, i: make_family(name, root, SEED + i))

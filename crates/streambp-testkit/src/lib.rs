@@ -81,3 +81,31 @@ pub fn mpi_available(built_with_mpi: bool) -> bool {
     eprintln!("skipped: {why} (cargo test --features mpi, with MPICH installed)");
     false
 }
+
+/// One run's loss and gradients (`got`) against the full backward's gradients (`full`, each within
+/// 1e-10) and a float64 reference's (`reference`'s `{prefix}.loss` within 1e-10, `{prefix}.grad.{name}`
+/// within 1e-8); `what` names the run in failures. Returns the worst gradient error against the
+/// reference.
+pub fn assert_exact(
+    what: &str,
+    (loss, grads): (f64, &[(String, Tensor)]),
+    full: &[(String, Tensor)],
+    (reference, prefix): (&HashMap<String, Tensor>, &str),
+) -> f64 {
+    let ref_loss = reference[&format!("{prefix}.loss")]
+        .to_vec1::<f64>()
+        .unwrap()[0];
+    assert!(
+        (loss - ref_loss).abs() < 1e-10 * ref_loss.abs().max(1e-3),
+        "{what}: loss {loss} vs reference {ref_loss}"
+    );
+    let mut worst = 0.0f64;
+    for ((name, g), (_, g_full)) in grads.iter().zip(full) {
+        let vs_full = rel_err(g, g_full);
+        assert!(vs_full < 1e-10, "{what}: {name} vs full {vs_full:.2e}");
+        let vs_ref = rel_err(g, &reference[&format!("{prefix}.grad.{name}")]);
+        worst = worst.max(vs_ref);
+        assert!(vs_ref < 1e-8, "{what}: {name} vs reference {vs_ref:.2e}");
+    }
+    worst
+}

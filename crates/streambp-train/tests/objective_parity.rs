@@ -95,7 +95,6 @@ fn check_against(
             logits_chunk: 1,
         },
     );
-    let ref_loss = scalar(r, &format!("{prefix}.loss"));
     let mut worst = 0.0f64;
     for (mode, chunk, logits_chunk) in [
         (Mode::Full, 1, 1),
@@ -119,24 +118,9 @@ fn check_against(
             ))
         };
         let out = out.as_ref().unwrap_or(&full);
-        assert!(
-            (out.loss - ref_loss).abs() < 1e-10 * ref_loss.abs().max(1e-3),
-            "{family} {prefix} {mode}: loss {} vs reference {ref_loss}",
-            out.loss
-        );
-        for ((name, g), (_, g_full)) in out.grads.iter().zip(&full.grads) {
-            let vs_full = rel_err(g, g_full);
-            assert!(
-                vs_full < 1e-10,
-                "{family} {prefix} {mode} {chunk}/{logits_chunk}: {name} vs full {vs_full:.2e}"
-            );
-            let vs_ref = rel_err(g, &r[&format!("{prefix}.grad.{name}")]);
-            worst = worst.max(vs_ref);
-            assert!(
-                vs_ref < 1e-8,
-                "{family} {prefix} {mode}: {name} vs reference {vs_ref:.2e}"
-            );
-        }
+        let what = format!("{family} {prefix} {mode} {chunk}/{logits_chunk}");
+        let run_worst = assert_exact(&what, (out.loss, &out.grads), &full.grads, (r, prefix));
+        worst = worst.max(run_worst);
     }
     println!("{family} {prefix}: worst gradient error vs reference {worst:.2e}");
     full
