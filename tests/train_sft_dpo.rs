@@ -453,6 +453,9 @@ fn reward_model_learns_fixed_preferences_and_saves_a_classifier() {
         center_rewards_coefficient: Some(0.01),
         ..config(&out)
     };
+    // By default a pair longer than --max-length is dropped, as TRL's RewardTrainer drops it.
+    let defaults = TrainConfig::defaults(Recipe::Reward, false);
+    assert_eq!(defaults.overflow, streambp_train::data::Overflow::Skip);
     let summary = streambp_train::reward::run_reward(&cfg).unwrap();
     let accuracy = |list: &[(String, f64)]| {
         list.iter()

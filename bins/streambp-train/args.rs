@@ -161,7 +161,8 @@ pub struct TrainArgs {
     /// Longest sequence in tokens [default: 2048; built-in task: 16].
     #[arg(long)]
     max_length: Option<usize>,
-    /// What to do with longer examples: truncate or skip (the log says how many) [default: truncate].
+    /// What to do with longer examples: truncate or skip (the log says how many) [default: truncate;
+    /// reward: skip, as TRL's RewardTrainer drops them].
     #[arg(long)]
     overflow: Option<Overflow>,
     /// sft: pack whole examples into rows of up to --max-length tokens, best-fit decreasing; each

@@ -192,7 +192,11 @@ impl TrainConfig {
             max_grad_norm: 1.0,
             seed: 42,
             max_length: 2048,
-            overflow: Overflow::Truncate,
+            // TRL's RewardTrainer drops pairs longer than max_length; its other trainers cut them.
+            overflow: match recipe {
+                Recipe::Reward => Overflow::Skip,
+                _ => Overflow::Truncate,
+            },
             packing: false,
             mode: Mode::Stream,
             chunk: 512,
