@@ -17,8 +17,9 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::checks::{check_all_positions, check_beta, check_nll_tokens};
 use crate::dpo_loss::log_sigmoid;
-use crate::pairs::{check_beta, check_nll_tokens, pair_metrics, PairRows};
+use crate::pairs::{pair_metrics, PairRows};
 use crate::{Objective, ObjectiveError, Result};
 
 /// One of TRL's CPO loss types.
@@ -217,7 +218,7 @@ impl Objective for Cpo {
     }
 
     fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor> {
-        self.rows.check_all_positions("CPO", &cols)?;
+        check_all_positions("CPO", &cols, &self.rows.targets.ids)?;
         let losses = self.per_pair(logp)?.mean_all()?;
         // TRL skips the NLL when its weight is 0 (SimPO, AlphaPO).
         Ok(match self.loss.cpo_alpha == 0.0 {

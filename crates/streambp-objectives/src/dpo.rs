@@ -12,8 +12,9 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::checks::{check_all_positions, check_beta, check_finite, check_nll_tokens};
 use crate::dpo_loss::{per_pair, DpoLoss, DpoLossType, Pairs};
-use crate::pairs::{check_beta, check_nll_tokens, pair_metrics, PairRows};
+use crate::pairs::{pair_metrics, PairRows};
 use crate::{Objective, ObjectiveError, Result};
 
 /// The DPO (optionally RPO) objective of one batch of preference pairs.
@@ -50,15 +51,7 @@ impl Dpo {
             )));
         }
         check_beta(beta)?;
-        if let Some(v) = ref_chosen
-            .iter()
-            .chain(ref_rejected)
-            .find(|v| !v.is_finite())
-        {
-            return Err(ObjectiveError::Batch(format!(
-                "reference log-prob {v} is not finite"
-            )));
-        }
+        check_finite("reference log-prob", ref_chosen.iter().chain(ref_rejected))?;
         let rows = PairRows::new(labels, None, vocab_size, device)?;
         let reference: Vec<f64> = ref_chosen.iter().chain(ref_rejected).copied().collect();
         Ok(Self {
@@ -123,7 +116,7 @@ impl Objective for Dpo {
     }
 
     fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor> {
-        self.rows.check_all_positions("DPO", &cols)?;
+        check_all_positions("DPO", &cols, &self.rows.targets.ids)?;
         let rows = &self.rows;
         let (chosen, rejected) = rows.split(&rows.logps(logp, false)?)?;
         let (ref_chosen, ref_rejected) = rows.split(&self.reference.to_dtype(logp.dtype())?)?;

@@ -17,8 +17,8 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::checks::{check_all_positions, check_beta, check_finite};
 use crate::dpo_loss::sigmoid;
-use crate::pairs::check_beta;
 use crate::{Objective, ObjectiveError, Result, TokenTargets};
 
 /// One of TRL's KTO loss types.
@@ -134,11 +134,7 @@ impl Kto {
                 reference.len()
             )));
         }
-        if let Some(v) = reference.iter().find(|v| !v.is_finite()) {
-            return Err(ObjectiveError::Batch(format!(
-                "reference log-prob {v} is not finite"
-            )));
-        }
+        check_finite("reference log-prob", reference)?;
         if !kl.is_finite() || kl < 0.0 {
             return Err(ObjectiveError::Batch(format!(
                 "the KL baseline must be a number at least 0, got {kl}"
@@ -161,11 +157,14 @@ impl Kto {
         })
     }
 
-    /// `r = π − ρ` per row (`[B]`).
-    fn log_ratios(&self, logp: &Tensor) -> Result<Tensor> {
-        let mask = self.targets.mask.to_dtype(logp.dtype())?;
-        let policy = (logp * mask)?.sum(1)?;
-        Ok((policy - self.reference.to_dtype(logp.dtype())?)?)
+    /// `π` per row (`[B]`): the completion's summed log-prob.
+    fn sequence_logps(&self, logp: &Tensor) -> Result<Tensor> {
+        Ok((logp * self.targets.mask.to_dtype(logp.dtype())?)?.sum(1)?)
+    }
+
+    /// `r = π − ρ` per row (`[B]`) from the rows' `π`.
+    fn log_ratios(&self, policy: &Tensor) -> Result<Tensor> {
+        Ok((policy - self.reference.to_dtype(policy.dtype())?)?)
     }
 
     /// A per-row constant: `desirable` for desirable rows, `undesirable` for the others.
@@ -194,12 +193,8 @@ impl Objective for Kto {
     }
 
     fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor> {
-        if cols.start != 0 || cols.len() != self.targets.ids.dim(1)? {
-            return Err(ObjectiveError::Batch(
-                "KTO needs the log-probs of all positions at once".into(),
-            ));
-        }
-        let r = self.log_ratios(logp)?;
+        check_all_positions("KTO", &cols, &self.targets.ids)?;
+        let r = self.log_ratios(&self.sequence_logps(logp)?)?;
         let sign = self.by_kind(self.beta, -self.beta, &r)?;
         let per_row = (1.0 - sigmoid(&((r - self.kl)? * sign)?)?)?;
         let weights = self.by_kind(
@@ -211,15 +206,12 @@ impl Objective for Kto {
     }
 
     fn metrics(&self, logp: &Tensor) -> Result<Vec<(String, f64)>> {
+        let policy = self.sequence_logps(logp)?;
         let r = self
-            .log_ratios(logp)?
+            .log_ratios(&policy)?
             .to_dtype(DType::F64)?
             .to_vec1::<f64>()?;
-        let mask = self.targets.mask.to_dtype(logp.dtype())?;
-        let policy = (logp * mask)?
-            .sum(1)?
-            .to_dtype(DType::F64)?
-            .to_vec1::<f64>()?;
+        let policy = policy.to_dtype(DType::F64)?.to_vec1::<f64>()?;
         // As TRL logs them: each kind's mean (β r, π), where the batch has rows of that kind.
         let mean_of = |values: &[f64], kind: bool| -> Option<f64> {
             let picked: Vec<f64> = values

@@ -27,6 +27,7 @@ use std::ops::Range;
 
 use candle_core::Tensor;
 
+mod checks;
 pub mod cpo;
 pub mod dpo;
 pub mod dpo_loss;

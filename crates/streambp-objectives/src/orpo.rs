@@ -12,8 +12,9 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::checks::{check_all_positions, check_beta, check_nll_tokens};
 use crate::dpo_loss::log_sigmoid;
-use crate::pairs::{check_beta, check_nll_tokens, pair_metrics, PairRows};
+use crate::pairs::{pair_metrics, PairRows};
 use crate::{Objective, Result};
 
 /// The ORPO objective of one batch of preference pairs.
@@ -86,7 +87,7 @@ impl Objective for Orpo {
     }
 
     fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor> {
-        self.rows.check_all_positions("ORPO", &cols)?;
+        check_all_positions("ORPO", &cols, &self.rows.targets.ids)?;
         let nll = self.rows.chosen_nll(logp, self.nll_tokens)?;
         let (_, odds) = self.log_odds(logp)?;
         let ratio = log_sigmoid(&odds)?.mean_all()?;

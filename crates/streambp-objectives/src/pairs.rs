@@ -7,8 +7,6 @@
 //! NLL may cover more than the completions: ORPO, as TRL computes it, trains on every real token of
 //! the chosen rows, prompt included, so its targets are read at those positions too.
 
-use std::ops::Range;
-
 use candle_core::{DType, Device, Tensor};
 
 use crate::{ObjectiveError, Result, TokenTargets, IGNORE_INDEX};
@@ -111,17 +109,6 @@ impl PairRows {
         Ok((sum.neg()? / tokens)?)
     }
 
-    /// Refuses a chunk of positions: a pairwise loss is not a sum over positions, so `name`'s loss is
-    /// asked for all of them at once.
-    pub fn check_all_positions(&self, name: &str, cols: &Range<usize>) -> Result<()> {
-        if cols.start != 0 || cols.len() != self.targets.ids.dim(1)? {
-            return Err(ObjectiveError::Batch(format!(
-                "{name} needs the log-probs of all positions at once"
-            )));
-        }
-        Ok(())
-    }
-
     /// The chosen (`[P]`) and rejected (`[P]`) halves of a per-row value.
     pub fn split(&self, per_row: &Tensor) -> Result<(Tensor, Tensor)> {
         let p = self.pairs;
@@ -158,26 +145,6 @@ fn check_agreement(labels: &[Vec<i64>], wider: &[Vec<i64>]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Validates a positive, finite `β`.
-pub(crate) fn check_beta(beta: f64) -> Result<()> {
-    if !beta.is_finite() || beta <= 0.0 {
-        return Err(ObjectiveError::Batch(format!(
-            "beta must be positive, got {beta}"
-        )));
-    }
-    Ok(())
-}
-
-/// Validates an NLL token count given from outside (data-parallel steps pass the micro-batch's).
-pub(crate) fn check_nll_tokens(tokens: f64) -> Result<f64> {
-    if !tokens.is_finite() || tokens <= 0.0 {
-        return Err(ObjectiveError::Batch(format!(
-            "the NLL's token count must be positive, got {tokens}"
-        )));
-    }
-    Ok(tokens)
 }
 
 /// TRL's logged means over pairs of per-row values (`[2P]`, chosen then rejected): `{prefix}/chosen`,

@@ -12,6 +12,7 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::checks::{check_all_positions, check_finite};
 use crate::dpo_loss::log_sigmoid;
 use crate::{Objective, ObjectiveError, Result};
 
@@ -76,9 +77,7 @@ impl RewardModel {
                 self.pairs
             )));
         }
-        if let Some(m) = margins.iter().find(|m| !m.is_finite()) {
-            return Err(ObjectiveError::Batch(format!("margin {m} is not finite")));
-        }
+        check_finite("margin", margins)?;
         self.margin = Tensor::from_vec(margins.to_vec(), self.pairs, self.margin.device())?;
         Ok(self)
     }
@@ -115,11 +114,7 @@ impl Objective for RewardModel {
     }
 
     fn loss(&self, scores: &Tensor, cols: Range<usize>) -> Result<Tensor> {
-        if cols.start != 0 || cols.len() != self.targets.dim(1)? {
-            return Err(ObjectiveError::Batch(
-                "the reward model needs the scores of all positions at once".into(),
-            ));
-        }
+        check_all_positions("the reward model", &cols, &self.targets)?;
         let rewards = self.rewards(scores)?;
         let p = self.pairs;
         let (chosen, rejected) = (rewards.narrow(0, 0, p)?, rewards.narrow(0, p, p)?);
