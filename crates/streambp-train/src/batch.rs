@@ -83,6 +83,21 @@ impl Collated {
     }
 }
 
+/// `labels` with the positions where `mask` is 0 (padding) set to [`IGNORE_INDEX`]; given the input ids
+/// as labels, every real token of the rows.
+pub fn masked_labels(labels: &[Vec<i64>], mask: &[Vec<i64>]) -> Vec<Vec<i64>> {
+    labels
+        .iter()
+        .zip(mask)
+        .map(|(l, m)| {
+            l.iter()
+                .zip(m)
+                .map(|(&l, &m)| if m == 0 { IGNORE_INDEX } else { l })
+                .collect()
+        })
+        .collect()
+}
+
 /// A collated micro-batch as `[batch, T]` u32 tensors.
 pub struct BatchTensors {
     /// Token ids.

@@ -15,7 +15,7 @@ use streambp_objectives::{
     Objective, Orpo, RewardModel, Sft, IGNORE_INDEX,
 };
 
-use crate::batch::{padded, to_u32_tensor};
+use crate::batch::{masked_labels, padded, to_u32_tensor};
 use crate::logprobs::{sequence_logps, token_logps, Scorer};
 use crate::{Result, TrainError};
 
@@ -107,15 +107,6 @@ struct KtoFile {
     undesirable_weight: Option<f64>,
 }
 
-/// `"a b c"` as "a, b and c".
-fn listed(words: &str) -> String {
-    let words: Vec<&str> = words.split(' ').collect();
-    match words.split_last() {
-        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
-        _ => words.join(""),
-    }
-}
-
 /// A name or a list of names, as TRL's config takes `loss_type`.
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -172,7 +163,10 @@ impl PairFile {
             if set && !takers.split(' ').any(|t| t == objective) {
                 return Err(TrainError::data(
                     "batch",
-                    format!("{field} applies to {}, not {objective}", listed(takers)),
+                    format!(
+                        "{field} applies to {}, not {objective}",
+                        crate::and_list(&takers.split(' ').collect::<Vec<_>>())
+                    ),
                 ));
             }
         }
@@ -665,20 +659,6 @@ fn prepare_kto(
         objective: Box::new(kto),
         tokens: mask.iter().flatten().filter(|&&v| v != 0).count(),
     })
-}
-
-/// Labels with padded positions set to [`IGNORE_INDEX`].
-fn masked_labels(labels: &[Vec<i64>], mask: &[Vec<i64>]) -> Vec<Vec<i64>> {
-    labels
-        .iter()
-        .zip(mask)
-        .map(|(l, m)| {
-            l.iter()
-                .zip(m)
-                .map(|(&l, &m)| if m == 0 { IGNORE_INDEX } else { l })
-                .collect()
-        })
-        .collect()
 }
 
 fn prepare_sft(file: SftFile, vocab_size: usize, device: &Device) -> Result<PreparedBatch> {

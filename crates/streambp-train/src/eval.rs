@@ -2,14 +2,13 @@
 //! prompt/completion rows, and SFT's eval loss, before, during (`--eval-every`) and after training.
 
 use streambp_models::Model;
-use streambp_objectives::TokenTargets;
 
 use crate::batch::collate;
 use crate::config::TrainConfig;
 use crate::data::Example;
 use crate::dataset::DataSource;
 use crate::generate::greedy;
-use crate::logprobs::sequence_logps;
+use crate::logprobs::collated_logps;
 use crate::setup::Setup;
 use crate::tokenizer::{Keep, TextTokenizer};
 use crate::{Result, TrainError};
@@ -123,9 +122,7 @@ pub fn eval_loss(setup: &Setup, cfg: &TrainConfig, examples: &[Example]) -> Resu
         let rows: Vec<&Example> = group.iter().collect();
         let c = collate(&rows, setup.tokenizer.pad_id);
         let t = c.tensors(&setup.device)?;
-        let vocab = setup.model.config.vocab_size;
-        let targets = TokenTargets::from_labels(&c.labels, vocab, &setup.device)?;
-        let logps = sequence_logps(&mut score, &t.input_ids, Some(&t.attention_mask), &targets)?;
+        let logps = collated_logps(&mut score, &c, &t, setup.model.config.vocab_size)?;
         nll -= logps.iter().sum::<f64>();
         tokens += rows.iter().map(|e| e.targets()).sum::<usize>();
     }

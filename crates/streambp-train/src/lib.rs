@@ -54,6 +54,14 @@ pub mod trainer;
 
 pub use recipes::{cpo, dpo, grpo, kto, orpo, reward, sft};
 
+/// `["a", "b", "c"]` as "a, b and c" (one word as itself, none as "").
+pub(crate) fn and_list(words: &[&str]) -> String {
+    match words.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        _ => words.join(""),
+    }
+}
+
 /// Typed errors of the trainer library: each variant says what went wrong and names the flag, file,
 /// line or path a user has to fix.
 #[derive(Debug, thiserror::Error)]

@@ -7,7 +7,7 @@ use streambp_core::{forward_logprobs, Batch, Chunks};
 use streambp_models::Model;
 use streambp_objectives::TokenTargets;
 
-use crate::batch::to_u32_tensor;
+use crate::batch::{to_u32_tensor, BatchTensors, Collated};
 use crate::Result;
 
 /// Target log-probs `[batch, T]` (logits coordinates: position `t` scores `targets[t]`) of some frozen
@@ -43,6 +43,17 @@ pub fn sequence_logps(
     Ok((logp.to_dtype(DType::F64)? * &targets.mask)?
         .sum(1)?
         .to_vec1::<f64>()?)
+}
+
+/// [`sequence_logps`] of collated rows `c` (their labels' tokens; `t` the same rows as tensors).
+pub fn collated_logps(
+    score: &mut Scorer,
+    c: &Collated,
+    t: &BatchTensors,
+    vocab_size: usize,
+) -> Result<Vec<f64>> {
+    let targets = TokenTargets::from_labels(&c.labels, vocab_size, t.input_ids.device())?;
+    sequence_logps(score, &t.input_ids, Some(&t.attention_mask), &targets)
 }
 
 /// `log p(input_ids[t] | input_ids[..t])` for every token of `rows` at `temperature` (GRPO's

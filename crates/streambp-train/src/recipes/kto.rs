@@ -6,7 +6,7 @@
 //! completion, scored by the policy and the reference without a graph.
 
 use streambp_models::Model;
-use streambp_objectives::{Kto, KtoLoss, TokenTargets};
+use streambp_objectives::{Kto, KtoLoss};
 
 use super::pairs::{load_pairs_into, HeldOut};
 use crate::batch::collate;
@@ -14,7 +14,7 @@ use crate::checkpoint::{Fingerprint, RunRecord};
 use crate::config::{Recipe, TrainConfig};
 use crate::data::{encode_pair, row_columns, text_field, Example, LoadReport, Overflow};
 use crate::dataset::DataSource;
-use crate::logprobs::{sequence_logps, Scorer};
+use crate::logprobs::{collated_logps, Scorer};
 use crate::output::temporary;
 use crate::setup::Setup;
 use crate::token_store::{ExampleSink, StoreWriter};
@@ -116,9 +116,7 @@ fn completion_logps(
     (pad, vocab, device): (u32, usize, &candle_core::Device),
 ) -> Result<Vec<f64>> {
     let c = collate(rows, pad);
-    let t = c.tensors(device)?;
-    let targets = TokenTargets::from_labels(&c.labels, vocab, device)?;
-    sequence_logps(score, &t.input_ids, Some(&t.attention_mask), &targets)
+    collated_logps(score, &c, &c.tensors(device)?, vocab)
 }
 
 /// Trains `cfg`'s model on unpaired rows with KTO against a frozen reference (the built-in pairs,

@@ -274,10 +274,9 @@ impl Recipe {
                 .filter(|r| r.facts().flags.contains(flag))
                 .map(|r| r.name())
                 .collect();
-            let takers = match takers.split_last() {
-                Some((last, [])) => last.to_string(),
-                Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
-                None => "no job".to_string(),
+            let takers = match takers.is_empty() {
+                true => "no job".to_string(),
+                false => crate::and_list(&takers),
             };
             return Err(TrainError::flag(
                 flag,

@@ -4,6 +4,7 @@
 use streambp_objectives::{Objective, Orpo};
 
 use super::pairs::{train_on_pairs, PairBatch, PairJob};
+use crate::batch::masked_labels;
 use crate::config::{Recipe, TrainConfig};
 use crate::setup::Setup;
 use crate::trainer::Summary;
@@ -21,7 +22,9 @@ impl PairJob for OrpoJob {
 
     fn objective(&self, batch: &PairBatch) -> Result<Box<dyn Objective>> {
         let (vocab, device) = batch.vocab_and_device();
-        let every_token = batch.every_token_labels();
+        // TRL's ORPO NLL covers every real token of the chosen rows, prompt included.
+        let rows = batch.rows;
+        let every_token = masked_labels(&rows.input_ids, &rows.attention_mask);
         let orpo = Orpo::new(&batch.rows.labels, &every_token, self.beta, vocab, device)?;
         Ok(match batch.pooled_nll_tokens(orpo.nll_tokens()?)? {
             Some(tokens) => Box::new(orpo.with_nll_tokens(tokens)?),

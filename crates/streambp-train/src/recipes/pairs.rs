@@ -6,13 +6,13 @@
 use streambp_models::Model;
 use streambp_objectives::{Objective, TokenTargets};
 
-use crate::batch::{collate, BatchTensors, Collated};
+use crate::batch::{collate, Collated};
 use crate::checkpoint::{Digest, Fingerprint, RunRecord};
 use crate::config::{Recipe, TrainConfig};
 use crate::data::{encode_pair, row_columns, text_field, Example, LoadReport, Overflow, Text};
 use crate::dataset::DataSource;
 use crate::eval::{eval_accuracy, eval_rows};
-use crate::logprobs::sequence_logps;
+use crate::logprobs::{collated_logps, sequence_logps};
 use crate::output::temporary;
 use crate::setup::Setup;
 use crate::token_store::{ExampleSink, StoreWriter};
@@ -242,8 +242,6 @@ pub struct PairBatch<'a> {
     pub rows: &'a Collated,
     /// Each pair's `margin`, when the data has that column.
     pub margins: Option<Vec<f64>>,
-    /// The same rows on the model's device.
-    pub tensors: &'a BatchTensors,
     /// The reference's summed completion log-prob of each row, when the job has a reference.
     pub reference_logps: Option<Vec<f64>>,
     setup: &'a Setup,
@@ -269,27 +267,6 @@ impl PairBatch<'_> {
             return Ok(None);
         }
         Ok(Some(self.setup.comm.sum(local)? / world as f64))
-    }
-
-    /// Every real token of the rows as labels (input ids, `-100` on padding): what ORPO's NLL covers.
-    pub fn every_token_labels(&self) -> Vec<Vec<i64>> {
-        let rows = self.rows;
-        rows.input_ids
-            .iter()
-            .zip(&rows.attention_mask)
-            .map(|(ids, mask)| {
-                ids.iter()
-                    .zip(mask)
-                    .map(|(&id, &m)| {
-                        if m == 0 {
-                            streambp_objectives::IGNORE_INDEX
-                        } else {
-                            id
-                        }
-                    })
-                    .collect()
-            })
-            .collect()
     }
 }
 
@@ -450,15 +427,7 @@ pub fn train_on_pairs(
             let c = stack(&group.iter().collect::<Vec<_>>(), setup.tokenizer.pad_id);
             let t = c.tensors(&setup.device)?;
             let reference_logps = match &mut reference_scores {
-                Some(scores) => {
-                    let targets = TokenTargets::from_labels(
-                        &c.labels,
-                        model.config.vocab_size,
-                        &setup.device,
-                    )?;
-                    let mask = Some(&t.attention_mask);
-                    Some(sequence_logps(scores, &t.input_ids, mask, &targets)?)
-                }
+                Some(scores) => Some(collated_logps(scores, &c, &t, model.config.vocab_size)?),
                 None => None,
             };
             let batch = PairBatch {
@@ -466,7 +435,6 @@ pub fn train_on_pairs(
                 margins: margins
                     .as_ref()
                     .map(|all| micro.iter().map(|&i| all[i]).collect()),
-                tensors: &t,
                 reference_logps,
                 setup,
             };
