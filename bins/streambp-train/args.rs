@@ -297,18 +297,12 @@ pub struct CpoArgs {
 }
 
 impl CpoArgs {
-    /// CPO's loss: `--loss-type`'s settings (TRL's defaults for it), then the flags given.
+    /// CPO's loss: `--loss-type`'s settings (TRL's defaults for it), then the flags given; checked.
     fn into_loss(self) -> Result<CpoLoss, TrainError> {
-        let name = self.loss_type.as_deref().unwrap_or("sigmoid");
-        let of_type = CpoLoss::of_type(name)
-            .map_err(|e| TrainError::flag("--loss-type", name, e.to_string()))?;
-        Ok(CpoLoss {
-            label_smoothing: self.label_smoothing.unwrap_or(of_type.label_smoothing),
-            cpo_alpha: self.cpo_alpha.unwrap_or(of_type.cpo_alpha),
-            simpo_gamma: self.simpo_gamma.unwrap_or(of_type.simpo_gamma),
-            alpha: self.alphapo_alpha.unwrap_or(of_type.alpha),
-            ..of_type
-        })
+        let name = self.loss_type.as_deref();
+        let (smoothing, alpha, gamma) = (self.label_smoothing, self.cpo_alpha, self.simpo_gamma);
+        CpoLoss::from_config(name, smoothing, alpha, gamma, self.alphapo_alpha)
+            .map_err(|e| TrainError::flag("--loss-type", name.unwrap_or("sigmoid"), e.to_string()))
     }
 }
 
@@ -399,12 +393,8 @@ impl TrainArgs {
     /// A KTO run's configuration: [`TrainArgs::into_config`] with the loss `kto` names.
     pub fn into_kto_config(self, kto: KtoArgs) -> Result<TrainConfig, TrainError> {
         let mut cfg = self.into_config(Recipe::Kto)?;
-        let d = cfg.kto_loss;
-        cfg.kto_loss = KtoLoss {
-            loss_type: kto.loss_type.unwrap_or(d.loss_type),
-            desirable_weight: kto.desirable_weight.unwrap_or(d.desirable_weight),
-            undesirable_weight: kto.undesirable_weight.unwrap_or(d.undesirable_weight),
-        };
+        let weights = (kto.desirable_weight, kto.undesirable_weight);
+        cfg.kto_loss = KtoLoss::from_config(kto.loss_type, weights.0, weights.1);
         Ok(cfg)
     }
 

@@ -103,6 +103,27 @@ impl CpoLoss {
         })
     }
 
+    /// The loss TRL's `CPOConfig` fields say: `loss_type`'s settings (sigmoid when `None`), then each
+    /// field given; checked ([`CpoLoss::validate`]).
+    pub fn from_config(
+        loss_type: Option<&str>,
+        label_smoothing: Option<f64>,
+        cpo_alpha: Option<f64>,
+        simpo_gamma: Option<f64>,
+        alpha: Option<f64>,
+    ) -> Result<Self> {
+        let of_type = Self::of_type(loss_type.unwrap_or("sigmoid"))?;
+        let loss = Self {
+            label_smoothing: label_smoothing.unwrap_or(of_type.label_smoothing),
+            cpo_alpha: cpo_alpha.unwrap_or(of_type.cpo_alpha),
+            simpo_gamma: simpo_gamma.unwrap_or(of_type.simpo_gamma),
+            alpha: alpha.unwrap_or(of_type.alpha),
+            ..of_type
+        };
+        loss.validate()?;
+        Ok(loss)
+    }
+
     /// Refuses settings TRL would reject or ignore: label smoothing outside `[0, 0.5)` or on a type
     /// that does not read it, a negative NLL weight, non-finite values.
     pub fn validate(&self) -> Result<()> {

@@ -81,6 +81,21 @@ impl Default for KtoLoss {
 }
 
 impl KtoLoss {
+    /// The loss TRL's `KTOConfig` fields say, TRL's defaults for those not given (unchecked: see
+    /// [`KtoLoss::validate`]).
+    pub fn from_config(
+        loss_type: Option<KtoLossType>,
+        desirable_weight: Option<f64>,
+        undesirable_weight: Option<f64>,
+    ) -> Self {
+        let d = Self::default();
+        Self {
+            loss_type: loss_type.unwrap_or(d.loss_type),
+            desirable_weight: desirable_weight.unwrap_or(d.desirable_weight),
+            undesirable_weight: undesirable_weight.unwrap_or(d.undesirable_weight),
+        }
+    }
+
     /// Refuses weights that are not finite and above 0.
     pub fn validate(&self) -> Result<()> {
         for (name, w) in [

@@ -175,9 +175,9 @@ impl PairFile {
 
     /// CPO's settings: `loss_type`'s (TRL's defaults for it), then the file's own values.
     fn cpo_loss(&self) -> Result<CpoLoss> {
-        let loss = match &self.loss_type {
-            None => CpoLoss::default(),
-            Some(OneOrMany::One(name)) => CpoLoss::of_type(name)?,
+        let name = match &self.loss_type {
+            None => None,
+            Some(OneOrMany::One(name)) => Some(name.as_str()),
             Some(OneOrMany::Many(_)) => {
                 return Err(TrainError::data(
                     "batch",
@@ -185,15 +185,14 @@ impl PairFile {
                 ))
             }
         };
-        let loss = CpoLoss {
-            label_smoothing: self.label_smoothing.unwrap_or(loss.label_smoothing),
-            cpo_alpha: self.cpo_alpha.unwrap_or(loss.cpo_alpha),
-            simpo_gamma: self.simpo_gamma.unwrap_or(loss.simpo_gamma),
-            alpha: self.alpha.unwrap_or(loss.alpha),
-            ..loss
-        };
-        loss.validate()?;
-        Ok(loss)
+        let (smoothing, gamma) = (self.label_smoothing, self.simpo_gamma);
+        Ok(CpoLoss::from_config(
+            name,
+            smoothing,
+            self.cpo_alpha,
+            gamma,
+            self.alpha,
+        )?)
     }
 
     /// The loss the file asks for with `loss_type` (and its weights and constants); `None` without
@@ -633,12 +632,8 @@ fn prepare_kto(
         }
         (false, None) => 0.0,
     };
-    let d = KtoLoss::default();
-    let loss = KtoLoss {
-        loss_type,
-        desirable_weight: file.desirable_weight.unwrap_or(d.desirable_weight),
-        undesirable_weight: file.undesirable_weight.unwrap_or(d.undesirable_weight),
-    };
+    let weights = (file.desirable_weight, file.undesirable_weight);
+    let loss = KtoLoss::from_config(Some(loss_type), weights.0, weights.1);
     let labels = masked_labels(&file.labels, &mask);
     let input_ids = to_u32_tensor(&file.input_ids, device)?;
     let attention_mask = to_u32_tensor(&mask, device)?;
