@@ -182,6 +182,36 @@ impl LoadReport {
         }
     }
 
+    /// `example` (the item at `location`) as training keeps it, noted here: its unknown tokens; cut to
+    /// `max_length` tokens, or dropped (`None`) over it with `--overflow skip`; dropped when no target
+    /// token is left.
+    pub fn fit(
+        &mut self,
+        tok: &TextTokenizer,
+        mut example: Example,
+        (max_length, overflow): (usize, Overflow),
+        location: &str,
+    ) -> Option<Example> {
+        self.note_unknown(tok, &example.input_ids, location);
+        if example.input_ids.len() > max_length {
+            match overflow {
+                Overflow::Skip => {
+                    self.skipped += 1;
+                    return None;
+                }
+                Overflow::Truncate => {
+                    self.truncated += 1;
+                    example.truncate(max_length);
+                }
+            }
+        }
+        if example.targets() == 0 {
+            self.skipped += 1;
+            return None;
+        }
+        Some(example)
+    }
+
     /// Notes a preference pair at `location` dropped because its two sides are the same tokens: its
     /// loss would be ln 2 whatever the model, its gradient zero.
     pub fn note_identical(&mut self, location: &str) {
@@ -347,7 +377,7 @@ pub fn load_sft_into(
             Some(m) => Some(m),
             None => field("conversations")?,
         };
-        let mut example = match (
+        let example = match (
             messages,
             field("prompt")?,
             field("completion")?,
@@ -378,24 +408,9 @@ pub fn load_sft_into(
                 ));
             }
         };
-        report.note_unknown(tokenizer, &example.input_ids, &where_);
-        if example.input_ids.len() > max_length {
-            match overflow {
-                Overflow::Skip => {
-                    report.skipped += 1;
-                    continue;
-                }
-                Overflow::Truncate => {
-                    report.truncated += 1;
-                    example.truncate(max_length);
-                }
-            }
+        if let Some(example) = report.fit(tokenizer, example, (max_length, overflow), &where_) {
+            out.push(example)?;
         }
-        if example.targets() == 0 {
-            report.skipped += 1;
-            continue;
-        }
-        out.push(example)?;
     }
     if final_turn_only > 0 {
         tracing::warn!(

@@ -66,22 +66,11 @@ pub fn load_unpaired_into(
         let completion =
             text_field(&row, "completion", &where_)?.ok_or_else(|| missing("no \"completion\""))?;
         let (p, c) = encode_pair(tok, prompt, completion, max_length, &where_)?;
-        let mut example = Example::from_pair(p, c);
-        report.note_unknown(tok, &example.input_ids, &where_);
-        if example.input_ids.len() > max_length {
-            if overflow == Overflow::Skip {
-                report.skipped += 1;
-                continue;
-            }
-            example.truncate(max_length);
-            report.truncated += 1;
+        let example = Example::from_pair(p, c);
+        if let Some(example) = report.fit(tok, example, (max_length, overflow), &where_) {
+            out.push(example)?;
+            desirable.push(label);
         }
-        if example.targets() == 0 {
-            report.skipped += 1;
-            continue;
-        }
-        out.push(example)?;
-        desirable.push(label);
     }
     let limit = format!("--max-length {max_length}");
     report.finish(source, "rows", out.count(), &limit)?;
