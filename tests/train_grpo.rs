@@ -15,7 +15,7 @@ use streambp_train::rewards::{
     group_advantages, group_without_signal, parse_reward, scaled_advantages, std_from_sums,
     ScaleRewards,
 };
-use streambp_train::sampling::{sample_group, SamplingConfig};
+use streambp_train::sampling::{sample_group, sample_groups, SamplingConfig};
 
 #[test]
 fn cached_greedy_sampling_matches_uncached_decoding() {
@@ -36,6 +36,42 @@ fn cached_greedy_sampling_matches_uncached_decoding() {
             cached[1], uncached,
             "{family}: rows of a group are independent"
         );
+    }
+}
+
+/// Prompts of different lengths sampled together (left-padded, one forward per new token) draw what
+/// each draws alone: the pads are invisible and rope counts from each prompt's first token (Gemma3's
+/// sliding window of 4 included).
+#[test]
+fn batched_sampling_matches_each_prompt_alone() {
+    let prompts: [&[u32]; 3] = [&[5, 17, 42, 7, 9, 11], &[3], &[8, 2, 30]];
+    let cfg = SamplingConfig {
+        temperature: 1.0,
+        top_p: 0.9,
+        max_new_tokens: 7,
+    };
+    let eos = 95;
+    for family in ["qwen2", "qwen3", "llama3", "gemma3"] {
+        let model = load_model(&fixture_dir(family), DType::F64, &Device::Cpu).unwrap();
+        let seeds = [11u64, 12, 13];
+        let mut rngs: Vec<NormalRng> = seeds.iter().map(|&s| NormalRng::new(s)).collect();
+        let together = sample_groups(&model, &prompts, 2, eos, &cfg, &mut rngs).unwrap();
+        for ((prompt, seed), got) in prompts.iter().zip(seeds).zip(&together) {
+            let alone =
+                sample_group(&model, prompt, 2, eos, &cfg, &mut NormalRng::new(seed)).unwrap();
+            assert_eq!(got, &alone, "{family}, prompt {prompt:?}");
+            assert!(got.iter().all(|c| !c.is_empty()), "{family}: rows decoded");
+        }
+        // Greedy rows of a padded batch continue their prompts as uncached decoding does.
+        let greedy = SamplingConfig {
+            temperature: 0.0,
+            ..cfg
+        };
+        let rows = sample_groups(&model, &prompts, 1, eos, &greedy, &mut rngs).unwrap();
+        for (prompt, got) in prompts.iter().zip(&rows) {
+            let uncached = streambp_train::generate::greedy(&model, prompt, eos, 7).unwrap();
+            assert_eq!(got[0], uncached, "{family}, prompt {prompt:?}");
+        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! Decoding with a KV cache: the model run one new token (or a prompt) at a time over the keys and
-//! values of the positions before it, so each step costs one position's work. All rows share their
-//! positions (one prompt, or prompts of one length), so no padding is needed.
+//! values of the positions before it, so each step costs one position's work. Rows decode in step:
+//! prompts of different lengths are left-padded to one length ([`KvCache::left_padded`]), so every
+//! row's new token sits at the same index and one forward serves them all.
 
 use candle_core::{Tensor, D};
 
@@ -28,6 +29,41 @@ impl KvCache {
             layout: Layout::default(),
             len: 0,
         }
+    }
+
+    /// A cache for rows starting from `prompts` of different lengths, and the `[rows, longest]` ids
+    /// to pass to the first [`step`](Self::step): each prompt is left-padded to the longest. The pads
+    /// are laid out as a document of their own before the prompt (the packed-rows mechanism of
+    /// [`Layout`]), so no prompt or new token reads them and rope counts each row's positions from its
+    /// prompt's first token: each row computes what it would alone. Holds `max_new` tokens after the
+    /// prompts (rope tables of padded rows are built once, for that length).
+    pub fn left_padded(
+        model: &Model,
+        prompts: &[&[u32]],
+        pad: u32,
+        max_new: usize,
+    ) -> Result<(Self, Tensor)> {
+        let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+        if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
+            return Err(ModelError::Input(
+                "decoding needs at least one prompt, each of at least one token".into(),
+            ));
+        }
+        let width = longest + max_new;
+        let mut ids = Vec::with_capacity(prompts.len() * longest);
+        let mut positions = Vec::with_capacity(prompts.len() * width);
+        for p in prompts {
+            let pads = longest - p.len();
+            ids.extend(std::iter::repeat_n(pad, pads).chain(p.iter().copied()));
+            positions.extend((0..pads as i64).chain(0..(width - pads) as i64));
+        }
+        let device = model.device();
+        let ids = Tensor::from_vec(ids, (prompts.len(), longest), device)?;
+        let positions = Tensor::from_vec(positions, (prompts.len(), width), device)?;
+        let layout = Layout::new(None, Some(&positions))?.with_seq_len(width);
+        let mut cache = Self::new(model);
+        cache.layout = layout;
+        Ok((cache, ids))
     }
 
     /// Positions cached so far.

@@ -1,14 +1,15 @@
 //! Held-out evaluation shared by the recipes: exact-match accuracy of greedy answers on
 //! prompt/completion rows, and SFT's eval loss, before, during (`--eval-every`) and after training.
 
+use streambp_models::init::NormalRng;
 use streambp_models::Model;
 
 use crate::batch::collate;
 use crate::config::TrainConfig;
 use crate::data::Example;
 use crate::dataset::DataSource;
-use crate::generate::greedy;
 use crate::logprobs::collated_logps;
+use crate::sampling::{sample_groups, SamplingConfig};
 use crate::setup::Setup;
 use crate::tokenizer::{Keep, TextTokenizer};
 use crate::{Result, TrainError};
@@ -24,15 +25,47 @@ pub struct Question {
     pub max_new: usize,
 }
 
-/// Exact-match accuracy of greedy answers to `questions`.
+/// Questions decoded together at most: their rows' tokens (prompt and answer, padded to the longest),
+/// which bounds the KV cache a batch holds (a few rows of long prompts, many of short ones).
+const EVAL_BATCH_TOKENS: usize = 4096;
+
+/// Exact-match accuracy of greedy answers to `questions`, decoded in batches through the KV cache
+/// (one forward per new token for a batch; a row's answer is cut at its own `max_new`, which is what
+/// decoding it alone gives, greedy decoding being deterministic).
 pub fn accuracy(model: &Model, tok: &TextTokenizer, questions: &[Question]) -> Result<f64> {
     let mut correct = 0;
-    for q in questions {
-        let out = streambp_core::on_workers(model.device(), || {
-            greedy(model, &q.prompt, tok.eos_id, q.max_new)
+    let mut rest = questions;
+    while !rest.is_empty() {
+        let mut n = 0;
+        let mut width = 0;
+        while n < rest.len() {
+            let q = &rest[n];
+            let wider = width.max(q.prompt.len() + q.max_new);
+            if n > 0 && wider * (n + 1) > EVAL_BATCH_TOKENS {
+                break;
+            }
+            width = wider;
+            n += 1;
+        }
+        let (batch, after) = rest.split_at(n);
+        rest = after;
+        let prompts: Vec<&[u32]> = batch.iter().map(|q| q.prompt.as_slice()).collect();
+        let cfg = SamplingConfig {
+            temperature: 0.0,
+            top_p: 1.0,
+            max_new_tokens: batch.iter().map(|q| q.max_new).max().unwrap_or(0),
+        };
+        // Greedy decoding draws nothing: the generators are never read.
+        let mut unused: Vec<NormalRng> = batch.iter().map(|_| NormalRng::new(0)).collect();
+        let answers = streambp_core::on_workers(model.device(), || {
+            sample_groups(model, &prompts, 1, tok.eos_id, &cfg, &mut unused)
         })?;
-        if tok.decode(&out)?.trim() == q.answer.trim() {
-            correct += 1;
+        for (q, mut rows) in batch.iter().zip(answers) {
+            let mut out = rows.pop().unwrap_or_default();
+            out.truncate(q.max_new);
+            if tok.decode(&out)?.trim() == q.answer.trim() {
+                correct += 1;
+            }
         }
     }
     Ok(correct as f64 / questions.len().max(1) as f64)

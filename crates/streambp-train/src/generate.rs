@@ -1,5 +1,5 @@
-//! Greedy decoding without a cache (recomputes the prefix each token): enough for evaluating short
-//! answers; GRPO's sampler with a KV cache is its own module.
+//! Greedy decoding without a cache (recomputes the prefix each token, one prompt at a time): the plain
+//! reference the KV-cache decoders (`sampling`, `streambp_models::decode`) are tested against.
 
 use candle_core::{Device, Tensor, D};
 use streambp_models::Model;

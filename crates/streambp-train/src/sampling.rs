@@ -1,6 +1,6 @@
-//! Sampling with a KV cache (`streambp_models::decode`): a group of completions of one prompt (GRPO's
-//! rollouts), with temperature and top-p, each row stopping at EOS. All rows share the prompt, so no
-//! padding is needed during generation.
+//! Sampling with a KV cache (`streambp_models::decode`): groups of completions of prompts (GRPO's
+//! rollouts), with temperature and top-p, each row stopping at EOS; all of a micro-batch's rows in one
+//! forward per new token, as transformers' `generate` runs TRL's.
 
 use candle_core::{DType, Device, Tensor};
 use streambp_models::decode::KvCache;
@@ -72,31 +72,66 @@ pub fn sample_group(
     cfg: &SamplingConfig,
     rng: &mut NormalRng,
 ) -> Result<Vec<Vec<u32>>> {
-    if prompt.is_empty() {
+    let mut groups = sample_groups(model, &[prompt], rows, eos, cfg, std::slice::from_mut(rng))?;
+    Ok(groups.pop().unwrap_or_default())
+}
+
+/// `group` sampled completions of each of `prompts` (as [`sample_group`]), decoded together: one
+/// forward per new token for every row, prompts left-padded to the longest. Prompt `p`'s rows draw
+/// from `rngs[p]` in the order sampling it alone would (its rows in turn at each new token, until all
+/// of them stopped), so what a prompt draws does not depend on the prompts beside it.
+pub fn sample_groups(
+    model: &Model,
+    prompts: &[&[u32]],
+    group: usize,
+    eos: u32,
+    cfg: &SamplingConfig,
+    rngs: &mut [NormalRng],
+) -> Result<Vec<Vec<Vec<u32>>>> {
+    if rngs.len() != prompts.len() {
+        return Err(crate::TrainError::Internal(format!(
+            "sampling {} prompts with {} generators",
+            prompts.len(),
+            rngs.len()
+        )));
+    }
+    if prompts.is_empty() || group == 0 {
+        return Ok(vec![Vec::new(); prompts.len()]);
+    }
+    if prompts.iter().any(|p| p.is_empty()) {
         return Err(crate::TrainError::Internal(
-            "sampling needs a prompt of at least one token".into(),
+            "sampling needs prompts of at least one token".into(),
         ));
     }
     let model = model.detached();
     let device: &Device = model.device();
-    let mut cache = KvCache::new(&model);
-    let ids = Tensor::new(prompt, device)?
-        .unsqueeze(0)?
-        .repeat((rows, 1))?;
+    let rows: Vec<&[u32]> = prompts
+        .iter()
+        .flat_map(|p| std::iter::repeat_n(*p, group))
+        .collect();
+    let (mut cache, ids) = KvCache::left_padded(&model, &rows, eos, cfg.max_new_tokens)?;
     let mut logits = cache.step(&model, &ids)?;
-    let mut out = vec![Vec::new(); rows];
-    let mut done = vec![false; rows];
+    let mut out = vec![Vec::new(); rows.len()];
+    let mut done = vec![false; rows.len()];
+    let mut next = vec![eos; rows.len()];
     for t in 0..cfg.max_new_tokens {
         let rows_logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let next: Vec<u32> = rows_logits.iter().map(|l| draw(l, cfg, rng)).collect();
-        for (r, &tok) in next.iter().enumerate() {
-            if done[r] {
+        for (p, rng) in rngs.iter_mut().enumerate() {
+            let span = p * group..(p + 1) * group;
+            // A group whose rows all stopped draws no more, as when it is sampled alone.
+            if done[span.clone()].iter().all(|&d| d) {
                 continue;
             }
-            if tok == eos {
-                done[r] = true;
-            } else {
-                out[r].push(tok);
+            for r in span {
+                next[r] = draw(&rows_logits[r], cfg, rng);
+                if done[r] {
+                    continue;
+                }
+                if next[r] == eos {
+                    done[r] = true;
+                } else {
+                    out[r].push(next[r]);
+                }
             }
         }
         if done.iter().all(|&d| d) || t + 1 == cfg.max_new_tokens {
@@ -110,5 +145,9 @@ pub fn sample_group(
             .collect();
         logits = cache.step(&model, &Tensor::new(feed.as_slice(), device)?.unsqueeze(1)?)?;
     }
-    Ok(out)
+    let mut rows = out.into_iter();
+    Ok(prompts
+        .iter()
+        .map(|_| rows.by_ref().take(group).collect())
+        .collect())
 }

@@ -20,7 +20,7 @@ use crate::rewards::{
     group_advantages, group_without_signal, parse_reward, scaled_advantages, std_from_sums, Reward,
     ScaleRewards,
 };
-use crate::sampling::sample_group;
+use crate::sampling::sample_groups;
 use crate::setup::Setup;
 use crate::token_store::{RecordStore, RecordWriter};
 use crate::tokenizer::Keep;
@@ -232,30 +232,17 @@ fn render_prompt(
     }
 }
 
-/// Samples a group of completions of `prompt`, scores them (adding each reward's scores to
+/// Scores a group of sampled `completions` of `prompt` (adding each reward's scores to
 /// `reward_totals`) and collates them.
 fn rollout(
     setup: &Setup,
     prompt: &Prompt,
+    completions: Vec<Vec<u32>>,
     rewards: &[Box<dyn Reward>],
     g: &GrpoConfig,
-    rng: &mut NormalRng,
     reward_totals: &mut [f64],
 ) -> Result<Rollouts> {
     let tok = &setup.tokenizer;
-    let model = &setup.model;
-    // On rayon's workers, as the engine's phases: the decoding loop's products then need no
-    // cross-thread hand-off each.
-    let completions = streambp_core::on_workers(model.device(), || {
-        sample_group(
-            model,
-            &prompt.ids,
-            g.group_size,
-            tok.eos_id,
-            &g.sampling,
-            rng,
-        )
-    })?;
     let mut scores = Vec::with_capacity(completions.len());
     let mut examples = Vec::with_capacity(completions.len());
     // Cut at --max-new-tokens: no EOS (one that stopped on EOS is shorter before it is added).
@@ -320,11 +307,38 @@ fn draw_rollouts(
     let mut totals = vec![0.0; rewards.len()];
     let mut policy_scores = cfg.scorer(&setup.model);
     let mut batch = Vec::with_capacity(picked.len());
-    for (k, &i) in picked.iter().enumerate() {
-        let mut rng =
-            NormalRng::new(step_seed ^ ((first + k) as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9));
-        let prompt: Prompt = prompts.get(i)?;
-        let mut r = rollout(setup, &prompt, rewards, g, &mut rng, &mut totals)?;
+    // One micro-batch's prompts are sampled together (one forward per new token for all their rows),
+    // each from its own generator: what a prompt draws does not depend on the prompts beside it.
+    let mut sampled = Vec::with_capacity(picked.len());
+    for (c, chunk) in picked.chunks(cfg.batch_size.max(1)).enumerate() {
+        let at = first + c * cfg.batch_size.max(1);
+        let group: Vec<Prompt> = chunk
+            .iter()
+            .map(|&i| prompts.get(i))
+            .collect::<Result<_>>()?;
+        let mut rngs: Vec<NormalRng> = (at..at + chunk.len())
+            .map(|place| {
+                NormalRng::new(step_seed ^ (place as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9))
+            })
+            .collect();
+        let ids: Vec<&[u32]> = group.iter().map(|p| p.ids.as_slice()).collect();
+        let tok = &setup.tokenizer;
+        // On rayon's workers, as the engine's phases: the decoding loop's products then need no
+        // cross-thread hand-off each.
+        let completions = streambp_core::on_workers(setup.model.device(), || {
+            sample_groups(
+                &setup.model,
+                &ids,
+                g.group_size,
+                tok.eos_id,
+                &g.sampling,
+                &mut rngs,
+            )
+        })?;
+        sampled.extend(group.into_iter().zip(completions));
+    }
+    for (prompt, completions) in sampled {
+        let mut r = rollout(setup, &prompt, completions, rewards, g, &mut totals)?;
         if g.num_iterations > 1 {
             let rows = r.collated(setup.tokenizer.pad_id);
             let t = rows.tensors(&setup.device)?;
