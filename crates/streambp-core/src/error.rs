@@ -39,6 +39,9 @@ pub enum EngineError {
     /// From the objective (its batch or its loss).
     #[error(transparent)]
     Objective(#[from] streambp_objectives::ObjectiveError),
+    /// A collective of sequence parallelism failed.
+    #[error(transparent)]
+    Collective(#[from] streambp_dist::DistError),
     /// From a candle tensor op.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

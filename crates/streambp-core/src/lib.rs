@@ -6,7 +6,9 @@
 //!   [`Batch`] for an objective, in a [`Mode`] (`Stream`, `Checkpoint`, `Full`) with [`Chunks`] sizes
 //!   and [`Options`] (checkpoint offloading); [`forward_logprobs`]: target log-probs without a graph
 //!   (reference models, GRPO's old policy); [`target_logprobs`]: the differentiable
-//!   `log softmax(logits)[target]` of one logits chunk.
+//!   `log softmax(logits)[target]` of one logits chunk. [`backward_sequence_parallel`] and
+//!   [`forward_logprobs_sequence_parallel`]: the same on one rank of a sequence group
+//!   ([`streambp_dist::Communicator`]), each rank holding a contiguous span of the positions.
 //! - [`planner`]: the cost model of the streamed backward's peak ([`estimate`], [`Estimate`],
 //!   [`Problem`]) and the chunks that fit a memory budget ([`plan_for_budget`], [`ChunkPolicy`]).
 //! - [`memory`]: the counting allocator, per-device meters and the per-phase peak log.
@@ -45,8 +47,9 @@ mod seed;
 pub mod workers;
 
 pub use engine::{
-    backward, backward_into, backward_with, forward_logprobs, target_logprobs, Batch,
-    CheckpointEvery, CheckpointIo, Chunks, FinishedGradients, Gradients, Mode, Options, Plan,
+    backward, backward_into, backward_sequence_parallel, backward_with, forward_logprobs,
+    forward_logprobs_sequence_parallel, shard_ranges, target_logprobs, Batch, CheckpointEvery,
+    CheckpointIo, Chunks, FinishedGradients, Gradients, Mode, Options, Plan,
 };
 pub use error::{EngineError, Result};
 pub use planner::{

@@ -6,70 +6,10 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{fixture, fixture_dir, worst_grad_err, Fixture, FAMILIES};
+use common::{fixture, fixture_dir, pack, worst_grad_err, Fixture, Packed, FAMILIES};
 use streambp_core::{backward, Batch, Chunks, Gradients, Mode};
 use streambp_models::adapter::load_adapter;
 use streambp_objectives::Sft;
-
-/// The fixture's three right-padded rows as two packed rows: `[doc 1, doc 2]` and `[doc 0, padding]`.
-struct Packed {
-    ids: Tensor,
-    mask: Tensor,
-    positions: Tensor,
-    labels: Vec<Vec<i64>>,
-}
-
-fn pack(f: &Fixture) -> Packed {
-    let ids = f
-        .ids
-        .to_dtype(DType::I64)
-        .unwrap()
-        .to_vec2::<i64>()
-        .unwrap();
-    let labels = f.reference["labels"].to_vec2::<i64>().unwrap();
-    let mask = f.reference["attention_mask"]
-        .to_dtype(DType::I64)
-        .unwrap()
-        .to_vec2::<i64>()
-        .unwrap();
-    let len = |r: usize| mask[r].iter().filter(|&&m| m != 0).count();
-    let rows: [&[usize]; 2] = [&[1, 2], &[0]];
-    let width = rows
-        .iter()
-        .map(|docs| docs.iter().map(|&d| len(d)).sum::<usize>())
-        .max()
-        .unwrap();
-    let (mut out_ids, mut out_mask, mut out_pos, mut out_labels) = (vec![], vec![], vec![], vec![]);
-    for docs in rows {
-        let (mut i, mut m, mut p, mut l) = (vec![], vec![], vec![], vec![]);
-        for &d in docs {
-            let n = len(d);
-            i.extend(&ids[d][..n]);
-            m.extend(std::iter::repeat_n(1i64, n));
-            p.extend(0..n as i64);
-            // The first token of a document is no target of the previous one.
-            l.push(-100);
-            l.extend(&labels[d][1..n]);
-        }
-        while i.len() < width {
-            i.push(0);
-            m.push(0);
-            p.push(1); // what transformers writes at padding
-            l.push(-100);
-        }
-        out_ids.push(i);
-        out_mask.push(m);
-        out_pos.push(p);
-        out_labels.push(l);
-    }
-    let t = |rows: &Vec<Vec<i64>>| Tensor::new(rows.clone(), &Device::Cpu).unwrap();
-    Packed {
-        ids: t(&out_ids).to_dtype(DType::U32).unwrap(),
-        mask: t(&out_mask),
-        positions: t(&out_pos),
-        labels: out_labels,
-    }
-}
 
 fn run_packed(f: &Fixture, p: &Packed, mode: Mode, chunk: usize, logits_chunk: usize) -> Gradients {
     let batch = Batch {

@@ -5,8 +5,9 @@
 //! - `nccl::NcclCommunicator` (feature `nccl`): NCCL through cudarc on each rank's GPU, its unique id
 //!   broadcast over MPI.
 //!
-//! A backend of one's own implements [`Communicator`]: `streambp-train`'s `data_parallel` example
-//! builds one from threads (`cargo run --release -p streambp-train --example data_parallel`).
+//! [`local::LocalGroup`] runs ranks as threads of one process (tests, examples:
+//! `cargo run --release -p streambp-train --example data_parallel`); a backend of one's own implements
+//! [`Communicator`] as it does.
 //!
 //! Collectives take and return 1-D tensors (f32 or f64: gradients are summed in full precision). The
 //! process's communicator is set up once by [`init`] (which `main` keeps alive until the end, so that
@@ -18,6 +19,7 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{DType, Tensor};
 
+pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]

@@ -1,6 +1,6 @@
-//! Data parallelism over the `Communicator` trait, with a backend of your own: two ranks as threads
-//! of this process, each computing the exact streamed gradient of its half of a batch, summed by an
-//! all-reduce. The result equals one process's gradient of the whole batch (f64, to rounding). The
+//! Data parallelism over the `Communicator` trait: two ranks as threads of this process
+//! (`streambp_dist::local::LocalGroup`), each computing the exact streamed gradient of its half of a
+//! batch, summed by an all-reduce. The result equals one process's gradient of the whole batch (f64, to rounding). The
 //! trainer runs the same steps over MPI or NCCL (`streambp_dist::world`).
 //!
 //! ```sh
@@ -8,11 +8,11 @@
 //! ```
 
 use std::path::Path;
-use std::sync::{Arc, Barrier, Mutex};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use streambp_core::{backward, Chunks, Gradients, Mode};
+use streambp_dist::local::LocalGroup;
 use streambp_dist::Communicator;
 use streambp_models::{Model, ModelConfig};
 use streambp_objectives::Sft;
@@ -20,69 +20,6 @@ use streambp_train::batch::collate;
 use streambp_train::data::{load_sft, Example, Overflow};
 use streambp_train::dataset::DataSource;
 use streambp_train::tokenizer::TextTokenizer;
-
-/// Ranks as threads: each collective puts its rank's value in a slot, waits for the others, and
-/// combines the slots in rank order (so every rank gets the same bits).
-struct Threads {
-    rank: usize,
-    slots: Arc<Mutex<Vec<Option<Tensor>>>>,
-    barrier: Arc<Barrier>,
-}
-
-impl Threads {
-    /// Every rank's `x`, in rank order.
-    fn exchange(&self, x: &Tensor) -> streambp_dist::Result<Vec<Tensor>> {
-        self.slots.lock().unwrap()[self.rank] = Some(x.clone());
-        self.barrier.wait();
-        let all = self
-            .slots
-            .lock()
-            .unwrap()
-            .iter()
-            .flatten()
-            .cloned()
-            .collect();
-        self.barrier.wait();
-        Ok(all)
-    }
-}
-
-impl Communicator for Threads {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn world_size(&self) -> usize {
-        self.slots.lock().unwrap().len()
-    }
-    fn all_reduce_sum(&self, x: &Tensor) -> streambp_dist::Result<Tensor> {
-        let all = self.exchange(x)?;
-        Ok(all[1..].iter().try_fold(all[0].clone(), |acc, t| acc + t)?)
-    }
-    fn reduce_scatter_sum(&self, x: &Tensor) -> streambp_dist::Result<Tensor> {
-        let k = x.elem_count() / self.world_size();
-        Ok(self
-            .all_reduce_sum(&x.flatten_all()?)?
-            .narrow(0, self.rank * k, k)?)
-    }
-    fn all_gather(&self, x: &Tensor) -> streambp_dist::Result<Tensor> {
-        Ok(Tensor::cat(&self.exchange(x)?, 0)?)
-    }
-    fn sum(&self, x: f64) -> streambp_dist::Result<f64> {
-        let t = self.all_reduce_sum(&Tensor::new(&[x], &Device::Cpu)?)?;
-        Ok(t.to_vec1::<f64>()?[0])
-    }
-    fn broadcast(&self, x: u64) -> streambp_dist::Result<u64> {
-        let all = self.exchange(&Tensor::new(&[x as f64], &Device::Cpu)?)?;
-        Ok(all[0].to_vec1::<f64>()?[0] as u64)
-    }
-    fn barrier(&self) -> streambp_dist::Result<()> {
-        self.barrier.wait();
-        Ok(())
-    }
-    fn name(&self) -> &'static str {
-        "threads"
-    }
-}
 
 /// The SFT gradient of `rows`, its token mean taken over `tokens` (the whole batch's).
 fn gradients(model: &Model, rows: &[Example], tokens: f64) -> Result<Gradients> {
@@ -127,25 +64,22 @@ fn main() -> Result<()> {
     let whole = gradients(&model, &batch, tokens(&batch))?;
 
     // Two ranks, half the batch each: the token count and the gradients summed over the ranks.
-    let slots = Arc::new(Mutex::new(vec![None, None]));
-    let barrier = Arc::new(Barrier::new(2));
+    let ranks = LocalGroup::new(2);
     let per_rank: Vec<Vec<(String, Tensor)>> = std::thread::scope(|s| {
         let ranks: Vec<_> = batch
             .chunks(4)
-            .enumerate()
-            .map(|(rank, rows)| {
-                let comm = Threads {
-                    rank,
-                    slots: slots.clone(),
-                    barrier: barrier.clone(),
-                };
+            .zip(&ranks)
+            .map(|(rows, comm)| {
                 let model = &model;
                 s.spawn(move || -> Result<Vec<(String, Tensor)>> {
                     let all_tokens = comm.sum(tokens(rows))?;
                     let out = gradients(model, rows, all_tokens)?;
                     out.grads
                         .iter()
-                        .map(|(n, g)| Ok((n.clone(), comm.all_reduce_sum(g)?)))
+                        .map(|(n, g)| {
+                            let sum = comm.all_reduce_sum(&g.flatten_all()?)?;
+                            Ok((n.clone(), sum.reshape(g.shape())?))
+                        })
                         .collect()
                 })
             })

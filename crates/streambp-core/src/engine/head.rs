@@ -12,6 +12,7 @@ use crate::error::Result;
 use crate::seed::seed;
 
 use super::grad_sink::GradSink;
+use super::sequence::Shard;
 use super::{chunk_ranges, required};
 
 /// Target log-probs `[batch, T]` of the last layer's output `last` under a detached model's final norm
@@ -105,23 +106,28 @@ fn loss_and_grad(
 /// `dlogits = g ⊙ (onehot(target) − softmax)`, `dH = dlogits·W`, `dW += dlogitsᵀ·H`. Separable objectives
 /// give `g` chunk by chunk; others need all of `logp` first, so a forward-only pass computes it and the
 /// loss before the backward pass. The final norm is backpropagated through autograd (`c × d` only).
+///
+/// `last` and the returned gradient hold the `shard`'s positions. A separable loss is the sum of
+/// every shard's terms; another reads the whole rows' log-probs, gathered (the same loss and gradient
+/// on every rank, each keeping its own positions'). The returned log-probs are the whole rows'.
 pub(super) fn head_backward(
     model: &Model,
     last: &Tensor,
     objective: &dyn Objective,
-    logits_chunk: usize,
+    (logits_chunk, shard): (usize, &Shard),
     sink: &mut GradSink,
 ) -> Result<(f64, Tensor, Tensor)> {
-    let t = last.dim(1)?;
-    let targets = objective.targets();
-    let ranges = chunk_ranges(t, logits_chunk);
+    let targets = shard.local(objective.targets(), 1)?;
+    let ranges = chunk_ranges(last.dim(1)?, logits_chunk);
     let detached = model.detached();
     let temperature = objective.temperature();
     let whole = if objective.separable() {
         None
     } else {
-        let logp = head_logprobs(&detached, last, targets, &ranges, temperature)?;
-        Some(loss_and_grad(objective, &logp, 0..t)?)
+        let logp = head_logprobs(&detached, last, &targets, &ranges, temperature)?;
+        let logp = shard.gather(&logp, 1)?;
+        let (loss, grad) = loss_and_grad(objective, &logp, 0..shard.total)?;
+        Some((loss, shard.local(&grad, 1)?))
     };
 
     // The head's weight gradient only where the head is trained (not under LoRA).
@@ -137,7 +143,8 @@ pub(super) fn head_backward(
             Ok(match &whole {
                 Some((_, g)) => g.narrow(1, r.start, r.len())?,
                 None => {
-                    let (l, g) = loss_and_grad(objective, logp, r.clone())?;
+                    let cols = shard.start + r.start..shard.start + r.end;
+                    let (l, g) = loss_and_grad(objective, logp, cols)?;
                     loss += l;
                     g
                 }
@@ -163,10 +170,12 @@ pub(super) fn head_backward(
         sink.absorb(&store, model.final_norm_parameter().into_iter())?;
         logp_parts.push(out.logp);
     }
-    if let Some((l, _)) = whole {
-        loss = l;
-    }
-    Ok((loss, Tensor::cat(&logp_parts, 1)?, grad_last))
+    let loss = match whole {
+        Some((l, _)) => l,
+        None => shard.sum(loss)?,
+    };
+    let logp = shard.gather(&Tensor::cat(&logp_parts, 1)?, 1)?;
+    Ok((loss, logp, grad_last))
 }
 
 /// What one LM-head chunk yields.

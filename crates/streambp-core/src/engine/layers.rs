@@ -2,6 +2,8 @@
 //! its backward streamed over query chunks or whole under checkpointing (phase 3), and the
 //! embedding's (phase 4).
 
+use std::ops::Range;
+
 use candle_core::{Tensor, Var};
 use streambp_models::attention::{keys_dtype, EarlierKeys};
 use streambp_models::cpu::cast;
@@ -11,15 +13,18 @@ use crate::error::Result;
 use crate::seed::seed;
 
 use super::grad_sink::GradSink;
+use super::sequence::Shard;
 use super::{chunk_ranges, required};
 
 /// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk into
 /// one buffer each (no list of parts to concatenate), in [`keys_dtype`] (f32 for bf16 on the host).
+/// `x` holds the `shard`'s positions; the other shards' keys and values are gathered from their ranks.
 fn keys_values_streamed(
     layer: &DecoderLayer,
     x: &Tensor,
     layout: &Layout,
     chunk: usize,
+    shard: &Shard,
 ) -> Result<(Tensor, Tensor)> {
     let (b, t, _) = x.dims3()?;
     let shape = (b, layer.shape.num_kv_heads, t, layer.shape.head_dim);
@@ -28,35 +33,37 @@ fn keys_values_streamed(
     let values = keys.zeros_like()?;
     for r in chunk_ranges(t, chunk) {
         let normed = layer.norm_input(&x.narrow(1, r.start, r.len())?)?;
-        let (k, v) = layer.keys_values(&normed, r.start, layout)?;
+        let (k, v) = layer.keys_values(&normed, shard.start + r.start, layout)?;
         keys.slice_set(&cast(&k, dtype)?, 2, r.start)?;
         values.slice_set(&cast(&v, dtype)?, 2, r.start)?;
     }
-    Ok((keys, values))
+    Ok((shard.gather(&keys, 2)?, shard.gather(&values, 2)?))
 }
 
 /// One layer's output over query chunks (no graph when `layer` is detached): attention memory is
-/// `chunk × T` per head instead of `T × T`.
+/// `chunk × T` per head instead of `T × T`. `x` holds the `shard`'s positions, and so does the output.
 pub(super) fn layer_forward_streamed(
     layer: &DecoderLayer,
     x: &Tensor,
     layout: &Layout,
     chunk: usize,
+    shard: &Shard,
 ) -> Result<Tensor> {
-    let (keys, values) = keys_values_streamed(layer, x, layout, chunk)?;
+    let (keys, values) = keys_values_streamed(layer, x, layout, chunk, shard)?;
     let out = x.zeros_like()?;
     for r in chunk_ranges(x.dim(1)?, chunk) {
-        let k0 = layer.first_visible_key(r.start, layout);
+        let (s, e) = (shard.start + r.start, shard.start + r.end);
+        let k0 = layer.first_visible_key(s, layout);
         let block = KeyBlock {
-            q_start: r.start,
+            q_start: s,
             k_start: k0,
             layout,
             earlier: None,
         };
         let y = layer.forward_chunk(
             &x.narrow(1, r.start, r.len())?,
-            &keys.narrow(2, k0, r.end - k0)?,
-            &values.narrow(2, k0, r.end - k0)?,
+            &keys.narrow(2, k0, e - k0)?,
+            &values.narrow(2, k0, e - k0)?,
             block,
         )?;
         out.slice_set(&y, 1, r.start)?;
@@ -65,7 +72,8 @@ pub(super) fn layer_forward_streamed(
 }
 
 /// Phase 3 (StreamBP): one layer's backward streamed over query chunks. `x` is the layer's input
-/// (checkpoint), `grad_out` the gradient of its output; returns the gradient of its input.
+/// (checkpoint), `grad_out` the gradient of its output; returns the gradient of its input. All three
+/// hold the `shard`'s positions.
 ///
 /// Query chunks are visited last first. Keys and values of the whole sequence are recomputed once
 /// without a graph; when chunk `[s, e)` is reached, every later chunk has already pushed its gradient
@@ -74,18 +82,21 @@ pub(super) fn layer_forward_streamed(
 /// chunk's own keys/values recomputed from `x_c` in the graph), the rest of the layer, and the pending
 /// key/value gradient of `[s, e)` through the chunk's own k/v projections. Its backward yields the
 /// chunk's input gradient complete. Queries never score keys they cannot see (future, outside the window).
+///
+/// On a split sequence the later shards' queries push gradients into this shard's keys and values
+/// too: after its own chunks, each rank sends what it pushed into earlier shards' keys to their owners
+/// (a reduce-scatter), and backpropagates what it received through its chunks' k/v projections.
 pub(super) fn layer_backward_streamed(
     (model, index): (&Model, usize),
     x: &Tensor,
     grad_out: &Tensor,
-    layout: &Layout,
+    (layout, shard): (&Layout, &Shard),
     chunk: usize,
     sink: &mut GradSink,
 ) -> Result<Tensor> {
     let layer = &model.layers[index];
-    let t = x.dim(1)?;
-    let ranges = chunk_ranges(t, chunk);
-    let (keys, values) = keys_values_streamed(&layer.detached(), x, layout, chunk)?;
+    let ranges = chunk_ranges(x.dim(1)?, chunk);
+    let (keys, values) = keys_values_streamed(&layer.detached(), x, layout, chunk, shard)?;
     // The gradients of the layer's keys and values, filled from the last chunk backwards. Two writers:
     // each chunk's graph pushes its queries' gradient into the keys/values of *earlier* chunks through
     // the attention op's backward, which adds it in place into these buffers
@@ -109,10 +120,10 @@ pub(super) fn layer_backward_streamed(
     })?;
     let layer = &layer;
 
-    for r in ranges.into_iter().rev() {
-        let (s, len) = (r.start, r.len());
+    for r in ranges.iter().rev() {
+        let (s, len) = (shard.start + r.start, r.len());
         let k0 = layer.first_visible_key(s, layout);
-        let x_c = Var::from_tensor(&x.narrow(1, s, len)?)?;
+        let x_c = Var::from_tensor(&x.narrow(1, r.start, len)?)?;
         let normed = layer.norm_input(x_c.as_tensor())?;
         let (k_own, v_own) = layer.keys_values(&normed, s, layout)?;
         let q = layer.queries(&normed, s, layout)?;
@@ -138,14 +149,67 @@ pub(super) fn layer_backward_streamed(
         let y = layer.after_attention(x_c.as_tensor(), &attn, s, layout)?;
         // (Kept in f32 for a bf16 model on the host, the complete gradients are rounded once here.)
         let own = |grads: &Tensor| cast(&grads.narrow(2, s, len)?, k_own.dtype());
-        let surrogate = (seed(&y, &grad_out.narrow(1, s, len)?)?
+        let surrogate = (seed(&y, &grad_out.narrow(1, r.start, len)?)?
             + seed(&k_own, &own(&grad_keys)?)?
             + seed(&v_own, &own(&grad_values)?)?)?;
         let store = surrogate.backward()?;
-        grad_in.slice_set(&required(&store, x_c.as_tensor(), "layer input")?, 1, s)?;
+        grad_in.slice_set(
+            &required(&store, x_c.as_tensor(), "layer input")?,
+            1,
+            r.start,
+        )?;
         sink.absorb(&store, model.layer_parameters(index).iter())?;
     }
+    if shard.is_split() {
+        // This shard's own part was fed in above; what is left are the gradients of earlier shards'
+        // keys and values, which their ranks receive, as this rank receives the later shards'.
+        let own_part = shard.local(&grad_keys, 2)?.zeros_like()?;
+        grad_keys.slice_set(&own_part, 2, shard.start)?;
+        grad_values.slice_set(&own_part, 2, shard.start)?;
+        let from_later = (
+            shard.reduce_scatter(&grad_keys, 2)?,
+            shard.reduce_scatter(&grad_values, 2)?,
+        );
+        if shard.has_later() {
+            keys_values_backward(
+                (layer, model, index),
+                x,
+                from_later,
+                (layout, shard),
+                &ranges,
+                sink,
+                &grad_in,
+            )?;
+        }
+    }
     Ok(grad_in)
+}
+
+/// The gradients `grad_keys` / `grad_values` (`[b, kv_heads, len, head_dim]`, this shard's positions)
+/// of a layer's keys and values backpropagated through its input norm and k/v projections chunk by
+/// chunk (`ranges`), the input's share added into `grad_in` and the parameters' into `sink`.
+fn keys_values_backward(
+    (layer, model, index): (&DecoderLayer, &Model, usize),
+    x: &Tensor,
+    (grad_keys, grad_values): (Tensor, Tensor),
+    (layout, shard): (&Layout, &Shard),
+    ranges: &[Range<usize>],
+    sink: &mut GradSink,
+    grad_in: &Tensor,
+) -> Result<()> {
+    for r in ranges {
+        let x_c = Var::from_tensor(&x.narrow(1, r.start, r.len())?)?;
+        let normed = layer.norm_input(x_c.as_tensor())?;
+        let (k, v) = layer.keys_values(&normed, shard.start + r.start, layout)?;
+        let part = |g: &Tensor| cast(&g.narrow(2, r.start, r.len())?, k.dtype());
+        let surrogate = (seed(&k, &part(&grad_keys)?)? + seed(&v, &part(&grad_values)?)?)?;
+        let store = surrogate.backward()?;
+        let earlier = grad_in.narrow(1, r.start, r.len())?;
+        let added = (earlier + required(&store, x_c.as_tensor(), "layer input")?)?;
+        grad_in.slice_set(&added, 1, r.start)?;
+        sink.absorb(&store, model.layer_parameters(index).iter())?;
+    }
+    Ok(())
 }
 
 /// Phase 3 (checkpoint): the layer recomputed over the whole sequence with a graph and backpropagated.

@@ -23,6 +23,7 @@
 mod grad_sink;
 mod head;
 mod layers;
+mod sequence;
 mod store;
 
 use std::ops::Range;
@@ -32,6 +33,8 @@ use candle_core::{DType, Tensor};
 use streambp_models::lora::DropoutKey;
 use streambp_models::{Layout, Model};
 use streambp_objectives::Objective;
+
+use streambp_dist::Communicator;
 
 use crate::error::{EngineError, Result};
 use crate::memory::PhaseLog;
@@ -43,6 +46,8 @@ use head::{head_backward, head_logprobs};
 use layers::{
     embedding_backward, layer_backward_streamed, layer_backward_whole, layer_forward_streamed,
 };
+pub use sequence::shard_ranges;
+use sequence::Shard;
 pub use store::CheckpointIo;
 use store::CheckpointStore;
 
@@ -273,7 +278,7 @@ pub fn backward_with(
     objective: &dyn Objective,
     plan: Plan,
 ) -> Result<Gradients> {
-    backward_impl(model, batch, objective, plan, None)
+    backward_impl(model, batch, objective, plan, (None, None))
 }
 
 /// Receives groups of parameter gradients as soon as the backward has finished them: a layer's when
@@ -294,7 +299,27 @@ pub fn backward_into(
     plan: Plan,
     finished: &mut dyn FinishedGradients,
 ) -> Result<Gradients> {
-    backward_impl(model, batch, objective, plan, Some(finished))
+    backward_impl(model, batch, objective, plan, (None, Some(finished)))
+}
+
+/// [`backward_with`] on one rank of a sequence group (sequence parallelism): every rank of `group`
+/// passes the same whole `batch`, holds the activations of its own contiguous span of the positions
+/// only ([`shard_ranges`]: `T / S` of them, every rank at least one), and exchanges keys, values and
+/// their gradients with the others layer by layer. The loss, log-probs and metrics are the whole
+/// batch's on every rank; each rank's `grads` are its share, and their sum over the group is the
+/// gradient one process computes (data parallelism sums over its ranks the same way). `full` mode
+/// is not offered (one graph of the whole rows); `checkpoint` backpropagates each layer over the
+/// rank's span in one piece. With `finished`, gradients go there group by group as in
+/// [`backward_into`].
+pub fn backward_sequence_parallel(
+    model: &Model,
+    batch: Batch,
+    objective: &dyn Objective,
+    plan: Plan,
+    group: &dyn Communicator,
+    finished: Option<&mut dyn FinishedGradients>,
+) -> Result<Gradients> {
+    backward_impl(model, batch, objective, plan, (Some(group), finished))
 }
 
 fn backward_impl(
@@ -306,9 +331,34 @@ fn backward_impl(
         chunks,
         options,
     }: Plan,
-    mut finished: Option<&mut dyn FinishedGradients>,
+    (group, mut finished): (
+        Option<&dyn Communicator>,
+        Option<&mut dyn FinishedGradients>,
+    ),
 ) -> Result<Gradients> {
     let (b, t) = batch.input_ids.dims2()?;
+    let shard = match group {
+        Some(group) => Shard::of(group, t)?,
+        None => Shard::whole(t),
+    };
+    if shard.is_split() && mode == Mode::Full {
+        return Err(EngineError::Plan(
+            "full backprop builds one graph of the whole rows: a sequence group needs stream or \
+             checkpoint mode"
+                .into(),
+        ));
+    }
+    // Checkpointing on a split sequence: each layer backpropagated over the rank's span in one piece.
+    let (mode, chunks) = match (shard.is_split(), mode) {
+        (true, Mode::Checkpoint) => (
+            Mode::Stream,
+            Chunks {
+                chunk: shard.len,
+                logits_chunk: shard.len,
+            },
+        ),
+        _ => (mode, chunks),
+    };
     if objective.targets().dims() != [b, t] {
         return Err(EngineError::Shape(format!(
             "objective targets {:?} do not match input_ids [{b}, {t}]",
@@ -346,11 +396,12 @@ fn backward_impl(
                 model.layers.len(),
                 options.checkpoint_every.layers(model.layers.len()),
             );
+            let input_ids = shard.local(batch.input_ids, 1)?;
             let (mut starts, last) = on_workers(device, || {
                 forward_checkpoints(
                     &detached,
-                    batch.input_ids,
-                    &layout,
+                    &input_ids,
+                    (&layout, &shard),
                     (chunks.chunk, &segments),
                     &options,
                 )
@@ -361,7 +412,7 @@ fn backward_impl(
                 _ => t,
             };
             let (loss, logp, mut grad) = on_workers(device, || {
-                head_backward(model, &last, objective, logits_chunk, &mut sink)
+                head_backward(model, &last, objective, (logits_chunk, &shard), &mut sink)
             })?;
             drop(last);
             // The final norm and an untied head are done; a tied head still gets the embedding
@@ -374,7 +425,7 @@ fn backward_impl(
                 })?;
                 // The segment's other layer inputs, recomputed as the forward made them.
                 let mut inputs = on_workers(device, || {
-                    segment_inputs(&detached, start, segment, &layout, chunks.chunk)
+                    segment_inputs(&detached, start, segment, (&layout, &shard), chunks.chunk)
                 })?;
                 for index in segment.clone().rev() {
                     let x = inputs.pop().expect("one input per layer of the segment");
@@ -383,7 +434,7 @@ fn backward_impl(
                             (model, index),
                             &x,
                             &grad,
-                            &layout,
+                            (&layout, &shard),
                             chunks.chunk,
                             &mut sink,
                         ),
@@ -398,7 +449,7 @@ fn backward_impl(
             checkpoint_io = starts.io();
             peaks.record("layers");
             on_workers(device, || {
-                embedding_backward(model, batch.input_ids, &grad, &mut sink)
+                embedding_backward(model, &input_ids, &grad, &mut sink)
             })?;
             peaks.record("embedding");
             (loss, logp)
@@ -430,7 +481,7 @@ pub(crate) fn segments(layers: usize, every: usize) -> Vec<Range<usize>> {
 fn forward_checkpoints(
     detached: &Model,
     input_ids: &Tensor,
-    layout: &Layout,
+    (layout, shard): (&Layout, &Shard),
     (chunk, segments): (usize, &[Range<usize>]),
     options: &Options,
 ) -> Result<(CheckpointStore, Tensor)> {
@@ -444,7 +495,8 @@ fn forward_checkpoints(
     for segment in segments {
         store.push(&current)?;
         for index in segment.clone() {
-            current = layer_forward_streamed(&detached.layers[index], &current, layout, chunk)?;
+            current =
+                layer_forward_streamed(&detached.layers[index], &current, layout, chunk, shard)?;
         }
     }
     Ok((store, current))
@@ -456,14 +508,14 @@ fn segment_inputs(
     detached: &Model,
     start: Tensor,
     segment: &Range<usize>,
-    layout: &Layout,
+    (layout, shard): (&Layout, &Shard),
     chunk: usize,
 ) -> Result<Vec<Tensor>> {
     let mut inputs = Vec::with_capacity(segment.len());
     inputs.push(start);
     for index in segment.start..segment.end.saturating_sub(1) {
         let x = inputs.last().expect("the segment's first input");
-        let next = layer_forward_streamed(&detached.layers[index], x, layout, chunk)?;
+        let next = layer_forward_streamed(&detached.layers[index], x, layout, chunk, shard)?;
         inputs.push(next);
     }
     Ok(inputs)
@@ -478,20 +530,51 @@ pub fn forward_logprobs(
     targets: &Tensor,
     (chunks, temperature): (Chunks, f64),
 ) -> Result<Tensor> {
+    let t = batch.input_ids.dim(1)?;
+    forward_logprobs_impl(
+        model,
+        batch,
+        targets,
+        (chunks, temperature),
+        &Shard::whole(t),
+    )
+}
+
+/// [`forward_logprobs`] on one rank of a sequence group ([`backward_sequence_parallel`]): each rank
+/// runs its span of the positions; every rank returns the whole rows' log-probs.
+pub fn forward_logprobs_sequence_parallel(
+    model: &Model,
+    batch: Batch,
+    targets: &Tensor,
+    (chunks, temperature): (Chunks, f64),
+    group: &dyn Communicator,
+) -> Result<Tensor> {
+    let shard = Shard::of(group, batch.input_ids.dim(1)?)?;
+    forward_logprobs_impl(model, batch, targets, (chunks, temperature), &shard)
+}
+
+fn forward_logprobs_impl(
+    model: &Model,
+    batch: Batch,
+    targets: &Tensor,
+    (chunks, temperature): (Chunks, f64),
+    shard: &Shard,
+) -> Result<Tensor> {
     let detached = model.detached();
     let layout = batch.layout()?;
     on_workers(model.device(), || {
-        let mut h = detached.embed(batch.input_ids)?;
+        let mut h = detached.embed(&shard.local(batch.input_ids, 1)?)?;
         for layer in &detached.layers {
-            h = layer_forward_streamed(layer, &h, &layout, chunks.chunk)?;
+            h = layer_forward_streamed(layer, &h, &layout, chunks.chunk, shard)?;
         }
-        head_logprobs(
+        let logp = head_logprobs(
             &detached,
             &h,
-            targets,
+            &shard.local(targets, 1)?,
             &chunk_ranges(h.dim(1)?, chunks.logits_chunk),
             temperature,
-        )
+        )?;
+        shard.gather(&logp, 1)
     })
 }
 
