@@ -1,6 +1,7 @@
-//! Data-parallel training under `mpiexec`: two ranks train exactly as one process does on the same
-//! global batches (SFT, DPO with an NLL term, GRPO; ZeRO 0, 1 and 2; gradient accumulation; the
-//! built-in rows differ in length, so the ranks' token counts differ), each rank's optimizer shard
+//! Data- and sequence-parallel training under `mpiexec`: two ranks train exactly as one process does
+//! on the same global batches, or on the same batches each holding half of every sequence (SFT, DPO
+//! with an NLL term, GRPO; ZeRO 0, 1 and 2; gradient accumulation; the built-in rows differ in
+//! length, so the ranks' token counts differ), each rank's optimizer shard
 //! holds half of the moments, and a job that loses a rank fails naming it, leaves no half-written
 //! checkpoint, resumes to the uninterrupted run's numbers and refuses another number of ranks.
 //!
@@ -95,14 +96,14 @@ fn max_weight_diff(a: &Path, b: &Path) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// Runs `args` on one process with `--batch-size 2b` and on two ranks with `--batch-size b` (the same
-/// global batches) and checks the losses, gradient norms and final weights agree.
-fn assert_two_ranks_match_one(args_with_batch: impl Fn(usize) -> String, b: usize) {
+/// Runs `one` on one process and `two(zero)` on two ranks at each ZeRO stage, and checks that the
+/// losses, gradient norms and final weights agree.
+fn assert_same_as_one_process(one_args: &str, two_args: impl Fn(usize) -> String) {
     let one = tempfile::tempdir().unwrap();
-    run(1, one.path(), &args_with_batch(2 * b));
+    run(1, one.path(), one_args);
     for zero in [0, 1, 2] {
         let two = tempfile::tempdir().unwrap();
-        let args = format!("{} --zero {zero}", args_with_batch(b));
+        let args = two_args(zero);
         run(2, two.path(), &args);
         for key in ["loss", "grad_norm"] {
             let diff = max_logged_diff(one.path(), two.path(), key);
@@ -115,6 +116,32 @@ fn assert_two_ranks_match_one(args_with_batch: impl Fn(usize) -> String, b: usiz
         );
         eprintln!("`{args}`: final weights differ by {diff:e}");
         assert!(diff < 1e-12, "`{args}`: final weights differ by {diff:e}");
+    }
+}
+
+/// Runs `args` on one process with `--batch-size 2b` and on two ranks with `--batch-size b` (the same
+/// global batches) and checks the losses, gradient norms and final weights agree.
+fn assert_two_ranks_match_one(args_with_batch: impl Fn(usize) -> String, b: usize) {
+    assert_same_as_one_process(&args_with_batch(2 * b), |zero| {
+        format!("{} --zero {zero}", args_with_batch(b))
+    });
+}
+
+/// Sequence parallelism: two ranks splitting every sequence (`--sp 2`, each holding half of every
+/// row's positions, the same batches on both) train as one process does: SFT with accumulation,
+/// DPO with its NLL term (a loss of whole sequences), GRPO with a KL term and two iterations (its
+/// reference and old policy scored on the split sequences too).
+#[test]
+fn sequences_split_over_two_ranks_train_as_one_process() {
+    if !mpi_available() {
+        return;
+    }
+    for args in [
+        "sft --max-steps 3 --batch-size 4 --grad-accum 2 --chunk 3 --seed 4",
+        "dpo --max-steps 2 --batch-size 2 --grad-accum 2 --sft-weight 0.5 --chunk 2 --seed 2",
+        "grpo --max-steps 2 --batch-size 1 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7",
+    ] {
+        assert_same_as_one_process(args, |zero| format!("{args} --sp 2 --zero {zero}"));
     }
 }
 

@@ -242,6 +242,10 @@ pub struct TrainArgs {
     /// [default: 0].
     #[arg(long)]
     zero: Option<streambp_train::parallel::ZeroStage>,
+    /// Sequence parallel (under mpiexec): split every sequence over this many ranks, each holding
+    /// T / S of its positions' activations; today 1 or every rank of the job [default: 1].
+    #[arg(long)]
+    sp: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -495,6 +499,7 @@ impl TrainArgs {
             adapter: self.lora.adapter,
             merge: self.merge,
             zero: self.zero.unwrap_or(d.zero),
+            sp: self.sp.unwrap_or(d.sp),
         })
     }
 }

@@ -59,7 +59,8 @@ fn measure(
 ) -> anyhow::Result<StepPoint> {
     let meter = Meter::for_device(model.device());
     let weights = meter.current_bytes().unwrap_or(0);
-    let mut parallel = DataParallel::new(model, comm.clone(), zero, AdamWConfig::default())?;
+    let groups = (comm.clone(), None);
+    let mut parallel = DataParallel::new(model, groups, zero, AdamWConfig::default())?;
     let optimizer = meter.current_bytes().unwrap_or(0).saturating_sub(weights);
     let (ids, objective) = work;
     let mut point = None;

@@ -82,6 +82,7 @@ const MUST_MATCH: &[&str] = &[
     "--adapter",
     "--ref-model",
     "--zero",
+    "--sp",
     "ranks",
 ];
 

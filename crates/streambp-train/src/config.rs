@@ -125,6 +125,8 @@ pub struct TrainConfig {
     pub merge: bool,
     /// What each data-parallel rank keeps (ZeRO 0, 1 or 2); nothing changes with one process.
     pub zero: ZeroStage,
+    /// Ranks each sequence is split over (sequence parallelism, `--sp`): 1, or every rank of the job.
+    pub sp: usize,
 }
 
 /// GRPO's settings beyond the shared ones.
@@ -228,6 +230,7 @@ impl TrainConfig {
             adapter: None,
             merge: false,
             zero: ZeroStage::Zero0,
+            sp: 1,
         };
         if !builtin {
             return own;
@@ -499,6 +502,13 @@ impl TrainConfig {
                 "needs --memory-budget (the plan it gives room to)",
             )?;
         }
+        require(self.sp >= 1, "--sp", self.sp, "must be at least 1")?;
+        require(
+            self.sp == 1 || self.mode != Mode::Full,
+            "--sp",
+            self.sp,
+            "needs --mode stream or checkpoint (full backprop builds one graph of the whole rows)",
+        )?;
         crate::device::parse_dtype(&self.dtype)
             .map_err(|e| TrainError::flag("--dtype", &self.dtype, reason(e)))?;
         crate::device::parse_device(&self.device)

@@ -190,9 +190,11 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         chunk: args.chunk.unwrap_or(DEFAULT_CHUNK),
         logits_chunk: args.logits_chunk.unwrap_or(DEFAULT_LOGITS_CHUNK),
     };
-    let mut reference = scorer(ref_model.as_ref().unwrap_or(&model), |_| {
-        Ok(reference_chunks)
-    });
+    let mut reference = scorer(
+        ref_model.as_ref().unwrap_or(&model),
+        |_| Ok(reference_chunks),
+        None,
+    );
     let batch = load_batch(&args.batch, &model.config, &device, &mut reference)?;
     let (b, t) = batch.input_ids.dims2()?;
     let options = Options {

@@ -2,8 +2,11 @@
 //! (summed per sequence), GRPO's reference and old policy (per token), and the `grad` command's batch
 //! files when they carry no reference log-probs.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Tensor};
-use streambp_core::{forward_logprobs, Batch, Chunks};
+use streambp_core::{forward_logprobs, forward_logprobs_sequence_parallel, Batch, Chunks};
+use streambp_dist::Communicator;
 use streambp_models::Model;
 use streambp_objectives::TokenTargets;
 
@@ -16,19 +19,22 @@ use crate::Result;
 pub type Scorer<'a> = dyn FnMut(&Tensor, Option<&Tensor>, &Tensor, f64) -> Result<Tensor> + 'a;
 
 /// A [`Scorer`] that runs `model` streamed like the backward, with the chunks `chunks` picks for each
-/// batch.
+/// batch; each rank of a sequence `group` runs its span of the positions.
 pub fn scorer<'a>(
     model: &'a Model,
     mut chunks: impl FnMut(&Tensor) -> Result<Chunks> + 'a,
+    group: Option<Arc<dyn Communicator>>,
 ) -> impl FnMut(&Tensor, Option<&Tensor>, &Tensor, f64) -> Result<Tensor> + 'a {
     move |ids, mask, targets, temperature| {
         let chunks = chunks(ids)?;
-        Ok(forward_logprobs(
-            model,
-            Batch::new(ids, mask),
-            targets,
-            (chunks, temperature),
-        )?)
+        let batch = Batch::new(ids, mask);
+        let settings = (chunks, temperature);
+        Ok(match &group {
+            Some(group) => {
+                forward_logprobs_sequence_parallel(model, batch, targets, settings, group.as_ref())?
+            }
+            None => forward_logprobs(model, batch, targets, settings)?,
+        })
     }
 }
 

@@ -116,8 +116,13 @@ pub struct Setup {
     pub output: Option<OutputDir>,
     /// Where the model the run started from comes from (a resumed run's reference is that model).
     pub initial: InitialModel,
-    /// The run's ranks (one process, or MPI's world).
+    /// The run's ranks (one process, or MPI's world): gradients are reduced over all of them.
     pub comm: Arc<dyn Communicator>,
+    /// The data-parallel ranks, each taking its own rows of every global batch: token counts, losses
+    /// and metrics are summed over these (all ranks, or one when sequences are split over all).
+    pub data: Arc<dyn Communicator>,
+    /// The ranks each sequence is split over (`--sp`), when it is.
+    pub sequence: Option<Arc<dyn Communicator>>,
 }
 
 /// Where a run's starting model comes from.
@@ -159,6 +164,8 @@ impl Setup {
     pub fn new(cfg: &TrainConfig, recipe: Recipe) -> Result<Self> {
         cfg.validate(recipe)?;
         let comm = streambp_dist::world();
+        let crate::parallel::ParallelGroups { data, sequence } =
+            crate::parallel::parallel_groups(comm.clone(), cfg.sp)?;
         // Data parallel on GPUs: each rank on its node's GPU of its local rank.
         let device = match (cfg.device.as_str(), comm.world_size()) {
             ("cuda", n) if n > 1 => parse_device(&format!("cuda:{}", streambp_dist::local_rank()))?,
@@ -263,7 +270,20 @@ impl Setup {
             output,
             initial,
             comm,
+            data,
+            sequence,
         })
+    }
+
+    /// Log-probs under a frozen `model` during training (references, GRPO's old policy), streamed
+    /// with `cfg`'s chunks; on a split sequence every rank of its group runs its span.
+    pub fn scorer<'a>(
+        &'a self,
+        cfg: &'a TrainConfig,
+        model: &'a Model,
+    ) -> impl FnMut(&Tensor, Option<&Tensor>, &Tensor, f64) -> Result<Tensor> + 'a {
+        let chunks = move |ids: &Tensor| cfg.chunks_for(model, ids);
+        crate::logprobs::scorer(model, chunks, self.sequence.clone())
     }
 
     /// The training data: `--data` (its `--split` and `--data-config`), or the built-in task's `file`.
@@ -407,12 +427,13 @@ impl TrainConfig {
         }
     }
 
-    /// Log-probs under a frozen `model`, streamed with this run's chunks.
+    /// Log-probs under a frozen `model`, streamed with this run's chunks, on this process alone
+    /// (held-out evaluation, which rank 0 runs by itself; [`Setup::scorer`] for training).
     pub fn scorer<'a>(
         &'a self,
         model: &'a Model,
     ) -> impl FnMut(&Tensor, Option<&Tensor>, &Tensor, f64) -> Result<Tensor> + 'a {
-        crate::logprobs::scorer(model, move |ids| self.chunks_for(model, ids))
+        crate::logprobs::scorer(model, move |ids| self.chunks_for(model, ids), None)
     }
 
     fn options(&self) -> Options {
@@ -463,6 +484,7 @@ impl TrainConfig {
         put("--lora-dropout", lora.map(|l| l.dropout).into());
         put("--adapter", self.adapter.clone().into());
         put("--zero", self.zero.to_string().into());
+        put("--sp", self.sp.into());
         (recipe.facts().record)(self, &mut run);
         run
     }

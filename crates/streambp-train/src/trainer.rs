@@ -219,9 +219,10 @@ impl<'a> Trainer<'a> {
     ) -> Result<Self> {
         let comm = setup.comm.clone();
         let (rank, world) = (comm.rank(), comm.world_size());
+        let data_ranks = setup.data.world_size();
         let examples = data.count;
-        let per_step = cfg.examples_per_step()?.saturating_mul(world);
-        cfg.check_data_size(examples, data.what, data.source, world)?;
+        let per_step = cfg.examples_per_step()?.saturating_mul(data_ranks);
+        cfg.check_data_size(examples, data.what, data.source, data_ranks)?;
         let mut run = cfg.record(recipe);
         // The model, an adapter to train further and DPO's reference are identified by their
         // weights, their paths kept for the record alone (a changed path warns, changed weights
@@ -244,7 +245,8 @@ impl<'a> Trainer<'a> {
             weight_decay: cfg.weight_decay,
             ..Default::default()
         };
-        let mut parallel = DataParallel::new(&setup.model, comm.clone(), cfg.zero, adamw)?;
+        let groups = (comm.clone(), setup.sequence.clone());
+        let mut parallel = DataParallel::new(&setup.model, groups, cfg.zero, adamw)?;
         // Warned here, once per run (validation runs more than once: GRPO checks its settings
         // before parsing rewards, and `Setup::new` checks them again).
         if let Some(max_steps) = cfg.max_steps {
@@ -382,14 +384,15 @@ impl<'a> Trainer<'a> {
     /// This rank's share of a global micro-batch (`global`, whose length the ranks divide: each rank's
     /// `--batch-size` rows), and the index of its first row in it.
     pub fn local<'g, T>(&self, global: &'g [T]) -> (&'g [T], usize) {
-        let n = global.len() / self.comm.world_size();
-        let first = self.comm.rank() * n;
+        let data = &self.setup.data;
+        let n = global.len() / data.world_size();
+        let first = data.rank() * n;
         (&global[first..first + n], first)
     }
 
     /// The examples one optimizer step takes from the data, on all ranks together.
     pub fn global_step_items(&self) -> Result<usize> {
-        Ok(self.cfg.examples_per_step()? * self.comm.world_size())
+        Ok(self.cfg.examples_per_step()? * self.setup.data.world_size())
     }
 
     /// Marks the start of step `step` (for its timing and its dropout masks).
@@ -440,8 +443,10 @@ impl<'a> Trainer<'a> {
 
     /// The step's loss and metrics, summed (or averaged) over ranks.
     fn reduce_metrics(&self, sums: &StepSums) -> Result<StepTotals> {
-        let sum = |x: f64| self.comm.sum(x).map_err(TrainError::from);
-        let world = self.comm.world_size() as f64;
+        // Over the data-parallel ranks: the ranks of a sequence group report the same whole rows.
+        let data = &self.setup.data;
+        let sum = |x: f64| data.sum(x).map_err(TrainError::from);
+        let world = data.world_size() as f64;
         let loss = sum(sums.loss)?;
         let tokens = sum(sums.tokens as f64)? as usize;
         let mut metrics = Vec::new();

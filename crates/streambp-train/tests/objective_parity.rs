@@ -520,7 +520,7 @@ fn kto_kl_rows_and_baseline_match_trl() {
                 logits_chunk: 4,
             })
         };
-        let mut score = streambp_train::logprobs::scorer(&model, chunks);
+        let mut score = streambp_train::logprobs::scorer(&model, chunks, None);
         let refs: Vec<&Example> = got.iter().collect();
         let c = streambp_train::batch::collate(&refs, 0);
         let t = c.tensors(&Device::Cpu).unwrap();

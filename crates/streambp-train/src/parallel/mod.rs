@@ -19,7 +19,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use streambp_core::{backward_into, backward_with, Batch, Gradients, Plan};
+use streambp_core::{
+    backward_into, backward_sequence_parallel, backward_with, Batch, Gradients, Plan,
+};
 use streambp_dist::Communicator;
 use streambp_models::Model;
 use streambp_objectives::Objective;
@@ -99,6 +101,8 @@ fn bytes(tensors: impl IntoIterator<Item = Tensor>) -> usize {
 /// ZeRO-0 it is plain training.
 pub struct DataParallel {
     comm: Arc<dyn Communicator>,
+    /// The ranks each sequence is split over (`--sp`), when it is.
+    sequence: Option<Arc<dyn Communicator>>,
     zero: ZeroStage,
     buckets: Arc<Buckets>,
     optimizer: Optimizer,
@@ -112,7 +116,7 @@ impl DataParallel {
     /// Zero moments for `model`'s trainable parameters (this rank's shards from ZeRO-1 on).
     pub fn new(
         model: &Model,
-        comm: Arc<dyn Communicator>,
+        (comm, sequence): (Arc<dyn Communicator>, Option<Arc<dyn Communicator>>),
         zero: ZeroStage,
         adamw: AdamWConfig,
     ) -> Result<Self> {
@@ -125,6 +129,7 @@ impl DataParallel {
             .then(|| ShardedGradients::new(buckets.clone(), comm.clone()));
         Ok(Self {
             comm,
+            sequence,
             zero,
             buckets,
             optimizer,
@@ -143,11 +148,28 @@ impl DataParallel {
         plan: Plan,
         weight: f64,
     ) -> Result<Gradients> {
+        // On a split sequence each rank's gradients are its share: the reduction over all ranks
+        // below sums the shares as it sums the data-parallel ranks' gradients.
         if let Some(shards) = self.shards.as_mut() {
             shards.weight = weight;
-            return Ok(backward_into(model, batch, objective, plan, shards)?);
+            return Ok(match &self.sequence {
+                Some(group) => backward_sequence_parallel(
+                    model,
+                    batch,
+                    objective,
+                    plan,
+                    group.as_ref(),
+                    Some(shards),
+                )?,
+                None => backward_into(model, batch, objective, plan, shards)?,
+            });
         }
-        let mut out = backward_with(model, batch, objective, plan)?;
+        let mut out = match &self.sequence {
+            Some(group) => {
+                backward_sequence_parallel(model, batch, objective, plan, group.as_ref(), None)?
+            }
+            None => backward_with(model, batch, objective, plan)?,
+        };
         let grads = weighted(std::mem::take(&mut out.grads), weight)?;
         self.grads = Some(match self.grads.take() {
             None => grads,
@@ -248,5 +270,37 @@ fn weighted(grads: Vec<(String, Tensor)>, weight: f64) -> Result<Vec<(String, Te
     match weight {
         1.0 => Ok(grads),
         w => grads.into_iter().map(|(n, g)| Ok((n, (g * w)?))).collect(),
+    }
+}
+
+/// The groups a job's ranks form.
+pub struct ParallelGroups {
+    /// The data-parallel ranks (each its own rows of every global batch).
+    pub data: Arc<dyn Communicator>,
+    /// The ranks each sequence is split over, when it is.
+    pub sequence: Option<Arc<dyn Communicator>>,
+}
+
+/// The groups of a job whose ranks are `world`, for `--sp sp`: today `sp` is 1 (every rank a
+/// data-parallel rank) or every rank (one sequence group, one data-parallel rank).
+pub fn parallel_groups(world: Arc<dyn Communicator>, sp: usize) -> Result<ParallelGroups> {
+    let ranks = world.world_size();
+    match sp {
+        1 => Ok(ParallelGroups {
+            data: world,
+            sequence: None,
+        }),
+        s if s == ranks => Ok(ParallelGroups {
+            data: Arc::new(streambp_dist::SingleProcess),
+            sequence: Some(world),
+        }),
+        s => Err(TrainError::flag(
+            "--sp",
+            s,
+            format!(
+                "must be 1 or the job's number of ranks ({ranks}): data-parallel groups of \
+                 sequence groups are not supported yet"
+            ),
+        )),
     }
 }

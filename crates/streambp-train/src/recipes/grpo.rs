@@ -33,7 +33,7 @@ fn batch_reward_std(setup: &Setup, batch: &[Rollouts]) -> Result<f64> {
     let rewards = batch.iter().flat_map(|r| r.rewards.iter());
     let (sum, squares, n) =
         rewards.fold((0.0, 0.0, 0.0), |(s, q, n), &r| (s + r, q + r * r, n + 1.0));
-    let total = |x: f64| setup.comm.sum(x).map_err(TrainError::from);
+    let total = |x: f64| setup.data.sum(x).map_err(TrainError::from);
     Ok(std_from_sums(total(sum)?, total(squares)?, total(n)?))
 }
 
@@ -82,7 +82,7 @@ fn global_tokens(setup: &Setup, pending: &[Rollouts]) -> Result<f64> {
         .iter()
         .flat_map(|r| r.completion_mask.iter().flatten())
         .sum();
-    Ok(setup.comm.sum(local as f64)?)
+    Ok(setup.data.sum(local as f64)?)
 }
 
 /// One group of rollouts: the completions of one prompt, collated into right-padded rows (the loss on
@@ -305,7 +305,7 @@ fn draw_rollouts(
     let (setup, cfg) = (trainer.setup(), trainer.config());
     let step_seed = cfg.seed ^ 0x5eed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let mut totals = vec![0.0; rewards.len()];
-    let mut policy_scores = cfg.scorer(&setup.model);
+    let mut policy_scores = setup.scorer(cfg, &setup.model);
     let mut batch = Vec::with_capacity(picked.len());
     // One micro-batch's prompts are sampled together (one forward per new token for all their rows),
     // each from its own generator: what a prompt draws does not depend on the prompts beside it.
@@ -436,7 +436,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         .flatten();
     let before = trainer.held_out_before(|| eval_accuracy(&setup, &eval))?;
     let model = &setup.model;
-    let mut reference_scores = reference.as_ref().map(|m| cfg.scorer(m));
+    let mut reference_scores = reference.as_ref().map(|m| setup.scorer(cfg, m));
     let mut pending: Vec<Rollouts> = Vec::new();
     // Mean reward of each batch of rollouts, for the summary.
     let mut reward_history: Vec<f64> = Vec::new();
@@ -470,7 +470,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         let (weight, num_items) = match g.loss_type.global_normaliser() {
             true => (1.0, Some(global_tokens(&setup, &pending)?)),
             false => (
-                1.0 / (micro_batches.len() * setup.comm.world_size()) as f64,
+                1.0 / (micro_batches.len() * setup.data.world_size()) as f64,
                 None,
             ),
         };

@@ -150,9 +150,9 @@ pub fn run_kto(cfg: &TrainConfig) -> Result<Summary> {
         model.config.vocab_size,
         &setup.device,
     );
-    let mut policy_scores = cfg.scorer(model);
-    let mut reference_scores = cfg.scorer(&reference);
-    let world = setup.comm.world_size();
+    let mut policy_scores = setup.scorer(cfg, model);
+    let mut reference_scores = setup.scorer(cfg, &reference);
+    let world = setup.data.world_size();
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step(step);
         let picked = trainer.data.take(trainer.global_step_items()?);
@@ -174,7 +174,7 @@ pub fn run_kto(cfg: &TrainConfig) -> Result<Summary> {
                     let frozen = completion_logps(&mut reference_scores, &kl_refs, on)?;
                     let mean = policy.iter().zip(&frozen).map(|(p, r)| p - r).sum::<f64>()
                         / policy.len() as f64;
-                    (setup.comm.sum(mean)? / world as f64).max(0.0)
+                    (setup.data.sum(mean)? / world as f64).max(0.0)
                 }
                 false => 0.0,
             };

@@ -262,11 +262,11 @@ impl PairBatch<'_> {
     /// summed over the ranks and divided by their number, so the ranks' terms average to the whole
     /// micro-batch's mean; `None` on one process (the objective's own count). Every rank must call it.
     pub fn pooled_nll_tokens(&self, local: f64) -> Result<Option<f64>> {
-        let world = self.setup.comm.world_size();
+        let world = self.setup.data.world_size();
         if world < 2 {
             return Ok(None);
         }
-        Ok(Some(self.setup.comm.sum(local)? / world as f64))
+        Ok(Some(self.setup.data.sum(local)? / world as f64))
     }
 }
 
@@ -413,8 +413,8 @@ pub fn train_on_pairs(
     let mut trainer = Trainer::new(cfg, setup, recipe, &training, RunRecord::new())?;
     let before = trainer.held_out_before(|| held_out(setup))?;
     let model = &setup.model;
-    let mut reference_scores = job.reference().map(|r| cfg.scorer(r));
-    let world = setup.comm.world_size();
+    let mut reference_scores = job.reference().map(|r| setup.scorer(cfg, r));
+    let world = setup.data.world_size();
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step(step);
         let picked = trainer.data.take(trainer.global_step_items()?);

@@ -74,7 +74,7 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
         let picked = trainer.data.take(trainer.global_step_items()?);
         // This rank's rows of each micro-batch, read from the store once for the step.
         let micro_batches: Vec<_> = picked
-            .chunks(cfg.batch_size * setup.comm.world_size())
+            .chunks(cfg.batch_size * setup.data.world_size())
             .map(|global| {
                 let (rows, first_row) = trainer.local(global);
                 let rows: Vec<_> = rows.iter().map(|&i| examples.get(i)).collect();
@@ -88,7 +88,7 @@ pub fn run_sft(cfg: &TrainConfig) -> Result<Summary> {
             .flat_map(|(rows, _)| rows.iter())
             .map(|e| e.targets())
             .sum();
-        let targets = setup.comm.sum(mine as f64)?;
+        let targets = setup.data.sum(mine as f64)?;
         for (m, (rows, first_row)) in micro_batches.into_iter().enumerate() {
             let c = collate(&rows.iter().collect::<Vec<_>>(), setup.tokenizer.pad_id);
             let sft = Sft::new(
