@@ -96,6 +96,15 @@ fn max_weight_diff(a: &Path, b: &Path) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// What a run trained: its final model, or its adapter under LoRA.
+fn final_weights(out: &Path) -> PathBuf {
+    let adapter = out.join("final/adapter_model.safetensors");
+    match adapter.exists() {
+        true => adapter,
+        false => out.join("final/model.safetensors"),
+    }
+}
+
 /// Runs `one` on one process and `two(zero)` on two ranks at each ZeRO stage, and checks that the
 /// losses, gradient norms and final weights agree.
 fn assert_same_as_one_process(one_args: &str, two_args: impl Fn(usize) -> String) {
@@ -110,10 +119,7 @@ fn assert_same_as_one_process(one_args: &str, two_args: impl Fn(usize) -> String
             eprintln!("`{args}`: {key} differs by {diff:e}");
             assert!(diff < 1e-12, "`{args}`: {key} differs by {diff:e}");
         }
-        let diff = max_weight_diff(
-            &one.path().join("final/model.safetensors"),
-            &two.path().join("final/model.safetensors"),
-        );
+        let diff = max_weight_diff(&final_weights(one.path()), &final_weights(two.path()));
         eprintln!("`{args}`: final weights differ by {diff:e}");
         assert!(diff < 1e-12, "`{args}`: final weights differ by {diff:e}");
     }
@@ -130,7 +136,8 @@ fn assert_two_ranks_match_one(args_with_batch: impl Fn(usize) -> String, b: usiz
 /// Sequence parallelism: two ranks splitting every sequence (`--sp 2`, each holding half of every
 /// row's positions, the same batches on both) train as one process does: SFT with accumulation,
 /// DPO with its NLL term (a loss of whole sequences), GRPO with a KL term and two iterations (its
-/// reference and old policy scored on the split sequences too).
+/// reference and old policy scored on the split sequences too), and a LoRA adapter with dropout (its
+/// masks drawn by position in the whole row).
 #[test]
 fn sequences_split_over_two_ranks_train_as_one_process() {
     if !mpi_available() {
@@ -140,6 +147,7 @@ fn sequences_split_over_two_ranks_train_as_one_process() {
         "sft --max-steps 3 --batch-size 4 --grad-accum 2 --chunk 3 --seed 4",
         "dpo --max-steps 2 --batch-size 2 --grad-accum 2 --sft-weight 0.5 --chunk 2 --seed 2",
         "grpo --max-steps 2 --batch-size 1 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7",
+        "sft --max-steps 2 --batch-size 2 --chunk 2 --lora-r 4 --lora-dropout 0.3 --lr 1e-2 --seed 3",
     ] {
         assert_same_as_one_process(args, |zero| format!("{args} --sp 2 --zero {zero}"));
     }
