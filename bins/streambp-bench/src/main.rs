@@ -122,6 +122,10 @@ struct Args {
     /// With --world: the ZeRO stages, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
     zero: Vec<ZeroStage>,
+    /// With --world: split each sequence over this many ranks (sequence parallelism; 1, or every
+    /// rank: one sequence of T for the whole world, each rank holding T / N of its positions).
+    #[arg(long, default_value_t = 1)]
+    sp: usize,
     /// Instead of the sweep: each T's SFT step beside PyTorch + transformers' (without and with
     /// gradient checkpointing) run by this Python (torch and transformers installed), alternating
     /// the two for max(--repeats, 3) rounds and reporting medians and ratios.
@@ -600,6 +604,9 @@ fn main() -> anyhow::Result<()> {
         if ranks == 0 {
             bail!("--world 0: the number of ranks is at least 1");
         }
+        if args.sp != 1 && args.sp != ranks {
+            bail!("--sp {}: must be 1 or --world ({ranks})", args.sp);
+        }
         if let Some(status) = world::relaunch(ranks)? {
             std::process::exit(status.code().unwrap_or(1));
         }
@@ -621,6 +628,9 @@ fn main() -> anyhow::Result<()> {
     let model = Model::random(cfg, dtype, &device, 0)?;
     if let Some(ranks) = args.world {
         return run_ranks(&args, &model, ranks);
+    }
+    if args.sp != 1 {
+        bail!("--sp {}: needs --world", args.sp);
     }
     let params: usize = model.parameters().iter().map(|(_, v)| v.elem_count()).sum();
     println!(
@@ -694,7 +704,7 @@ fn run_ranks(args: &Args, model: &Model, ranks: usize) -> anyhow::Result<()> {
     let vocab = model.config.vocab_size;
     world::run_world(
         model,
-        &args.seq_lens,
+        (&args.seq_lens, args.sp > 1),
         &args.zero,
         |t| {
             let work = workload(&args.objective, vocab, t, args.group, model.device())?;

@@ -1,9 +1,11 @@
 //! `--world N`: data-parallel training steps on N ranks (the bench relaunches itself under
 //! `mpiexec -n N`), one per ZeRO stage and T: each rank's peak memory over the step, the optimizer
-//! state and gradients it holds (counted by the allocator, and as tensor sizes), and the step's time.
-//! Every rank streams its own sequence of T tokens, as it would with a global batch of N sequences.
+//! state and gradients it holds (counted by the allocator, and as tensor sizes), the bytes its
+//! collectives carried, and the step's time. Every rank streams its own sequence of T tokens, as it
+//! would with a global batch of N sequences; with `--sp N` the ranks split one sequence of T instead.
 
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -36,6 +38,58 @@ pub fn relaunch(ranks: usize) -> anyhow::Result<Option<std::process::ExitStatus>
     Ok(Some(status))
 }
 
+/// A communicator that counts the bytes of the tensors its collectives are given (what this rank
+/// contributes; an all-gather returns world times as many).
+struct Counted {
+    inner: Arc<dyn Communicator>,
+    bytes: AtomicU64,
+}
+
+impl Counted {
+    fn add(&self, x: &Tensor) {
+        let bytes = (x.elem_count() * x.dtype().size_in_bytes()) as u64;
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// The bytes counted since the last call.
+    fn take(&self) -> u64 {
+        self.bytes.swap(0, Ordering::Relaxed)
+    }
+}
+
+impl Communicator for Counted {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce_sum(&self, x: &Tensor) -> streambp_dist::Result<Tensor> {
+        self.add(x);
+        self.inner.all_reduce_sum(x)
+    }
+    fn reduce_scatter_sum(&self, x: &Tensor) -> streambp_dist::Result<Tensor> {
+        self.add(x);
+        self.inner.reduce_scatter_sum(x)
+    }
+    fn all_gather(&self, x: &Tensor) -> streambp_dist::Result<Tensor> {
+        self.add(x);
+        self.inner.all_gather(x)
+    }
+    fn sum(&self, x: f64) -> streambp_dist::Result<f64> {
+        self.inner.sum(x)
+    }
+    fn broadcast(&self, x: u64) -> streambp_dist::Result<u64> {
+        self.inner.broadcast(x)
+    }
+    fn barrier(&self) -> streambp_dist::Result<()> {
+        self.inner.barrier()
+    }
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+}
+
 /// One rank's measurements of one step.
 struct StepPoint {
     /// Peak bytes during the step (backward, reduction, update) above the weights.
@@ -46,12 +100,14 @@ struct StepPoint {
     gradients: usize,
     /// The same two as tensor sizes ([`DataParallel::held_bytes`]).
     held: (usize, usize),
+    /// Bytes this rank handed to collectives during the step.
+    sent: u64,
     seconds: f64,
 }
 
 /// Two steps of `zero` on this rank (the first warms up); the second is measured.
 fn measure(
-    comm: &Arc<dyn Communicator>,
+    (comm, split): (&Arc<Counted>, bool),
     model: &Model,
     work: &(Tensor, Box<dyn Objective>),
     zero: ZeroStage,
@@ -59,29 +115,38 @@ fn measure(
 ) -> anyhow::Result<StepPoint> {
     let meter = Meter::for_device(model.device());
     let weights = meter.current_bytes().unwrap_or(0);
-    let groups = (comm.clone(), None);
+    let world: Arc<dyn Communicator> = comm.clone();
+    let groups = (world.clone(), split.then_some(world));
     let mut parallel = DataParallel::new(model, groups, zero, AdamWConfig::default())?;
     let optimizer = meter.current_bytes().unwrap_or(0).saturating_sub(weights);
     let (ids, objective) = work;
     let mut point = None;
     for _ in 0..2 {
         comm.barrier()?;
+        comm.take();
         let before = meter.current_bytes().unwrap_or(0);
         meter.reset_peak();
         let start = Instant::now();
         let batch = Batch::new(ids, None);
         let plan = Plan::new(Mode::Stream, chunks);
-        parallel.backward(model, batch, objective.as_ref(), plan, 1.0)?;
+        // The engine resets the meter's peak at each of its phases: its own log keeps their peaks.
+        let out = parallel.backward(model, batch, objective.as_ref(), plan, 1.0)?;
+        let backward_peak = out.phases.overall_peak().unwrap_or(0);
         let gradients = meter.current_bytes().unwrap_or(0).saturating_sub(before);
         let held = parallel.held_bytes();
         // Learning rate 0: the moments move, the weights stay.
         parallel.step(0.0, 0.0)?;
         model.device().synchronize()?;
         point = Some(StepPoint {
-            peak: meter.peak_bytes().unwrap_or(0).saturating_sub(weights),
+            peak: meter
+                .peak_bytes()
+                .unwrap_or(0)
+                .max(backward_peak)
+                .saturating_sub(weights),
             optimizer,
             gradients,
             held: (held.optimizer, held.gradients),
+            sent: comm.take(),
             seconds: start.elapsed().as_secs_f64(),
         });
     }
@@ -89,7 +154,7 @@ fn measure(
 }
 
 /// Every rank's value of `x`, in rank order.
-fn gathered(comm: &dyn Communicator, x: f64) -> anyhow::Result<Vec<f64>> {
+fn gathered(comm: &Counted, x: f64) -> anyhow::Result<Vec<f64>> {
     let own = Tensor::new(&[x], &Device::Cpu)?;
     Ok(comm.all_gather(&own)?.to_vec1::<f64>()?)
 }
@@ -101,45 +166,55 @@ fn mib(b: f64) -> f64 {
 /// The `--world` table: for each T and ZeRO stage, the largest per-rank figure over the ranks.
 pub fn run_world(
     model: &Model,
-    seq_lens: &[usize],
+    (seq_lens, split): (&[usize], bool),
     stages: &[ZeroStage],
     workload: impl Fn(usize) -> anyhow::Result<((Tensor, Box<dyn Objective>), Chunks)>,
     mut json: impl FnMut(serde_json::Value) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
-    let comm = streambp_dist::world();
+    let comm = Arc::new(Counted {
+        inner: streambp_dist::world(),
+        bytes: AtomicU64::new(0),
+    });
     let (rank, world) = (comm.rank(), comm.world_size());
     let params: usize = model.parameters().iter().map(|(_, v)| v.elem_count()).sum();
     if rank == 0 {
+        let sequences = match split {
+            true => "one sequence split over the ranks (--sp)",
+            false => "one sequence per rank",
+        };
         println!(
-            "{world} ranks ({}), {:.1}M trainable parameters, one sequence per rank",
+            "{world} ranks ({}), {:.1}M trainable parameters, {sequences}",
             comm.name(),
             params as f64 / 1e6
         );
         println!();
-        println!("| T | ZeRO | peak per rank (MiB) | optimizer state per rank (MiB) | gradients per rank (MiB) | step seconds |");
-        println!("|---|---|---|---|---|---|");
+        println!("| T | ZeRO | peak per rank (MiB) | optimizer state per rank (MiB) | gradients per rank (MiB) | sent per rank (MiB) | step seconds |");
+        println!("|---|---|---|---|---|---|---|");
     }
     for &t in seq_lens {
         let (work, chunks) = workload(t)?;
         for &zero in stages {
-            let p = measure(&comm, model, &work, zero, chunks)?;
+            let p = measure((&comm, split), model, &work, zero, chunks)?;
             let max = |x: f64| -> anyhow::Result<f64> {
-                Ok(gathered(comm.as_ref(), x)?.into_iter().fold(0.0, f64::max))
+                Ok(gathered(&comm, x)?.into_iter().fold(0.0, f64::max))
             };
             let peak = max(p.peak as f64)?;
             let optimizer = max(p.optimizer as f64)?;
             let gradients = max(p.gradients as f64)?;
             let held = (max(p.held.0 as f64)?, max(p.held.1 as f64)?);
             let seconds = max(p.seconds)?;
+            let sent = max(p.sent as f64)?;
             if rank == 0 {
                 println!(
-                    "| {t} | {zero} | {:.1} | {:.2} | {:.2} | {seconds:.3} |",
+                    "| {t} | {zero} | {:.1} | {:.2} | {:.2} | {:.2} | {seconds:.3} |",
                     mib(peak),
                     mib(optimizer),
-                    mib(gradients)
+                    mib(gradients),
+                    mib(sent)
                 );
                 json(serde_json::json!({
-                    "world": world, "t": t, "zero": zero.to_string(), "chunk": chunks.chunk,
+                    "world": world, "sp": if split { world } else { 1 }, "t": t,
+                    "zero": zero.to_string(), "chunk": chunks.chunk, "sent_bytes": sent,
                     "peak_bytes": peak, "optimizer_bytes": optimizer, "gradient_bytes": gradients,
                     "optimizer_tensor_bytes": held.0, "gradient_tensor_bytes": held.1,
                     "seconds": seconds,
