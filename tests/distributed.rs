@@ -105,15 +105,18 @@ fn final_weights(out: &Path) -> PathBuf {
     }
 }
 
-/// Runs `one` on one process and `two(zero)` on two ranks at each ZeRO stage, and checks that the
-/// losses, gradient norms and final weights agree.
-fn assert_same_as_one_process(one_args: &str, two_args: impl Fn(usize) -> String) {
+/// Runs `one` on one process and `many(zero)` on `ranks` ranks at each ZeRO stage, and checks that
+/// the losses, gradient norms and final weights agree.
+fn assert_same_as_one_process(
+    one_args: &str,
+    (ranks, many_args): (usize, impl Fn(usize) -> String),
+) {
     let one = tempfile::tempdir().unwrap();
     run(1, one.path(), one_args);
     for zero in [0, 1, 2] {
         let two = tempfile::tempdir().unwrap();
-        let args = two_args(zero);
-        run(2, two.path(), &args);
+        let args = many_args(zero);
+        run(ranks, two.path(), &args);
         for key in ["loss", "grad_norm"] {
             let diff = max_logged_diff(one.path(), two.path(), key);
             eprintln!("`{args}`: {key} differs by {diff:e}");
@@ -128,9 +131,8 @@ fn assert_same_as_one_process(one_args: &str, two_args: impl Fn(usize) -> String
 /// Runs `args` on one process with `--batch-size 2b` and on two ranks with `--batch-size b` (the same
 /// global batches) and checks the losses, gradient norms and final weights agree.
 fn assert_two_ranks_match_one(args_with_batch: impl Fn(usize) -> String, b: usize) {
-    assert_same_as_one_process(&args_with_batch(2 * b), |zero| {
-        format!("{} --zero {zero}", args_with_batch(b))
-    });
+    let two = |zero| format!("{} --zero {zero}", args_with_batch(b));
+    assert_same_as_one_process(&args_with_batch(2 * b), (2, two));
 }
 
 /// Sequence parallelism: two ranks splitting every sequence (`--sp 2`, each holding half of every
@@ -149,7 +151,24 @@ fn sequences_split_over_two_ranks_train_as_one_process() {
         "grpo --max-steps 2 --batch-size 1 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7",
         "sft --max-steps 2 --batch-size 2 --chunk 2 --lora-r 4 --lora-dropout 0.3 --lr 1e-2 --seed 3",
     ] {
-        assert_same_as_one_process(args, |zero| format!("{args} --sp 2 --zero {zero}"));
+        assert_same_as_one_process(args, (2, |zero| format!("{args} --sp 2 --zero {zero}")));
+    }
+}
+
+/// Data 2 x sequence 2 on four ranks: ranks {0, 1} and {2, 3} each split the sequences of their
+/// half of every global batch, and train as one process on the whole batches.
+#[test]
+fn data_groups_of_sequence_groups_train_as_one_process() {
+    if !mpi_available() {
+        return;
+    }
+    for job in [
+        "sft --max-steps 2 --grad-accum 2 --chunk 3 --seed 4",
+        "dpo --max-steps 2 --sft-weight 0.5 --chunk 2 --seed 2",
+        "grpo --max-steps 2 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7",
+    ] {
+        let four = |zero| format!("{job} --batch-size 1 --sp 2 --zero {zero}");
+        assert_same_as_one_process(&format!("{job} --batch-size 2"), (4, four));
     }
 }
 

@@ -242,8 +242,9 @@ pub struct TrainArgs {
     /// [default: 0].
     #[arg(long)]
     zero: Option<streambp_train::parallel::ZeroStage>,
-    /// Sequence parallel (under mpiexec): split every sequence over this many ranks, each holding
-    /// T / S of its positions' activations; today 1 or every rank of the job [default: 1].
+    /// Sequence parallel (under mpiexec): split every sequence over this many consecutive ranks, each
+    /// holding T / S of its positions' activations; it divides the number of ranks, the other factor
+    /// being data parallelism [default: 1].
     #[arg(long)]
     sp: Option<usize>,
 }

@@ -122,8 +122,8 @@ struct Args {
     /// With --world: the ZeRO stages, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "0,1,2")]
     zero: Vec<ZeroStage>,
-    /// With --world: split each sequence over this many ranks (sequence parallelism; 1, or every
-    /// rank: one sequence of T for the whole world, each rank holding T / N of its positions).
+    /// With --world: split each sequence over this many ranks (sequence parallelism, dividing
+    /// --world: each run of S ranks shares one sequence of T, each holding T / S of its positions).
     #[arg(long, default_value_t = 1)]
     sp: usize,
     /// Instead of the sweep: each T's SFT step beside PyTorch + transformers' (without and with
@@ -604,8 +604,8 @@ fn main() -> anyhow::Result<()> {
         if ranks == 0 {
             bail!("--world 0: the number of ranks is at least 1");
         }
-        if args.sp != 1 && args.sp != ranks {
-            bail!("--sp {}: must be 1 or --world ({ranks})", args.sp);
+        if args.sp == 0 || !ranks.is_multiple_of(args.sp) {
+            bail!("--sp {}: must divide --world ({ranks})", args.sp);
         }
         if let Some(status) = world::relaunch(ranks)? {
             std::process::exit(status.code().unwrap_or(1));
@@ -704,7 +704,7 @@ fn run_ranks(args: &Args, model: &Model, ranks: usize) -> anyhow::Result<()> {
     let vocab = model.config.vocab_size;
     world::run_world(
         model,
-        (&args.seq_lens, args.sp > 1),
+        (&args.seq_lens, args.sp),
         &args.zero,
         |t| {
             let work = workload(&args.objective, vocab, t, args.group, model.device())?;

@@ -2,7 +2,8 @@
 //! `mpiexec -n N`), one per ZeRO stage and T: each rank's peak memory over the step, the optimizer
 //! state and gradients it holds (counted by the allocator, and as tensor sizes), the bytes its
 //! collectives carried, and the step's time. Every rank streams its own sequence of T tokens, as it
-//! would with a global batch of N sequences; with `--sp N` the ranks split one sequence of T instead.
+//! would with a global batch of N sequences; with `--sp S` each run of S ranks splits one sequence
+//! of T instead.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,7 +43,8 @@ pub fn relaunch(ranks: usize) -> anyhow::Result<Option<std::process::ExitStatus>
 /// contributes; an all-gather returns world times as many).
 struct Counted {
     inner: Arc<dyn Communicator>,
-    bytes: AtomicU64,
+    /// Shared with the groups split from it.
+    bytes: Arc<AtomicU64>,
 }
 
 impl Counted {
@@ -88,6 +90,12 @@ impl Communicator for Counted {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
+    fn split(&self, color: usize) -> streambp_dist::Result<Arc<dyn Communicator>> {
+        Ok(Arc::new(Counted {
+            inner: self.inner.split(color)?,
+            bytes: self.bytes.clone(),
+        }))
+    }
 }
 
 /// One rank's measurements of one step.
@@ -107,7 +115,7 @@ struct StepPoint {
 
 /// Two steps of `zero` on this rank (the first warms up); the second is measured.
 fn measure(
-    (comm, split): (&Arc<Counted>, bool),
+    (comm, sequence): (&Arc<Counted>, &Option<Arc<dyn Communicator>>),
     model: &Model,
     work: &(Tensor, Box<dyn Objective>),
     zero: ZeroStage,
@@ -115,8 +123,7 @@ fn measure(
 ) -> anyhow::Result<StepPoint> {
     let meter = Meter::for_device(model.device());
     let weights = meter.current_bytes().unwrap_or(0);
-    let world: Arc<dyn Communicator> = comm.clone();
-    let groups = (world.clone(), split.then_some(world));
+    let groups = (comm.clone() as Arc<dyn Communicator>, sequence.clone());
     let mut parallel = DataParallel::new(model, groups, zero, AdamWConfig::default())?;
     let optimizer = meter.current_bytes().unwrap_or(0).saturating_sub(weights);
     let (ids, objective) = work;
@@ -166,21 +173,22 @@ fn mib(b: f64) -> f64 {
 /// The `--world` table: for each T and ZeRO stage, the largest per-rank figure over the ranks.
 pub fn run_world(
     model: &Model,
-    (seq_lens, split): (&[usize], bool),
+    (seq_lens, sp): (&[usize], usize),
     stages: &[ZeroStage],
     workload: impl Fn(usize) -> anyhow::Result<((Tensor, Box<dyn Objective>), Chunks)>,
     mut json: impl FnMut(serde_json::Value) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     let comm = Arc::new(Counted {
         inner: streambp_dist::world(),
-        bytes: AtomicU64::new(0),
+        bytes: Arc::new(AtomicU64::new(0)),
     });
+    let sequence = streambp_train::parallel::parallel_groups(comm.clone(), sp)?.sequence;
     let (rank, world) = (comm.rank(), comm.world_size());
     let params: usize = model.parameters().iter().map(|(_, v)| v.elem_count()).sum();
     if rank == 0 {
-        let sequences = match split {
-            true => "one sequence split over the ranks (--sp)",
-            false => "one sequence per rank",
+        let sequences = match sp {
+            1 => "one sequence per rank".to_string(),
+            sp => format!("one sequence per {sp} ranks (--sp {sp})"),
         };
         println!(
             "{world} ranks ({}), {:.1}M trainable parameters, {sequences}",
@@ -194,7 +202,7 @@ pub fn run_world(
     for &t in seq_lens {
         let (work, chunks) = workload(t)?;
         for &zero in stages {
-            let p = measure((&comm, split), model, &work, zero, chunks)?;
+            let p = measure((&comm, &sequence), model, &work, zero, chunks)?;
             let max = |x: f64| -> anyhow::Result<f64> {
                 Ok(gathered(&comm, x)?.into_iter().fold(0.0, f64::max))
             };
@@ -213,7 +221,7 @@ pub fn run_world(
                     mib(sent)
                 );
                 json(serde_json::json!({
-                    "world": world, "sp": if split { world } else { 1 }, "t": t,
+                    "world": world, "sp": sp, "t": t,
                     "zero": zero.to_string(), "chunk": chunks.chunk, "sent_bytes": sent,
                     "peak_bytes": peak, "optimizer_bytes": optimizer, "gradient_bytes": gradients,
                     "optimizer_tensor_bytes": held.0, "gradient_tensor_bytes": held.1,

@@ -78,6 +78,16 @@ pub trait Communicator: Send + Sync {
     fn barrier(&self) -> Result<()>;
     /// The collective engine's name (for logs).
     fn name(&self) -> &'static str;
+    /// The ranks that pass the same `color` as a communicator of their own, ranked in this one's
+    /// order (sequence groups and the data-parallel groups across them). Every rank calls it, in
+    /// the same order as its other collectives. An engine that cannot form groups says so.
+    fn split(&self, color: usize) -> Result<std::sync::Arc<dyn Communicator>> {
+        let _ = color;
+        Err(DistError::Backend(format!(
+            "{} cannot form groups of its ranks",
+            self.name()
+        )))
+    }
 }
 
 /// One process: every collective is the identity.
@@ -111,6 +121,9 @@ impl Communicator for SingleProcess {
     }
     fn name(&self) -> &'static str {
         "single process"
+    }
+    fn split(&self, _color: usize) -> Result<Arc<dyn Communicator>> {
+        Ok(Arc::new(SingleProcess))
     }
 }
 

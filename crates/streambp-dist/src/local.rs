@@ -2,6 +2,8 @@
 //! library, for tests and examples that run several ranks side by side (each thread drives its own
 //! rank's backward) and for a backend of one's own to start from.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 
 use candle_core::{DType, Device, Tensor};
@@ -17,32 +19,60 @@ use crate::{check_flat, Communicator, DistError, Result};
 /// others need.
 pub struct LocalGroup {
     rank: usize,
+    shared: Arc<Shared>,
+    /// Splits this rank has made: the ranks of a split agree on its number, as they call them in
+    /// the same order.
+    splits: AtomicU64,
+}
+
+/// What the ranks of one group share.
+struct Shared {
     size: usize,
-    slots: Arc<Mutex<Vec<Option<Tensor>>>>,
-    barrier: Arc<Barrier>,
+    slots: Mutex<Vec<Option<Tensor>>>,
+    barrier: Barrier,
+    /// The groups split from this one, by split number and color: the first member to arrive makes
+    /// a group's shared part, the others join it.
+    groups: Mutex<HashMap<(u64, usize), Arc<Shared>>>,
+}
+
+impl Shared {
+    fn new(n: usize) -> Arc<Self> {
+        Arc::new(Self {
+            size: n,
+            slots: Mutex::new(vec![None; n]),
+            barrier: Barrier::new(n),
+            groups: Mutex::new(HashMap::new()),
+        })
+    }
+}
+
+fn poisoned<T>(_: T) -> DistError {
+    DistError::Backend("a rank of the local group panicked".into())
 }
 
 impl LocalGroup {
     /// The `n` ranks of a new group, rank `r` at index `r`: hand one to each thread.
     pub fn new(n: usize) -> Vec<Self> {
-        let slots = Arc::new(Mutex::new(vec![None; n]));
-        let barrier = Arc::new(Barrier::new(n));
+        let shared = Shared::new(n);
         (0..n)
-            .map(|rank| Self {
-                rank,
-                size: n,
-                slots: slots.clone(),
-                barrier: barrier.clone(),
-            })
+            .map(|rank| Self::member(rank, shared.clone()))
             .collect()
+    }
+
+    fn member(rank: usize, shared: Arc<Shared>) -> Self {
+        Self {
+            rank,
+            shared,
+            splits: AtomicU64::new(0),
+        }
     }
 
     /// Every rank's `x`, in rank order.
     fn exchange(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let poisoned = |_| DistError::Backend("a rank of the local group panicked".into());
-        self.slots.lock().map_err(poisoned)?[self.rank] = Some(x.clone());
-        self.barrier.wait();
+        self.shared.slots.lock().map_err(poisoned)?[self.rank] = Some(x.clone());
+        self.shared.barrier.wait();
         let all = self
+            .shared
             .slots
             .lock()
             .map_err(poisoned)?
@@ -51,7 +81,7 @@ impl LocalGroup {
             .cloned()
             .collect();
         // No rank overwrites its slot before every rank has read them all.
-        self.barrier.wait();
+        self.shared.barrier.wait();
         Ok(all)
     }
 }
@@ -61,7 +91,7 @@ impl Communicator for LocalGroup {
         self.rank
     }
     fn world_size(&self) -> usize {
-        self.size
+        self.shared.size
     }
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
         check_flat(x)?;
@@ -69,12 +99,13 @@ impl Communicator for LocalGroup {
         Ok(all[1..].iter().try_fold(all[0].clone(), |acc, t| acc + t)?)
     }
     fn reduce_scatter_sum(&self, x: &Tensor) -> Result<Tensor> {
-        let k = x.elem_count() / self.size;
-        if k * self.size != x.elem_count() {
+        let world = self.world_size();
+        let k = x.elem_count() / world;
+        if k * world != x.elem_count() {
             return Err(DistError::Uneven {
                 what: "reduce-scatter",
                 len: x.elem_count(),
-                world: self.size,
+                world,
             });
         }
         Ok(self.all_reduce_sum(x)?.narrow(0, self.rank * k, k)?)
@@ -95,11 +126,32 @@ impl Communicator for LocalGroup {
         Ok((u64::from(first[0]) << 32) | u64::from(first[1]))
     }
     fn barrier(&self) -> Result<()> {
-        self.barrier.wait();
+        self.shared.barrier.wait();
         Ok(())
     }
     fn name(&self) -> &'static str {
         "local threads"
+    }
+    fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {
+        let split = self.splits.fetch_add(1, Ordering::Relaxed);
+        let colors = self.exchange(&Tensor::new(&[color as u32], &Device::Cpu)?)?;
+        let colors: Vec<u32> = colors
+            .iter()
+            .map(|c| Ok(c.to_vec1::<u32>()?[0]))
+            .collect::<Result<_>>()?;
+        let members: Vec<usize> = (0..colors.len())
+            .filter(|&r| colors[r] as usize == color)
+            .collect();
+        let rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let shared = self
+            .shared
+            .groups
+            .lock()
+            .map_err(poisoned)?
+            .entry((split, color))
+            .or_insert_with(|| Shared::new(members.len()))
+            .clone();
+        Ok(Arc::new(Self::member(rank, shared)))
     }
 }
 
@@ -137,5 +189,41 @@ mod tests {
             assert_eq!(sum, 3.0);
             assert_eq!(seed, u64::MAX, "rank 0's value");
         }
+    }
+
+    #[test]
+    fn split_groups_talk_among_themselves() {
+        let ranks = LocalGroup::new(4);
+        let out: Vec<(usize, usize, f64, f64)> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .iter()
+                .map(|comm| {
+                    s.spawn(move || {
+                        let r = comm.rank();
+                        // Pairs {0, 1}, {2, 3}, then {0, 2}, {1, 3}.
+                        let pair = comm.split(r / 2).unwrap();
+                        let across = comm.split(r % 2).unwrap();
+                        let x = Tensor::new(&[r as f64], &Device::Cpu).unwrap();
+                        let in_pair = pair.all_reduce_sum(&x).unwrap().to_vec1::<f64>().unwrap();
+                        (
+                            pair.rank(),
+                            across.rank(),
+                            in_pair[0],
+                            across.sum(r as f64).unwrap(),
+                        )
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(
+            out,
+            vec![
+                (0, 0, 1.0, 2.0),
+                (1, 0, 1.0, 4.0),
+                (0, 1, 5.0, 2.0),
+                (1, 1, 5.0, 4.0)
+            ]
+        );
     }
 }

@@ -3,8 +3,11 @@
 
 use ::mpi::collective::SystemOperation;
 use ::mpi::environment::Universe;
-use ::mpi::topology::SimpleCommunicator;
+use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::{Communicator as _, CommunicatorCollectives, Equivalence, Root};
+use ::mpi::Threading;
+use std::sync::Arc;
+
 use candle_core::{DType, Tensor};
 
 use crate::{check_flat, Communicator, DistError, Result};
@@ -19,24 +22,45 @@ pub struct MpiCommunicator {
     world: SimpleCommunicator,
 }
 
-// SAFETY: MPI is initialised without thread support (MPI_THREAD_SINGLE), and the trainer calls every
-// collective from the thread that initialised it (its main thread); the handle is an integer id that
-// the library owns. Send + Sync only let the handle sit in the process-wide `world()`.
+// SAFETY: MPI is initialised with MPI_THREAD_SERIALIZED, and collectives are issued one at a time:
+// from the trainer's thread, or from the engine's phase that thread is waiting for (on a rayon
+// worker); the handle is an integer id that the library owns.
 unsafe impl Send for MpiCommunicator {}
-// SAFETY: as for Send: shared, it is still only used from the main thread.
+// SAFETY: as for Send: shared, it is still only used by one thread at a time.
 unsafe impl Sync for MpiCommunicator {}
 
 impl MpiCommunicator {
     /// Initialises MPI; the universe must live until the end of the program (it finalises MPI).
     pub fn start() -> Result<(Self, Universe)> {
-        let universe = ::mpi::initialize()
+        // Serialized: one thread calls MPI at a time, but not always the same one (sequence
+        // parallelism's key exchanges run inside the engine's phases, on a rayon worker).
+        let (universe, threading) = ::mpi::initialize_with_threading(Threading::Serialized)
             .ok_or_else(|| DistError::Backend("MPI was already initialised".into()))?;
+        if threading < Threading::Serialized {
+            return Err(DistError::Backend(format!(
+                "MPI provides thread level {threading:?}; streambp needs Serialized (calls from one \
+                 thread at a time, not always the main one)"
+            )));
+        }
         Ok((
             Self {
                 world: universe.world(),
             },
             universe,
         ))
+    }
+
+    /// [`Communicator::split`] as an MPI communicator (NCCL makes its groups' communicators on these).
+    pub fn split_mpi(&self, color: usize) -> Result<Self> {
+        let color = i32::try_from(color)
+            .map_err(|_| DistError::Backend(format!("MPI: group color {color} out of range")))?;
+        let group = self
+            .world
+            .split_by_color(Color::with_value(color))
+            .ok_or_else(|| {
+                DistError::Backend("MPI: the split left this rank in no group".into())
+            })?;
+        Ok(Self { world: group })
     }
 
     fn reduce<T: Equivalence + Copy + Default + candle_core::WithDType>(
@@ -136,5 +160,9 @@ impl Communicator for MpiCommunicator {
 
     fn name(&self) -> &'static str {
         "MPI"
+    }
+
+    fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {
+        Ok(Arc::new(self.split_mpi(color)?))
     }
 }

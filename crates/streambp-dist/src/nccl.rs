@@ -196,4 +196,11 @@ impl Communicator for NcclCommunicator {
     fn name(&self) -> &'static str {
         "NCCL (MPI for launch and numbers)"
     }
+
+    /// The group's MPI communicator, then an NCCL communicator of its own over the group's ranks.
+    fn split(&self, color: usize) -> Result<std::sync::Arc<dyn Communicator>> {
+        Ok(std::sync::Arc::new(Self::start(
+            self.mpi.split_mpi(color)?,
+        )?))
+    }
 }

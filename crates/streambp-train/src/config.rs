@@ -125,7 +125,8 @@ pub struct TrainConfig {
     pub merge: bool,
     /// What each data-parallel rank keeps (ZeRO 0, 1 or 2); nothing changes with one process.
     pub zero: ZeroStage,
-    /// Ranks each sequence is split over (sequence parallelism, `--sp`): 1, or every rank of the job.
+    /// Ranks each sequence is split over (sequence parallelism, `--sp`): a divisor of the job's ranks,
+    /// the other factor data parallelism.
     pub sp: usize,
 }
 

@@ -281,26 +281,32 @@ pub struct ParallelGroups {
     pub sequence: Option<Arc<dyn Communicator>>,
 }
 
-/// The groups of a job whose ranks are `world`, for `--sp sp`: today `sp` is 1 (every rank a
-/// data-parallel rank) or every rank (one sequence group, one data-parallel rank).
+/// The groups of a job whose ranks are `world`, for `--sp sp` (a divisor of the number of ranks):
+/// consecutive runs of `sp` ranks each split their sequences (rank `r` in group `r / sp`, holding span
+/// `r % sp`; on a node, consecutive ranks share its links), and the ranks holding the same span
+/// across the groups form the data-parallel groups, each taking its group's rows of every global
+/// batch.
 pub fn parallel_groups(world: Arc<dyn Communicator>, sp: usize) -> Result<ParallelGroups> {
     let ranks = world.world_size();
-    match sp {
-        1 => Ok(ParallelGroups {
+    if sp == 1 {
+        return Ok(ParallelGroups {
             data: world,
             sequence: None,
-        }),
-        s if s == ranks => Ok(ParallelGroups {
-            data: Arc::new(streambp_dist::SingleProcess),
-            sequence: Some(world),
-        }),
-        s => Err(TrainError::flag(
-            "--sp",
-            s,
-            format!(
-                "must be 1 or the job's number of ranks ({ranks}): data-parallel groups of \
-                 sequence groups are not supported yet"
-            ),
-        )),
+        });
     }
+    if sp == 0 || !ranks.is_multiple_of(sp) {
+        return Err(TrainError::flag(
+            "--sp",
+            sp,
+            format!("must divide the job's number of ranks ({ranks})"),
+        ));
+    }
+    let rank = world.rank();
+    // Every rank splits in this order.
+    let sequence = world.split(rank / sp)?;
+    let data = world.split(rank % sp)?;
+    Ok(ParallelGroups {
+        data,
+        sequence: Some(sequence),
+    })
 }
