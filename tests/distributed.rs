@@ -385,3 +385,40 @@ fn losing_a_rank_fails_the_job_and_it_resumes_exactly() {
         "{report}"
     );
 }
+
+/// A `--sp 2` run resumed from its checkpoint goes on to the uninterrupted run's losses and weights,
+/// bit for bit; a resume with another `--sp` on the same ranks is refused by name.
+#[test]
+fn a_sequence_parallel_run_resumes_exactly() {
+    if !mpi_available() {
+        return;
+    }
+    let args = "sft --max-steps 6 --save-every 3 --batch-size 2 --chunk 3 --seed 5";
+    let whole = tempfile::tempdir().unwrap();
+    run(2, whole.path(), &format!("{args} --sp 2 --zero 2"));
+    let checkpoint = whole.path().join("checkpoint-3");
+
+    let resumed = tempfile::tempdir().unwrap();
+    let resume = format!("{args} --sp 2 --zero 2 --resume {}", checkpoint.display());
+    run(2, resumed.path(), &resume);
+    let (before, after) = (logged(whole.path(), "loss"), logged(resumed.path(), "loss"));
+    assert_eq!(after, before[3..], "steps 4-6 resumed");
+    let diff = max_weight_diff(
+        &whole.path().join("final/model.safetensors"),
+        &resumed.path().join("final/model.safetensors"),
+    );
+    assert_eq!(diff, 0.0, "resumed weights differ by {diff:e}");
+
+    let other = tempfile::tempdir().unwrap();
+    let refused = command(2, other.path(), &format!("{args} --sp 1 --zero 2"))
+        .arg("--resume")
+        .arg(&checkpoint)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let report = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        report.contains("--sp: 2 in the checkpoint's run, 1 now"),
+        "{report}"
+    );
+}
