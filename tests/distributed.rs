@@ -138,8 +138,9 @@ fn assert_two_ranks_match_one(args_with_batch: impl Fn(usize) -> String, b: usiz
 /// Sequence parallelism: two ranks splitting every sequence (`--sp 2`, each holding half of every
 /// row's positions, the same batches on both) train as one process does: SFT with accumulation,
 /// DPO with its NLL term (a loss of whole sequences), GRPO with a KL term and two iterations (its
-/// reference and old policy scored on the split sequences too), and a LoRA adapter with dropout (its
-/// masks drawn by position in the whole row).
+/// reference and old policy scored on the split sequences too; three prompts a micro-batch, sampled
+/// two on one rank and one on the other and shared), and a LoRA adapter with dropout (its masks
+/// drawn by position in the whole row).
 #[test]
 fn sequences_split_over_two_ranks_train_as_one_process() {
     if !mpi_available() {
@@ -148,7 +149,7 @@ fn sequences_split_over_two_ranks_train_as_one_process() {
     for args in [
         "sft --max-steps 3 --batch-size 4 --grad-accum 2 --chunk 3 --seed 4",
         "dpo --max-steps 2 --batch-size 2 --grad-accum 2 --sft-weight 0.5 --chunk 2 --seed 2",
-        "grpo --max-steps 2 --batch-size 1 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7",
+        "grpo --max-steps 2 --batch-size 3 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7",
         "sft --max-steps 2 --batch-size 2 --chunk 2 --lora-r 4 --lora-dropout 0.3 --lr 1e-2 --seed 3",
     ] {
         assert_same_as_one_process(args, (2, |zero| format!("{args} --sp 2 --zero {zero}")));

@@ -14,6 +14,7 @@ const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// A small deterministic normal generator (SplitMix64 + Box-Muller): enough for weight init, and keeps
 /// the crate free of an RNG dependency.
+#[derive(Debug, Clone)]
 pub struct NormalRng(u64);
 
 impl NormalRng {

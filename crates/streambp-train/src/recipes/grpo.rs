@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use candle_core::{Device, Tensor};
 use serde_json::Value;
 use streambp_models::init::NormalRng;
 use streambp_objectives::{Grpo, GrpoBatch};
@@ -289,6 +290,68 @@ fn rollout(
     })
 }
 
+/// Each prompt's `--group-size` completions (`rngs[k]` prompt `k`'s generator). Where sequences are
+/// split (`--sp`), the ranks of the sequence group share the work: rank `r` samples prompts `r`,
+/// `r + S`, … and the group all-gathers the completions, so each prompt is sampled once per group and
+/// every rank trains on the same rollouts.
+fn sample_in_group(
+    setup: &Setup,
+    g: &GrpoConfig,
+    prompts: &[&[u32]],
+    rngs: &[NormalRng],
+) -> Result<Vec<Vec<Vec<u32>>>> {
+    let (group, rank, ranks) = match &setup.sequence {
+        Some(group) => (Some(group.as_ref()), group.rank(), group.world_size()),
+        None => (None, 0, 1),
+    };
+    let mine: Vec<usize> = (rank..prompts.len()).step_by(ranks).collect();
+    let my_prompts: Vec<&[u32]> = mine.iter().map(|&k| prompts[k]).collect();
+    let mut my_rngs: Vec<NormalRng> = mine.iter().map(|&k| rngs[k].clone()).collect();
+    let eos = setup.tokenizer.eos_id;
+    // On rayon's workers, as the engine's phases: the decoding loop's products then need no
+    // cross-thread hand-off each.
+    let sampled =
+        streambp_core::on_workers(setup.model.device(), || match my_prompts.is_empty() {
+            true => Ok(Vec::new()),
+            false => sample_groups(
+                &setup.model,
+                &my_prompts,
+                g.group_size,
+                eos,
+                &g.sampling,
+                &mut my_rngs,
+            ),
+        })?;
+    let Some(group) = group else {
+        return Ok(sampled);
+    };
+    // Every rank's completions as `[length, tokens…]` per row, padded to the longest share.
+    let flat: Vec<f64> = sampled
+        .iter()
+        .flatten()
+        .flat_map(|row| std::iter::once(row.len() as f64).chain(row.iter().map(|&t| f64::from(t))))
+        .collect();
+    let longest = group.all_gather(&Tensor::new(&[flat.len() as f64], &Device::Cpu)?)?;
+    let longest = longest.to_vec1::<f64>()?.into_iter().fold(0.0, f64::max) as usize;
+    let mut padded = flat;
+    padded.resize(longest, 0.0);
+    let all = group.all_gather(&Tensor::new(padded.as_slice(), &Device::Cpu)?)?;
+    let all = all.to_vec1::<f64>()?;
+    let mut out = vec![Vec::new(); prompts.len()];
+    for (r, share) in all.chunks(longest.max(1)).enumerate().take(ranks) {
+        let mut words = share.iter().map(|&w| w as u32);
+        for k in (r..prompts.len()).step_by(ranks) {
+            out[k] = (0..g.group_size)
+                .map(|_| {
+                    let len = words.next().unwrap_or(0) as usize;
+                    words.by_ref().take(len).collect()
+                })
+                .collect();
+        }
+    }
+    Ok(out)
+}
+
 /// New rollouts for a step: `batch_size × grad_accum` prompts, a group each, sampled from a generator
 /// seeded by the step and the prompt's place in the step (so a resumed run, or one on another number
 /// of ranks, draws what the uninterrupted one on one process drew): this rank's prompts `picked`, the
@@ -316,25 +379,13 @@ fn draw_rollouts(
             .iter()
             .map(|&i| prompts.get(i))
             .collect::<Result<_>>()?;
-        let mut rngs: Vec<NormalRng> = (at..at + chunk.len())
+        let rngs: Vec<NormalRng> = (at..at + chunk.len())
             .map(|place| {
                 NormalRng::new(step_seed ^ (place as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9))
             })
             .collect();
         let ids: Vec<&[u32]> = group.iter().map(|p| p.ids.as_slice()).collect();
-        let tok = &setup.tokenizer;
-        // On rayon's workers, as the engine's phases: the decoding loop's products then need no
-        // cross-thread hand-off each.
-        let completions = streambp_core::on_workers(setup.model.device(), || {
-            sample_groups(
-                &setup.model,
-                &ids,
-                g.group_size,
-                tok.eos_id,
-                &g.sampling,
-                &mut rngs,
-            )
-        })?;
+        let completions = sample_in_group(setup, g, &ids, &rngs)?;
         sampled.extend(group.into_iter().zip(completions));
     }
     for (prompt, completions) in sampled {
