@@ -139,8 +139,9 @@ fn assert_two_ranks_match_one(args_with_batch: impl Fn(usize) -> String, b: usiz
 /// row's positions, the same batches on both) train as one process does: SFT with accumulation,
 /// DPO with its NLL term (a loss of whole sequences), GRPO with a KL term and two iterations (its
 /// reference and old policy scored on the split sequences too; three prompts a micro-batch, sampled
-/// two on one rank and one on the other and shared), and a LoRA adapter with dropout (its masks
-/// drawn by position in the whole row).
+/// two on one rank and one on the other and shared), a LoRA adapter with dropout (its masks drawn
+/// by position in the whole row), and packed rows of 23 tokens (spans of 12 and 11, documents
+/// crossing between them).
 #[test]
 fn sequences_split_over_two_ranks_train_as_one_process() {
     if !mpi_available() {
@@ -151,6 +152,7 @@ fn sequences_split_over_two_ranks_train_as_one_process() {
         "dpo --max-steps 2 --batch-size 2 --grad-accum 2 --sft-weight 0.5 --chunk 2 --seed 2",
         "grpo --max-steps 2 --batch-size 3 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7",
         "sft --max-steps 2 --batch-size 2 --chunk 2 --lora-r 4 --lora-dropout 0.3 --lr 1e-2 --seed 3",
+        "sft --max-steps 2 --batch-size 2 --packing --max-length 23 --chunk 4 --seed 6",
     ] {
         assert_same_as_one_process(args, (2, |zero| format!("{args} --sp 2 --zero {zero}")));
     }
@@ -372,19 +374,23 @@ fn losing_a_rank_fails_the_job_and_it_resumes_exactly() {
     assert_eq!(diff, 0.0, "resumed weights differ by {diff:e}");
 
     // Its sharded optimizer state resumes on two ranks only.
-    let other = tempfile::tempdir().unwrap();
-    let checkpoint = out.path().join("checkpoint-36");
-    let refused = command(1, other.path(), args)
-        .arg("--resume")
-        .arg(&checkpoint)
-        .output()
-        .unwrap();
-    assert!(!refused.status.success());
-    let report = String::from_utf8_lossy(&refused.stderr);
+    let report = refused_resume(1, args, &out.path().join("checkpoint-36"));
     assert!(
         report.contains("ranks: 2 in the checkpoint's run, 1 now"),
         "{report}"
     );
+}
+
+/// The error output of `args` on `ranks` resuming `checkpoint`, which must fail.
+fn refused_resume(ranks: usize, args: &str, checkpoint: &Path) -> String {
+    let other = tempfile::tempdir().unwrap();
+    let refused = command(ranks, other.path(), args)
+        .arg("--resume")
+        .arg(checkpoint)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success(), "`{args}` resumed");
+    String::from_utf8_lossy(&refused.stderr).into_owned()
 }
 
 /// A `--sp 2` run resumed from its checkpoint goes on to the uninterrupted run's losses and weights,
@@ -410,14 +416,7 @@ fn a_sequence_parallel_run_resumes_exactly() {
     );
     assert_eq!(diff, 0.0, "resumed weights differ by {diff:e}");
 
-    let other = tempfile::tempdir().unwrap();
-    let refused = command(2, other.path(), &format!("{args} --sp 1 --zero 2"))
-        .arg("--resume")
-        .arg(&checkpoint)
-        .output()
-        .unwrap();
-    assert!(!refused.status.success());
-    let report = String::from_utf8_lossy(&refused.stderr);
+    let report = refused_resume(2, &format!("{args} --sp 1 --zero 2"), &checkpoint);
     assert!(
         report.contains("--sp: 2 in the checkpoint's run, 1 now"),
         "{report}"

@@ -464,13 +464,21 @@ fn max_t(
         );
         Ok(ok.then_some(total))
     };
-    let step = args.t_step;
+    longest_fitting((args.t_step, args.t_max), fits)
+}
+
+/// The longest multiple of `step` (up to `t_max`) for which `fits` gives a peak, by doubling then
+/// bisection: that T, its peak, and the first T tried that did not fit (`None`: bounded by `t_max`).
+fn longest_fitting(
+    (step, t_max): (usize, Option<usize>),
+    mut fits: impl FnMut(usize) -> anyhow::Result<Option<usize>>,
+) -> anyhow::Result<(usize, usize, Option<usize>)> {
     let Some(mut best_peak) = fits(step)? else {
         return Ok((0, 0, Some(step)));
     };
     let (mut lo, mut hi) = (step, 2 * step);
     loop {
-        if args.t_max.is_some_and(|cap| hi > cap) {
+        if t_max.is_some_and(|cap| hi > cap) {
             // Bounded by the cap, not by memory.
             return Ok((lo, best_peak, None));
         }
@@ -702,14 +710,22 @@ fn run_ranks(args: &Args, model: &Model, ranks: usize) -> anyhow::Result<()> {
         .map(std::fs::File::create)
         .transpose()?;
     let vocab = model.config.vocab_size;
+    let workload = |t| {
+        let work = workload(&args.objective, vocab, t, args.group, model.device())?;
+        Ok((work, given_chunks(args, t)))
+    };
+    if let Some(budget) = args.max_t_budget {
+        let zero = args.zero.first().copied().unwrap_or(ZeroStage::Zero0);
+        let search = |fits: &mut dyn FnMut(usize) -> anyhow::Result<Option<usize>>| {
+            longest_fitting((args.t_step, args.t_max), fits)
+        };
+        return world::world_max_t(model, (args.sp, zero), budget, workload, search);
+    }
     world::run_world(
         model,
         (&args.seq_lens, args.sp),
         &args.zero,
-        |t| {
-            let work = workload(&args.objective, vocab, t, args.group, model.device())?;
-            Ok((work, given_chunks(args, t)))
-        },
+        workload,
         |line| write_json(&mut json, &line),
     )
 }

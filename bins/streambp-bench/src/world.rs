@@ -100,6 +100,8 @@ impl Communicator for Counted {
 
 /// One rank's measurements of one step.
 struct StepPoint {
+    /// Bytes held before the step's optimizer is made (the weights, the batch).
+    base: usize,
     /// Peak bytes during the step (backward, reduction, update) above the weights.
     peak: usize,
     /// Allocator bytes the optimizer's state takes (its moments, allocated when it is created).
@@ -145,6 +147,7 @@ fn measure(
         parallel.step(0.0, 0.0)?;
         model.device().synchronize()?;
         point = Some(StepPoint {
+            base: weights,
             peak: meter
                 .peak_bytes()
                 .unwrap_or(0)
@@ -229,6 +232,59 @@ pub fn run_world(
                 }))?;
             }
         }
+    }
+    Ok(())
+}
+
+/// `--world N --max-t-budget B`: the longest T whose per-rank peak (the most of any rank, weights
+/// included) over a whole step at `zero` fits B, found by `search` (doubling, then bisection), every
+/// rank measuring each T together.
+pub fn world_max_t(
+    model: &Model,
+    (sp, zero): (usize, ZeroStage),
+    budget: u64,
+    workload: impl Fn(usize) -> anyhow::Result<((Tensor, Box<dyn Objective>), Chunks)>,
+    search: impl FnOnce(
+        &mut dyn FnMut(usize) -> anyhow::Result<Option<usize>>,
+    ) -> anyhow::Result<(usize, usize, Option<usize>)>,
+) -> anyhow::Result<()> {
+    let comm = Arc::new(Counted {
+        inner: streambp_dist::world(),
+        bytes: Arc::new(AtomicU64::new(0)),
+    });
+    let sequence = streambp_train::parallel::parallel_groups(comm.clone(), sp)?.sequence;
+    let rank0 = comm.rank() == 0;
+    let mut fits = |t: usize| -> anyhow::Result<Option<usize>> {
+        let (work, chunks) = workload(t)?;
+        let p = measure((&comm, &sequence), model, &work, zero, chunks)?;
+        let total = gathered(&comm, (p.peak + p.base) as f64)?
+            .into_iter()
+            .fold(0.0, f64::max) as usize;
+        let ok = total as u64 <= budget;
+        if rank0 {
+            let verdict = if ok { "fits" } else { "over" };
+            eprintln!(
+                "  T={t} ({chunks:?}): {:.1} MiB per rank, {verdict}",
+                mib(total as f64)
+            );
+        }
+        Ok(ok.then_some(total))
+    };
+    let (t, peak, over) = search(&mut fits)?;
+    if rank0 {
+        println!(
+            "Longest T whose per-rank peak (weights included) fits {:.0} MiB, {} ranks, --sp {sp}, ZeRO {zero}:",
+            mib(budget as f64),
+            comm.world_size()
+        );
+        println!("| ranks | sp | ZeRO | max T | peak per rank there (MiB) | next T tried (over) |");
+        println!("|---|---|---|---|---|---|");
+        let over = over.map_or("none tried (--t-max)".to_string(), |t| t.to_string());
+        println!(
+            "| {} | {sp} | {zero} | {t} | {:.1} | {over} |",
+            comm.world_size(),
+            mib(peak as f64)
+        );
     }
     Ok(())
 }

@@ -18,7 +18,8 @@
 //!
 //! Files: this one (the entry points, phase 1 and the phases' order, `full`), `head.rs` (phase 2),
 //! `layers.rs` (a layer's chunked forward, phases 3 and 4), `grad_sink.rs` (where parameter
-//! gradients accumulate), `store.rs` (where phase 1's stored checkpoints wait: device, host, disk).
+//! gradients accumulate), `store.rs` (where phase 1's stored checkpoints wait: device, host, disk),
+//! `sequence.rs` (a rank's span of a sequence split over a group, and the exchanges along it).
 
 mod grad_sink;
 mod head;
@@ -32,9 +33,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use streambp_models::lora::DropoutKey;
 use streambp_models::{Layout, Model};
-use streambp_objectives::Objective;
-
 use streambp_dist::Communicator;
+use streambp_objectives::Objective;
 
 use crate::error::{EngineError, Result};
 use crate::memory::PhaseLog;
