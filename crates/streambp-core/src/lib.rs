@@ -8,7 +8,7 @@
 //!   (reference models, GRPO's old policy); [`target_logprobs`]: the differentiable
 //!   `log softmax(logits)[target]` of one logits chunk. [`backward_sequence_parallel`] and
 //!   [`forward_logprobs_sequence_parallel`]: the same on one rank of a sequence group
-//!   ([`streambp_dist::Communicator`]), each rank holding a contiguous span of the positions.
+//!   ([`streambp_dist::Communicator`]), each rank holding about `T / S` of the positions.
 //! - [`planner`]: the cost model of the streamed backward's peak ([`estimate`], [`Estimate`],
 //!   [`Problem`]) and the chunks that fit a memory budget ([`plan_for_budget`], [`ChunkPolicy`]).
 //! - [`memory`]: the counting allocator, per-device meters and the per-phase peak log.

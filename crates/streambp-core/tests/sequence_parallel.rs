@@ -1,5 +1,5 @@
-//! Sequence parallelism: the rows' positions split over S ranks (threads here, `LocalGroup`), each
-//! streaming the backward of its span, give one process's loss, log-probs and gradients (the ranks'
+//! Sequence parallelism: the rows' positions split over S ranks (threads here, `LocalGroup`; a zigzag
+//! of 2S pieces, two per rank), each streaming the backward of its positions, give one process's loss, log-probs and gradients (the ranks'
 //! shares summed) in f64, every family (Gemma3's window of 4 included), for S not dividing T, spans
 //! of one position, chunks of one and past the span, padding, packed rows whose documents cross
 //! spans, a loss that reads every position (DPO), sparse checkpoints and checkpoint mode.
@@ -110,11 +110,22 @@ fn compare(
     assert_same(&summed(split), &whole, mask, what);
 }
 
+/// The zigzag split: `2S` pieces, rank `r` holding pieces `r` and `2S - 1 - r`.
 #[test]
-fn spans_are_contiguous_and_balanced() {
-    assert_eq!(shard_ranges(11, 3), vec![0..4, 4..8, 8..11]);
-    assert_eq!(shard_ranges(11, 2), vec![0..6, 6..11]);
-    assert_eq!(shard_ranges(4, 4), vec![0..1, 1..2, 2..3, 3..4]);
+fn spans_zigzag_and_balance() {
+    assert_eq!(
+        shard_ranges(11, 3),
+        vec![vec![0..2, 10..11], vec![2..4, 8..10], vec![4..6, 6..8]]
+    );
+    assert_eq!(
+        shard_ranges(11, 2),
+        vec![vec![0..3, 9..11], vec![3..6, 6..9]]
+    );
+    assert_eq!(
+        shard_ranges(4, 4),
+        vec![vec![0..1], vec![1..2], vec![2..3], vec![3..4]]
+    );
+    assert_eq!(shard_ranges(5, 1), vec![vec![0..5]]);
 }
 
 #[test]
@@ -123,7 +134,7 @@ fn split_sequences_give_one_process_gradients_in_f64() {
         let f = fixture(family, DType::F64);
         let sft = f.sft();
         let batch = Batch::new(&f.ids, Some(&f.reference["attention_mask"]));
-        // T = 11: spans of 6/5 and 4/4/3; chunks of one, not dividing the span, and past it.
+        // T = 11: pieces 3/3/3/2 and 2/2/2/2/2/1; chunks of one, not dividing a piece, and past it.
         for ranks in [2, 3] {
             for (chunk, logits_chunk) in [(1, 1), (3, 4), (16, 3)] {
                 let what = format!("{family}, {ranks} ranks, chunks {chunk}/{logits_chunk}");

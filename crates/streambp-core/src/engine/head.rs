@@ -12,8 +12,8 @@ use crate::error::Result;
 use crate::seed::seed;
 
 use super::grad_sink::GradSink;
+use super::required;
 use super::sequence::Shard;
-use super::{chunk_ranges, required};
 
 /// Target log-probs `[batch, T]` of the last layer's output `last` under a detached model's final norm
 /// and head at `temperature`, computed logits chunk by logits chunk (`ranges`), without a graph.
@@ -118,7 +118,8 @@ pub(super) fn head_backward(
     sink: &mut GradSink,
 ) -> Result<(f64, Tensor, Tensor)> {
     let targets = shard.local(objective.targets(), 1)?;
-    let ranges = chunk_ranges(last.dim(1)?, logits_chunk);
+    let chunks = shard.chunks(logits_chunk);
+    let ranges: Vec<Range<usize>> = chunks.iter().map(|c| c.local.clone()).collect();
     let detached = model.detached();
     let temperature = objective.temperature();
     let whole = if objective.separable() {
@@ -135,7 +136,8 @@ pub(super) fn head_backward(
     let grad_last = last.zeros_like()?;
     let mut logp_parts = Vec::with_capacity(ranges.len());
     let mut loss = 0.0;
-    for r in ranges {
+    for c in chunks {
+        let r = c.local.clone();
         let x = Var::from_tensor(&last.narrow(1, r.start, r.len())?)?;
         let h = model.final_norm(x.as_tensor())?;
         let chunk_targets = targets.narrow(1, r.start, r.len())?;
@@ -143,8 +145,7 @@ pub(super) fn head_backward(
             Ok(match &whole {
                 Some((_, g)) => g.narrow(1, r.start, r.len())?,
                 None => {
-                    let cols = shard.start + r.start..shard.start + r.end;
-                    let (l, g) = loss_and_grad(objective, logp, cols)?;
+                    let (l, g) = loss_and_grad(objective, logp, c.global())?;
                     loss += l;
                     g
                 }

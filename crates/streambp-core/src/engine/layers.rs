@@ -2,8 +2,6 @@
 //! its backward streamed over query chunks or whole under checkpointing (phase 3), and the
 //! embedding's (phase 4).
 
-use std::ops::Range;
-
 use candle_core::{Tensor, Var};
 use streambp_models::attention::{keys_dtype, EarlierKeys};
 use streambp_models::cpu::cast;
@@ -13,8 +11,8 @@ use crate::error::Result;
 use crate::seed::seed;
 
 use super::grad_sink::GradSink;
-use super::sequence::Shard;
-use super::{chunk_ranges, required};
+use super::required;
+use super::sequence::{Chunk, Shard};
 
 /// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk into
 /// one buffer each (no list of parts to concatenate), in [`keys_dtype`] (f32 for bf16 on the host).
@@ -31,11 +29,11 @@ fn keys_values_streamed(
     let dtype = keys_dtype(x.dtype(), x.device());
     let keys = Tensor::zeros(shape, dtype, x.device())?;
     let values = keys.zeros_like()?;
-    for r in chunk_ranges(t, chunk) {
-        let normed = layer.norm_input(&x.narrow(1, r.start, r.len())?)?;
-        let (k, v) = layer.keys_values(&normed, shard.start + r.start, layout)?;
-        keys.slice_set(&cast(&k, dtype)?, 2, r.start)?;
-        values.slice_set(&cast(&v, dtype)?, 2, r.start)?;
+    for c in shard.chunks(chunk) {
+        let normed = layer.norm_input(&x.narrow(1, c.local.start, c.local.len())?)?;
+        let (k, v) = layer.keys_values(&normed, c.start, layout)?;
+        keys.slice_set(&cast(&k, dtype)?, 2, c.local.start)?;
+        values.slice_set(&cast(&v, dtype)?, 2, c.local.start)?;
     }
     Ok((shard.gather(&keys, 2)?, shard.gather(&values, 2)?))
 }
@@ -51,8 +49,8 @@ pub(super) fn layer_forward_streamed(
 ) -> Result<Tensor> {
     let (keys, values) = keys_values_streamed(layer, x, layout, chunk, shard)?;
     let out = x.zeros_like()?;
-    for r in chunk_ranges(x.dim(1)?, chunk) {
-        let (s, e) = (shard.start + r.start, shard.start + r.end);
+    for c in shard.chunks(chunk) {
+        let (s, e) = (c.start, c.global().end);
         let k0 = layer.first_visible_key(s, layout);
         let block = KeyBlock {
             q_start: s,
@@ -61,19 +59,19 @@ pub(super) fn layer_forward_streamed(
             earlier: None,
         };
         let y = layer.forward_chunk(
-            &x.narrow(1, r.start, r.len())?,
+            &x.narrow(1, c.local.start, c.local.len())?,
             &keys.narrow(2, k0, e - k0)?,
             &values.narrow(2, k0, e - k0)?,
             block,
         )?;
-        out.slice_set(&y, 1, r.start)?;
+        out.slice_set(&y, 1, c.local.start)?;
     }
     Ok(out)
 }
 
 /// Phase 3 (StreamBP): one layer's backward streamed over query chunks. `x` is the layer's input
 /// (checkpoint), `grad_out` the gradient of its output; returns the gradient of its input. All three
-/// hold the `shard`'s positions.
+/// hold the `shard`'s positions (chunks never cross from one of its spans to the next).
 ///
 /// Query chunks are visited last first. Keys and values of the whole sequence are recomputed once
 /// without a graph; when chunk `[s, e)` is reached, every later chunk has already pushed its gradient
@@ -83,9 +81,9 @@ pub(super) fn layer_forward_streamed(
 /// key/value gradient of `[s, e)` through the chunk's own k/v projections. Its backward yields the
 /// chunk's input gradient complete. Queries never score keys they cannot see (future, outside the window).
 ///
-/// On a split sequence the later shards' queries push gradients into this shard's keys and values
-/// too: after its own chunks, each rank sends what it pushed into earlier shards' keys to their owners
-/// (a reduce-scatter), and backpropagates what it received through its chunks' k/v projections.
+/// On a split sequence other ranks' queries push gradients into this rank's keys and values too:
+/// after its own chunks, each rank sends what it pushed into other ranks' keys to their owners (a
+/// reduce-scatter), and backpropagates what it received through its chunks' k/v projections.
 pub(super) fn layer_backward_streamed(
     (model, index): (&Model, usize),
     x: &Tensor,
@@ -95,7 +93,7 @@ pub(super) fn layer_backward_streamed(
     sink: &mut GradSink,
 ) -> Result<Tensor> {
     let layer = &model.layers[index];
-    let ranges = chunk_ranges(x.dim(1)?, chunk);
+    let chunks = shard.chunks(chunk);
     let (keys, values) = keys_values_streamed(&layer.detached(), x, layout, chunk, shard)?;
     // The gradients of the layer's keys and values, filled from the last chunk backwards. Two writers:
     // each chunk's graph pushes its queries' gradient into the keys/values of *earlier* chunks through
@@ -120,10 +118,10 @@ pub(super) fn layer_backward_streamed(
     })?;
     let layer = &layer;
 
-    for r in ranges.iter().rev() {
-        let (s, len) = (shard.start + r.start, r.len());
+    for c in chunks.iter().rev() {
+        let (s, len) = (c.start, c.local.len());
         let k0 = layer.first_visible_key(s, layout);
-        let x_c = Var::from_tensor(&x.narrow(1, r.start, len)?)?;
+        let x_c = Var::from_tensor(&x.narrow(1, c.local.start, len)?)?;
         let normed = layer.norm_input(x_c.as_tensor())?;
         let (k_own, v_own) = layer.keys_values(&normed, s, layout)?;
         let q = layer.queries(&normed, s, layout)?;
@@ -149,58 +147,54 @@ pub(super) fn layer_backward_streamed(
         let y = layer.after_attention(x_c.as_tensor(), &attn, s, layout)?;
         // (Kept in f32 for a bf16 model on the host, the complete gradients are rounded once here.)
         let own = |grads: &Tensor| cast(&grads.narrow(2, s, len)?, k_own.dtype());
-        let surrogate = (seed(&y, &grad_out.narrow(1, r.start, len)?)?
+        let surrogate = (seed(&y, &grad_out.narrow(1, c.local.start, len)?)?
             + seed(&k_own, &own(&grad_keys)?)?
             + seed(&v_own, &own(&grad_values)?)?)?;
         let store = surrogate.backward()?;
         grad_in.slice_set(
             &required(&store, x_c.as_tensor(), "layer input")?,
             1,
-            r.start,
+            c.local.start,
         )?;
         sink.absorb(&store, model.layer_parameters(index).iter())?;
     }
     if shard.is_split() {
-        // This shard's own part was fed in above; what is left are the gradients of earlier shards'
-        // keys and values, which their ranks receive, as this rank receives the later shards'.
-        let own_part = shard.local(&grad_keys, 2)?.zeros_like()?;
-        grad_keys.slice_set(&own_part, 2, shard.start)?;
-        grad_values.slice_set(&own_part, 2, shard.start)?;
-        let from_later = (
+        // This rank's own part was fed in above; what is left are the gradients of other ranks' keys
+        // and values, which their ranks receive, as this rank receives theirs.
+        shard.zero_own(&grad_keys, 2)?;
+        shard.zero_own(&grad_values, 2)?;
+        let from_others = (
             shard.reduce_scatter(&grad_keys, 2)?,
             shard.reduce_scatter(&grad_values, 2)?,
         );
-        if shard.has_later() {
-            keys_values_backward(
-                (layer, model, index),
-                x,
-                from_later,
-                (layout, shard),
-                &ranges,
-                sink,
-                &grad_in,
-            )?;
-        }
+        keys_values_backward(
+            (layer, model, index),
+            x,
+            from_others,
+            (layout, &chunks),
+            sink,
+            &grad_in,
+        )?;
     }
     Ok(grad_in)
 }
 
-/// The gradients `grad_keys` / `grad_values` (`[b, kv_heads, len, head_dim]`, this shard's positions)
+/// The gradients `grad_keys` / `grad_values` (`[b, kv_heads, len, head_dim]`, this rank's positions)
 /// of a layer's keys and values backpropagated through its input norm and k/v projections chunk by
-/// chunk (`ranges`), the input's share added into `grad_in` and the parameters' into `sink`.
+/// chunk, the input's share added into `grad_in` and the parameters' into `sink`.
 fn keys_values_backward(
     (layer, model, index): (&DecoderLayer, &Model, usize),
     x: &Tensor,
     (grad_keys, grad_values): (Tensor, Tensor),
-    (layout, shard): (&Layout, &Shard),
-    ranges: &[Range<usize>],
+    (layout, chunks): (&Layout, &[Chunk]),
     sink: &mut GradSink,
     grad_in: &Tensor,
 ) -> Result<()> {
-    for r in ranges {
+    for c in chunks {
+        let r = &c.local;
         let x_c = Var::from_tensor(&x.narrow(1, r.start, r.len())?)?;
         let normed = layer.norm_input(x_c.as_tensor())?;
-        let (k, v) = layer.keys_values(&normed, shard.start + r.start, layout)?;
+        let (k, v) = layer.keys_values(&normed, c.start, layout)?;
         let part = |g: &Tensor| cast(&g.narrow(2, r.start, r.len())?, k.dtype());
         let surrogate = (seed(&k, &part(&grad_keys)?)? + seed(&v, &part(&grad_values)?)?)?;
         let store = surrogate.backward()?;

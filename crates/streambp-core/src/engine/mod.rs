@@ -19,7 +19,8 @@
 //! Files: this one (the entry points, phase 1 and the phases' order, `full`), `head.rs` (phase 2),
 //! `layers.rs` (a layer's chunked forward, phases 3 and 4), `grad_sink.rs` (where parameter
 //! gradients accumulate), `store.rs` (where phase 1's stored checkpoints wait: device, host, disk),
-//! `sequence.rs` (a rank's span of a sequence split over a group, and the exchanges along it).
+//! `sequence.rs` (a rank's positions of a sequence split over a group, and the exchanges along
+//! them).
 
 mod grad_sink;
 mod head;
@@ -31,9 +32,9 @@ use std::ops::Range;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
+use streambp_dist::Communicator;
 use streambp_models::lora::DropoutKey;
 use streambp_models::{Layout, Model};
-use streambp_dist::Communicator;
 use streambp_objectives::Objective;
 
 use crate::error::{EngineError, Result};
@@ -303,13 +304,14 @@ pub fn backward_into(
 }
 
 /// [`backward_with`] on one rank of a sequence group (sequence parallelism): every rank of `group`
-/// passes the same whole `batch`, holds the activations of its own contiguous span of the positions
-/// only ([`shard_ranges`]: `T / S` of them, every rank at least one), and exchanges keys, values and
+/// passes the same whole `batch`, holds the activations of its own positions only ([`shard_ranges`]:
+/// about `T / S` of them in two spans, a zigzag that balances the causal attention's work; every rank
+/// at least one position), and exchanges keys, values and
 /// their gradients with the others layer by layer. The loss, log-probs and metrics are the whole
 /// batch's on every rank; each rank's `grads` are its share, and their sum over the group is the
 /// gradient one process computes (data parallelism sums over its ranks the same way). `full` mode
 /// is not offered (one graph of the whole rows); `checkpoint` backpropagates each layer over the
-/// rank's span in one piece. With `finished`, gradients go there group by group as in
+/// rank's spans, a span in one piece. With `finished`, gradients go there group by group as in
 /// [`backward_into`].
 pub fn backward_sequence_parallel(
     model: &Model,
@@ -348,7 +350,8 @@ fn backward_impl(
                 .into(),
         ));
     }
-    // Checkpointing on a split sequence: each layer backpropagated over the rank's span in one piece.
+    // Checkpointing on a split sequence: each layer backpropagated over each of the rank's spans in
+    // one piece.
     let (mode, chunks) = match (shard.is_split(), mode) {
         (true, Mode::Checkpoint) => (
             Mode::Stream,
@@ -541,7 +544,7 @@ pub fn forward_logprobs(
 }
 
 /// [`forward_logprobs`] on one rank of a sequence group ([`backward_sequence_parallel`]): each rank
-/// runs its span of the positions; every rank returns the whole rows' log-probs.
+/// runs its positions; every rank returns the whole rows' log-probs.
 pub fn forward_logprobs_sequence_parallel(
     model: &Model,
     batch: Batch,
