@@ -161,12 +161,15 @@ pub(super) fn layer_backward_streamed(
     if shard.is_split() {
         // This rank's own part was fed in above; what is left are the gradients of other ranks' keys
         // and values, which their ranks receive, as this rank receives theirs.
+        // The whole rows' buffers go as soon as they are used: the exchange's copies take their place.
+        drop((keys, values));
         shard.zero_own(&grad_keys, 2)?;
         shard.zero_own(&grad_values, 2)?;
-        let from_others = (
-            shard.reduce_scatter(&grad_keys, 2)?,
-            shard.reduce_scatter(&grad_values, 2)?,
-        );
+        let from_keys = shard.reduce_scatter(&grad_keys, 2)?;
+        drop(grad_keys);
+        let from_values = shard.reduce_scatter(&grad_values, 2)?;
+        drop(grad_values);
+        let from_others = (from_keys, from_values);
         keys_values_backward(
             (layer, model, index),
             x,
