@@ -2,8 +2,9 @@
 //! on the same global batches, or on the same batches each holding half of every sequence (SFT, DPO
 //! with an NLL term, GRPO; ZeRO 0, 1 and 2; gradient accumulation; the built-in rows differ in
 //! length, so the ranks' token counts differ), each rank's optimizer shard
-//! holds half of the moments, and a job that loses a rank fails naming it, leaves no half-written
-//! checkpoint, resumes to the uninterrupted run's numbers and refuses another number of ranks.
+//! holds half of the moments, and a job that loses a rank (data or sequence parallel) fails naming
+//! it, leaves no half-written checkpoint, resumes to the uninterrupted run's numbers and refuses
+//! another number of ranks.
 //!
 //! Needs the `mpi` feature and MPICH's `mpiexec` on the PATH; without them the tests say so and pass,
 //! unless `STREAMBP_REQUIRE_MPI=1` (CI) makes that a failure.
@@ -322,6 +323,15 @@ fn losing_a_rank_fails_the_job_and_it_resumes_exactly() {
         return;
     }
     let args = "sft --max-steps 40 --save-every 4 --batch-size 4 --zero 2 --seed 9";
+    kill_and_resume(args);
+    // The same with each sequence split over the two ranks.
+    kill_and_resume(&format!("{args} --sp 2"));
+}
+
+/// Kills rank 1 of `args` on two ranks once its second checkpoint is written, checks the failure is
+/// reported by name and leaves no half-written checkpoint, reruns to the uninterrupted run's losses
+/// and weights, and has its checkpoint refused by one process.
+fn kill_and_resume(args: &str) {
     let whole = tempfile::tempdir().unwrap();
     run(2, whole.path(), args);
 
@@ -374,7 +384,8 @@ fn losing_a_rank_fails_the_job_and_it_resumes_exactly() {
     assert_eq!(diff, 0.0, "resumed weights differ by {diff:e}");
 
     // Its sharded optimizer state resumes on two ranks only.
-    let report = refused_resume(1, args, &out.path().join("checkpoint-36"));
+    let alone = args.replace(" --sp 2", "");
+    let report = refused_resume(1, &alone, &out.path().join("checkpoint-36"));
     assert!(
         report.contains("ranks: 2 in the checkpoint's run, 1 now"),
         "{report}"
