@@ -134,15 +134,18 @@ impl Communicator for LocalGroup {
     }
     fn split(&self, color: usize) -> Result<Arc<dyn Communicator>> {
         let split = self.splits.fetch_add(1, Ordering::Relaxed);
-        let colors = self.exchange(&Tensor::new(&[color as u32], &Device::Cpu)?)?;
+        let wire = u32::try_from(color)
+            .map_err(|_| DistError::Backend(format!("group color {color} out of range")))?;
+        let colors = self.exchange(&Tensor::new(&[wire], &Device::Cpu)?)?;
         let colors: Vec<u32> = colors
             .iter()
             .map(|c| Ok(c.to_vec1::<u32>()?[0]))
             .collect::<Result<_>>()?;
-        let members: Vec<usize> = (0..colors.len())
-            .filter(|&r| colors[r] as usize == color)
-            .collect();
-        let rank = members.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let members: Vec<usize> = (0..colors.len()).filter(|&r| colors[r] == wire).collect();
+        let rank = members
+            .iter()
+            .position(|&r| r == self.rank)
+            .ok_or_else(|| DistError::Backend("a rank missing from its own group".into()))?;
         let shared = self
             .shared
             .groups

@@ -37,10 +37,10 @@ pub struct NcclCommunicator {
     comm: OnceLock<Comm>,
 }
 
-// SAFETY: as for MPI, every collective is issued from the trainer's main thread; the NCCL handle is
-// only stored in the process-wide communicator.
+// SAFETY: as for MPI, collectives are issued by one thread at a time (on CUDA devices the engine's
+// phases run on the trainer's thread itself); the NCCL handle is only stored in the communicators.
 unsafe impl Send for NcclCommunicator {}
-// SAFETY: as for Send: shared, it is still only used from the main thread.
+// SAFETY: as for Send: shared, it is still only used by one thread at a time.
 unsafe impl Sync for NcclCommunicator {}
 
 fn backend(e: impl std::fmt::Debug) -> DistError {

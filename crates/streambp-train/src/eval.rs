@@ -149,7 +149,7 @@ pub fn eval_rows(
 /// The mean cross entropy of `examples`' target tokens under the model being trained (TRL's SFT
 /// `eval_loss`), in micro-batches of `--batch-size`, streamed like the backward.
 pub fn eval_loss(setup: &Setup, cfg: &TrainConfig, examples: &[Example]) -> Result<f64> {
-    let mut score = cfg.scorer(&setup.model);
+    let mut score = cfg.local_scorer(&setup.model);
     let (mut nll, mut tokens) = (0.0, 0usize);
     for group in examples.chunks(cfg.batch_size) {
         let rows: Vec<&Example> = group.iter().collect();

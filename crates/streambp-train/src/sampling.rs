@@ -54,12 +54,15 @@ fn draw(logits: &[f32], cfg: &SamplingConfig, rng: &mut NormalRng) -> u32 {
     probs[kept - 1].0
 }
 
+/// The index of the largest value, the first of equal ones (as candle's `argmax` and torch's).
 fn argmax(v: &[f32]) -> u32 {
-    v.iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(i, _)| i as u32)
-        .unwrap_or(0)
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if x.total_cmp(&v[best]).is_gt() {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 /// `rows` sampled completions of `prompt` (token ids, EOS excluded; a row that never emits EOS stops at
@@ -76,8 +79,9 @@ pub fn sample_group(
     Ok(groups.pop().unwrap_or_default())
 }
 
-/// `group` sampled completions of each of `prompts` (as [`sample_group`]), decoded together: one
-/// forward per new token for every row, prompts left-padded to the longest. Prompt `p`'s rows draw
+/// `group` sampled completions of each of `prompts` (as [`sample_group`]), decoded together (in
+/// batches of at most [`SAMPLE_BATCH_TOKENS`]): one forward per new token for every row of a batch,
+/// prompts left-padded to the longest. Prompt `p`'s rows draw
 /// from `rngs[p]` in the order sampling it alone would (its rows in turn at each new token, until all
 /// of them stopped), so what a prompt draws does not depend on the prompts beside it.
 pub fn sample_groups(
@@ -104,13 +108,52 @@ pub fn sample_groups(
         ));
     }
     let model = model.detached();
+    let mut out = Vec::with_capacity(prompts.len());
+    let mut first = 0;
+    while first < prompts.len() {
+        let n = batch_within_budget(&prompts[first..], group, cfg.max_new_tokens);
+        let range = first..first + n;
+        let batch = (&prompts[range.clone()], &mut rngs[range]);
+        out.extend(sample_batch(&model, batch, group, eos, cfg)?);
+        first += n;
+    }
+    Ok(out)
+}
+
+/// Rows decoded together at most, in padded tokens (prompt and completion): bounds the KV cache and
+/// the rows of logits copied to the host at each new token. Prompts beyond it are decoded in further
+/// batches, which draw what one batch would (each prompt has its own generator).
+pub const SAMPLE_BATCH_TOKENS: usize = 16384;
+
+/// How many of `prompts` (at least one) fit one batch of [`SAMPLE_BATCH_TOKENS`].
+fn batch_within_budget(prompts: &[&[u32]], group: usize, max_new: usize) -> usize {
+    let mut longest = 0;
+    let mut n = 0;
+    for p in prompts {
+        longest = longest.max(p.len());
+        if n > 0 && (n + 1) * group * (longest + max_new) > SAMPLE_BATCH_TOKENS {
+            break;
+        }
+        n += 1;
+    }
+    n.max(1)
+}
+
+/// [`sample_groups`] of prompts decoded in one batch.
+fn sample_batch(
+    model: &Model,
+    (prompts, rngs): (&[&[u32]], &mut [NormalRng]),
+    group: usize,
+    eos: u32,
+    cfg: &SamplingConfig,
+) -> Result<Vec<Vec<Vec<u32>>>> {
     let device: &Device = model.device();
     let rows: Vec<&[u32]> = prompts
         .iter()
         .flat_map(|p| std::iter::repeat_n(*p, group))
         .collect();
-    let (mut cache, ids) = KvCache::left_padded(&model, &rows, eos, cfg.max_new_tokens)?;
-    let mut logits = cache.step(&model, &ids)?;
+    let (mut cache, ids) = KvCache::left_padded(model, &rows, eos, cfg.max_new_tokens)?;
+    let mut logits = cache.step(model, &ids)?;
     let mut out = vec![Vec::new(); rows.len()];
     let mut done = vec![false; rows.len()];
     let mut next = vec![eos; rows.len()];
@@ -143,7 +186,7 @@ pub fn sample_groups(
             .zip(&done)
             .map(|(&tok, &d)| if d { eos } else { tok })
             .collect();
-        logits = cache.step(&model, &Tensor::new(feed.as_slice(), device)?.unsqueeze(1)?)?;
+        logits = cache.step(model, &Tensor::new(feed.as_slice(), device)?.unsqueeze(1)?)?;
     }
     let mut rows = out.into_iter();
     Ok(prompts

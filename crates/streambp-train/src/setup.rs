@@ -429,7 +429,7 @@ impl TrainConfig {
 
     /// Log-probs under a frozen `model`, streamed with this run's chunks, on this process alone
     /// (held-out evaluation, which rank 0 runs by itself; [`Setup::scorer`] for training).
-    pub fn scorer<'a>(
+    pub fn local_scorer<'a>(
         &'a self,
         model: &'a Model,
     ) -> impl FnMut(&Tensor, Option<&Tensor>, &Tensor, f64) -> Result<Tensor> + 'a {

@@ -60,7 +60,7 @@ impl Chunk {
 pub fn shard_ranges(total: usize, ranks: usize) -> Vec<Vec<Range<usize>>> {
     let ranks = ranks.max(1);
     if ranks == 1 {
-        return vec![vec![0..total]];
+        return vec![std::iter::once(0..total).collect()];
     }
     let pieces = 2 * ranks;
     let (base, extra) = (total / pieces, total % pieces);
@@ -87,7 +87,7 @@ impl<'a> Shard<'a> {
     pub fn whole(total: usize) -> Self {
         Self {
             group: None,
-            spans: vec![0..total],
+            spans: std::iter::once(0..total).collect(),
             len: total,
             total,
         }
@@ -238,11 +238,16 @@ fn pad_to(x: &Tensor, dim: usize, width: usize) -> Result<Tensor> {
 }
 
 /// `x` in a dtype the collectives carry (f32, f64; half precision travels as f32, exactly), and the
-/// dtype to return to.
+/// dtype to return to. Only activations, their gradients and log-probs travel (floats).
 fn on_the_wire(x: &Tensor) -> Result<(Tensor, DType)> {
     let dtype = x.dtype();
     Ok(match dtype {
         DType::F32 | DType::F64 => (x.contiguous()?, dtype),
-        _ => (x.to_dtype(DType::F32)?, dtype),
+        DType::BF16 | DType::F16 => (x.to_dtype(DType::F32)?, dtype),
+        other => {
+            return Err(EngineError::Shape(format!(
+                "sequence exchange of a {other:?} tensor: only floating-point tensors travel"
+            )))
+        }
     })
 }

@@ -282,10 +282,10 @@ pub struct ParallelGroups {
 }
 
 /// The groups of a job whose ranks are `world`, for `--sp sp` (a divisor of the number of ranks):
-/// consecutive runs of `sp` ranks each split their sequences (rank `r` in group `r / sp`, holding span
-/// `r % sp`; on a node, consecutive ranks share its links), and the ranks holding the same span
-/// across the groups form the data-parallel groups, each taking its group's rows of every global
-/// batch.
+/// consecutive runs of `sp` ranks each split their sequences (rank `r` in group `r / sp`, its rank
+/// `r % sp` there deciding its positions; on a node, consecutive ranks share its links), and the ranks
+/// of the same rank in their groups form the data-parallel groups, each taking its group's rows of
+/// every global batch.
 pub fn parallel_groups(world: Arc<dyn Communicator>, sp: usize) -> Result<ParallelGroups> {
     let ranks = world.world_size();
     if sp == 1 {

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use serde_json::Value;
 use streambp_models::init::NormalRng;
 use streambp_objectives::{Grpo, GrpoBatch};
@@ -331,11 +331,13 @@ fn sample_in_group(
         .flatten()
         .flat_map(|row| std::iter::once(row.len() as f64).chain(row.iter().map(|&t| f64::from(t))))
         .collect();
-    let longest = group.all_gather(&Tensor::new(&[flat.len() as f64], &Device::Cpu)?)?;
+    // On the model's device: NCCL carries device tensors only.
+    let device = &setup.device;
+    let longest = group.all_gather(&Tensor::new(&[flat.len() as f64], device)?)?;
     let longest = longest.to_vec1::<f64>()?.into_iter().fold(0.0, f64::max) as usize;
     let mut padded = flat;
     padded.resize(longest, 0.0);
-    let all = group.all_gather(&Tensor::new(padded.as_slice(), &Device::Cpu)?)?;
+    let all = group.all_gather(&Tensor::new(padded.as_slice(), device)?)?;
     let all = all.to_vec1::<f64>()?;
     let mut out = vec![Vec::new(); prompts.len()];
     for (r, share) in all.chunks(longest.max(1)).enumerate().take(ranks) {

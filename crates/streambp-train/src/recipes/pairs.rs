@@ -318,8 +318,8 @@ impl HeldOut {
         let Some(pairs) = &self.pairs else {
             return Ok(metrics);
         };
-        let mut policy_scores = cfg.scorer(&setup.model);
-        let mut reference_scores = reference.map(|r| cfg.scorer(r));
+        let mut policy_scores = cfg.local_scorer(&setup.model);
+        let mut reference_scores = reference.map(|r| cfg.local_scorer(r));
         let mut wins = 0;
         for group in pairs.chunks(32) {
             let refs: Vec<&Pair> = group.iter().collect();
@@ -353,7 +353,7 @@ impl HeldOut {
         let Some(pairs) = &self.pairs else {
             return Ok(Vec::new());
         };
-        let mut scores = cfg.scorer(&setup.model);
+        let mut scores = cfg.local_scorer(&setup.model);
         let pad = setup.tokenizer.pad_id;
         let mut wins = 0;
         for group in pairs.chunks(32) {
