@@ -9,7 +9,7 @@ use crate::config::TrainConfig;
 use crate::data::Example;
 use crate::dataset::DataSource;
 use crate::logprobs::collated_logps;
-use crate::sampling::{sample_groups, SamplingConfig};
+use crate::sampling::{items_within, sample_groups, SamplingConfig};
 use crate::setup::Setup;
 use crate::tokenizer::{Keep, TextTokenizer};
 use crate::{Result, TrainError};
@@ -36,18 +36,8 @@ pub fn accuracy(model: &Model, tok: &TextTokenizer, questions: &[Question]) -> R
     let mut correct = 0;
     let mut rest = questions;
     while !rest.is_empty() {
-        let mut n = 0;
-        let mut width = 0;
-        while n < rest.len() {
-            let q = &rest[n];
-            let wider = width.max(q.prompt.len() + q.max_new);
-            if n > 0 && wider * (n + 1) > EVAL_BATCH_TOKENS {
-                break;
-            }
-            width = wider;
-            n += 1;
-        }
-        let (batch, after) = rest.split_at(n);
+        let widths = rest.iter().map(|q| q.prompt.len() + q.max_new);
+        let (batch, after) = rest.split_at(items_within(widths, 1, EVAL_BATCH_TOKENS));
         rest = after;
         let prompts: Vec<&[u32]> = batch.iter().map(|q| q.prompt.as_slice()).collect();
         let cfg = SamplingConfig {
@@ -56,7 +46,7 @@ pub fn accuracy(model: &Model, tok: &TextTokenizer, questions: &[Question]) -> R
             max_new_tokens: batch.iter().map(|q| q.max_new).max().unwrap_or(0),
         };
         // Greedy decoding draws nothing: the generators are never read.
-        let mut unused: Vec<NormalRng> = batch.iter().map(|_| NormalRng::new(0)).collect();
+        let mut unused = vec![NormalRng::new(0); batch.len()];
         let answers = streambp_core::on_workers(model.device(), || {
             sample_groups(model, &prompts, 1, tok.eos_id, &cfg, &mut unused)
         })?;

@@ -111,7 +111,10 @@ pub fn sample_groups(
     let mut out = Vec::with_capacity(prompts.len());
     let mut first = 0;
     while first < prompts.len() {
-        let n = batch_within_budget(&prompts[first..], group, cfg.max_new_tokens);
+        let widths = prompts[first..]
+            .iter()
+            .map(|p| p.len() + cfg.max_new_tokens);
+        let n = items_within(widths, group, SAMPLE_BATCH_TOKENS);
         let range = first..first + n;
         let batch = (&prompts[range.clone()], &mut rngs[range]);
         out.extend(sample_batch(&model, batch, group, eos, cfg)?);
@@ -125,13 +128,19 @@ pub fn sample_groups(
 /// batches, which draw what one batch would (each prompt has its own generator).
 pub const SAMPLE_BATCH_TOKENS: usize = 16384;
 
-/// How many of `prompts` (at least one) fit one batch of [`SAMPLE_BATCH_TOKENS`].
-fn batch_within_budget(prompts: &[&[u32]], group: usize, max_new: usize) -> usize {
-    let mut longest = 0;
+/// How many of the leading items (at least one) one decoding batch of `budget` padded tokens holds:
+/// item `i` takes `rows_each` rows of `widths[i]` tokens (prompt and new tokens), every row padded
+/// to the widest of the batch.
+pub fn items_within(
+    widths: impl IntoIterator<Item = usize>,
+    rows_each: usize,
+    budget: usize,
+) -> usize {
+    let mut widest = 0;
     let mut n = 0;
-    for p in prompts {
-        longest = longest.max(p.len());
-        if n > 0 && (n + 1) * group * (longest + max_new) > SAMPLE_BATCH_TOKENS {
+    for width in widths {
+        widest = width.max(widest);
+        if n > 0 && (n + 1) * rows_each * widest > budget {
             break;
         }
         n += 1;

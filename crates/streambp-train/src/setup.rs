@@ -119,7 +119,7 @@ pub struct Setup {
     /// The run's ranks (one process, or MPI's world): gradients are reduced over all of them.
     pub comm: Arc<dyn Communicator>,
     /// The data-parallel ranks, each taking its own rows of every global batch: token counts, losses
-    /// and metrics are summed over these (all ranks, or one when sequences are split over all).
+    /// and metrics are summed over these (all ranks, or one per sequence group with `--sp`).
     pub data: Arc<dyn Communicator>,
     /// The ranks each sequence is split over (`--sp`), when it is.
     pub sequence: Option<Arc<dyn Communicator>>,

@@ -20,7 +20,8 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 use streambp_core::{
-    backward_into, backward_sequence_parallel, backward_with, Batch, Gradients, Plan,
+    backward_into, backward_sequence_parallel, backward_with, Batch, FinishedGradients, Gradients,
+    Plan,
 };
 use streambp_dist::Communicator;
 use streambp_models::Model;
@@ -148,28 +149,12 @@ impl DataParallel {
         plan: Plan,
         weight: f64,
     ) -> Result<Gradients> {
-        // On a split sequence each rank's gradients are its share: the reduction over all ranks
-        // below sums the shares as it sums the data-parallel ranks' gradients.
+        let sequence = self.sequence.as_deref();
         if let Some(shards) = self.shards.as_mut() {
             shards.weight = weight;
-            return Ok(match &self.sequence {
-                Some(group) => backward_sequence_parallel(
-                    model,
-                    batch,
-                    objective,
-                    plan,
-                    group.as_ref(),
-                    Some(shards),
-                )?,
-                None => backward_into(model, batch, objective, plan, shards)?,
-            });
+            return engine_backward(sequence, (model, batch, objective, plan), Some(shards));
         }
-        let mut out = match &self.sequence {
-            Some(group) => {
-                backward_sequence_parallel(model, batch, objective, plan, group.as_ref(), None)?
-            }
-            None => backward_with(model, batch, objective, plan)?,
-        };
+        let mut out = engine_backward(sequence, (model, batch, objective, plan), None)?;
         let grads = weighted(std::mem::take(&mut out.grads), weight)?;
         self.grads = Some(match self.grads.take() {
             None => grads,
@@ -271,6 +256,24 @@ fn weighted(grads: Vec<(String, Tensor)>, weight: f64) -> Result<Vec<(String, Te
         1.0 => Ok(grads),
         w => grads.into_iter().map(|(n, g)| Ok((n, (g * w)?))).collect(),
     }
+}
+
+/// The engine's backward on this rank: over its positions of a split `sequence`, or its whole rows;
+/// gradients handed to `finished` as each group of them is done, or returned. On a split sequence
+/// each rank's gradients are its share: the reduction over all ranks sums the shares as it sums the
+/// data-parallel ranks' gradients.
+fn engine_backward(
+    sequence: Option<&dyn Communicator>,
+    (model, batch, objective, plan): (&Model, Batch, &dyn Objective, Plan),
+    finished: Option<&mut dyn FinishedGradients>,
+) -> Result<Gradients> {
+    Ok(match (sequence, finished) {
+        (Some(group), finished) => {
+            backward_sequence_parallel(model, batch, objective, plan, group, finished)?
+        }
+        (None, Some(finished)) => backward_into(model, batch, objective, plan, finished)?,
+        (None, None) => backward_with(model, batch, objective, plan)?,
+    })
 }
 
 /// The groups a job's ranks form.

@@ -310,18 +310,17 @@ fn sample_in_group(
     let eos = setup.tokenizer.eos_id;
     // On rayon's workers, as the engine's phases: the decoding loop's products then need no
     // cross-thread hand-off each.
-    let sampled =
-        streambp_core::on_workers(setup.model.device(), || match my_prompts.is_empty() {
-            true => Ok(Vec::new()),
-            false => sample_groups(
-                &setup.model,
-                &my_prompts,
-                g.group_size,
-                eos,
-                &g.sampling,
-                &mut my_rngs,
-            ),
-        })?;
+    // (A rank with no prompt of its own gets none back.)
+    let sampled = streambp_core::on_workers(setup.model.device(), || {
+        sample_groups(
+            &setup.model,
+            &my_prompts,
+            g.group_size,
+            eos,
+            &g.sampling,
+            &mut my_rngs,
+        )
+    })?;
     let Some(group) = group else {
         return Ok(sampled);
     };
