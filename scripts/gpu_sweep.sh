@@ -9,11 +9,11 @@
 #   scripts/gpu_sweep.sh pack        # -> gpu/*.xz (ignored by git), plus the transformers peer script
 #
 # then carry `gpu` and run one step per device call (each stays under the 10-minute limit), from the
-# repository root: `scripts/gpu_sweep.sh parity|train|time|maxt|long|peer`. Results go to $OUT (or gpu-out),
+# repository root: `scripts/gpu_sweep.sh parity|train|time|maxt|long|peer|disk|profile|cpu`. Results go to $OUT (or gpu-out),
 # JSON lines written as each point finishes, so a step cut off by the time limit keeps what it measured.
 set -euo pipefail
 
-step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer}
+step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile|cpu}
 out=${OUT:-gpu-out}
 config=benches/configs/qwen3-8b.json
 bench=gpu/streambp-bench
@@ -22,7 +22,10 @@ unpack() {
     for f in gpu/*.xz; do
         [ -e "${f%.xz}" ] || xz -dk "$f"
     done
-    chmod +x gpu/streambp-bench gpu/streambp-train gpu/cuda_parity
+    # Each binary only where it was carried (the working tree that travels is limited in size).
+    for f in gpu/streambp-bench gpu/streambp-bench-pageable gpu/streambp-train gpu/cuda_parity; do
+        [ ! -e "$f" ] || chmod +x "$f"
+    done
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/card.csv"
 }
@@ -89,6 +92,60 @@ peer)
     unpack
     timeout "${LIMIT:-570}" /opt/torch/.venv/bin/python gpu/peer_transformers.py --config "$config" --mode gc \
         --seqs "${SEQS:-4096,16384,24576,28672,32768}" 2>&1 | tee "$out/peer_gc.jsonl"
+    ;;
+disk)
+    # Issue 28 on the card: one stream backward of Qwen3-8B's first LAYERS layers (bf16, T = SEQS)
+    # with the layer checkpoints on the card, in host memory, and in a scratch file on this
+    # machine's disk (pinned host buffers between file and card), every layer and every second
+    # one; gpu/streambp-bench-pageable, when packed, is the build before the pinned buffers.
+    unpack
+    scratch=${SCRATCH:-$PWD/ckpt-scratch}
+    mkdir -p "$scratch"
+    df -h "$scratch" /tmp | tee "$out/disk.md"
+    n=0
+    for run in "$bench|" "$bench|--offload-checkpoints" "$bench|--checkpoint-dir $scratch" \
+        "$bench|--checkpoint-dir $scratch --checkpoint-every 2" \
+        "gpu/streambp-bench-pageable|--checkpoint-dir $scratch"; do
+        binary=${run%%|*}
+        [ -x "$binary" ] || continue
+        n=$((n + 1))
+        echo "== $binary ${run#*|}" | tee -a "$out/disk.md"
+        # shellcheck disable=SC2086
+        timeout "${LIMIT:-240}" "$binary" --config "$config" --device cuda --dtype bf16 \
+            --layers "${LAYERS:-4}" --seq-lens "${SEQS:-32768}" --chunk 2048 --logits-chunk 1024 \
+            --modes stream --repeats "${REPEATS:-1}" ${run#*|} --json "/tmp/disk$n.jsonl" 2>&1 \
+            | tee -a "$out/disk.md" || true
+        cat "/tmp/disk$n.jsonl" >> "$out/disk.jsonl" 2>/dev/null || true
+    done
+    ;;
+profile)
+    # Where the card's time goes in one layer's stream backward (the attention op's composed path
+    # is the suspect, docs/cuda.md): Nsight Systems' kernel and memory-copy summaries.
+    unpack
+    nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys \
+        /usr/local/cuda/nsight-systems-*/bin/nsys 2>/dev/null | head -1 || true)
+    if [ -z "$nsys" ]; then
+        echo "no nsys on this machine" | tee "$out/profile.txt"
+        exit 0
+    fi
+    timeout "${LIMIT:-240}" "$nsys" profile -o /tmp/streambp-profile --force-overwrite true \
+        "$bench" --config "$config" --device cuda --dtype bf16 --layers 1 --seq-lens "${SEQS:-16384}" \
+        --chunk 2048 --logits-chunk 1024 --modes stream --repeats 1 > "$out/profile.txt" 2>&1 || true
+    "$nsys" stats --report cuda_gpu_kern_sum --report cuda_gpu_mem_time_sum --report cuda_api_sum \
+        --format csv --output - /tmp/streambp-profile.nsys-rep 2>/dev/null | head -120 >> "$out/profile.txt" || true
+    ;;
+cpu)
+    # Issue 25 on this host's CPU: the qwen3-small step beside transformers, both sides on the same
+    # two cores (CORES), f32 then bf16; the bench writes the tables with the CPU's name and flags.
+    unpack
+    py=/opt/torch/.venv/bin/python
+    [ -x "$py" ] || py=python3
+    for dtype in f32 bf16; do
+        timeout "${LIMIT:-240}" taskset -c "${CORES:-0,1}" "$bench" \
+            --config benches/configs/qwen3-small.json --dtype "$dtype" --seq-lens 2048,4096 \
+            --modes stream --chunk 128 --repeats "${REPEATS:-3}" --peer "$py" \
+            --peer-script scripts/peer_bench.py --peer-doc "$out/peer.md" 2>&1 | tee -a "$out/cpu.log" || true
+    done
     ;;
 *)
     echo "unknown step $step" >&2

@@ -12,7 +12,8 @@ Two ways to run it (torch + transformers from PyPI: `.venv/bin/pip install torch
 
 MODE is `none` (transformers, no checkpointing) or `gc` (gradient checkpointing of every decoder
 layer with transformers' defaults: `activation_checkpointing_enable()`, formerly
-`gradient_checkpointing_enable()`). Threads: --threads (default: every core, as candle's CPU backend uses).
+`gradient_checkpointing_enable()`). Threads: --threads (default: every core this process may run on, as candle's CPU backend uses;
+`taskset -c 0,1` gives both sides the same two).
 """
 import argparse
 import json
@@ -28,7 +29,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--config", required=True, help="an HF config.json (model_type picks the class)")
 p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
 p.add_argument("--device", default="cpu")
-p.add_argument("--threads", type=int, default=os.cpu_count())
+p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
 p.add_argument("--attn", default="sdpa", help="transformers' attention implementation")
 p.add_argument("--seqs", default="1024,2048", help="standalone: sequence lengths")
 p.add_argument("--modes", default="none,gc", help="standalone: none, gc or both")

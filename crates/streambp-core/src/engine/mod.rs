@@ -24,6 +24,7 @@
 
 mod grad_sink;
 mod head;
+mod host_buffer;
 mod layers;
 mod sequence;
 mod store;

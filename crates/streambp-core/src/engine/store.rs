@@ -3,7 +3,9 @@
 //!
 //! They are pushed in layer order and popped in reverse, so the disk tier is one file written front
 //! to back and read back to front; while a checkpoint's layers run their backward, the one before it
-//! is read on a thread of its own (one checkpoint's bytes more in memory, the disk's time hidden). The file is reserved at its full size before the forward writes
+//! is read on a thread of its own (one checkpoint's bytes more in memory, the disk's time hidden),
+//! into the host buffer the forward wrote through (pinned for a CUDA card: `host_buffer`). The file
+//! is reserved at its full size before the forward writes
 //! anything (a full disk is an error naming the directory and the bytes, before any work is lost),
 //! and unlinked as soon as it is created: the kernel frees its blocks when the step ends or the
 //! process dies, even by `kill -9`, so no scratch file is ever left behind.
@@ -13,6 +15,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
+use super::host_buffer::HostBuffer;
 use crate::error::{EngineError, Result};
 
 /// Bytes a step's checkpoints moved to and from disk, and the seconds that took.
@@ -38,18 +41,30 @@ enum Place {
     Device,
     /// Copied to host memory.
     Host,
-    /// Written to this file (unlinked), `next` bytes in; the read ahead of the next entry to pop.
+    /// Written to this file (unlinked), `next` bytes in, through `buffer` (lent to the read ahead
+    /// of the next entry to pop while it runs).
     Disk {
         file: std::fs::File,
         next: u64,
+        buffer: Option<HostBuffer>,
         ahead: Option<ReadAhead>,
     },
 }
 
-/// An entry's bytes being read on a thread of its own.
+/// An entry's bytes being read on a thread of its own, into the store's buffer.
 struct ReadAhead {
     offset: u64,
-    bytes: std::thread::JoinHandle<std::io::Result<Vec<u8>>>,
+    bytes: std::thread::JoinHandle<std::io::Result<HostBuffer>>,
+}
+
+impl ReadAhead {
+    /// The buffer, once the read is done.
+    fn finish(self) -> Result<HostBuffer> {
+        self.bytes
+            .join()
+            .map_err(|_| EngineError::CheckpointIo("the read-ahead panicked".into()))?
+            .map_err(|e| EngineError::CheckpointIo(format!("reading ahead: {e}")))
+    }
 }
 
 enum Entry {
@@ -72,6 +87,7 @@ impl CheckpointStore {
                 Place::Disk {
                     file: scratch_file(dir, bytes)?,
                     next: 0,
+                    buffer: Some(HostBuffer::for_device(like.device())),
                     ahead: None,
                 }
             }
@@ -90,10 +106,15 @@ impl CheckpointStore {
         let entry = match &mut self.place {
             Place::Device => Entry::Tensor(t.clone()),
             Place::Host => Entry::Tensor(t.to_device(&Device::Cpu)?),
-            Place::Disk { file, next, .. } => {
+            Place::Disk {
+                file, next, buffer, ..
+            } => {
                 let start = Instant::now();
-                let bytes = to_bytes(t)?;
-                write_at(file, &bytes, *next)?;
+                let buffer = buffer.as_mut().ok_or_else(|| {
+                    EngineError::CheckpointIo("a checkpoint stored while others are read".into())
+                })?;
+                let bytes = buffer.fill_from(t)?;
+                write_at(file, bytes, *next)?;
                 let entry = Entry::OnDisk {
                     offset: *next,
                     bytes: bytes.len(),
@@ -123,23 +144,36 @@ impl CheckpointStore {
                 shape,
                 dtype,
             } => {
-                let Place::Disk { file, ahead, .. } = &mut self.place else {
+                let Place::Disk {
+                    file,
+                    buffer: slot,
+                    ahead,
+                    ..
+                } = &mut self.place
+                else {
                     return Err(EngineError::CheckpointIo(
                         "a checkpoint on disk in a store without a file".into(),
                     ));
                 };
                 let start = Instant::now();
-                let buf = match ahead.take() {
-                    Some(read) if read.offset == offset => read
-                        .bytes
-                        .join()
-                        .map_err(|_| EngineError::CheckpointIo("the read-ahead panicked".into()))?
-                        .map_err(|e| EngineError::CheckpointIo(format!("reading ahead: {e}")))?,
-                    _ => read_at(file, offset, bytes).map_err(|e| {
-                        EngineError::CheckpointIo(format!("reading a checkpoint back: {e}"))
-                    })?,
+                let buffer = match ahead.take() {
+                    Some(read) if read.offset == offset => read.finish()?,
+                    other => {
+                        let mut buffer = match other {
+                            Some(read) => read.finish()?,
+                            None => slot.take().ok_or_else(|| {
+                                EngineError::CheckpointIo("the store's buffer is lost".into())
+                            })?,
+                        };
+                        buffer.read_from(file, offset, bytes).map_err(|e| {
+                            EngineError::CheckpointIo(format!("reading a checkpoint back: {e}"))
+                        })?;
+                        buffer
+                    }
                 };
-                let t = Tensor::from_raw_buffer(&buf, dtype, shape.dims(), device)?;
+                let t = buffer.to_tensor(dtype, &shape, device);
+                *slot = Some(buffer);
+                let t = t?;
                 self.io.read += bytes as u64;
                 self.io.seconds += start.elapsed().as_secs_f64();
                 t
@@ -151,15 +185,28 @@ impl CheckpointStore {
 
     /// Starts reading the next entry to pop, when it is on disk.
     fn read_ahead(&mut self) -> Result<()> {
-        let (Place::Disk { file, ahead, .. }, Some(&Entry::OnDisk { offset, bytes, .. })) =
-            (&mut self.place, self.entries.last())
+        let (
+            Place::Disk {
+                file,
+                buffer: slot,
+                ahead,
+                ..
+            },
+            Some(&Entry::OnDisk { offset, bytes, .. }),
+        ) = (&mut self.place, self.entries.last())
         else {
+            return Ok(());
+        };
+        let Some(mut buffer) = slot.take() else {
             return Ok(());
         };
         let file = file
             .try_clone()
             .map_err(|e| EngineError::CheckpointIo(format!("reading ahead: {e}")))?;
-        let bytes = std::thread::spawn(move || read_at(&file, offset, bytes));
+        let bytes = std::thread::spawn(move || {
+            buffer.read_from(&file, offset, bytes)?;
+            Ok(buffer)
+        });
         *ahead = Some(ReadAhead { offset, bytes });
         Ok(())
     }
@@ -213,34 +260,6 @@ fn write_at(file: &std::fs::File, bytes: &[u8], offset: u64) -> Result<()> {
     use std::os::unix::fs::FileExt;
     file.write_all_at(bytes, offset)
         .map_err(|e| EngineError::CheckpointIo(format!("writing a checkpoint: {e}")))
-}
-
-/// `bytes` bytes of `file` from `offset` (here, or on the read-ahead's thread).
-fn read_at(file: &std::fs::File, offset: u64, bytes: usize) -> std::io::Result<Vec<u8>> {
-    use std::os::unix::fs::FileExt;
-    let mut buf = vec![0u8; bytes];
-    file.read_exact_at(&mut buf, offset)?;
-    Ok(buf)
-}
-
-/// `t`'s elements as little-endian bytes (the layout `Tensor::from_raw_buffer` reads).
-fn to_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    let t = t.flatten_all()?.to_device(&Device::Cpu)?;
-    fn bytes_of<T: candle_core::WithDType, const N: usize>(
-        t: &Tensor,
-        le: impl Fn(T) -> [u8; N],
-    ) -> Result<Vec<u8>> {
-        Ok(t.to_vec1::<T>()?.into_iter().flat_map(le).collect())
-    }
-    match t.dtype() {
-        DType::F32 => bytes_of(&t, f32::to_le_bytes),
-        DType::F64 => bytes_of(&t, f64::to_le_bytes),
-        DType::BF16 => bytes_of(&t, half::bf16::to_le_bytes),
-        DType::F16 => bytes_of(&t, half::f16::to_le_bytes),
-        other => Err(EngineError::CheckpointIo(format!(
-            "checkpoints in {other:?} cannot go to disk"
-        ))),
-    }
 }
 
 #[cfg(test)]
