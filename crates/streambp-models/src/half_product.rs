@@ -115,9 +115,10 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    /// The fastest kernel the running CPU has.
+    /// The faster kernel on the running CPU: the dot products where the CPU has them and they were
+    /// measured faster ([`crate::bf16_kernel::pays`]), the widened f32 products elsewhere.
     pub fn detect() -> Self {
-        match crate::bf16_kernel::available() {
+        match crate::bf16_kernel::available() && crate::bf16_kernel::pays() {
             true => Kernel::Bf16Dot,
             false => Kernel::Widened,
         }
