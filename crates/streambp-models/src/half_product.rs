@@ -15,17 +15,12 @@ use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::cpu::widen;
+use crate::cpu::{tile_sizes, tiles, widen, SharedDst};
 
 type CResult<T> = candle_core::Result<T>;
 
-/// Output rows and columns of a tile, and the inner slice summed per kernel call: a tile's operand
-/// slices (2 × 256 × 256 f32, 512 KiB) stay within one core's L2.
+/// The inner slice summed per kernel call, as long as a tile's edge ([`crate::cpu::tile_sizes`]).
 const TILE: usize = 256;
-
-/// The smallest tile edge the tiles shrink to when a product has too few tiles to keep every thread
-/// busy (gemm's f32 kernel loses little at 64).
-const MIN_TILE: usize = 64;
 
 /// A bf16 matrix operand: its data from its first element and its row and column strides.
 #[derive(Clone, Copy)]
@@ -97,14 +92,6 @@ pub enum Destination<'a> {
     AddF32(&'a mut [f32]),
 }
 
-/// A pointer to the destination that tasks share, each writing only its own tile.
-#[derive(Clone, Copy)]
-struct SharedDst<T>(*mut T);
-// SAFETY: each task writes a tile no other task touches (see `product`).
-unsafe impl<T> Send for SharedDst<T> {}
-// SAFETY: as for Send: the tasks sharing it write disjoint tiles.
-unsafe impl<T> Sync for SharedDst<T> {}
-
 /// How a tile's sums are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
@@ -172,9 +159,7 @@ pub fn product_by(
         return;
     }
     let (tm, tn) = tile_sizes(m, n);
-    let tiles: Vec<(usize, usize)> = (0..m.div_ceil(tm))
-        .flat_map(|i| (0..n.div_ceil(tn)).map(move |j| (i * tm, j * tn)))
-        .collect();
+    let tiles = tiles(m, n, (tm, tn));
     let (bf16_dst, f32_dst) = match dst {
         Destination::Bf16(d) => (Some(SharedDst(d.as_mut_ptr())), None),
         Destination::AddF32(d) => (None, Some(SharedDst(d.as_mut_ptr()))),
@@ -303,13 +288,16 @@ pub fn operand<'a>(data: &'a [bf16], l: &Layout) -> CResult<(Operand<'a>, usize,
     Ok((op, rows, cols))
 }
 
-/// `a·b`: by [`product`] for 2-D bf16 tensors on the CPU (any strides), by candle's `matmul`
-/// for any others. The bf16 result records no backward: for products of constants (a detached
+/// `a·b`: by [`product`] for 2-D bf16 tensors on the CPU (any strides), by
+/// [`crate::cpu::tiled_matmul`] for 2-D f32/f64 ones, by candle's `matmul` for any others. The bf16 result records no backward: for products of constants (a detached
 /// forward, a backward's own products), never for one a graph must differentiate.
 pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     let on_host = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle_core::DType::BF16;
     if !(on_host(a) && on_host(b) && a.rank() == 2 && b.rank() == 2) {
-        return a.matmul(b);
+        return match crate::cpu::tiled_matmul(a, b)? {
+            Some(product) => Ok(product),
+            None => a.matmul(b),
+        };
     }
     let ((sa, la), (sb, lb)) = (a.storage_and_layout(), b.storage_and_layout());
     let (Storage::Cpu(CpuStorage::BF16(da)), Storage::Cpu(CpuStorage::BF16(db))) = (&*sa, &*sb)
@@ -347,23 +335,6 @@ pub fn linear(
         *last = out;
     }
     Ok((dst, shape.into()))
-}
-
-/// Tile edges for an `m × n` output: [`TILE`], halved (down to [`MIN_TILE`]) along the longer edge
-/// while there are fewer tiles than twice the threads.
-fn tile_sizes(m: usize, n: usize) -> (usize, usize) {
-    let want = 2 * rayon::current_num_threads();
-    let (mut tm, mut tn) = (TILE.min(m), TILE.min(n));
-    while m.div_ceil(tm) * n.div_ceil(tn) < want {
-        if tm >= tn && tm / 2 >= MIN_TILE {
-            tm /= 2;
-        } else if tn / 2 >= MIN_TILE {
-            tn /= 2;
-        } else {
-            break;
-        }
-    }
-    (tm, tn)
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 use crate::accumulate;
-use crate::cpu::{fusable, gemm_parallelism};
+use crate::cpu::{fusable, tiled_gemm_into};
 use crate::half_product;
 
 type CResult<T> = candle_core::Result<T>;
@@ -199,9 +199,8 @@ fn on_host(x: &Tensor, weight: &Tensor) -> bool {
         && sizes
 }
 
-/// `x Wᵀ` for contiguous `x` `[.., in]` and `W` `[out, in]` (any strides) by one gemm (the kernel
-/// candle's products run) writing every element of an output (`[.., out]`) that is never
-/// zero-filled.
+/// `x Wᵀ` for contiguous `x` `[.., in]` and `W` `[out, in]` (any strides), by gemm's kernel (the
+/// one candle's products run) in tiles of the output (`[.., out]`).
 fn host_product<T: candle_core::WithDType>(
     (x, xl): (&[T], &Layout),
     (w, wl): (&[T], &Layout),
@@ -223,33 +222,8 @@ fn host_product<T: candle_core::WithDType>(
     {
         candle_core::bail!("linear: x {:?}, weight {:?}", xl.dims(), wl.dims());
     }
-    let mut dst: Vec<T> = Vec::with_capacity(n * out);
-    // SAFETY: `dst` has room for `n × out` elements, which gemm writes every one of (read_dst false,
-    // all sizes non-zero) before the length is set; x and W are read within their slices (checked).
-    unsafe {
-        gemm::gemm(
-            n,
-            out,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            out as isize,
-            false,
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.as_ptr(),
-            ws0 as isize,
-            ws1 as isize,
-            T::zero(),
-            T::one(),
-            false,
-            false,
-            false,
-            gemm_parallelism(),
-        );
-        dst.set_len(n * out);
-    }
+    let mut dst = vec![T::zero(); n * out];
+    tiled_gemm_into(&mut dst, (n, out, k), false, (x, k, 1), (w, ws1, ws0));
     Ok((dst, Shape::from([lead, &[out]].concat())))
 }
 
