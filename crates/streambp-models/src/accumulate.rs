@@ -12,7 +12,7 @@
 //! into the sink's accumulator ([`crate::linear::Linear::grad_into`]). Elsewhere the functions answer
 //! `false` and the caller keeps the tensor-op sum (which CUDA runs).
 
-use crate::cpu::{fusable, input_data, tiled_gemm_into};
+use crate::cpu::{fusable, gemm_into, input_data, Threads};
 use crate::half_product::{self, Destination};
 use crate::vectorized;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor, WithDType};
@@ -181,7 +181,7 @@ impl AddProduct {
         let n = b.1.shape().dims2()?.1;
         // `dst` holds `m × n` contiguous elements (the caller's shape test), distinct from `a` and
         // `b` (candle's in-place ops refuse aliased sources).
-        tiled_gemm_into(dst, (m, n, k), true, strided(a), strided(b));
+        gemm_into(dst, (m, n, k), true, strided(a), strided(b), Threads::Tiles);
         Ok(())
     }
 }

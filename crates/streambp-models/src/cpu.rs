@@ -151,66 +151,12 @@ unsafe impl<T> Send for SharedDst<T> {}
 // SAFETY: as for Send: the tasks sharing it write disjoint tiles.
 unsafe impl<T> Sync for SharedDst<T> {}
 
-/// `dst (=|+=) a·b` as [`gemm_into`], split over rayon's threads by output tiles ([`tile_sizes`]),
-/// each tile one single-threaded gemm call. gemm's own threading shares one call's packed panels
-/// between the threads, which at a chunk's sizes costs more than it gains: on an AMD EPYC Zen 4
-/// with 2 threads, `x Wᵀ` of 128 × 256 × 768 took 0.34 ms in tiles and 0.74 ms as one call split by
-/// gemm, and the whole-sequence sizes (2048 rows) took the same in either.
-pub(crate) fn tiled_gemm_into<T: WithDType>(
-    dst: &mut [T],
-    (m, n, k): (usize, usize, usize),
-    accumulate: bool,
-    a: (&[T], usize, usize),
-    b: (&[T], usize, usize),
-) {
-    assert!(dst.len() >= m * n, "product: destination too small");
-    assert!(
-        fits(m, k, a) && fits(k, n, b),
-        "product: operand out of range"
-    );
-    if m * n == 0 {
-        return;
-    }
-    let (tm, tn) = tile_sizes(m, n);
-    let out = SharedDst(dst.as_mut_ptr());
-    use rayon::prelude::*;
-    tiles(m, n, (tm, tn)).par_iter().for_each(|&(i0, j0)| {
-        let (r, c) = (tm.min(m - i0), tn.min(n - j0));
-        // SAFETY: tile (i0, j0) of `dst` (row stride n) is this task's alone and lies within
-        // `m × n`; rows i0.. of `a` and columns j0.. of `b` lie within their slices (checked
-        // above for the whole product); the operands are only read.
-        unsafe {
-            gemm::gemm(
-                r,
-                c,
-                k,
-                out.get().add(i0 * n + j0),
-                1,
-                n as isize,
-                accumulate,
-                a.0.as_ptr().wrapping_add(i0 * a.1),
-                a.2 as isize,
-                a.1 as isize,
-                b.0.as_ptr().wrapping_add(j0 * b.2),
-                b.2 as isize,
-                b.1 as isize,
-                T::from_f64(1.0),
-                T::from_f64(1.0),
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            )
-        }
-    });
-}
-
 /// Whether a `rows × cols` operand `(data, row stride, column stride)` lies within its data.
 fn fits<T>(rows: usize, cols: usize, (data, rs, cs): (&[T], usize, usize)) -> bool {
     rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < data.len()
 }
 
-/// `a·b` for 2-D f32/f64 CPU tensors (any strides) by [`tiled_gemm_into`]; `None` for any others.
+/// `a·b` for 2-D f32/f64 CPU tensors (any strides) by [`gemm_into`] in tiles; `None` for any others.
 /// The result records no backward (for products of constants, as [`crate::half_product::matmul`]).
 pub fn tiled_matmul(a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
     if !(fusable(a) && b.device().is_cpu() && a.dtype() == b.dtype())
@@ -240,7 +186,7 @@ pub fn tiled_matmul(a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
             candle_core::bail!("product: an operand outside its storage");
         }
         let mut out = vec![T::zero(); m * n];
-        tiled_gemm_into(&mut out, (m, n, k), false, oa, ob);
+        gemm_into(&mut out, (m, n, k), false, oa, ob, Threads::Tiles);
         Tensor::from_vec(out, (m, n), a.device())
     }
     match a.dtype() {
@@ -250,36 +196,95 @@ pub fn tiled_matmul(a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
     }
 }
 
-/// `dst (=|+=) a·b` by gemm (the kernel candle's products run), with `(m, n, k)` and each operand as
-/// `(data from its first element, row stride, column stride)`; `dst` is `[m, n]` row-major. Panics
-/// if an operand's strides reach past its slice or `dst` is too small.
+/// How a product uses rayon's threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Threads {
+    /// One gemm call on the calling thread (in tasks that are themselves the parallelism).
+    One,
+    /// The output split into tiles ([`tile_sizes`]) that the threads take one each, each tile one
+    /// single-threaded gemm call. gemm's own threading shares one call's packed panels between the
+    /// threads, which at a chunk's sizes costs more than it gains: on an AMD EPYC Zen 4 with 2
+    /// threads, `x Wᵀ` of 128 × 256 × 768 took 0.34 ms in tiles and 0.74 ms as one call split by
+    /// gemm; at 2048 rows the two took about the same.
+    Tiles,
+}
+
+/// `dst (=|+=) a·b` by gemm (the kernel candle's products run), with `(m, n, k)` and each operand
+/// as `(data from its first element, row stride, column stride)`; `dst` is `[m, n]` row-major.
+/// Panics if an operand's strides reach past its slice or `dst` is too small.
 pub(crate) fn gemm_into<T: WithDType>(
     dst: &mut [T],
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
     a: (&[T], usize, usize),
     b: (&[T], usize, usize),
-    parallelism: gemm::Parallelism,
+    threads: Threads,
 ) {
     assert!(dst.len() >= m * n, "product: destination too small");
     assert!(
         fits(m, k, a) && fits(k, n, b),
         "product: operand out of range"
     );
-    // SAFETY: every element addressed lies within the slices (checked above); `dst` is exclusive.
+    if m * n == 0 {
+        return;
+    }
+    let (tm, tn) = match threads {
+        Threads::One => (m, n),
+        Threads::Tiles => tile_sizes(m, n),
+    };
+    let out = SharedDst(dst.as_mut_ptr());
+    let tile = |&(i0, j0): &(usize, usize)| {
+        // SAFETY: tile (i0, j0) of `dst` (row stride n) is this call's alone and lies within
+        // `m × n`; rows i0.. of `a` and columns j0.. of `b` lie within their slices (checked
+        // above for the whole product); the operands are only read.
+        unsafe {
+            gemm_call(
+                out.get().add(i0 * n + j0),
+                n,
+                (tm.min(m - i0), tn.min(n - j0), k),
+                accumulate,
+                (a.0.as_ptr().wrapping_add(i0 * a.1), a.1, a.2),
+                (b.0.as_ptr().wrapping_add(j0 * b.2), b.1, b.2),
+            )
+        }
+    };
+    match threads {
+        Threads::One => tile(&(0, 0)),
+        Threads::Tiles => {
+            use rayon::prelude::*;
+            tiles(m, n, (tm, tn)).par_iter().for_each(tile)
+        }
+    }
+}
+
+/// `dst (=|+=) a·b`, one single-threaded gemm call, `dst` at row stride `dst_rs` and each operand
+/// as `(first element, row stride, column stride)`.
+///
+/// # Safety
+/// `dst` must address `m` rows of `n` writable elements at row stride `dst_rs` that nothing else
+/// touches during the call, `a` an `m × k` and `b` a `k × n` matrix of readable elements.
+pub(crate) unsafe fn gemm_call<T: WithDType>(
+    dst: *mut T,
+    dst_rs: usize,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+    a: (*const T, usize, usize),
+    b: (*const T, usize, usize),
+) {
+    // SAFETY: the caller's contract.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
-            n as isize,
+            dst_rs as isize,
             accumulate,
-            a.0.as_ptr(),
+            a.0,
             a.2 as isize,
             a.1 as isize,
-            b.0.as_ptr(),
+            b.0,
             b.2 as isize,
             b.1 as isize,
             T::from_f64(1.0),
@@ -287,7 +292,7 @@ pub(crate) fn gemm_into<T: WithDType>(
             false,
             false,
             false,
-            parallelism,
+            gemm::Parallelism::None,
         )
     }
 }
@@ -640,7 +645,14 @@ mod tests {
             let mut sum = vec![1.0f64; m * n];
             let data = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f64>().unwrap();
             let (da, db) = (data(&a), data(&b));
-            tiled_gemm_into(&mut sum, (m, n, k), true, (&da, k, 1), (&db, n, 1));
+            gemm_into(
+                &mut sum,
+                (m, n, k),
+                true,
+                (&da, k, 1),
+                (&db, n, 1),
+                Threads::Tiles,
+            );
             let want = data(&(a.matmul(&b).unwrap() + 1.0).unwrap());
             for (got, want) in sum.iter().zip(&want) {
                 assert!(

@@ -235,28 +235,15 @@ fn widened_tile(
         let (ars, acs) = a.widen(rows.clone(), inner.clone(), &mut bufs.a);
         let (brs, bcs) = b.widen(inner.clone(), cols.clone(), &mut bufs.b);
         // SAFETY: the buffers hold `r × inner` and `inner × c` elements at the strides `widen`
-        // returned; the caller's tile has room for `r × c` at row stride `tile_rs`.
+        // returned; the caller's tile has room for `r × c` at row stride `tile_rs`, its alone.
         unsafe {
-            gemm::gemm(
-                r,
-                c,
-                inner.len(),
+            crate::cpu::gemm_call(
                 tile,
-                1,
-                tile_rs as isize,
+                tile_rs,
+                (r, c, inner.len()),
                 read_dst,
-                bufs.a.as_ptr(),
-                acs as isize,
-                ars as isize,
-                bufs.b.as_ptr(),
-                bcs as isize,
-                brs as isize,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
+                (bufs.a.as_ptr(), ars, acs),
+                (bufs.b.as_ptr(), brs, bcs),
             );
         }
         read_dst = true;

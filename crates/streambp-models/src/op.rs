@@ -8,7 +8,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 use crate::accumulate;
-use crate::cpu::{fusable, tiled_gemm_into};
+use crate::cpu::{fusable, gemm_into, Threads};
 use crate::half_product;
 
 type CResult<T> = candle_core::Result<T>;
@@ -223,7 +223,14 @@ fn host_product<T: candle_core::WithDType>(
         candle_core::bail!("linear: x {:?}, weight {:?}", xl.dims(), wl.dims());
     }
     let mut dst = vec![T::zero(); n * out];
-    tiled_gemm_into(&mut dst, (n, out, k), false, (x, k, 1), (w, ws1, ws0));
+    gemm_into(
+        &mut dst,
+        (n, out, k),
+        false,
+        (x, k, 1),
+        (w, ws1, ws0),
+        Threads::Tiles,
+    );
     Ok((dst, Shape::from([lead, &[out]].concat())))
 }
 

@@ -19,7 +19,7 @@
 use num_traits::Float;
 use rayon::prelude::*;
 
-use crate::cpu::{row_max, BulkExp};
+use crate::cpu::{gemm_into, row_max, BulkExp, Threads};
 use crate::vectorized;
 use candle_core::WithDType;
 
@@ -137,7 +137,14 @@ impl<T: WithDType + BulkExp> Inputs<'_, T> {
         let rows = s.len() / n;
         let q = &self.queries(i)[first * hd..(first + rows) * hd];
         // S = Q·Kᵀ: Kᵀ read through K's strides.
-        gemm_into(s, (rows, n, hd), false, (q, hd, 1), (keys, 1, hd));
+        gemm_into(
+            s,
+            (rows, n, hd),
+            false,
+            (q, hd, 1),
+            (keys, 1, hd),
+            Threads::One,
+        );
         if let Some((mask, per_batch)) = &blk.mask {
             let base = if *per_batch {
                 (i / self.dims.kv_heads) * c * n
@@ -152,17 +159,6 @@ impl<T: WithDType + BulkExp> Inputs<'_, T> {
             }
         }
     }
-}
-
-/// `dst (=|+=) a·b` as [`crate::cpu::gemm_into`], single-threaded: the tasks are the parallelism.
-fn gemm_into<T: WithDType>(
-    dst: &mut [T],
-    dims: (usize, usize, usize),
-    accumulate: bool,
-    a: (&[T], usize, usize),
-    b: (&[T], usize, usize),
-) {
-    crate::cpu::gemm_into(dst, dims, accumulate, a, b, gemm::Parallelism::None);
 }
 
 /// What the forward returns: the output (`[items, rows, hd]`) and each row's softmax maximum and
@@ -246,7 +242,14 @@ fn forward_tile<T: WithDType + BulkExp>(
                 max[j] = m;
             }
         });
-        gemm_into(out, (rows, hd, n), true, (s, n, 1), (values, hd, 1));
+        gemm_into(
+            out,
+            (rows, hd, n),
+            true,
+            (s, n, 1),
+            (values, hd, 1),
+            Threads::One,
+        );
     }
 }
 
@@ -406,7 +409,14 @@ fn block_backward<T: WithDType + BulkExp>(
         }
     });
     let mut ds = vec![T::zero(); rows * n];
-    gemm_into(&mut ds, (rows, n, hd), false, (g, hd, 1), (values, 1, hd));
+    gemm_into(
+        &mut ds,
+        (rows, n, hd),
+        false,
+        (g, hd, 1),
+        (values, 1, hd),
+        Threads::One,
+    );
     vectorized!(|_| {
         for ((ds, p), &d) in ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).zip(dot) {
             ds.iter_mut()
@@ -414,7 +424,14 @@ fn block_backward<T: WithDType + BulkExp>(
                 .for_each(|(x, &prob)| *x = prob * (*x - d));
         }
     });
-    gemm_into(dv, (n, hd, rows), true, (&p, 1, n), (g, hd, 1));
+    gemm_into(
+        dv,
+        (n, hd, rows),
+        true,
+        (&p, 1, n),
+        (g, hd, 1),
+        Threads::One,
+    );
     drop(p);
     gemm_into(
         dk,
@@ -422,8 +439,16 @@ fn block_backward<T: WithDType + BulkExp>(
         true,
         (&ds, 1, n),
         (inp.queries(i), hd, 1),
+        Threads::One,
     );
     let mut dq = vec![T::zero(); rows * hd];
-    gemm_into(&mut dq, (rows, hd, n), false, (&ds, n, 1), (keys, hd, 1));
+    gemm_into(
+        &mut dq,
+        (rows, hd, n),
+        false,
+        (&ds, n, 1),
+        (keys, hd, 1),
+        Threads::One,
+    );
     dq
 }
