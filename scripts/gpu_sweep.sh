@@ -110,6 +110,7 @@ disk)
         [ -x "$binary" ] || continue
         n=$((n + 1))
         echo "== $binary ${run#*|}" | tee -a "$out/disk.md"
+        rm -f "/tmp/disk$n.jsonl"
         # shellcheck disable=SC2086
         timeout "${LIMIT:-240}" "$binary" --config "$config" --device cuda --dtype bf16 \
             --layers "${LAYERS:-4}" --seq-lens "${SEQS:-32768}" --chunk 2048 --logits-chunk 1024 \

@@ -48,21 +48,35 @@ pub fn available() -> bool {
 /// AVX-512 cores multiply-add f32 at full width on two ports, as fast as their one bf16 dot
 /// product port, so the pairs' packing is pure cost there. Measured (`examples/op_timings`, the
 /// qwen3-small step's products, 2 threads): on an AMD EPYC Zen 4 the dot products took 0.55-0.9x
-/// the widened kernel's time, on an Intel Xeon (Emerald Rapids, model 207) 1.6-3.7x. So AMD CPUs
-/// take this kernel and every other one the widened products; `Kernel::available` still lists it
-/// wherever the instructions exist, so tests check it on every such CPU.
+/// the widened kernel's time, on an Intel Xeon (Emerald Rapids, model 207) 1.6-3.7x. So Zen 4
+/// (AMD family 25, the family's only one with AVX512-BF16) takes this kernel and every other CPU
+/// the widened products, Zen 5 included (full-width units, not measured); `Kernel::available`
+/// still lists it wherever the instructions exist, so tests check it on every such CPU.
 pub fn pays() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *AMD.get_or_init(|| {
-            // Leaf 0: the vendor's name in EBX, EDX, ECX.
-            let id = std::arch::x86_64::__cpuid(0);
-            let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
-                .iter()
-                .flat_map(|r| r.to_le_bytes())
-                .collect();
-            vendor == b"AuthenticAMD"
+        static ZEN4: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ZEN4.get_or_init(|| {
+            use std::arch::x86_64::__cpuid;
+            // `__cpuid` is safe from Rust 1.90 on, unsafe before (rust-version is 1.89).
+            // SAFETY: CPUID leaves 0 and 1 exist on every x86-64 CPU.
+            #[allow(unused_unsafe)]
+            let (vendor, signature) = unsafe { (__cpuid(0), __cpuid(1).eax) };
+            let mut name = [0u8; 12];
+            for (bytes, register) in name
+                .chunks_exact_mut(4)
+                .zip([vendor.ebx, vendor.edx, vendor.ecx])
+            {
+                bytes.copy_from_slice(&register.to_le_bytes());
+            }
+            // The family: the base field, plus the extended one where the base is 15.
+            let base = (signature >> 8) & 0xf;
+            let family = if base == 0xf {
+                base + ((signature >> 20) & 0xff)
+            } else {
+                base
+            };
+            &name == b"AuthenticAMD" && family == 0x19
         })
     }
     #[cfg(not(target_arch = "x86_64"))]

@@ -104,8 +104,8 @@ pub fn host_slice<'a, T: WithDType>(
     input_data(cpu, layout)
 }
 
-/// Output rows and columns of a product's tile: a tile's operand panels (2 × 256 × 256 f32, 512 KiB)
-/// stay within one core's L2.
+/// Output rows and columns of a product's tile (gemm blocks each tile's inner dimension for the
+/// caches itself).
 const TILE: usize = 256;
 
 /// The smallest tile edge the tiles shrink to when a product has too few tiles to keep every thread

@@ -20,7 +20,7 @@ use crate::cpu::{tile_sizes, tiles, widen, SharedDst};
 type CResult<T> = candle_core::Result<T>;
 
 /// The inner slice summed per kernel call, as long as a tile's edge ([`crate::cpu::tile_sizes`]).
-const TILE: usize = 256;
+const INNER: usize = 256;
 
 /// A bf16 matrix operand: its data from its first element and its row and column strides.
 #[derive(Clone, Copy)]
@@ -218,7 +218,7 @@ struct Buffers {
     sums: Vec<f32>,
 }
 
-/// `tile (=|+=) a[rows, ..k]·b[..k, cols]` by gemm's f32 kernel on slices of [`TILE`] inner
+/// `tile (=|+=) a[rows, ..k]·b[..k, cols]` by gemm's f32 kernel on slices of [`INNER`] inner
 /// elements widened into `bufs`; `tile` is `(first element, row stride, whether to add into it)`.
 fn widened_tile(
     a: &Operand,
@@ -230,8 +230,8 @@ fn widened_tile(
     bufs: &mut Buffers,
 ) {
     let (r, c) = (rows.len(), cols.len());
-    for k0 in (0..k).step_by(TILE) {
-        let inner = k0..(k0 + TILE).min(k);
+    for k0 in (0..k).step_by(INNER) {
+        let inner = k0..(k0 + INNER).min(k);
         let (ars, acs) = a.widen(rows.clone(), inner.clone(), &mut bufs.a);
         let (brs, bcs) = b.widen(inner.clone(), cols.clone(), &mut bufs.b);
         // SAFETY: the buffers hold `r × inner` and `inner × c` elements at the strides `widen`

@@ -5,6 +5,12 @@
 //! file is read straight into it. One buffer serves a whole step, taken in turn by the forward's
 //! writes and by the backward's read-ahead, so the tier holds one checkpoint's bytes on the host, as
 //! before. Elsewhere the bytes are a plain vector, reused the same way.
+//!
+//! Each copy between the buffer and the card is waited for on the calling thread before the buffer
+//! is used again: candle runs one stream per thread, where cudarc records no events for pinned
+//! memory, so nothing else would order the host's next use of the buffer after the card's copy.
+//! The wait costs the card nothing measurable: the backward's copy back is a few milliseconds
+//! against a layer's seconds, and the forward's bytes are needed on the host at once anyway.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -34,7 +40,7 @@ impl HostBuffer {
     pub(super) fn fill_from(&mut self, t: &Tensor) -> Result<&[u8]> {
         match self {
             Self::Plain(bytes) => {
-                *bytes = to_bytes(t)?;
+                to_bytes(t, bytes)?;
                 Ok(bytes)
             }
             #[cfg(feature = "cuda")]
@@ -79,20 +85,23 @@ impl HostBuffer {
     }
 }
 
-/// `t`'s elements as little-endian bytes (the layout `Tensor::from_raw_buffer` reads).
-fn to_bytes(t: &Tensor) -> Result<Vec<u8>> {
+/// `t`'s elements as little-endian bytes (the layout `Tensor::from_raw_buffer` reads), in `out`.
+fn to_bytes(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
     let t = t.flatten_all()?.to_device(&Device::Cpu)?;
     fn bytes_of<T: candle_core::WithDType, const N: usize>(
         t: &Tensor,
         le: impl Fn(T) -> [u8; N],
-    ) -> Result<Vec<u8>> {
-        Ok(t.to_vec1::<T>()?.into_iter().flat_map(le).collect())
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        out.clear();
+        out.extend(t.to_vec1::<T>()?.into_iter().flat_map(le));
+        Ok(())
     }
     match t.dtype() {
-        DType::F32 => bytes_of(&t, f32::to_le_bytes),
-        DType::F64 => bytes_of(&t, f64::to_le_bytes),
-        DType::BF16 => bytes_of(&t, half::bf16::to_le_bytes),
-        DType::F16 => bytes_of(&t, half::f16::to_le_bytes),
+        DType::F32 => bytes_of(&t, f32::to_le_bytes, out),
+        DType::F64 => bytes_of(&t, f64::to_le_bytes, out),
+        DType::BF16 => bytes_of(&t, half::bf16::to_le_bytes, out),
+        DType::F16 => bytes_of(&t, half::f16::to_le_bytes, out),
         other => Err(unsupported(other)),
     }
 }
@@ -144,14 +153,14 @@ mod pinned {
                 .ok_or_else(|| std::io::Error::other("no pinned buffer"))
         }
 
-        /// `len` writable bytes, once every copy still reading them from the card is done.
+        /// `len` writable bytes (every copy that read them is done: `upload` waits for its own).
         pub(super) fn writable(&mut self, len: usize) -> std::io::Result<&mut [u8]> {
             self.sized(len)?
                 .as_mut_slice()
                 .map_err(|e| std::io::Error::other(format!("waiting for the card's copy: {e}")))
         }
 
-        /// The bytes held, once the card's copy into them is done.
+        /// The bytes held (every copy into them is done: `download` waits for its own).
         pub(super) fn readable(&self) -> Result<&[u8]> {
             let bytes = self
                 .bytes
@@ -197,11 +206,12 @@ mod pinned {
                     other => return Err(unsupported(other)),
                 }
             }
+            wait_for(&card)?;
             self.readable()
         }
 
-        /// A new tensor on `card` holding the buffer's bytes. The copy is queued on the card's
-        /// stream; the buffer's next writer waits for it (`writable`).
+        /// A new tensor on `card` holding the buffer's bytes, once the card has copied them (the
+        /// buffer is then free for the next read).
         pub(super) fn upload(
             &self,
             dtype: DType,
@@ -238,6 +248,7 @@ mod pinned {
                 DType::F16 => copy::<half::f16>(card, source, elements)?,
                 other => return Err(unsupported(other)),
             };
+            wait_for(card)?;
             Ok(Tensor::from_storage(
                 Storage::Cuda(storage),
                 shape.clone(),
@@ -245,6 +256,13 @@ mod pinned {
                 false,
             ))
         }
+    }
+
+    /// Blocks until the work queued on this thread's stream of `card` (the copies above) is done.
+    fn wait_for(card: &CudaDevice) -> Result<()> {
+        card.cuda_stream()
+            .synchronize()
+            .map_err(|e| io_error(&format!("waiting for the card's copy: {e}")))
     }
 
     fn io_error(what: &str) -> EngineError {

@@ -197,12 +197,12 @@ impl CheckpointStore {
         else {
             return Ok(());
         };
-        let Some(mut buffer) = slot.take() else {
-            return Ok(());
-        };
         let file = file
             .try_clone()
             .map_err(|e| EngineError::CheckpointIo(format!("reading ahead: {e}")))?;
+        let Some(mut buffer) = slot.take() else {
+            return Ok(());
+        };
         let bytes = std::thread::spawn(move || {
             buffer.read_from(&file, offset, bytes)?;
             Ok(buffer)
