@@ -125,7 +125,8 @@ impl GradSink {
     }
 
     /// Adds `rows[i]` into row `ids[i]` of the gradient of `name` (shaped like `table`): in place on
-    /// the host in f32/f64, else as a table-sized sum added like any other.
+    /// the host (a bf16 table's rows widened to its f32 accumulator first: `[rows, d]`, not the
+    /// table), else as a table-sized sum added like any other.
     pub(super) fn add_rows(
         &mut self,
         name: &str,
@@ -133,9 +134,12 @@ impl GradSink {
         ids: &Tensor,
         rows: &Tensor,
     ) -> Result<()> {
-        if streambp_models::cpu::fusable(table) && rows.dtype() == table.dtype() {
+        let on_host = table.device().is_cpu() && rows.dtype() == table.dtype();
+        let half = accumulator_dtype(table.dtype()) != table.dtype();
+        if on_host && (streambp_models::cpu::fusable(table) || half) {
             if let Some(acc) = self.accumulator(name, table)? {
-                if accumulate::add_rows(&acc, ids, rows)? {
+                let rows = streambp_models::cpu::cast(rows, acc.dtype())?;
+                if accumulate::add_rows(&acc, ids, &rows)? {
                     return Ok(());
                 }
             }

@@ -4,6 +4,7 @@
 use std::ops::Range;
 
 use candle_core::{DType, Tensor, Var, D};
+use streambp_models::cpu::cast;
 use streambp_models::half_product;
 use streambp_models::Model;
 use streambp_objectives::Objective;
@@ -210,8 +211,9 @@ fn head_chunk(
     let weight = detached.head_weight();
     let dtype = h.dtype();
     let compute = compute_dtype(dtype);
-    // The model's own head product (on the host one gemm into a buffer that is never zero-filled).
-    let z = detached.logits(&h2)?.to_dtype(compute)?;
+    // The model's own head product (on the host one gemm into a buffer that is never zero-filled);
+    // casts between bf16 and f32 on the host split over the threads (`cpu::cast`).
+    let z = cast(&detached.logits(&h2)?, compute)?;
     if detached.scores_positions() {
         // A reward model: the `[n, 1]` scores are what the objective reads; their gradient is its.
         let scores = z.reshape((b, c))?;
@@ -252,7 +254,7 @@ fn head_chunk(
     if temperature != 1.0 {
         dz = dz.affine(1.0 / temperature, 0.0)?;
     }
-    let dz = dz.to_dtype(dtype)?;
+    let dz = cast(&dz, dtype)?;
     Ok(HeadChunk {
         logp,
         grad_hidden: half_product::matmul(&dz, weight)?.reshape((b, c, d))?,

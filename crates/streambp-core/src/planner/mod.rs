@@ -18,8 +18,8 @@
 //!   gradients, and one chunk's graph: its activations (`c × (d, q, kv, ffn)` several times) and its
 //!   attention scores against one block of keys (`heads × c × min(T, KEY_BLOCK)`, a few copies inside
 //!   the attention op's backward; on the host two per running task of its kernel);
-//! - in the embedding's backward: the incoming `[b, T, d]` gradient, and off the host (or in half
-//!   precision) copies of the table's gradient;
+//! - in the embedding's backward: the incoming `[b, T, d]` gradient (and its f32 copy in half
+//!   precision on the host), and off the host copies of the table's gradient;
 //! - on the host, the largest packing workspace of the phase's matrix products, from the blocking
 //!   gemm derives on the running CPU (`gemm_memory.rs`): this, and the slabs, are what differ
 //!   between CPUs (tens of MiB on a CPU with a large L3 cache, for products with a wide operand).
@@ -451,17 +451,17 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
         + scores
         + projection_workspace;
 
-    // The embedding's VJP (written out): the incoming `[b, T, d]` gradient; on the host in f32/f64
-    // its rows go into the table's accumulator in place; elsewhere its scaled rows and the table's
-    // gradient (model dtype; an f32 copy of it for half precision off the host, added in place on
-    // it) summed with the accumulated one. Under LoRA the gradient arrives and nothing is done with
+    // The embedding's VJP (written out): the incoming `[b, T, d]` gradient; on the host its rows go
+    // into the table's accumulator in place (in half precision widened to f32 first); elsewhere its
+    // scaled rows and the table's gradient (model dtype; an f32 copy of it for half precision, added
+    // in place on it) summed with the accumulated one. Under LoRA the gradient arrives and nothing is done with
     // it. Gemma's embedding scale and a padding id each make one more copy of the rows.
     let row_copies = cfg.embed_scale.is_some() as u64 + cfg.pad_token_id.is_some() as u64;
     let embedding_phase = grads
         + row_copies * hidden
         + match (p.lora, p.host) {
             (Some(_), _) => hidden,
-            (None, true) if half => hidden + table_grad,
+            (None, true) if half => hidden + b * t * d * f32b,
             (None, true) => hidden,
             (None, false) if half => 2 * hidden + table_grad + vocab * d * f32b,
             (None, false) => 2 * hidden + table_grad,
