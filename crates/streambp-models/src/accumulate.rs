@@ -12,7 +12,7 @@
 //! into the sink's accumulator ([`crate::linear::Linear::grad_into`]). Elsewhere the functions answer
 //! `false` and the caller keeps the tensor-op sum (which CUDA runs).
 
-use crate::cpu::{fusable, gemm_into, input_data, Threads};
+use crate::cpu::{fusable, gemm_into, input_data, strided, Threads};
 use crate::half_product::{self, Destination};
 use crate::vectorized;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor, WithDType};
@@ -167,12 +167,6 @@ impl InplaceOp2 for AddRows {
 }
 
 struct AddProduct;
-
-/// A matrix operand from its first element, with its row and column strides.
-fn strided<'a, T>((data, l): (&'a [T], &Layout)) -> (&'a [T], usize, usize) {
-    let s = l.stride();
-    (&data[l.start_offset()..], s[0], s[1])
-}
 
 impl AddProduct {
     /// `dst[m, n] += a[m, k]·b[k, n]`, strides from the layouts.

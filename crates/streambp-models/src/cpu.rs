@@ -156,6 +156,15 @@ fn fits<T>(rows: usize, cols: usize, (data, rs, cs): (&[T], usize, usize)) -> bo
     rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < data.len()
 }
 
+/// A 2-D layout's matrix in `data` as [`gemm_into`] takes it: the data from its first element (empty
+/// past the end, which [`fits`] then refuses), its row and column strides.
+pub(crate) fn strided<'a, T>(
+    (data, l): (&'a [T], &candle_core::Layout),
+) -> (&'a [T], usize, usize) {
+    let s = l.stride();
+    (data.get(l.start_offset()..).unwrap_or_default(), s[0], s[1])
+}
+
 /// `a·b` for 2-D f32/f64 CPU tensors (any strides) by [`gemm_into`] in tiles; `None` for any others.
 /// The result records no backward (for products of constants, as [`crate::half_product::matmul`]).
 pub fn tiled_matmul(a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
@@ -174,13 +183,9 @@ pub fn tiled_matmul(a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
         let (Storage::Cpu(ca), Storage::Cpu(cb)) = (&*sa, &*sb) else {
             candle_core::bail!("product: operands not on the CPU");
         };
-        fn operand<'a, T>(data: &'a [T], l: &candle_core::Layout) -> (&'a [T], usize, usize) {
-            let rest = data.get(l.start_offset()..).unwrap_or_default();
-            (rest, l.stride()[0], l.stride()[1])
-        }
         let (oa, ob) = (
-            operand(ca.as_slice::<T>()?, la),
-            operand(cb.as_slice::<T>()?, lb),
+            strided((ca.as_slice::<T>()?, la)),
+            strided((cb.as_slice::<T>()?, lb)),
         );
         if !(fits(m, k, oa) && fits(k, n, ob)) {
             candle_core::bail!("product: an operand outside its storage");
