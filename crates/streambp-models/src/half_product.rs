@@ -62,17 +62,22 @@ impl<'a> Operand<'a> {
         buf.clear();
         buf.reserve(r * c);
         let at = |i: usize, j: usize| i * self.row_stride + j * self.col_stride;
+        // Each contiguous run is one vectorized loop: compiled for the baseline alone, the
+        // widening cost a tenth of a widened bf16 step.
+        let widen_run = |buf: &mut Vec<f32>, run: &[bf16]| {
+            crate::vectorized!(|_| buf.extend(run.iter().map(|x| widen(*x))))
+        };
         if self.row_stride == 1 && self.col_stride != 1 {
             // Column-major: each column's run of rows is contiguous.
             for j in cols {
                 let start = at(rows.start, j);
-                buf.extend(self.data[start..start + r].iter().map(|x| widen(*x)));
+                widen_run(buf, &self.data[start..start + r]);
             }
             (1, r)
         } else if self.col_stride == 1 {
             for i in rows {
                 let start = at(i, cols.start);
-                buf.extend(self.data[start..start + c].iter().map(|x| widen(*x)));
+                widen_run(buf, &self.data[start..start + c]);
             }
             (c, 1)
         } else {
@@ -194,14 +199,19 @@ pub fn product_by(
                     (Some(d), _) => {
                         // SAFETY: row `i0 + t` of tile (i0, j0) is this task's alone, within `m × n`.
                         let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), c) };
-                        row.iter_mut().zip(sums).for_each(|(y, &s)| *y += s);
+                        crate::vectorized!(|_| row
+                            .iter_mut()
+                            .zip(sums)
+                            .for_each(|(y, &s)| *y += s));
                     }
                     (None, Some(d)) => {
                         // SAFETY: as above.
                         let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), c) };
-                        row.iter_mut()
-                            .zip(sums)
-                            .for_each(|(y, &s)| *y = bf16::from_f32(s));
+                        crate::vectorized!(|_| {
+                            row.iter_mut()
+                                .zip(sums)
+                                .for_each(|(y, &s)| *y = bf16::from_f32(s))
+                        });
                     }
                     (None, None) => {}
                 }

@@ -1,11 +1,12 @@
 //! The hand-written CPU passes give the same values on every instruction set this CPU can run
 //! (`streambp_models::simd`): the test runs itself again in child processes, one per path
 //! (`STREAMBP_SIMD`), each computing a Qwen3 and a Gemma3 forward and backward (norms, rope,
-//! SwiGLU, the attention kernel, softmax exponentials) in f64 and f32, plus the bf16 casts and the
-//! in-place sums, and the parent compares them. gemm picks its kernels by itself, the same in
+//! SwiGLU, the attention kernel, softmax exponentials) in f64 and f32, plus the bf16 casts, the
+//! in-place sums and bf16 products by the widened kernel, and the parent compares them. gemm picks its kernels by itself, the same in
 //! every child, so any difference is the passes'.
 //!
-//! - f64, the casts and the sums: the same bits on every path, the baseline (SSE2) included.
+//! - f64, the casts, the sums and the bf16 products: the same bits on every path, the baseline
+//!   (SSE2) included.
 //! - f32 models: the same bits on the vector paths (AVX2, AVX-512); the baseline's exponential has
 //!   no fused multiply-add, so it differs there within the exponential's 2 ulp, carried through.
 
@@ -119,6 +120,55 @@ fn compute() -> Values {
         let step = (x.to_dtype(dtype).unwrap() * 0.5).unwrap();
         assert!(streambp_models::accumulate::add(&acc, &step).unwrap());
         values.insert(format!("add {}", dtype.as_str()), flat(&acc));
+    }
+    values.extend(widened_products());
+    values
+}
+
+/// bf16 products by the widened kernel (its operands widened and its sums rounded or added on the
+/// path in force; gemm's f32 kernel is the same in every child), with each operand read along rows
+/// and along columns, at sizes no vector width divides (several tiles and inner slices).
+fn widened_products() -> Values {
+    use half::bf16;
+    use streambp_models::half_product::{product_by, Destination, Kernel, Operand};
+    let (m, n, k) = (37, 301, 290);
+    let data = |len: usize, seed: f32| -> Vec<bf16> {
+        (0..len)
+            .map(|i| bf16::from_f32((i as f32 * seed).sin()))
+            .collect()
+    };
+    let (a, b) = (data(m * k, 0.37), data(k * n, 0.11));
+    let operand = |data, row_stride, col_stride| Operand {
+        data,
+        row_stride,
+        col_stride,
+    };
+    let mut values = Values::new();
+    for transposed in [false, true] {
+        // Each operand row-major, or the transpose of a row-major matrix (read along columns).
+        let (a_op, b_op) = match transposed {
+            false => (operand(&a, k, 1), operand(&b, n, 1)),
+            true => (operand(&a, 1, m), operand(&b, 1, k)),
+        };
+        let mut rounded = vec![bf16::ZERO; m * n];
+        let dst = Destination::Bf16(&mut rounded);
+        product_by(Kernel::Widened, dst, (m, n, k), a_op, b_op);
+        let mut added: Vec<f32> = (0..m * n).map(|i| i as f32 * 1e-3).collect();
+        let dst = Destination::AddF32(&mut added);
+        product_by(Kernel::Widened, dst, (m, n, k), a_op, b_op);
+        let name = if transposed {
+            "read along columns"
+        } else {
+            "read along rows"
+        };
+        values.insert(
+            format!("bf16 widened product, {name}, rounded"),
+            rounded.iter().map(|x| f64::from(x.to_f32())).collect(),
+        );
+        values.insert(
+            format!("bf16 widened product, {name}, added"),
+            added.iter().map(|&x| f64::from(x)).collect(),
+        );
     }
     values
 }
