@@ -9,11 +9,12 @@
 #   scripts/gpu_sweep.sh pack        # -> gpu/*.xz (ignored by git), plus the transformers peer script
 #
 # then carry `gpu` and run one step per device call (each stays under the 10-minute limit), from the
-# repository root: `scripts/gpu_sweep.sh parity|train|time|maxt|long|peer|disk|profile|cpu`. Results go to $OUT (or gpu-out),
+# repository root: `scripts/gpu_sweep.sh parity|train|time|maxt|long|peer|disk|profile|cpu`,
+# or, for the host CPU alone, `pack-cpu` here and `cpu-profile` there (carry gpu-cpu). Results go to $OUT (or gpu-out),
 # JSON lines written as each point finishes, so a step cut off by the time limit keeps what it measured.
 set -euo pipefail
 
-step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile|cpu}
+step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile|cpu|pack-cpu|cpu-profile}
 out=${OUT:-gpu-out}
 config=benches/configs/qwen3-8b.json
 bench=gpu/streambp-bench
@@ -147,6 +148,83 @@ cpu)
             --modes stream --chunk 128 --repeats "${REPEATS:-3}" --peer "$py" \
             --peer-script scripts/peer_bench.py --peer-doc "$out/peer.md" 2>&1 | tee -a "$out/cpu.log" || true
     done
+    ;;
+pack-cpu)
+    # The kit for `cpu-profile` (gpu-cpu/, ignored): the CPU build of the bench and of op_timings,
+    # and this machine's perf with every library it links, run through the loader carried with them
+    # (the lent machines have no perf), and the planner's test. Build first:
+    #   cargo build --release -p streambp-bench
+    #   cargo build --release -p streambp-models --example op_timings
+    #   cargo test --release -p streambp-core --test planner --no-run
+    rm -rf gpu-cpu /tmp/perf-kit && mkdir -p gpu-cpu /tmp/perf-kit/perf/lib
+    xz -T2 -6 -c target/release/streambp-bench > gpu-cpu/streambp-bench.xz
+    xz -T2 -6 -c target/release/examples/op_timings > gpu-cpu/op_timings.xz
+    test_bin=$(ls -t target/release/deps/planner-* | grep -v '\.d$' | head -1)
+    xz -T2 -6 -c "$test_bin" > gpu-cpu/planner.xz
+    perf_bin=$(command -v perf)
+    cp -L "$perf_bin" /tmp/perf-kit/perf/
+    for lib in $(ldd "$perf_bin" | awk '/=>/ {print $3}') /lib64/ld-linux-x86-64.so.2; do
+        cp -L "$lib" /tmp/perf-kit/perf/lib/
+    done
+    tar cf - -C /tmp/perf-kit perf | xz -T2 -6 > gpu-cpu/perf.tar.xz
+    du -sh gpu-cpu
+    ;;
+cpu-profile)
+    # Issue 25's open question on this host's CPU: where a bf16 step's time goes that an f32 step's
+    # does not. Both dtypes on two cores (CORES), each phase's time, page faults, and perf's flat and
+    # inclusive profiles (software clock: these VMs expose no hardware counters), and op_timings with
+    # a flat profile of its products; then the planner's test (its cost model against measured
+    # peaks on this CPU). Carry gpu-cpu (`pack-cpu`); results in $OUT, five text files.
+    kit=gpu-cpu
+    for f in "$kit"/streambp-bench "$kit"/op_timings "$kit"/planner; do
+        [ -e "$f" ] || xz -dk "$f.xz"
+        chmod +x "$f"
+    done
+    rm -rf /tmp/perf && tar xJf "$kit/perf.tar.xz" -C /tmp
+    perf=(/tmp/perf/lib/ld-linux-x86-64.so.2 --library-path /tmp/perf/lib /tmp/perf/perf)
+    mkdir -p "$out"
+    cores=${CORES:-0,1}
+    report=$out/cpu-profile.md
+    {
+        grep -m1 'model name' /proc/cpuinfo
+        grep -m1 -E '^cpu family' /proc/cpuinfo
+        grep -m1 -E '^model\s' /proc/cpuinfo
+        grep -m1 '^flags' /proc/cpuinfo
+        echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
+        echo "perf_event_paranoid: $(cat /proc/sys/kernel/perf_event_paranoid 2>/dev/null)"
+        nproc
+    } > "$report" 2>&1
+    step_args=(--config benches/configs/qwen3-small.json --seq-lens 2048 --modes stream --chunk 128)
+    for run in "f32 avx512" "bf16 avx512" "f32 avx2" "bf16 avx2"; do
+        set -- $run
+        echo "== $1, STREAMBP_SIMD=$2: phases (JSON)" >> "$report"
+        STREAMBP_SIMD=$2 timeout "${LIMIT:-120}" taskset -c "$cores" "$kit/streambp-bench" \
+            "${step_args[@]}" --dtype "$1" --repeats 3 --json /tmp/phases.jsonl > /dev/null 2>&1 || true
+        cat /tmp/phases.jsonl >> "$report" 2>/dev/null || true
+        rm -f /tmp/phases.jsonl
+    done
+    for dtype in f32 bf16; do
+        echo "== $dtype: perf stat, 4 steps" >> "$report"
+        timeout "${LIMIT:-120}" taskset -c "$cores" "${perf[@]}" stat \
+            -e task-clock,page-faults,context-switches,cpu-migrations -- "$kit/streambp-bench" \
+            "${step_args[@]}" --dtype "$dtype" --repeats 4 >> "$report" 2>&1 || true
+        timeout "${LIMIT:-120}" taskset -c "$cores" "${perf[@]}" record -q -e cpu-clock -F 400 \
+            --call-graph dwarf,16384 -o "/tmp/perf-$dtype.data" -- "$kit/streambp-bench" \
+            "${step_args[@]}" --dtype "$dtype" --repeats 3 > /dev/null 2>&1 || true
+        {
+            echo "== flat"
+            "${perf[@]}" report -i "/tmp/perf-$dtype.data" --no-children --sort dso,sym -g none \
+                --percent-limit 0.3 --stdio 2>&1 | grep -v '^#' | grep -v '^$' | head -80 || true
+            echo "== inclusive"
+            "${perf[@]}" report -i "/tmp/perf-$dtype.data" --children --sort sym -g none \
+                --percent-limit 1 --stdio 2>&1 | grep -v '^#' | grep -v '^$' | head -150 || true
+        } > "$out/profile-$dtype.txt"
+    done
+    RAYON_NUM_THREADS=2 timeout "${LIMIT:-120}" taskset -c "$cores" "${perf[@]}" record -q -e cpu-clock -F 1000 \
+        -o /tmp/perf-ops.data -- "$kit/op_timings" > "$out/op_timings.txt" 2>&1 || true
+    "${perf[@]}" report -i /tmp/perf-ops.data --no-children --sort sym -g none --percent-limit 0.5 --stdio \
+        2>&1 | grep -v '^#' | grep -v '^$' | head -60 >> "$out/op_timings.txt" || true
+    timeout "${LIMIT:-240}" taskset -c "$cores" "$kit/planner" --nocapture > "$out/planner.txt" 2>&1 || true
     ;;
 *)
     echo "unknown step $step" >&2
