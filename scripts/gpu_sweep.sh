@@ -9,9 +9,10 @@
 #   scripts/gpu_sweep.sh pack        # -> gpu/*.xz (ignored by git), plus the transformers peer script
 #
 # then carry `gpu` and run one step per device call (each stays under the 10-minute limit), from the
-# repository root: `scripts/gpu_sweep.sh parity|train|time|maxt|long|peer|disk|profile|cpu`,
-# or, for the host CPU alone, `pack-cpu` here and `cpu-profile` there (carry gpu-cpu). Results go to $OUT (or gpu-out),
-# JSON lines written as each point finishes, so a step cut off by the time limit keeps what it measured.
+# repository root: `scripts/gpu_sweep.sh parity|train|time|maxt|long|peer|disk|profile|cpu`, or, for
+# the host CPU alone, `pack-cpu` here and `cpu-profile` there (carry gpu-cpu). Results go to $OUT (or
+# gpu-out), JSON lines written as each point finishes, so a step cut off by the time limit keeps what
+# it measured.
 set -euo pipefail
 
 step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile|cpu|pack-cpu|cpu-profile}
@@ -161,7 +162,10 @@ pack-cpu)
     xz -T2 -6 -c target/release/examples/op_timings > gpu-cpu/op_timings.xz
     test_bin=$(ls -t target/release/deps/planner-* | grep -v '\.d$' | head -1)
     xz -T2 -6 -c "$test_bin" > gpu-cpu/planner.xz
-    perf_bin=$(command -v perf)
+    perf_bin=$(command -v perf) || {
+        echo "pack-cpu: no perf on this machine (apt-get install linux-perf)" >&2
+        exit 1
+    }
     cp -L "$perf_bin" /tmp/perf-kit/perf/
     for lib in $(ldd "$perf_bin" | awk '/=>/ {print $3}') /lib64/ld-linux-x86-64.so.2; do
         cp -L "$lib" /tmp/perf-kit/perf/lib/
@@ -196,6 +200,7 @@ cpu-profile)
     } > "$report" 2>&1
     step_args=(--config benches/configs/qwen3-small.json --seq-lens 2048 --modes stream --chunk 128)
     for run in "f32 avx512" "bf16 avx512" "f32 avx2" "bf16 avx2"; do
+        # shellcheck disable=SC2086
         set -- $run
         echo "== $1, STREAMBP_SIMD=$2: phases (JSON)" >> "$report"
         STREAMBP_SIMD=$2 timeout "${LIMIT:-120}" taskset -c "$cores" "$kit/streambp-bench" \

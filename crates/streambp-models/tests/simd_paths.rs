@@ -2,8 +2,8 @@
 //! (`streambp_models::simd`): the test runs itself again in child processes, one per path
 //! (`STREAMBP_SIMD`), each computing a Qwen3 and a Gemma3 forward and backward (norms, rope,
 //! SwiGLU, the attention kernel, softmax exponentials) in f64 and f32, plus the bf16 casts, the
-//! in-place sums and bf16 products by the widened kernel, and the parent compares them. gemm picks its kernels by itself, the same in
-//! every child, so any difference is the passes'.
+//! in-place sums and bf16 products by the widened kernel, and the parent compares them. gemm picks
+//! its kernels by itself, the same in every child, so any difference is the passes'.
 //!
 //! - f64, the casts, the sums and the bf16 products: the same bits on every path, the baseline
 //!   (SSE2) included.
