@@ -199,12 +199,14 @@ cpu-profile)
         nproc
     } > "$report" 2>&1
     step_args=(--config benches/configs/qwen3-small.json --seq-lens 2048 --modes stream --chunk 128)
-    for run in "f32 avx512" "bf16 avx512" "f32 avx2" "bf16 avx2"; do
+    # dtype, SIMD path, bf16 kernel (`-`: the CPU's own choice).
+    for run in "f32 avx512 -" "bf16 avx512 widened" "bf16 avx512 dot" "f32 avx2 -" "bf16 avx2 -"; do
         # shellcheck disable=SC2086
         set -- $run
-        echo "== $1, STREAMBP_SIMD=$2: phases (JSON)" >> "$report"
-        STREAMBP_SIMD=$2 timeout "${LIMIT:-120}" taskset -c "$cores" "$kit/streambp-bench" \
-            "${step_args[@]}" --dtype "$1" --repeats 3 --json /tmp/phases.jsonl > /dev/null 2>&1 || true
+        echo "== $1, STREAMBP_SIMD=$2, STREAMBP_BF16_KERNEL=$3: phases (JSON)" >> "$report"
+        STREAMBP_SIMD=$2 STREAMBP_BF16_KERNEL=$3 timeout "${LIMIT:-120}" taskset -c "$cores" \
+            "$kit/streambp-bench" "${step_args[@]}" --dtype "$1" --repeats 3 \
+            --json /tmp/phases.jsonl 2>&1 | grep '^CPU:' >> "$report" || true
         cat /tmp/phases.jsonl >> "$report" 2>/dev/null || true
         rm -f /tmp/phases.jsonl
     done

@@ -1,7 +1,8 @@
 //! The CPU a figure comes from, as the bench writes it beside its tables: `/proc/cpuinfo`'s model
 //! name, the instruction-set flags that decide which kernels run (gemm's and ours), the cache
-//! sizes gemm blocks its products for, and the path our own passes run on (`STREAMBP_SIMD`). Machines with the same model name differ in these (a
-//! virtual "AMD EPYC" may be a Zen 3 or a Zen 4).
+//! sizes gemm blocks its products for, the path our own passes run on (`STREAMBP_SIMD`) and the
+//! bf16 products' kernel (`STREAMBP_BF16_KERNEL`). Machines with the same model name differ in
+//! these (a virtual "AMD EPYC" may be a Zen 3 or a Zen 4).
 
 /// Flags that change which code runs: vector width, FMA, and bf16 arithmetic.
 const KERNEL_FLAGS: [&str; 11] = [
@@ -64,13 +65,15 @@ impl std::fmt::Display for Cpu {
         let cache = *gemm_common::cache::CACHE_INFO;
         write!(
             f,
-            "{} ({}; L2 {} KiB, L3 {} KiB as gemm reads them; {} cores; our passes on {})",
+            "{} ({}; L2 {} KiB, L3 {} KiB as gemm reads them; {} cores; our passes on {}, bf16 \
+             products on the {} kernel)",
             self.model,
             self.flags.join(" "),
             cache[1].cache_bytes >> 10,
             cache[2].cache_bytes >> 10,
             std::thread::available_parallelism().map_or(0, |n| n.get()),
             streambp_models::simd::isa().name(),
+            streambp_models::half_product::Kernel::detect().name(),
         )
     }
 }

@@ -106,14 +106,47 @@ pub enum Kernel {
     Bf16Dot,
 }
 
+/// The environment variable that picks the bf16 products' kernel by [`Kernel::name`] (read once):
+/// to compare the two on a CPU whose choice was never measured, or to test one.
+pub const KERNEL_ENV: &str = "STREAMBP_BF16_KERNEL";
+
 impl Kernel {
-    /// The faster kernel on the running CPU: the dot products where the CPU has them and they were
-    /// measured faster ([`crate::bf16_kernel::pays`]), the widened f32 products elsewhere.
-    pub fn detect() -> Self {
-        match crate::bf16_kernel::available() && crate::bf16_kernel::pays() {
-            true => Kernel::Bf16Dot,
-            false => Kernel::Widened,
+    /// The name [`KERNEL_ENV`] takes and reports print.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Widened => "widened",
+            Kernel::Bf16Dot => "dot",
         }
+    }
+
+    /// The kernel in force: [`KERNEL_ENV`]'s if set to one the running CPU can run, else the faster
+    /// one here: the dot products where the CPU has them and they were measured faster
+    /// ([`crate::bf16_kernel::pays`]), the widened f32 products elsewhere. A value that cannot be
+    /// honoured is reported (`tracing`) and ignored.
+    pub fn detect() -> Self {
+        static IN_FORCE: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *IN_FORCE.get_or_init(|| {
+            let measured = match crate::bf16_kernel::available() && crate::bf16_kernel::pays() {
+                true => Kernel::Bf16Dot,
+                false => Kernel::Widened,
+            };
+            let Ok(asked) = std::env::var(KERNEL_ENV) else {
+                return measured;
+            };
+            let kernels = Kernel::available();
+            match kernels.iter().find(|k| k.name() == asked.trim()) {
+                Some(&kernel) => kernel,
+                None => {
+                    let names: Vec<_> = kernels.iter().map(|k| k.name()).collect();
+                    tracing::warn!(
+                        "{KERNEL_ENV}={asked:?}: not one of this CPU's bf16 kernels ({}); using {}",
+                        names.join(", "),
+                        measured.name()
+                    );
+                    measured
+                }
+            }
+        })
     }
 
     /// Every kernel the running CPU can run (for tests that check each).
