@@ -12,8 +12,8 @@ Two ways to run it (torch + transformers from PyPI: `.venv/bin/pip install torch
 
 MODE is `none` (transformers, no checkpointing) or `gc` (gradient checkpointing of every decoder
 layer with transformers' defaults: `activation_checkpointing_enable()`, formerly
-`gradient_checkpointing_enable()`). Threads: --threads (default: every core this process may run on, as candle's CPU backend uses;
-`taskset -c 0,1` gives both sides the same two).
+`gradient_checkpointing_enable()`). Threads: --threads (default: every core this process may run
+on, as candle's CPU backend uses; `taskset -c 0,1` gives both sides the same two).
 """
 import argparse
 import json

@@ -51,33 +51,31 @@ pub fn available() -> bool {
 /// the widened kernel's time, on an Intel Xeon (Emerald Rapids, model 207) 1.6-3.7x. So Zen 4
 /// (AMD family 25, the family's only one with AVX512-BF16) takes this kernel and every other CPU
 /// the widened products, Zen 5 included (full-width units, not measured); `Kernel::available`
-/// still lists it wherever the instructions exist, so tests check it on every such CPU.
+/// still lists it wherever the instructions exist, so tests check it on every such CPU. Read
+/// once, by [`crate::half_product::Kernel::detect`], which keeps the choice.
 pub fn pays() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        static ZEN4: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ZEN4.get_or_init(|| {
-            use std::arch::x86_64::__cpuid;
-            // `__cpuid` is safe from Rust 1.90 on, unsafe before (rust-version is 1.89).
-            // SAFETY: CPUID leaves 0 and 1 exist on every x86-64 CPU.
-            #[allow(unused_unsafe)]
-            let (vendor, signature) = unsafe { (__cpuid(0), __cpuid(1).eax) };
-            let mut name = [0u8; 12];
-            for (bytes, register) in name
-                .chunks_exact_mut(4)
-                .zip([vendor.ebx, vendor.edx, vendor.ecx])
-            {
-                bytes.copy_from_slice(&register.to_le_bytes());
-            }
-            // The family: the base field, plus the extended one where the base is 15.
-            let base = (signature >> 8) & 0xf;
-            let family = if base == 0xf {
-                base + ((signature >> 20) & 0xff)
-            } else {
-                base
-            };
-            &name == b"AuthenticAMD" && family == 0x19
-        })
+        use std::arch::x86_64::__cpuid;
+        // `__cpuid` is safe from Rust 1.90 on, unsafe before (rust-version is 1.89).
+        // SAFETY: CPUID leaves 0 and 1 exist on every x86-64 CPU.
+        #[allow(unused_unsafe)]
+        let (vendor, signature) = unsafe { (__cpuid(0), __cpuid(1).eax) };
+        let mut name = [0u8; 12];
+        for (bytes, register) in name
+            .chunks_exact_mut(4)
+            .zip([vendor.ebx, vendor.edx, vendor.ecx])
+        {
+            bytes.copy_from_slice(&register.to_le_bytes());
+        }
+        // The family: the base field, plus the extended one where the base is 15.
+        let base = (signature >> 8) & 0xf;
+        let family = if base == 0xf {
+            base + ((signature >> 20) & 0xff)
+        } else {
+            base
+        };
+        &name == b"AuthenticAMD" && family == 0x19
     }
     #[cfg(not(target_arch = "x86_64"))]
     false

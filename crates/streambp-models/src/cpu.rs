@@ -152,7 +152,7 @@ unsafe impl<T> Send for SharedDst<T> {}
 unsafe impl<T> Sync for SharedDst<T> {}
 
 /// Whether a `rows × cols` operand `(data, row stride, column stride)` lies within its data.
-fn fits<T>(rows: usize, cols: usize, (data, rs, cs): (&[T], usize, usize)) -> bool {
+pub(crate) fn fits<T>(rows: usize, cols: usize, (data, rs, cs): (&[T], usize, usize)) -> bool {
     rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < data.len()
 }
 

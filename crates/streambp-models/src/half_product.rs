@@ -45,9 +45,7 @@ impl<'a> Operand<'a> {
 
     /// Whether a `rows × cols` matrix with these strides lies within the data.
     fn fits(&self, rows: usize, cols: usize) -> bool {
-        rows == 0
-            || cols == 0
-            || (rows - 1) * self.row_stride + (cols - 1) * self.col_stride < self.data.len()
+        crate::cpu::fits(rows, cols, (self.data, self.row_stride, self.col_stride))
     }
 
     /// Widens rows `rows` × columns `cols` into `buf`, laid out along whichever of the operand's
@@ -319,8 +317,9 @@ pub fn operand<'a>(data: &'a [bf16], l: &Layout) -> CResult<(Operand<'a>, usize,
 }
 
 /// `a·b`: by [`product`] for 2-D bf16 tensors on the CPU (any strides), by
-/// [`crate::cpu::tiled_matmul`] for 2-D f32/f64 ones, by candle's `matmul` for any others. The bf16 result records no backward: for products of constants (a detached
-/// forward, a backward's own products), never for one a graph must differentiate.
+/// [`crate::cpu::tiled_matmul`] for 2-D f32/f64 ones, by candle's `matmul` for any others. The
+/// bf16 result records no backward: for products of constants (a detached forward, a backward's
+/// own products), never for one a graph must differentiate.
 pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     let on_host = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle_core::DType::BF16;
     if !(on_host(a) && on_host(b) && a.rank() == 2 && b.rank() == 2) {
