@@ -449,6 +449,61 @@ impl candle_core::CustomOp1 for Cast {
     }
 }
 
+/// The values of a half-precision (bf16, f16) CPU tensor in f32, row-major: exact, f32 holds every
+/// one. (For a buffer of one's own: candle's `to_dtype` runs on one thread and a variable made from
+/// its result would be a second copy.)
+pub fn widened_values(t: &Tensor) -> CResult<Vec<f32>> {
+    let values = match t.dtype() {
+        DType::BF16 => with_data::<half::bf16, _>(t, |x| {
+            Ok(vectorized!(|_| x.iter().map(|&v| widen(v)).collect()))
+        })?,
+        DType::F16 => with_data::<half::f16, _>(t, |x| Ok(x.iter().map(|v| v.to_f32()).collect()))?,
+        other => candle_core::bail!("widen: a {other:?} tensor, not half precision"),
+    };
+    values.ok_or_else(|| candle_core::Error::Msg("widen: a tensor off the CPU".into()))
+}
+
+/// Rounds `t` (f32, contiguous, on the CPU) in place to the nearest values of `dtype` (bf16 or f16),
+/// as a cast there and back would: what a half-precision layer computed in f32 does where the
+/// model's own arithmetic rounds ([`crate::layer::DecoderLayer::computed_in_f32`]). It records
+/// nothing: callers round only a fresh output of an op whose backward does not read that output.
+pub fn round_in_place(t: &Tensor, dtype: DType) -> CResult<()> {
+    t.inplace_op1(&RoundTo(dtype))
+}
+
+/// The op of [`round_in_place`]: the dtype whose values to round to.
+struct RoundTo(DType);
+
+impl candle_core::InplaceOp1 for RoundTo {
+    fn name(&self) -> &'static str {
+        "streambp-round"
+    }
+
+    fn cpu_fwd(&self, s: &mut candle_core::CpuStorage, l: &candle_core::Layout) -> CResult<()> {
+        use rayon::prelude::*;
+        let (start, end) = l
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("round: tensor not contiguous".into()))?;
+        let candle_core::CpuStorage::F32(data) = s else {
+            candle_core::bail!("round: not an f32 tensor");
+        };
+        let tasks = data[start..end].par_chunks_mut(CAST_PER_TASK);
+        match self.0 {
+            DType::BF16 => tasks.for_each(|x| {
+                vectorized!(|_| x
+                    .iter_mut()
+                    .for_each(|x| *x = widen(half::bf16::from_f32(*x))))
+            }),
+            DType::F16 => tasks.for_each(|x| {
+                x.iter_mut()
+                    .for_each(|x| *x = half::f16::from_f32(*x).to_f32())
+            }),
+            other => candle_core::bail!("round: to {other:?}, not a half-precision dtype"),
+        }
+        Ok(())
+    }
+}
+
 /// The data of a custom op's CPU input (which the caller made contiguous).
 pub fn input_data<'a, T: WithDType>(
     storage: &'a candle_core::CpuStorage,

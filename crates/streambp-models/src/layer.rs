@@ -5,11 +5,13 @@
 //!
 //! Everything but the attention core is position-wise, so any piece can run on a chunk of positions.
 
-use candle_core::{DType, Device, Tensor};
+use std::convert::Infallible;
+
+use candle_core::{DType, Device, Tensor, TensorId, Var};
 
 use crate::attention::{attention_over_heads, Blocking, EarlierKeys, KeyMask, KEY_BLOCK};
 use crate::config::{Activation, LayerKind, ModelConfig};
-use crate::cpu::through_f32;
+use crate::cpu::{cast, through_f32};
 use crate::error::Result;
 use crate::layout::Layout;
 use crate::linear::Linear;
@@ -74,6 +76,35 @@ pub struct DecoderLayer {
     pub up_proj: Linear,
     /// `[d, ffn]`: back into the residual stream.
     pub down_proj: Linear,
+    /// The half-precision dtype whose values this layer's f32 activations are rounded to where that
+    /// model's own arithmetic would round them; `None` for a layer computing in its weights' dtype
+    /// ([`DecoderLayer::computed_in_f32`]).
+    pub round_to: Option<DType>,
+}
+
+/// A half-precision layer as the host computes it ([`DecoderLayer::computed_in_f32`]): the same
+/// layer with f32 weights, rounding its activations to the model's dtype, and the f32 variable
+/// standing in for each trained weight, which the layer's gradients land on.
+pub struct InF32 {
+    /// The layer to compute with.
+    pub layer: DecoderLayer,
+    /// Each trained weight's stand-in, by the weight's id.
+    stand_ins: Vec<(TensorId, Var)>,
+}
+
+impl InF32 {
+    /// `params` (the model's parameters of this layer) with each trained weight's stand-in in its
+    /// place: where to read the layer's gradients from.
+    pub fn parameters(&self, params: &[(String, Var)]) -> Vec<(String, Var)> {
+        let stand_in = |var: &Var| {
+            let found = self.stand_ins.iter().find(|(id, _)| *id == var.id());
+            found.map_or_else(|| var.clone(), |(_, v)| v.clone())
+        };
+        params
+            .iter()
+            .map(|(name, var)| (name.clone(), stand_in(var)))
+            .collect()
+    }
 }
 
 /// Which keys a block of queries reads: queries from index `q_start`, keys at indices
@@ -172,9 +203,25 @@ impl DecoderLayer {
         window.max(layout.first_key_of_document(q_start))
     }
 
+    /// The dtype the layer computes its activations in: its weights' (f32 for a half-precision
+    /// layer [`DecoderLayer::computed_in_f32`]).
+    pub fn dtype(&self) -> DType {
+        self.input_norm.weight.dtype()
+    }
+
     /// The input norm of the attention block.
     pub fn norm_input(&self, x: &Tensor) -> Result<Tensor> {
-        self.input_norm.forward(x)
+        self.rounded(self.input_norm.forward(x)?)
+    }
+
+    /// `t` rounded in place to [`DecoderLayer::round_to`]'s values, where the layer has one. `t` must
+    /// be the fresh, contiguous output of an op whose backward does not read it (every op of the
+    /// layer's: the products, norms, rope, SwiGLU, the attention, sums).
+    fn rounded(&self, t: Tensor) -> Result<Tensor> {
+        if let Some(dtype) = self.round_to {
+            crate::cpu::round_in_place(&t, dtype)?;
+        }
+        Ok(t)
     }
 
     /// Queries `[batch, heads, len, head_dim]` for normed inputs at indices `start..start + len`.
@@ -206,8 +253,8 @@ impl DecoderLayer {
         layout: &Layout,
     ) -> Result<Tensor> {
         let (b, len, _) = normed.dims3()?;
-        Ok(proj
-            .forward_at(normed, start, layout.dropout_key())?
+        let projected = self.rounded(proj.forward_at(normed, start, layout.dropout_key())?)?;
+        Ok(projected
             .reshape((b, len, heads, self.shape.head_dim))?
             .transpose(1, 2)?)
     }
@@ -220,12 +267,15 @@ impl DecoderLayer {
         layout: &Layout,
     ) -> Result<Tensor> {
         let x = match norm {
-            Some(n) => n.forward(&x)?,
+            Some(n) => self.rounded(n.forward(&x)?)?,
             None => x,
         };
         let len = x.dim(2)?;
-        let (cos, sin) = layout.rope_tables(&self.rotary, start, len, x.dtype(), x.device())?;
-        apply_rope(&x, &cos, &sin)
+        // Rounded like the activations: the model's own rope multiplies by tables in its dtype.
+        let table_dtype = self.round_to.unwrap_or(x.dtype());
+        let (cos, sin) = layout.rope_tables(&self.rotary, start, len, table_dtype, x.device())?;
+        let (cos, sin) = (cast(&cos, x.dtype())?, cast(&sin, x.dtype())?);
+        self.rounded(apply_rope(&x, &cos, &sin)?)
     }
 
     /// The attention core: queries `[b, heads, c, hd]` against keys/values `[b, kv_heads, t, hd]`,
@@ -265,7 +315,7 @@ impl DecoderLayer {
         };
         // Scaling q (c × hd) rather than the scores (c × T) saves a score-sized copy; the op does
         // it, with the grouping of the query heads, inside.
-        attention_over_heads(
+        let out = attention_over_heads(
             q,
             k,
             v,
@@ -276,15 +326,16 @@ impl DecoderLayer {
                 key_block: KEY_BLOCK,
             },
             self.shape.scale,
-        )
+        )?;
+        self.rounded(out)
     }
 
     /// Output projection of the attention core's result for tokens `start..`, with Gemma's
     /// post-attention norm.
     pub fn attention_output(&self, attn: &Tensor, start: usize, layout: &Layout) -> Result<Tensor> {
-        let o = self.o_proj.forward_at(attn, start, layout.dropout_key())?;
+        let o = self.rounded(self.o_proj.forward_at(attn, start, layout.dropout_key())?)?;
         match &self.post_attn_norm {
-            Some(n) => n.forward(&o),
+            Some(n) => self.rounded(n.forward(&o)?),
             None => Ok(o),
         }
     }
@@ -293,17 +344,18 @@ impl DecoderLayer {
     /// post-MLP norm.
     pub fn mlp_block(&self, x: &Tensor, start: usize, layout: &Layout) -> Result<Tensor> {
         let key = layout.dropout_key();
-        let h = self.pre_mlp_norm.forward(x)?;
-        let gate = self.gate_proj.forward_at(&h, start, key)?;
-        let up = self.up_proj.forward_at(&h, start, key)?;
+        let h = self.rounded(self.pre_mlp_norm.forward(x)?)?;
+        let gate = self.rounded(self.gate_proj.forward_at(&h, start, key)?)?;
+        let up = self.rounded(self.up_proj.forward_at(&h, start, key)?)?;
         let gated = match self.activation {
             Activation::Silu => swiglu(&gate, &up)?,
-            Activation::GeluTanh => (gelu_tanh(&gate)? * up)?,
-            Activation::Gelu => (gelu_erf(&gate)? * up)?,
+            Activation::GeluTanh => (self.rounded(gelu_tanh(&gate)?)? * up)?,
+            Activation::Gelu => (self.rounded(gelu_erf(&gate)?)? * up)?,
         };
-        let m = self.down_proj.forward_at(&gated, start, key)?;
+        let gated = self.rounded(gated)?;
+        let m = self.rounded(self.down_proj.forward_at(&gated, start, key)?)?;
         match &self.post_mlp_norm {
-            Some(n) => n.forward(&m),
+            Some(n) => self.rounded(n.forward(&m)?),
             None => Ok(m),
         }
     }
@@ -319,8 +371,8 @@ impl DecoderLayer {
         start: usize,
         layout: &Layout,
     ) -> Result<Tensor> {
-        let x1 = (x + self.attention_output(attn, start, layout)?)?;
-        Ok((&x1 + self.mlp_block(&x1, start, layout)?)?)
+        let x1 = self.rounded((x + self.attention_output(attn, start, layout)?)?)?;
+        self.rounded((&x1 + self.mlp_block(&x1, start, layout)?)?)
     }
 
     /// The layer output for the input chunk `x_c` at positions `q_start..`, given keys/values for
@@ -412,23 +464,69 @@ impl DecoderLayer {
 
     /// The same layer with every weight cut from the graph: runs without recording anything.
     pub fn detached(&self) -> Self {
-        let opt = |n: &Option<RmsNorm>| n.as_ref().map(RmsNorm::detached);
-        Self {
-            input_norm: self.input_norm.detached(),
-            q_proj: self.q_proj.detached(),
-            k_proj: self.k_proj.detached(),
-            v_proj: self.v_proj.detached(),
-            o_proj: self.o_proj.detached(),
-            q_norm: opt(&self.q_norm),
-            k_norm: opt(&self.k_norm),
-            post_attn_norm: opt(&self.post_attn_norm),
-            pre_mlp_norm: self.pre_mlp_norm.detached(),
-            post_mlp_norm: opt(&self.post_mlp_norm),
-            gate_proj: self.gate_proj.detached(),
-            up_proj: self.up_proj.detached(),
-            down_proj: self.down_proj.detached(),
+        let Ok(layer) = self.map_weights(&mut |t| Ok::<_, Infallible>(t.detach()));
+        layer
+    }
+
+    /// The same layer with each weight (norms, projections, adapters) replaced by `f(weight)`.
+    pub fn map_weights<E>(
+        &self,
+        f: &mut impl FnMut(&Tensor) -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<Self, E> {
+        let mut norm = |n: &Option<RmsNorm>| n.as_ref().map(|n| n.map_weights(f)).transpose();
+        let (q_norm, k_norm) = (norm(&self.q_norm)?, norm(&self.k_norm)?);
+        let (post_attn_norm, post_mlp_norm) =
+            (norm(&self.post_attn_norm)?, norm(&self.post_mlp_norm)?);
+        Ok(Self {
+            input_norm: self.input_norm.map_weights(f)?,
+            q_proj: self.q_proj.map_weights(f)?,
+            k_proj: self.k_proj.map_weights(f)?,
+            v_proj: self.v_proj.map_weights(f)?,
+            o_proj: self.o_proj.map_weights(f)?,
+            q_norm,
+            k_norm,
+            post_attn_norm,
+            pre_mlp_norm: self.pre_mlp_norm.map_weights(f)?,
+            post_mlp_norm,
+            gate_proj: self.gate_proj.map_weights(f)?,
+            up_proj: self.up_proj.map_weights(f)?,
+            down_proj: self.down_proj.map_weights(f)?,
             ..self.clone()
+        })
+    }
+
+    /// This layer as the host computes it when it is half precision (bf16, f16) on the CPU; `None`
+    /// elsewhere (it runs as it is).
+    ///
+    /// Its weights are widened to f32 (one layer's copy at a time: the caller's to keep for a phase)
+    /// and its activations are f32 tensors holding values of the model's dtype: each op computes in
+    /// f32 and its output is rounded in place where the model's own arithmetic rounds (each op's
+    /// output, each residual sum), so the forward is the half-precision model's, while every op runs
+    /// its f32 kernel, autograd's nodes are f32 and no cast sits between them. Gradients flow in f32
+    /// (those of trained weights land on f32 stand-ins, [`InF32::parameters`]); the adapters, in f32
+    /// already, are shared.
+    pub fn computed_in_f32(&self) -> Result<Option<InF32>> {
+        let dtype = self.input_norm.weight.dtype();
+        let half = matches!(dtype, DType::BF16 | DType::F16);
+        if !(half && self.input_norm.weight.device().is_cpu()) {
+            return Ok(None);
         }
+        let mut stand_ins = Vec::new();
+        let mut widen = |t: &Tensor| -> candle_core::Result<Tensor> {
+            if t.dtype() != dtype {
+                return Ok(t.clone());
+            }
+            let values = crate::cpu::widened_values(t)?;
+            if !t.is_variable() {
+                return Tensor::from_vec(values, t.shape(), t.device());
+            }
+            let var = Var::from_vec(values, t.shape(), t.device())?;
+            stand_ins.push((t.id(), var.clone()));
+            Ok(var.as_tensor().clone())
+        };
+        let mut layer = self.map_weights(&mut widen)?;
+        layer.round_to = Some(dtype);
+        Ok(Some(InF32 { layer, stand_ins }))
     }
 
     /// The attention shape of layers of `cfg`.

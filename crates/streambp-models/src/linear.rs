@@ -1,6 +1,8 @@
 //! A dense projection `x Wᵀ + b` over the last dimension of a tensor of any rank, with an optional LoRA
 //! adapter, and a frozen mode in which the weight gets no gradient (not even a discarded one).
 
+use std::convert::Infallible;
+
 use candle_core::Tensor;
 
 use crate::error::{ModelError, Result};
@@ -82,12 +84,22 @@ impl Linear {
 
     /// The same projection with its weights (and adapter) cut from the graph.
     pub fn detached(&self) -> Self {
-        Self {
-            weight: self.weight.detach(),
-            bias: self.bias.as_ref().map(Tensor::detach),
+        let Ok(linear) = self.map_weights(&mut |t| Ok::<_, Infallible>(t.detach()));
+        linear
+    }
+
+    /// The same projection with each weight (the adapter's too) replaced by `f(weight)`, and no
+    /// gradient accumulator (one belongs to the weight it was made for).
+    pub fn map_weights<E>(
+        &self,
+        f: &mut impl FnMut(&Tensor) -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<Self, E> {
+        Ok(Self {
+            weight: f(&self.weight)?,
+            bias: self.bias.as_ref().map(&mut *f).transpose()?,
             frozen: self.frozen,
-            lora: self.lora.as_ref().map(LoraAdapter::detached),
+            lora: self.lora.as_ref().map(|a| a.map_weights(f)).transpose()?,
             grad_into: None,
-        }
+        })
     }
 }

@@ -183,11 +183,20 @@ pub struct LoraAdapter {
 impl LoraAdapter {
     /// The same adapter cut from the graph.
     pub fn detached(&self) -> Self {
-        Self {
-            a: self.a.detach(),
-            b: self.b.detach(),
+        let Ok(adapter) = self.map_weights(&mut |t| Ok::<_, std::convert::Infallible>(t.detach()));
+        adapter
+    }
+
+    /// The same adapter with `lora_A` and `lora_B` replaced by `f(weight)`.
+    pub fn map_weights<E>(
+        &self,
+        f: &mut impl FnMut(&Tensor) -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<Self, E> {
+        Ok(Self {
+            a: f(&self.a)?,
+            b: f(&self.b)?,
             ..self.clone()
-        }
+        })
     }
 
     /// `x Wᵀ (+ b) + s · (dropout(x) Aᵀ) Bᵀ` for the flattened input `x` `[n, in]` of tokens `start..`

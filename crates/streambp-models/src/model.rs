@@ -153,6 +153,7 @@ impl Model {
                     gate_proj: linear(&p("mlp.gate_proj")),
                     up_proj: linear(&p("mlp.up_proj")),
                     down_proj: linear(&p("mlp.down_proj")),
+                    round_to: None,
                 }
             })
             .collect();

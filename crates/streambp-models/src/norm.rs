@@ -85,10 +85,19 @@ impl RmsNorm {
 
     /// The same norm with its weight cut from the graph.
     pub fn detached(&self) -> Self {
-        Self {
-            weight: self.weight.detach(),
+        let Ok(norm) = self.map_weights(&mut |t| Ok::<_, std::convert::Infallible>(t.detach()));
+        norm
+    }
+
+    /// The same norm with its weight replaced by `f(weight)`.
+    pub fn map_weights<E>(
+        &self,
+        f: &mut impl FnMut(&Tensor) -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<Self, E> {
+        Ok(Self {
+            weight: f(&self.weight)?,
             ..self.clone()
-        }
+        })
     }
 }
 

@@ -2,9 +2,11 @@
 //! its backward streamed over query chunks or whole under checkpointing (phase 3), and the
 //! embedding's (phase 4).
 
-use candle_core::{Tensor, Var};
+use std::ops::Range;
+
+use candle_core::{DType, Tensor, Var};
 use streambp_models::attention::{keys_dtype, EarlierKeys};
-use streambp_models::cpu::cast;
+use streambp_models::cpu::{cast, widened_values};
 use streambp_models::{DecoderLayer, KeyBlock, Layout, Model};
 
 use crate::error::Result;
@@ -13,6 +15,45 @@ use crate::seed::seed;
 use super::grad_sink::GradSink;
 use super::required;
 use super::sequence::{Chunk, Shard};
+
+/// `layer` as the host computes it ([`DecoderLayer::computed_in_f32`]: a half-precision layer on the
+/// CPU in f32), and `params` as the variables its gradients land on.
+fn computed(
+    layer: &DecoderLayer,
+    params: &[(String, Var)],
+) -> Result<(DecoderLayer, Vec<(String, Var)>)> {
+    Ok(match layer.computed_in_f32()? {
+        Some(wide) => {
+            let params = wide.parameters(params);
+            (wide.layer, params)
+        }
+        None => (layer.clone(), params.to_vec()),
+    })
+}
+
+/// Positions `range` of a layer input `x` (`[b, T, d]`, a checkpoint in the model's dtype) in the
+/// dtype the layer computes in: a half-precision model's on the host widened, exactly, to f32.
+fn chunk_input(x: &Tensor, range: Range<usize>, dtype: DType) -> Result<Tensor> {
+    let part = x.narrow(1, range.start, range.len())?;
+    match part.dtype() == dtype {
+        true => Ok(part),
+        false => Ok(cast(&part, dtype)?),
+    }
+}
+
+/// [`chunk_input`] as a variable, to differentiate a chunk's graph by.
+fn chunk_variable(x: &Tensor, range: Range<usize>, dtype: DType) -> Result<Var> {
+    let part = x.narrow(1, range.start, range.len())?;
+    if part.dtype() == dtype {
+        return Ok(Var::from_tensor(&part)?);
+    }
+    // Widened straight into the variable's own buffer (`Var::from_tensor` would copy it again).
+    Ok(Var::from_vec(
+        widened_values(&part)?,
+        part.shape(),
+        part.device(),
+    )?)
+}
 
 /// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk into
 /// one buffer each (no list of parts to concatenate), in [`keys_dtype`] (f32 for bf16 on the host).
@@ -30,7 +71,7 @@ fn keys_values_streamed(
     let keys = Tensor::zeros(shape, dtype, x.device())?;
     let values = keys.zeros_like()?;
     for c in shard.chunks(chunk) {
-        let normed = layer.norm_input(&x.narrow(1, c.local.start, c.local.len())?)?;
+        let normed = layer.norm_input(&chunk_input(x, c.local.clone(), layer.dtype())?)?;
         let (k, v) = layer.keys_values(&normed, c.start, layout)?;
         keys.slice_set(&cast(&k, dtype)?, 2, c.local.start)?;
         values.slice_set(&cast(&v, dtype)?, 2, c.local.start)?;
@@ -47,6 +88,8 @@ pub(super) fn layer_forward_streamed(
     chunk: usize,
     shard: &Shard,
 ) -> Result<Tensor> {
+    let (layer, _) = computed(layer, &[])?;
+    let layer = &layer;
     let (keys, values) = keys_values_streamed(layer, x, layout, chunk, shard)?;
     let out = x.zeros_like()?;
     for c in shard.chunks(chunk) {
@@ -59,12 +102,12 @@ pub(super) fn layer_forward_streamed(
             earlier: None,
         };
         let y = layer.forward_chunk(
-            &x.narrow(1, c.local.start, c.local.len())?,
+            &chunk_input(x, c.local.clone(), layer.dtype())?,
             &keys.narrow(2, k0, e - k0)?,
             &values.narrow(2, k0, e - k0)?,
             block,
         )?;
-        out.slice_set(&y, 1, c.local.start)?;
+        out.slice_set(&cast(&y, x.dtype())?, 1, c.local.start)?;
     }
     Ok(out)
 }
@@ -92,7 +135,8 @@ pub(super) fn layer_backward_streamed(
     chunk: usize,
     sink: &mut GradSink,
 ) -> Result<Tensor> {
-    let layer = &model.layers[index];
+    let (layer, params) = computed(&model.layers[index], model.layer_parameters(index))?;
+    let dtype = layer.dtype();
     let chunks = shard.chunks(chunk);
     let (keys, values) = keys_values_streamed(&layer.detached(), x, layout, chunk, shard)?;
     // The gradients of the layer's keys and values, filled from the last chunk backwards. Two writers:
@@ -106,7 +150,6 @@ pub(super) fn layer_backward_streamed(
     let grad_in = x.zeros_like()?;
     // The projections' weight gradients go straight into the sink's accumulators: no chunk makes a
     // weight-sized buffer.
-    let params = model.layer_parameters(index);
     let layer = layer.accumulating_into(|weight| {
         match params
             .iter()
@@ -121,7 +164,7 @@ pub(super) fn layer_backward_streamed(
     for c in chunks.iter().rev() {
         let (s, len) = (c.start, c.local.len());
         let k0 = layer.first_visible_key(s, layout);
-        let x_c = Var::from_tensor(&x.narrow(1, c.local.start, len)?)?;
+        let x_c = chunk_variable(x, c.local.clone(), dtype)?;
         let normed = layer.norm_input(x_c.as_tensor())?;
         let (k_own, v_own) = layer.keys_values(&normed, s, layout)?;
         let q = layer.queries(&normed, s, layout)?;
@@ -147,16 +190,13 @@ pub(super) fn layer_backward_streamed(
         let y = layer.after_attention(x_c.as_tensor(), &attn, s, layout)?;
         // (Kept in f32 for a bf16 model on the host, the complete gradients are rounded once here.)
         let own = |grads: &Tensor| cast(&grads.narrow(2, s, len)?, k_own.dtype());
-        let surrogate = (seed(&y, &grad_out.narrow(1, c.local.start, len)?)?
+        let surrogate = (seed(&y, &chunk_input(grad_out, c.local.clone(), dtype)?)?
             + seed(&k_own, &own(&grad_keys)?)?
             + seed(&v_own, &own(&grad_values)?)?)?;
         let store = surrogate.backward()?;
-        grad_in.slice_set(
-            &required(&store, x_c.as_tensor(), "layer input")?,
-            1,
-            c.local.start,
-        )?;
-        sink.absorb(&store, model.layer_parameters(index).iter())?;
+        let grad_x = required(&store, x_c.as_tensor(), "layer input")?;
+        grad_in.slice_set(&cast(&grad_x, grad_in.dtype())?, 1, c.local.start)?;
+        sink.absorb(&store, params.iter())?;
     }
     if shard.is_split() {
         // This rank's own part was fed in above; what is left are the gradients of other ranks' keys
@@ -171,7 +211,7 @@ pub(super) fn layer_backward_streamed(
         drop(grad_values);
         let from_others = (from_keys, from_values);
         keys_values_backward(
-            (layer, model, index),
+            (layer, &params),
             x,
             from_others,
             (layout, &chunks),
@@ -186,7 +226,7 @@ pub(super) fn layer_backward_streamed(
 /// of a layer's keys and values backpropagated through its input norm and k/v projections chunk by
 /// chunk, the input's share added into `grad_in` and the parameters' into `sink`.
 fn keys_values_backward(
-    (layer, model, index): (&DecoderLayer, &Model, usize),
+    (layer, params): (&DecoderLayer, &[(String, Var)]),
     x: &Tensor,
     (grad_keys, grad_values): (Tensor, Tensor),
     (layout, chunks): (&Layout, &[Chunk]),
@@ -195,16 +235,17 @@ fn keys_values_backward(
 ) -> Result<()> {
     for c in chunks {
         let r = &c.local;
-        let x_c = Var::from_tensor(&x.narrow(1, r.start, r.len())?)?;
+        let x_c = chunk_variable(x, r.clone(), layer.dtype())?;
         let normed = layer.norm_input(x_c.as_tensor())?;
         let (k, v) = layer.keys_values(&normed, c.start, layout)?;
         let part = |g: &Tensor| cast(&g.narrow(2, r.start, r.len())?, k.dtype());
         let surrogate = (seed(&k, &part(&grad_keys)?)? + seed(&v, &part(&grad_values)?)?)?;
         let store = surrogate.backward()?;
         let earlier = grad_in.narrow(1, r.start, r.len())?;
-        let added = (earlier + required(&store, x_c.as_tensor(), "layer input")?)?;
+        let grad_x = required(&store, x_c.as_tensor(), "layer input")?;
+        let added = (earlier + cast(&grad_x, grad_in.dtype())?)?;
         grad_in.slice_set(&added, 1, r.start)?;
-        sink.absorb(&store, model.layer_parameters(index).iter())?;
+        sink.absorb(&store, params.iter())?;
     }
     Ok(())
 }
@@ -217,13 +258,14 @@ pub(super) fn layer_backward_whole(
     layout: &Layout,
     sink: &mut GradSink,
 ) -> Result<Tensor> {
-    let layer = &model.layers[index];
-    let x = Var::from_tensor(x)?;
-    let y = layer.forward(x.as_tensor(), layout)?;
-    let store = seed(&y, grad_out)?.backward()?;
-    let grad_in = required(&store, x.as_tensor(), "layer input")?;
-    sink.absorb(&store, model.layer_parameters(index).iter())?;
-    Ok(grad_in)
+    let (layer, params) = computed(&model.layers[index], model.layer_parameters(index))?;
+    let whole = 0..x.dim(1)?;
+    let x_var = chunk_variable(x, whole.clone(), layer.dtype())?;
+    let y = layer.forward(x_var.as_tensor(), layout)?;
+    let store = seed(&y, &chunk_input(grad_out, whole, layer.dtype())?)?.backward()?;
+    let grad_in = required(&store, x_var.as_tensor(), "layer input")?;
+    sink.absorb(&store, params.iter())?;
+    Ok(cast(&grad_in, x.dtype())?)
 }
 
 /// Phase 4: the gradient of the embedding table from the gradient of the first layer's input, by the

@@ -34,6 +34,7 @@ use std::ops::Range;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use streambp_dist::Communicator;
+use streambp_models::cpu::cast;
 use streambp_models::lora::DropoutKey;
 use streambp_models::{Layout, Model};
 use streambp_objectives::Objective;
@@ -597,8 +598,20 @@ fn full_backward(
     sink: &mut GradSink,
 ) -> Result<(f64, Tensor)> {
     let mut h = model.embed(batch.input_ids)?;
+    // A half-precision layer on the host computes in f32 (`DecoderLayer::computed_in_f32`): its
+    // trained weights' gradients land on f32 stand-ins, which `params` then lists.
+    let mut params = model.parameters().to_vec();
     for layer in &model.layers {
-        h = layer.forward(&h, layout)?;
+        let wide = layer.computed_in_f32()?;
+        let layer = match &wide {
+            Some(wide) => {
+                params = wide.parameters(&params);
+                &wide.layer
+            }
+            None => layer,
+        };
+        let y = layer.forward(&cast(&h, layer.dtype())?, layout)?;
+        h = cast(&y, h.dtype())?;
     }
     let logits = model.logits(&model.final_norm(&h)?)?;
     let logp = head::head_outputs(model, logits, objective.targets(), objective.temperature())?;
@@ -606,7 +619,7 @@ fn full_backward(
     let loss = objective.loss(&logp, 0..t)?;
     let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     let store = loss.backward()?;
-    sink.absorb(&store, model.parameters().iter())?;
+    sink.absorb(&store, params.iter())?;
     Ok((value, logp.detach()))
 }
 

@@ -264,7 +264,8 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let half = e < 4;
     let grad_bytes = if half { f32b } else { e };
     let params = parameter_count(cfg);
-    let in_flight = params.saturating_sub(vocab * d) / layers.max(1) + vocab * d;
+    let layer_params = params.saturating_sub(vocab * d) / layers.max(1);
+    let in_flight = layer_params + vocab * d;
     // The rope tables (cos and sin for every position), built once per backward.
     let rope = 2 * t * cfg.head_dim as u64 * e;
     // On the host, gemm's per-thread packing slabs (kept for the process's life).
@@ -348,17 +349,12 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
 
     // A chunk's activations (`[c, d | q | kv | ffn]` several times; fitted, see the module docs): in
     // a graph in the backward, passing through in the forward. Half precision on the host computes
-    // them in f32 (its norm, rope, SwiGLU and attention widen their inputs and round their outputs).
+    // them in f32 (`DecoderLayer::computed_in_f32`), with the layer in flight's weights widened to
+    // f32 for the phase.
     let half_host = half && p.host;
     let act = if half_host { f32b } else { e };
-    // (Half precision on the host: the attention's f32 copies of q, k and v, their gradients, and
-    // those rounded back; fitted at chunks 128 .. 747.)
-    let widened = if half_host {
-        (3 * q + 4 * kv) * f32b
-    } else {
-        0
-    };
-    let chunk_acts = b * c * ((6 * d + 7 * q + 3 * kv + 6 * ffn) * act + widened);
+    let widened_layer = if half_host { layer_params * f32b } else { 0 };
+    let chunk_acts = b * c * (6 * d + 7 * q + 3 * kv + 6 * ffn) * act;
     let forward_acts = b * c * (4 * d + 3 * q + 2 * kv + 4 * ffn) * act;
     // The layer's keys and values of the whole sequence (f32 for half precision on the host, whose
     // attention runs in f32: `streambp_models::attention::keys_dtype`).
@@ -368,7 +364,8 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let projection_workspace = workspace(&projections(b * c), true);
 
     // The forward: the checkpoints, one layer's keys and values and a chunk's activations.
-    let forward_phase = forward_checkpoints + keys_values + forward_acts + projection_workspace;
+    let forward_phase =
+        forward_checkpoints + keys_values + forward_acts + projection_workspace + widened_layer;
 
     // The head, per logits chunk of `b · lc` rows. The scores in the compute dtype, their softmax,
     // its VJP and the target scatter; on the host the scores alone, which their softmax and its VJP
@@ -444,6 +441,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
         41 * b * heads * score_area(t, c, key_block) * f32b.max(e) / 10
     };
     let layer_phase = grads
+        + widened_layer
         + layer_checkpoints
         + kv_state
         + grads_io
