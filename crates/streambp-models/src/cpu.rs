@@ -416,14 +416,7 @@ impl candle_core::CustomOp1 for Cast {
         use rayon::prelude::*;
         let out = match (s, self.0) {
             (candle_core::CpuStorage::BF16(_), DType::F32) => {
-                let x = input_data::<bf16>(s, l)?;
-                let mut y = vec![0f32; x.len()];
-                y.par_chunks_mut(CAST_PER_TASK)
-                    .zip(x.par_chunks(CAST_PER_TASK))
-                    .for_each(|(y, x)| {
-                        vectorized!(|_| y.iter_mut().zip(x).for_each(|(y, &x)| *y = widen(x)))
-                    });
-                candle_core::CpuStorage::F32(y)
+                candle_core::CpuStorage::F32(widened_bf16(input_data::<bf16>(s, l)?))
             }
             (candle_core::CpuStorage::F32(_), DType::BF16) => {
                 let x = input_data::<f32>(s, l)?;
@@ -454,13 +447,21 @@ impl candle_core::CustomOp1 for Cast {
 /// its result would be a second copy.)
 pub fn widened_values(t: &Tensor) -> CResult<Vec<f32>> {
     let values = match t.dtype() {
-        DType::BF16 => with_data::<half::bf16, _>(t, |x| {
-            Ok(vectorized!(|_| x.iter().map(|&v| widen(v)).collect()))
-        })?,
+        DType::BF16 => with_data::<half::bf16, _>(t, |x| Ok(widened_bf16(x)))?,
         DType::F16 => with_data::<half::f16, _>(t, |x| Ok(x.iter().map(|v| v.to_f32()).collect()))?,
         other => candle_core::bail!("widen: a {other:?} tensor, not half precision"),
     };
     values.ok_or_else(|| candle_core::Error::Msg("widen: a tensor off the CPU".into()))
+}
+
+/// `x` in f32, split over rayon's threads.
+fn widened_bf16(x: &[half::bf16]) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut y = vec![0f32; x.len()];
+    y.par_chunks_mut(CAST_PER_TASK)
+        .zip(x.par_chunks(CAST_PER_TASK))
+        .for_each(|(y, x)| vectorized!(|_| y.iter_mut().zip(x).for_each(|(y, &x)| *y = widen(x))));
+    y
 }
 
 /// Rounds `t` (f32, contiguous, on the CPU) in place to the nearest values of `dtype` (bf16 or f16),

@@ -10,7 +10,8 @@
 //!   layers' backward starts, one at a time when they are offloaded to the host; with one stored per
 //!   segment of `K` layers, `⌈L/K⌉ + 1` and in the backward those not yet reached plus the
 //!   segment in flight's `K` recomputed inputs;
-//! - in the forward: one layer's keys and values and a chunk's activations;
+//! - in the forward: one layer's keys and values and a chunk's activations (and, for half precision
+//!   on the host, computed in f32, that layer's weights widened to f32, as in its backward);
 //! - in the head, per logits chunk: its logits `lc × V` (on the host one buffer, which the softmax and
 //!   its VJP overwrite; four elsewhere; half precision more) and its `lc × d` rows (the hidden
 //!   state's copy, the final norm and its backward, the hidden state's gradient);
