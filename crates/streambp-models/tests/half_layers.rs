@@ -130,13 +130,22 @@ fn a_bf16_layer_in_f32_rounds_where_bf16_does() {
     }
 }
 
-/// Other dtypes and devices run as they are.
+/// Half precision (bf16, f16) on the host computes in f32; other dtypes run as they are.
 #[test]
 fn only_half_precision_layers_are_widened() {
     let family = FAMILIES[0];
-    for dtype in [DType::F32, DType::F64] {
+    for (dtype, widened) in [
+        (DType::BF16, true),
+        (DType::F16, true),
+        (DType::F32, false),
+        (DType::F64, false),
+    ] {
         let model = load_model(&fixture_dir(family), dtype, &Device::Cpu).unwrap();
-        assert!(model.layers[0].computed_in_f32().unwrap().is_none());
+        let wide = model.layers[0].computed_in_f32().unwrap();
+        assert_eq!(wide.is_some(), widened, "{dtype:?}");
+        if let Some(wide) = wide {
+            assert_eq!(wide.layer.round_to, Some(dtype));
+        }
     }
 }
 

@@ -89,12 +89,13 @@ pub struct EarlierKeys {
 }
 
 /// The dtype to keep a sequence's keys and values (and their gradients) in, for ops reading them as
-/// [`EarlierKeys`] from a model of `dtype` on `device`: f32 for bf16 on the host, whose attention runs
-/// the f32 kernel ([`crate::layer::DecoderLayer::attend`]) and sums the keys' gradients over every
-/// later chunk (in bf16 each addition would round); the model's own dtype elsewhere.
+/// [`EarlierKeys`] from a model of `dtype` on `device`: f32 for half precision (bf16, f16) on the
+/// host, whose layers compute in f32 ([`crate::layer::DecoderLayer::computed_in_f32`]) and sum the
+/// keys' gradients over every later chunk (in half precision each addition would round); the
+/// model's own dtype elsewhere.
 pub fn keys_dtype(dtype: DType, device: &candle_core::Device) -> DType {
     match (dtype, device.is_cpu()) {
-        (DType::BF16, true) => DType::F32,
+        (DType::BF16 | DType::F16, true) => DType::F32,
         _ => dtype,
     }
 }
