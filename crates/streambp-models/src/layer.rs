@@ -286,8 +286,9 @@ impl DecoderLayer {
     /// materialises repeated keys. Scores are softmaxed in f32 (f64 for f64 models) like transformers'
     /// eager attention.
     ///
-    /// bf16 on the host runs the f32 kernel on widened q, k and v (rounded back once), where earlier
-    /// keys, if any, are kept in f32 ([`crate::attention::keys_dtype`]).
+    /// Half precision on the host runs the f32 kernel: bf16 q, k and v are widened and the result
+    /// rounded back once; a layer computed in f32 ([`DecoderLayer::computed_in_f32`]) passes them in
+    /// f32 already. Earlier keys, if any, are kept in f32 ([`crate::attention::keys_dtype`]).
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, keys: KeyBlock) -> Result<Tensor> {
         let earlier_f32 = keys.earlier.is_none_or(|e| {
             [&e.keys, &e.values, &e.grad_keys, &e.grad_values]
@@ -504,7 +505,8 @@ impl DecoderLayer {
     /// output, each residual sum), so the forward is the half-precision model's, while every op runs
     /// its f32 kernel, autograd's nodes are f32 and no cast sits between them. Gradients flow in f32
     /// (those of trained weights land on f32 stand-ins, [`InF32::parameters`]); the adapters, in f32
-    /// already, are shared.
+    /// already, are shared, and the base output under each is rounded before the adapter's term is
+    /// added to it, as PEFT adds it ([`crate::lora::LoraAdapter::round_base_to`]).
     pub fn computed_in_f32(&self) -> Result<Option<InF32>> {
         let dtype = self.input_norm.weight.dtype();
         let half = matches!(dtype, DType::BF16 | DType::F16);
@@ -526,6 +528,11 @@ impl DecoderLayer {
         };
         let mut layer = self.map_weights(&mut widen)?;
         layer.round_to = Some(dtype);
+        for p in Projection::ALL {
+            if let Some(adapter) = layer.projection_mut(p).lora.as_mut() {
+                adapter.round_base_to = Some(dtype);
+            }
+        }
         Ok(Some(InF32 { layer, stand_ins }))
     }
 

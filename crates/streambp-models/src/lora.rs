@@ -178,6 +178,11 @@ pub struct LoraAdapter {
     pub layer: usize,
     /// Which projection of the layer.
     pub projection: Projection,
+    /// The dtype the base projection's output is rounded to before the adapter's term is added,
+    /// where a layer computes a half-precision model in f32
+    /// ([`crate::layer::DecoderLayer::computed_in_f32`]): PEFT adds its f32 adapter's term to the
+    /// half-precision base layer's (rounded) output, then rounds the sum.
+    pub round_base_to: Option<DType>,
 }
 
 impl LoraAdapter {
@@ -202,7 +207,9 @@ impl LoraAdapter {
     /// `x Wᵀ (+ b) + s · (dropout(x) Aᵀ) Bᵀ` for the flattened input `x` `[n, in]` of tokens `start..`
     /// of a batch of `rows` rows, with the frozen `weight` and `bias` of the projection it sits on
     /// (dropout only when the batch carries a dropout key), in `x`'s dtype: the adapter's f32 weights
-    /// are cast to it, as autocast does, and their gradients come back in f32.
+    /// are cast to it, as autocast does, and their gradients come back in f32. (In a half-precision
+    /// layer computed in f32, `x` is f32: the adapter runs in f32 as PEFT's does, and the base's
+    /// output is rounded first, [`LoraAdapter::round_base_to`].)
     pub fn forward(
         &self,
         x: &Tensor,
@@ -233,7 +240,13 @@ impl LoraAdapter {
         let a = self.a.to_dtype(x.dtype())?;
         let b = self.b.to_dtype(x.dtype())?;
         let u = dropped.matmul(&a.t()?)?;
-        Ok(crate::op::lora_linear(x, weight, bias, &u, &b, self.scale)?)
+        let adapter = (&u, &b, self.scale);
+        Ok(crate::op::lora_linear(
+            x,
+            (weight, bias),
+            adapter,
+            self.round_base_to,
+        )?)
     }
 }
 

@@ -459,6 +459,7 @@ impl Model {
                     dropout: config.dropout,
                     layer: index,
                     projection: p,
+                    round_base_to: None,
                 });
                 params.extend([a, b]);
             }

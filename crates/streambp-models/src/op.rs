@@ -339,15 +339,14 @@ impl candle_core::CustomOp3 for LoraLinear {
 }
 
 /// `x Wᵀ (+ b) + s·(u Bᵀ)` for `x` `[n, in]`, the frozen `weight` `[out, in]` (and `bias`), the
-/// adapter's `u` `[n, r]` and `lora_b` `[out, r]`: differentiable in `x`, `u` and `lora_b`, the sum
-/// formed as PEFT forms it (`base + (u Bᵀ)·s`).
+/// adapter's `u` `[n, r]` and `lora_b` `[out, r]` and its scale `s`: differentiable in `x`, `u` and
+/// `lora_b`, the sum formed as PEFT forms it (`base + (u Bᵀ)·s`), the base first rounded to
+/// `round_base_to` where given (f32 `x` only: see [`crate::lora::LoraAdapter::round_base_to`]).
 pub(crate) fn lora_linear(
     x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    u: &Tensor,
-    lora_b: &Tensor,
-    scale: f64,
+    (weight, bias): (&Tensor, Option<&Tensor>),
+    (u, lora_b, scale): (&Tensor, &Tensor, f64),
+    round_base_to: Option<candle_core::DType>,
 ) -> CResult<Tensor> {
     let weight = weight.detach();
     let out = {
@@ -356,6 +355,10 @@ pub(crate) fn lora_linear(
             Some(b) => base.broadcast_add(&b.detach())?,
             None => base,
         };
+        if let Some(dtype) = round_base_to {
+            // A fresh product (or sum) that nothing else holds.
+            crate::cpu::round_in_place(&base, dtype)?;
+        }
         (base + (half_product::matmul(&u.detach(), &lora_b.detach().t()?)? * scale)?)?
     };
     if !(x.track_op() || u.track_op() || lora_b.track_op()) {

@@ -192,3 +192,56 @@ fn gradients_land_on_the_stand_ins() {
         }
     }
 }
+
+/// A LoRA projection of a bf16 layer computed in f32 forms PEFT's sum: the base layer's output
+/// rounded to bf16, plus the f32 adapter's term (the layer then rounds the sum). Measured by the
+/// mean distance from each form, since the two products may sum in different orders.
+#[test]
+fn a_lora_projection_adds_its_term_to_the_rounded_base() {
+    let family = "qwen3";
+    let base = load_model(&fixture_dir(family), DType::BF16, &Device::Cpu).unwrap();
+    let config = LoraConfig {
+        r: 4,
+        alpha: 8.0,
+        targets: vec![Projection::Q],
+        use_rslora: false,
+        dropout: 0.0,
+    };
+    let model = base.with_lora(config, None, 7).unwrap();
+    let wide = model.layers[0].computed_in_f32().unwrap().unwrap();
+    let mut q = wide.layer.q_proj.clone();
+    let adapter = q.lora.as_mut().expect("an adapter on q");
+    assert_eq!(adapter.round_base_to, Some(DType::BF16));
+    // A fresh adapter's B is zero: give it a term to add.
+    adapter.b = Tensor::randn(0f32, 0.5, adapter.b.shape(), &Device::Cpu).unwrap();
+    let (a, b, scale) = (adapter.a.clone(), adapter.b.clone(), adapter.scale);
+    let x = layer_input(&model, family).to_dtype(DType::F32).unwrap();
+    let x = x
+        .reshape((x.elem_count() / x.dim(2).unwrap(), x.dim(2).unwrap()))
+        .unwrap();
+    let y = q.forward(&x).unwrap();
+    let product = x.matmul(&q.weight.t().unwrap()).unwrap();
+    let rounded = product
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let term = (x
+        .matmul(&a.t().unwrap())
+        .unwrap()
+        .matmul(&b.t().unwrap())
+        .unwrap()
+        * scale)
+        .unwrap();
+    let mean_distance = |base: &Tensor| {
+        let want = (base + &term).unwrap();
+        let diff = (&y - want).unwrap().abs().unwrap();
+        diff.mean_all().unwrap().to_scalar::<f32>().unwrap()
+    };
+    let (from_peft, from_unrounded) = (mean_distance(&rounded), mean_distance(&product));
+    println!("mean distance from PEFT's sum {from_peft:.2e}, from the unrounded one {from_unrounded:.2e}");
+    assert!(
+        from_peft * 20.0 < from_unrounded,
+        "{from_peft} against {from_unrounded}"
+    );
+}

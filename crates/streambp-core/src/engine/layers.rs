@@ -56,7 +56,8 @@ fn chunk_variable(x: &Tensor, range: Range<usize>, dtype: DType) -> Result<Var> 
 }
 
 /// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk into
-/// one buffer each (no list of parts to concatenate), in [`keys_dtype`] (f32 for bf16 on the host).
+/// one buffer each (no list of parts to concatenate), in [`keys_dtype`] (f32 for half precision on
+/// the host).
 /// `x` holds the `shard`'s positions; the other shards' keys and values are gathered from their ranks.
 fn keys_values_streamed(
     layer: &DecoderLayer,

@@ -599,7 +599,9 @@ fn full_backward(
 ) -> Result<(f64, Tensor)> {
     let mut h = model.embed(batch.input_ids)?;
     // A half-precision layer on the host computes in f32 (`DecoderLayer::computed_in_f32`): its
-    // trained weights' gradients land on f32 stand-ins, which `params` then lists.
+    // trained weights' gradients land on f32 stand-ins, which `params` then lists. (The graph holds
+    // every layer's f32 weights until the backward: this baseline's peak grows by twice the layers'
+    // bf16 weights, next to all their activations.)
     let mut params = model.parameters().to_vec();
     for layer in &model.layers {
         let wide = layer.computed_in_f32()?;
