@@ -220,17 +220,20 @@ impl AdamW {
 pub fn clip_grad_norm(grads: &mut [(String, Tensor)], max_norm: f64) -> Result<f64> {
     let mut sq = 0.0;
     for (_, g) in grads.iter() {
-        sq += g
-            .to_dtype(DType::F64)?
-            .sqr()?
-            .sum_all()?
-            .to_scalar::<f64>()?;
+        sq += match streambp_models::cpu::sum_of_squares(g)? {
+            Some(s) => s,
+            None => g
+                .to_dtype(DType::F64)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f64>()?,
+        };
     }
     let norm = sq.sqrt();
     if max_norm > 0.0 && norm > max_norm {
         let scale = max_norm / (norm + 1e-6);
         for (_, g) in grads.iter_mut() {
-            *g = (&*g * scale)?;
+            *g = streambp_models::cpu::scaled(g, scale)?;
         }
     }
     Ok(norm)
