@@ -2,6 +2,7 @@
 //! gradient clipping, and the warmup + cosine/linear learning-rate schedules of transformers.
 
 use candle_core::{DType, Tensor, Var};
+use streambp_models::cpu::cast;
 
 use crate::{Result, TrainError};
 
@@ -161,7 +162,9 @@ impl AdamW {
                 )));
             }
             let sd = slot.m.dtype();
-            let p = slot.var.as_tensor().detach().to_dtype(sd)?;
+            // (`cast`: between bf16 and f32 on the host over rayon's threads; candle's `to_dtype`
+            // runs on one.)
+            let p = cast(&slot.var.as_tensor().detach(), sd)?;
             let decay = match slot.decay {
                 true => Decay::All,
                 false => Decay::None,
@@ -170,8 +173,8 @@ impl AdamW {
                 m: &mut slot.m,
                 v: &mut slot.v,
             };
-            let p = c.update(p, &g.to_dtype(sd)?, moments, lr, (bc1, bc2), decay)?;
-            slot.var.set(&p.to_dtype(slot.var.dtype())?)?;
+            let p = c.update(p, &cast(g, sd)?, moments, lr, (bc1, bc2), decay)?;
+            slot.var.set(&cast(&p, slot.var.dtype())?)?;
         }
         Ok(())
     }
