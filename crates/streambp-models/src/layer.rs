@@ -5,8 +5,6 @@
 //!
 //! Everything but the attention core is position-wise, so any piece can run on a chunk of positions.
 
-use std::convert::Infallible;
-
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 
 use crate::attention::{attention_over_heads, Blocking, EarlierKeys, KeyMask, KEY_BLOCK};
@@ -19,6 +17,7 @@ use crate::lora::Projection;
 use crate::norm::RmsNorm;
 use crate::rope::{apply_rope, Rotary};
 use crate::swiglu::swiglu;
+use crate::weights::MapWeights;
 
 /// Queries per attention call when a layer runs over a whole sequence ([`DecoderLayer::forward`]).
 const QUERY_BLOCK: usize = 512;
@@ -463,39 +462,6 @@ impl DecoderLayer {
         Ok(layer)
     }
 
-    /// The same layer with every weight cut from the graph: runs without recording anything.
-    pub fn detached(&self) -> Self {
-        let Ok(layer) = self.map_weights(&mut |t| Ok::<_, Infallible>(t.detach()));
-        layer
-    }
-
-    /// The same layer with each weight (norms, projections, adapters) replaced by `f(weight)`.
-    pub fn map_weights<E>(
-        &self,
-        f: &mut impl FnMut(&Tensor) -> std::result::Result<Tensor, E>,
-    ) -> std::result::Result<Self, E> {
-        let mut norm = |n: &Option<RmsNorm>| n.as_ref().map(|n| n.map_weights(f)).transpose();
-        let (q_norm, k_norm) = (norm(&self.q_norm)?, norm(&self.k_norm)?);
-        let (post_attn_norm, post_mlp_norm) =
-            (norm(&self.post_attn_norm)?, norm(&self.post_mlp_norm)?);
-        Ok(Self {
-            input_norm: self.input_norm.map_weights(f)?,
-            q_proj: self.q_proj.map_weights(f)?,
-            k_proj: self.k_proj.map_weights(f)?,
-            v_proj: self.v_proj.map_weights(f)?,
-            o_proj: self.o_proj.map_weights(f)?,
-            q_norm,
-            k_norm,
-            post_attn_norm,
-            pre_mlp_norm: self.pre_mlp_norm.map_weights(f)?,
-            post_mlp_norm,
-            gate_proj: self.gate_proj.map_weights(f)?,
-            up_proj: self.up_proj.map_weights(f)?,
-            down_proj: self.down_proj.map_weights(f)?,
-            ..self.clone()
-        })
-    }
-
     /// This layer as the host computes it when it is half precision (bf16, f16) on the CPU; `None`
     /// elsewhere (it runs as it is).
     ///
@@ -544,6 +510,35 @@ impl DecoderLayer {
             head_dim: cfg.head_dim,
             scale: cfg.attn_scale,
         }
+    }
+}
+
+impl MapWeights for DecoderLayer {
+    /// The same layer with each weight (norms, projections, adapters) replaced by `f(weight)`.
+    fn map_weights<E>(
+        &self,
+        f: &mut impl FnMut(&Tensor) -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<Self, E> {
+        let mut norm = |n: &Option<RmsNorm>| n.as_ref().map(|n| n.map_weights(f)).transpose();
+        let (q_norm, k_norm) = (norm(&self.q_norm)?, norm(&self.k_norm)?);
+        let (post_attn_norm, post_mlp_norm) =
+            (norm(&self.post_attn_norm)?, norm(&self.post_mlp_norm)?);
+        Ok(Self {
+            input_norm: self.input_norm.map_weights(f)?,
+            q_proj: self.q_proj.map_weights(f)?,
+            k_proj: self.k_proj.map_weights(f)?,
+            v_proj: self.v_proj.map_weights(f)?,
+            o_proj: self.o_proj.map_weights(f)?,
+            q_norm,
+            k_norm,
+            post_attn_norm,
+            pre_mlp_norm: self.pre_mlp_norm.map_weights(f)?,
+            post_mlp_norm,
+            gate_proj: self.gate_proj.map_weights(f)?,
+            up_proj: self.up_proj.map_weights(f)?,
+            down_proj: self.down_proj.map_weights(f)?,
+            ..self.clone()
+        })
     }
 }
 

@@ -46,6 +46,7 @@ pub mod simd;
 mod swiglu;
 #[cfg(test)]
 mod testing;
+pub mod weights;
 
 pub use config::{
     Activation, Family, Head, LayerKind, ModelConfig, NormStyle, RopeConfig, RopeScaling,
@@ -57,3 +58,4 @@ pub use layout::{key_validity, Layout};
 pub use loader::{load_model, save_safetensors};
 pub use lora::{LoraConfig, Projection};
 pub use model::Model;
+pub use weights::MapWeights;

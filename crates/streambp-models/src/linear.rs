@@ -1,12 +1,11 @@
 //! A dense projection `x Wᵀ + b` over the last dimension of a tensor of any rank, with an optional LoRA
 //! adapter, and a frozen mode in which the weight gets no gradient (not even a discarded one).
 
-use std::convert::Infallible;
-
 use candle_core::Tensor;
 
 use crate::error::{ModelError, Result};
 use crate::lora::{DropoutKey, LoraAdapter};
+use crate::weights::MapWeights;
 
 /// A projection's weight and optional bias, applied as `x Wᵀ + b`, plus an adapter's
 /// `s · (dropout(x) Aᵀ) Bᵀ` where it has one.
@@ -81,16 +80,12 @@ impl Linear {
         out_shape.push(self.weight.dim(0)?);
         Ok(y.reshape(out_shape)?)
     }
+}
 
-    /// The same projection with its weights (and adapter) cut from the graph.
-    pub fn detached(&self) -> Self {
-        let Ok(linear) = self.map_weights(&mut |t| Ok::<_, Infallible>(t.detach()));
-        linear
-    }
-
+impl MapWeights for Linear {
     /// The same projection with each weight (the adapter's too) replaced by `f(weight)`, and no
     /// gradient accumulator (one belongs to the weight it was made for).
-    pub fn map_weights<E>(
+    fn map_weights<E>(
         &self,
         f: &mut impl FnMut(&Tensor) -> std::result::Result<Tensor, E>,
     ) -> std::result::Result<Self, E> {

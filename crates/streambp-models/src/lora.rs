@@ -12,6 +12,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{ModelError, Result};
 use crate::init::NormalRng;
+use crate::weights::MapWeights;
 
 /// A projection of a decoder layer an adapter can sit on, named as PEFT's `target_modules` name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -186,24 +187,6 @@ pub struct LoraAdapter {
 }
 
 impl LoraAdapter {
-    /// The same adapter cut from the graph.
-    pub fn detached(&self) -> Self {
-        let Ok(adapter) = self.map_weights(&mut |t| Ok::<_, std::convert::Infallible>(t.detach()));
-        adapter
-    }
-
-    /// The same adapter with `lora_A` and `lora_B` replaced by `f(weight)`.
-    pub fn map_weights<E>(
-        &self,
-        f: &mut impl FnMut(&Tensor) -> std::result::Result<Tensor, E>,
-    ) -> std::result::Result<Self, E> {
-        Ok(Self {
-            a: f(&self.a)?,
-            b: f(&self.b)?,
-            ..self.clone()
-        })
-    }
-
     /// `x Wᵀ (+ b) + s · (dropout(x) Aᵀ) Bᵀ` for the flattened input `x` `[n, in]` of tokens `start..`
     /// of a batch of `rows` rows, with the frozen `weight` and `bias` of the projection it sits on
     /// (dropout only when the batch carries a dropout key), in `x`'s dtype: the adapter's f32 weights
@@ -247,6 +230,20 @@ impl LoraAdapter {
             adapter,
             self.round_base_to,
         )?)
+    }
+}
+
+impl MapWeights for LoraAdapter {
+    /// The same adapter with `lora_A` and `lora_B` replaced by `f(weight)`.
+    fn map_weights<E>(
+        &self,
+        f: &mut impl FnMut(&Tensor) -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<Self, E> {
+        Ok(Self {
+            a: f(&self.a)?,
+            b: f(&self.b)?,
+            ..self.clone()
+        })
     }
 }
 

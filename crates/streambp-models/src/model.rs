@@ -18,6 +18,7 @@ use crate::linear::Linear;
 use crate::lora::{kaiming_uniform, peft_key, LoraAdapter, LoraConfig, Matrix, Projection};
 use crate::norm::RmsNorm;
 use crate::rope::Rotary;
+use crate::weights::MapWeights;
 
 /// A decoder-only language model of one of the supported families.
 #[derive(Debug, Clone)]

@@ -16,6 +16,7 @@ use crate::config::NormStyle;
 use crate::cpu::{fusable, input_data, tensor_from, through_f32, with_data};
 use crate::error::Result;
 use crate::vectorized;
+use crate::weights::MapWeights;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -82,15 +83,11 @@ impl RmsNorm {
             }
         })
     }
+}
 
-    /// The same norm with its weight cut from the graph.
-    pub fn detached(&self) -> Self {
-        let Ok(norm) = self.map_weights(&mut |t| Ok::<_, std::convert::Infallible>(t.detach()));
-        norm
-    }
-
+impl MapWeights for RmsNorm {
     /// The same norm with its weight replaced by `f(weight)`.
-    pub fn map_weights<E>(
+    fn map_weights<E>(
         &self,
         f: &mut impl FnMut(&Tensor) -> std::result::Result<Tensor, E>,
     ) -> std::result::Result<Self, E> {

@@ -7,7 +7,7 @@ use std::ops::Range;
 use candle_core::{DType, Tensor, Var};
 use streambp_models::attention::{keys_dtype, EarlierKeys};
 use streambp_models::cpu::{cast, widened_values};
-use streambp_models::{DecoderLayer, KeyBlock, Layout, Model};
+use streambp_models::{DecoderLayer, KeyBlock, Layout, MapWeights, Model};
 
 use crate::error::Result;
 use crate::seed::seed;
