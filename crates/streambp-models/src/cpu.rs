@@ -532,13 +532,21 @@ pub fn widened_values(t: &Tensor) -> CResult<Vec<f32>> {
     values.ok_or_else(|| candle_core::Error::Msg("widen: a tensor off the CPU".into()))
 }
 
-/// `x` in f32, split over rayon's threads.
+/// `x` in f32, split over rayon's threads, written once (no zero-fill first).
 fn widened_bf16(x: &[half::bf16]) -> Vec<f32> {
     use rayon::prelude::*;
-    let mut y = vec![0f32; x.len()];
-    y.par_chunks_mut(CAST_PER_TASK)
+    let mut y = Vec::with_capacity(x.len());
+    y.spare_capacity_mut()[..x.len()]
+        .par_chunks_mut(CAST_PER_TASK)
         .zip(x.par_chunks(CAST_PER_TASK))
-        .for_each(|(y, x)| vectorized!(|_| y.iter_mut().zip(x).for_each(|(y, &x)| *y = widen(x))));
+        .for_each(|(y, x)| {
+            vectorized!(|_| y.iter_mut().zip(x).for_each(|(y, &x)| {
+                y.write(widen(x));
+            }))
+        });
+    // SAFETY: the loop above wrote each of the first `x.len()` elements (the chunks of `y` and `x`
+    // pair up one to one and have equal lengths).
+    unsafe { y.set_len(x.len()) };
     y
 }
 

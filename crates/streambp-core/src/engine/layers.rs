@@ -242,9 +242,10 @@ fn keys_values_backward(
         let part = |g: &Tensor| cast(&g.narrow(2, r.start, r.len())?, k.dtype());
         let surrogate = (seed(&k, &part(&grad_keys)?)? + seed(&v, &part(&grad_values)?)?)?;
         let store = surrogate.backward()?;
-        let earlier = grad_in.narrow(1, r.start, r.len())?;
+        // Summed in the layer's dtype (f32 for half precision on the host), rounded once.
+        let earlier = cast(&grad_in.narrow(1, r.start, r.len())?, layer.dtype())?;
         let grad_x = required(&store, x_c.as_tensor(), "layer input")?;
-        let added = (earlier + cast(&grad_x, grad_in.dtype())?)?;
+        let added = cast(&(earlier + grad_x)?, grad_in.dtype())?;
         grad_in.slice_set(&added, 1, r.start)?;
         sink.absorb(&store, params.iter())?;
     }
