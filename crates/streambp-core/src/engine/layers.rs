@@ -189,7 +189,8 @@ pub(super) fn layer_backward_streamed(
         };
         let attn = layer.attend(&q, &k_own, &v_own, block)?;
         let y = layer.after_attention(x_c.as_tensor(), &attn, s, layout)?;
-        // (Kept in f32 for a bf16 model on the host, the complete gradients are rounded once here.)
+        // The pending gradients of the chunk's own keys and values, complete now (kept in the keys'
+        // dtype, `keys_dtype`: the layer's, f32 for half precision on the host).
         let own = |grads: &Tensor| cast(&grads.narrow(2, s, len)?, k_own.dtype());
         let surrogate = (seed(&y, &chunk_input(grad_out, c.local.clone(), dtype)?)?
             + seed(&k_own, &own(&grad_keys)?)?
