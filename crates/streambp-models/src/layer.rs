@@ -287,7 +287,8 @@ impl DecoderLayer {
     ///
     /// Half precision on the host runs the f32 kernel: bf16 q, k and v are widened and the result
     /// rounded back once; a layer computed in f32 ([`DecoderLayer::computed_in_f32`]) passes them in
-    /// f32 already. Earlier keys, if any, are kept in f32 ([`crate::attention::keys_dtype`]).
+    /// f32 already, and earlier keys, if any, in f32 too (the layer's dtype: the engine keeps them in
+    /// it).
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, keys: KeyBlock) -> Result<Tensor> {
         let earlier_f32 = keys.earlier.is_none_or(|e| {
             [&e.keys, &e.values, &e.grad_keys, &e.grad_values]

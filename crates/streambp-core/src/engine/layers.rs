@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use candle_core::{DType, Tensor, Var};
-use streambp_models::attention::{keys_dtype, EarlierKeys};
+use streambp_models::attention::EarlierKeys;
 use streambp_models::cpu::{cast, widened_values};
 use streambp_models::{DecoderLayer, KeyBlock, Layout, MapWeights, Model};
 
@@ -32,13 +32,10 @@ fn computed(
 }
 
 /// Positions `range` of a layer input `x` (`[b, T, d]`, a checkpoint in the model's dtype) in the
-/// dtype the layer computes in: a half-precision model's on the host widened, exactly, to f32.
+/// dtype the layer computes in: a half-precision model's on the host widened, exactly, to f32
+/// (`cast` hands a tensor already in `dtype` back as it is).
 fn chunk_input(x: &Tensor, range: Range<usize>, dtype: DType) -> Result<Tensor> {
-    let part = x.narrow(1, range.start, range.len())?;
-    match part.dtype() == dtype {
-        true => Ok(part),
-        false => Ok(cast(&part, dtype)?),
-    }
+    Ok(cast(&x.narrow(1, range.start, range.len())?, dtype)?)
 }
 
 /// [`chunk_input`] as a variable, to differentiate a chunk's graph by.
@@ -56,8 +53,9 @@ fn chunk_variable(x: &Tensor, range: Range<usize>, dtype: DType) -> Result<Var> 
 }
 
 /// Keys and values `[batch, kv_heads, T, head_dim]` of a layer input, computed chunk by chunk into
-/// one buffer each (no list of parts to concatenate), in [`keys_dtype`] (f32 for half precision on
-/// the host).
+/// one buffer each (no list of parts to concatenate), in the dtype `layer` computes in (f32 for half
+/// precision on the host, [`computed`]: the keys' gradients, summed over every later chunk, then
+/// never round on the way).
 /// `x` holds the `shard`'s positions; the other shards' keys and values are gathered from their ranks.
 fn keys_values_streamed(
     layer: &DecoderLayer,
@@ -68,14 +66,13 @@ fn keys_values_streamed(
 ) -> Result<(Tensor, Tensor)> {
     let (b, t, _) = x.dims3()?;
     let shape = (b, layer.shape.num_kv_heads, t, layer.shape.head_dim);
-    let dtype = keys_dtype(x.dtype(), x.device());
-    let keys = Tensor::zeros(shape, dtype, x.device())?;
+    let keys = Tensor::zeros(shape, layer.dtype(), x.device())?;
     let values = keys.zeros_like()?;
     for c in shard.chunks(chunk) {
         let normed = layer.norm_input(&chunk_input(x, c.local.clone(), layer.dtype())?)?;
         let (k, v) = layer.keys_values(&normed, c.start, layout)?;
-        keys.slice_set(&cast(&k, dtype)?, 2, c.local.start)?;
-        values.slice_set(&cast(&v, dtype)?, 2, c.local.start)?;
+        keys.slice_set(&k, 2, c.local.start)?;
+        values.slice_set(&v, 2, c.local.start)?;
     }
     Ok((shard.gather(&keys, 2)?, shard.gather(&values, 2)?))
 }
@@ -189,9 +186,8 @@ pub(super) fn layer_backward_streamed(
         };
         let attn = layer.attend(&q, &k_own, &v_own, block)?;
         let y = layer.after_attention(x_c.as_tensor(), &attn, s, layout)?;
-        // The pending gradients of the chunk's own keys and values, complete now (kept in the keys'
-        // dtype, `keys_dtype`: the layer's, f32 for half precision on the host).
-        let own = |grads: &Tensor| cast(&grads.narrow(2, s, len)?, k_own.dtype());
+        // The pending gradients of the chunk's own keys and values, complete now.
+        let own = |grads: &Tensor| grads.narrow(2, s, len);
         let surrogate = (seed(&y, &chunk_input(grad_out, c.local.clone(), dtype)?)?
             + seed(&k_own, &own(&grad_keys)?)?
             + seed(&v_own, &own(&grad_values)?)?)?;
@@ -240,7 +236,7 @@ fn keys_values_backward(
         let x_c = chunk_variable(x, r.clone(), layer.dtype())?;
         let normed = layer.norm_input(x_c.as_tensor())?;
         let (k, v) = layer.keys_values(&normed, c.start, layout)?;
-        let part = |g: &Tensor| cast(&g.narrow(2, r.start, r.len())?, k.dtype());
+        let part = |g: &Tensor| g.narrow(2, r.start, r.len());
         let surrogate = (seed(&k, &part(&grad_keys)?)? + seed(&v, &part(&grad_values)?)?)?;
         let store = surrogate.backward()?;
         // Summed in the layer's dtype (f32 for half precision on the host), rounded once.

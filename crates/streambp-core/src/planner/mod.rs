@@ -357,8 +357,8 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let widened_layer = if half_host { layer_params * f32b } else { 0 };
     let chunk_acts = b * c * (6 * d + 7 * q + 3 * kv + 6 * ffn) * act;
     let forward_acts = b * c * (4 * d + 3 * q + 2 * kv + 4 * ffn) * act;
-    // The layer's keys and values of the whole sequence (f32 for half precision on the host, whose
-    // attention runs in f32: `streambp_models::attention::keys_dtype`).
+    // The layer's keys and values of the whole sequence, in the dtype the layer computes in (f32 for
+    // half precision on the host).
     let keys_values = 2 * b * t * kv * act;
 
     // A chunk's projections run in the forward and in the layers' backward.

@@ -88,18 +88,6 @@ pub struct EarlierKeys {
     pub offset: usize,
 }
 
-/// The dtype to keep a sequence's keys and values (and their gradients) in, for ops reading them as
-/// [`EarlierKeys`] from a model of `dtype` on `device`: f32 for half precision (bf16, f16) on the
-/// host, whose layers compute in f32 ([`crate::layer::DecoderLayer::computed_in_f32`]) and sum the
-/// keys' gradients over every later chunk (in half precision each addition would round); the
-/// model's own dtype elsewhere.
-pub fn keys_dtype(dtype: DType, device: &candle_core::Device) -> DType {
-    match (dtype, device.is_cpu()) {
-        (DType::BF16 | DType::F16, true) => DType::F32,
-        _ => dtype,
-    }
-}
-
 /// One block of keys: `n` keys from `start` of the earlier keys or of the op's own, at `index` among
 /// all the keys the queries read (earlier first).
 #[derive(Debug, Clone, Copy)]
