@@ -149,20 +149,25 @@ fn only_half_precision_layers_are_widened() {
     }
 }
 
+/// `model` with fresh rank-4 adapters on `targets` of every layer.
+fn with_adapters(model: Model, targets: Vec<Projection>) -> Model {
+    let config = LoraConfig {
+        r: 4,
+        alpha: 8.0,
+        targets,
+        use_rslora: false,
+        dropout: 0.0,
+    };
+    model.with_lora(config, None, 7).unwrap()
+}
+
 /// Every trained weight of the layer gets an f32 stand-in that its gradient lands on, in the
 /// model's parameter order and names; a LoRA model's adapters (f32 already) are their own.
 #[test]
 fn gradients_land_on_the_stand_ins() {
     let family = FAMILIES[0];
     let full = load_model(&fixture_dir(family), DType::BF16, &Device::Cpu).unwrap();
-    let config = LoraConfig {
-        r: 4,
-        alpha: 8.0,
-        targets: Projection::ALL.to_vec(),
-        use_rslora: false,
-        dropout: 0.0,
-    };
-    let lora = full.clone().with_lora(config, None, 7).unwrap();
+    let lora = with_adapters(full.clone(), Projection::ALL.to_vec());
     for (model, adapters) in [(&full, false), (&lora, true)] {
         let params = model.layer_parameters(0);
         let wide = model.layers[0].computed_in_f32().unwrap().unwrap();
@@ -200,14 +205,7 @@ fn gradients_land_on_the_stand_ins() {
 fn a_lora_projection_adds_its_term_to_the_rounded_base() {
     let family = "qwen3";
     let base = load_model(&fixture_dir(family), DType::BF16, &Device::Cpu).unwrap();
-    let config = LoraConfig {
-        r: 4,
-        alpha: 8.0,
-        targets: vec![Projection::Q],
-        use_rslora: false,
-        dropout: 0.0,
-    };
-    let model = base.with_lora(config, None, 7).unwrap();
+    let model = with_adapters(base, vec![Projection::Q]);
     let wide = model.layers[0].computed_in_f32().unwrap().unwrap();
     let mut q = wide.layer.q_proj.clone();
     let adapter = q.lora.as_mut().expect("an adapter on q");
