@@ -12,8 +12,9 @@
 //! into the sink's accumulator ([`crate::linear::Linear::grad_into`]). Elsewhere the functions answer
 //! `false` and the caller keeps the tensor-op sum (which CUDA runs).
 
-use crate::cpu::{fusable, gemm_into, input_data, strided, Threads};
+use crate::cpu::{fusable, input_data, product_into, strided};
 use crate::half_product::{self, Destination};
+use crate::skinny::SumType;
 use crate::vectorized;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor, WithDType};
 use rayon::prelude::*;
@@ -170,12 +171,16 @@ struct AddProduct;
 
 impl AddProduct {
     /// `dst[m, n] += a[m, k]·b[k, n]`, strides from the layouts.
-    fn run<T: WithDType>(dst: &mut [T], a: (&[T], &Layout), b: (&[T], &Layout)) -> CResult<()> {
+    fn run<T: WithDType + SumType>(
+        dst: &mut [T],
+        a: (&[T], &Layout),
+        b: (&[T], &Layout),
+    ) -> CResult<()> {
         let (m, k) = a.1.shape().dims2()?;
         let n = b.1.shape().dims2()?.1;
         // `dst` holds `m × n` contiguous elements (the caller's shape test), distinct from `a` and
         // `b` (candle's in-place ops refuse aliased sources).
-        gemm_into(dst, (m, n, k), true, strided(a), strided(b), Threads::Tiles);
+        product_into(dst, (m, n, k), true, strided(a), strided(b));
         Ok(())
     }
 }

@@ -4,6 +4,7 @@
 use candle_core::{DType, Storage, Tensor, WithDType};
 use num_traits::Float;
 
+use crate::skinny::{self, SumType};
 use crate::vectorized;
 
 type CResult<T> = candle_core::Result<T>;
@@ -174,7 +175,7 @@ pub fn tiled_matmul(a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
     {
         return Ok(None);
     }
-    fn product<T: WithDType>(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    fn product<T: WithDType + SumType>(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
         let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
         if k != k2 {
             candle_core::bail!("product: [{m}, {k}] by [{k2}, {n}]");
@@ -191,7 +192,7 @@ pub fn tiled_matmul(a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
             candle_core::bail!("product: an operand outside its storage");
         }
         let mut out = vec![T::zero(); m * n];
-        gemm_into(&mut out, (m, n, k), false, oa, ob, Threads::Tiles);
+        product_into(&mut out, (m, n, k), false, oa, ob);
         Tensor::from_vec(out, (m, n), a.device())
     }
     match a.dtype() {
@@ -259,6 +260,23 @@ pub(crate) fn gemm_into<T: WithDType>(
             use rayon::prelude::*;
             tiles(m, n, (tm, tn)).par_iter().for_each(tile)
         }
+    }
+}
+
+/// `dst (=|+=) a·b` over the threads, as [`gemm_into`] in tiles, except for a few rows of `a` by
+/// `b = Wᵀ` with each row of `W` contiguous (a projection of a decoding step), which takes
+/// [`skinny::product`]: gemm would pack all of `W` for them.
+pub(crate) fn product_into<T: WithDType + SumType>(
+    dst: &mut [T],
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+    a: (&[T], usize, usize),
+    b: (&[T], usize, usize),
+) {
+    if skinny::applies(m, a.2, b.1) {
+        skinny::product((dst, n), (m, n, k), accumulate, (a.0, a.1), (b.0, b.2));
+    } else {
+        gemm_into(dst, (m, n, k), accumulate, a, b, Threads::Tiles);
     }
 }
 

@@ -167,11 +167,32 @@ const MIN_DOT_ROWS: usize = 16;
 /// by the fastest kernel the CPU has for it ([`Kernel::detect`], [`MIN_DOT_ROWS`]). Panics if an
 /// operand's strides reach past its data or the destination is smaller than `[m, n]`.
 pub fn product(dst: Destination<'_>, mnk: (usize, usize, usize), a: Operand, b: Operand) {
+    if crate::skinny::applies(mnk.0, a.col_stride, b.row_stride) {
+        return skinny_product(dst, mnk, a, b);
+    }
     let kernel = match Kernel::detect() {
         Kernel::Bf16Dot if mnk.0 < MIN_DOT_ROWS => Kernel::Widened,
         kernel => kernel,
     };
     product_by(kernel, dst, mnk, a, b)
+}
+
+/// [`product`] of a few rows by `b = Wᵀ` with each row of `W` contiguous, by
+/// [`crate::skinny::product`]: `a`'s rows widened to f32 (a few rows: the weight is never widened),
+/// the sums rounded once or added into the f32 destination.
+fn skinny_product(dst: Destination<'_>, (m, n, k): (usize, usize, usize), a: Operand, b: Operand) {
+    assert!(
+        a.fits(m, k) && b.fits(k, n),
+        "bf16 product: operand out of range"
+    );
+    let mut x = Vec::new();
+    // Row by row, as `a`'s columns are contiguous.
+    let (x_rs, _) = a.widen(0..m, 0..k, &mut x);
+    let (x, w) = ((x.as_slice(), x_rs), (b.data, b.col_stride));
+    match dst {
+        Destination::Bf16(d) => crate::skinny::product((d, n), (m, n, k), false, x, w),
+        Destination::AddF32(d) => crate::skinny::product((d, n), (m, n, k), true, x, w),
+    }
 }
 
 /// [`product`] by `kernel` (which must be among [`Kernel::available`]).

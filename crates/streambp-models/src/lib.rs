@@ -3,7 +3,8 @@
 //!
 //! `examples/generate.rs` loads a model and decodes greedily with the KV cache ([`decode`]);
 //! `examples/merge_adapter.rs` puts a PEFT adapter on its base and merges it:
-//! `cargo run --release -p streambp-models --example generate`.
+//! `cargo run --release -p streambp-models --example generate`. `examples/decode_speed.rs`,
+//! `examples/skinny_products.rs` and `examples/op_timings.rs` time decoding and the host's products.
 //!
 //! One set of blocks serves all four families; their differences are data in [`ModelConfig`].
 //! Every op records a correct backward: candle's own for composed tensor ops, a written one for the
@@ -43,6 +44,7 @@ pub mod norm;
 mod op;
 pub mod rope;
 pub mod simd;
+pub mod skinny;
 mod swiglu;
 #[cfg(test)]
 mod testing;

@@ -8,7 +8,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 use crate::accumulate;
-use crate::cpu::{fusable, gemm_into, Threads};
+use crate::cpu::{fusable, product_into};
 use crate::half_product;
 
 type CResult<T> = candle_core::Result<T>;
@@ -201,7 +201,7 @@ fn on_host(x: &Tensor, weight: &Tensor) -> bool {
 
 /// `x Wᵀ` for contiguous `x` `[.., in]` and `W` `[out, in]` (any strides), by gemm's kernel (the
 /// one candle's products run) in tiles of the output (`[.., out]`).
-fn host_product<T: candle_core::WithDType>(
+fn host_product<T: candle_core::WithDType + crate::skinny::SumType>(
     (x, xl): (&[T], &Layout),
     (w, wl): (&[T], &Layout),
 ) -> CResult<(Vec<T>, Shape)> {
@@ -223,14 +223,7 @@ fn host_product<T: candle_core::WithDType>(
         candle_core::bail!("linear: x {:?}, weight {:?}", xl.dims(), wl.dims());
     }
     let mut dst = vec![T::zero(); n * out];
-    gemm_into(
-        &mut dst,
-        (n, out, k),
-        false,
-        (x, k, 1),
-        (w, ws1, ws0),
-        Threads::Tiles,
-    );
+    product_into(&mut dst, (n, out, k), false, (x, k, 1), (w, ws1, ws0));
     Ok((dst, Shape::from([lead, &[out]].concat())))
 }
 

@@ -2,11 +2,12 @@
 //! (`streambp_models::simd`): the test runs itself again in child processes, one per path
 //! (`STREAMBP_SIMD`), each computing a Qwen3 and a Gemma3 forward and backward (norms, rope,
 //! SwiGLU, the attention kernel, softmax exponentials) in f64 and f32, plus the bf16 casts, the
-//! in-place sums and bf16 products by the widened kernel, and the parent compares them. gemm picks
-//! its kernels by itself, the same in every child, so any difference is the passes'.
+//! in-place sums, bf16 products by the widened kernel and products of a few rows
+//! (`streambp_models::skinny`), and the parent compares them. gemm picks its kernels by itself, the
+//! same in every child, so any difference is the passes'.
 //!
-//! - f64, the casts, the sums and the bf16 products: the same bits on every path, the baseline
-//!   (SSE2) included.
+//! - f64, the casts, the sums and the products: the same bits on every path, the baseline (SSE2)
+//!   included.
 //! - f32 models: the same bits on the vector paths (AVX2, AVX-512); the baseline's exponential has
 //!   no fused multiply-add, so it differs there within the exponential's 2 ulp, carried through.
 
@@ -122,6 +123,7 @@ fn compute() -> Values {
         values.insert(format!("add {}", dtype.as_str()), flat(&acc));
     }
     values.extend(widened_products());
+    values.extend(skinny_products());
     values
 }
 
@@ -170,6 +172,63 @@ fn widened_products() -> Values {
             added.iter().map(|&x| f64::from(x)).collect(),
         );
     }
+    values
+}
+
+/// Products of a few rows by a weight stored row by row (`streambp_models::skinny`, a decoding
+/// step's projections) in f64, f32 and with bf16 weights (rounded to bf16 and added into f32),
+/// rows padded past their length, an inner length no vector width divides.
+fn skinny_products() -> Values {
+    use half::bf16;
+    use streambp_models::skinny::product;
+    let (m, n, k, stride) = (5, 301, 290, 293);
+    let x: Vec<f64> = (0..m * stride).map(|i| (i as f64 * 0.37).sin()).collect();
+    let w: Vec<f64> = (0..n * stride).map(|i| (i as f64 * 0.11).cos()).collect();
+    let (x32, w32): (Vec<f32>, Vec<f32>) = (
+        x.iter().map(|&v| v as f32).collect(),
+        w.iter().map(|&v| v as f32).collect(),
+    );
+    let w16: Vec<bf16> = w.iter().map(|&v| bf16::from_f64(v)).collect();
+    let mut values = Values::new();
+    let mut y64 = vec![0.0f64; m * n];
+    product::<f64, f64>((&mut y64, n), (m, n, k), false, (&x, stride), (&w, stride));
+    values.insert("skinny product f64".into(), y64);
+    let mut y32 = vec![0.0f32; m * n];
+    product::<f32, f32>(
+        (&mut y32, n),
+        (m, n, k),
+        false,
+        (&x32, stride),
+        (&w32, stride),
+    );
+    values.insert(
+        "skinny product f32".into(),
+        y32.iter().map(|&v| v.into()).collect(),
+    );
+    let mut y16 = vec![bf16::ZERO; m * n];
+    product::<bf16, bf16>(
+        (&mut y16, n),
+        (m, n, k),
+        false,
+        (&x32, stride),
+        (&w16, stride),
+    );
+    values.insert(
+        "skinny product bf16".into(),
+        y16.iter().map(|v| v.to_f64()).collect(),
+    );
+    let mut added: Vec<f32> = (0..m * n).map(|i| i as f32 * 1e-3).collect();
+    product::<bf16, f32>(
+        (&mut added, n),
+        (m, n, k),
+        true,
+        (&x32, stride),
+        (&w16, stride),
+    );
+    values.insert(
+        "skinny product bf16, added".into(),
+        added.iter().map(|&v| v.into()).collect(),
+    );
     values
 }
 
