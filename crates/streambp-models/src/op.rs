@@ -200,7 +200,8 @@ fn on_host(x: &Tensor, weight: &Tensor) -> bool {
 }
 
 /// `x Wᵀ` for contiguous `x` `[.., in]` and `W` `[out, in]` (any strides), by gemm's kernel (the
-/// one candle's products run) in tiles of the output (`[.., out]`).
+/// one candle's products run) in tiles of the output (`[.., out]`), or for a few rows of `x` by
+/// [`crate::skinny`]'s dot products ([`product_into`]).
 fn host_product<T: candle_core::WithDType + crate::skinny::SumType>(
     (x, xl): (&[T], &Layout),
     (w, wl): (&[T], &Layout),
