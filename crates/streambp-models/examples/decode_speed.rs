@@ -1,9 +1,9 @@
 //! Times decoding with the KV cache on a random model of a given config, f32 and bf16 alternated
-//! twice: a prompt of 64 tokens for each of `rows` rows, then 64 steps of one new token per row
+//! twice: a prompt of 64 tokens for each of `rows` rows, then `steps` steps of one new token per row
 //! (greedy), as GRPO's sampling runs them. Weights are random; nothing is downloaded.
 //!
-//! `cargo run --release -p streambp-models --example decode_speed [config.json] [rows]`
-//! (default `benches/configs/qwen3-small.json`, 8 rows).
+//! `cargo run --release -p streambp-models --example decode_speed [config.json] [rows] [steps]`
+//! (default `benches/configs/qwen3-small.json`, 8 rows, 64 steps).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -18,12 +18,15 @@ fn main() -> Result<()> {
     let config = args.next().map(PathBuf::from).unwrap_or_else(|| {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../benches/configs/qwen3-small.json")
     });
-    let rows: usize = match args.next() {
-        Some(rows) => rows.parse()?,
-        None => 8,
+    let mut count = |default: usize| -> Result<usize> {
+        Ok(match args.next() {
+            Some(n) => n.parse()?,
+            None => default,
+        })
     };
+    let (rows, steps) = (count(8)?, count(64)?);
     let config = ModelConfig::from_file(&config)?;
-    let (prompt_len, steps) = (64, 64);
+    let prompt_len = 64;
     let vocab = config.vocab_size as u32;
     let prompts: Vec<Vec<u32>> = (0..rows)
         .map(|r| {

@@ -10,14 +10,22 @@ use crate::layer::KeyBlock;
 use crate::layout::Layout;
 use crate::model::Model;
 
-/// Each layer's cached keys and values `[rows, kv_heads, t, head_dim]`, and the sequence's layout
-/// (which keeps its rope tables across steps).
+/// Each layer's cached keys and values, and the sequence's layout (which keeps its rope tables
+/// across steps).
+///
+/// A layer's keys (and values) live in one buffer `[rows, kv_heads, capacity, head_dim]` that a step
+/// writes its new positions into and the attention reads in place up to the positions cached:
+/// growing the cache by concatenation would copy every cached position at every step, which at long
+/// completions costs more than the step's own work.
 pub struct KvCache {
     keys: Vec<Option<Tensor>>,
     values: Vec<Option<Tensor>>,
     layout: Layout,
     /// Positions cached so far.
     len: usize,
+    /// Positions the buffers are made for when first allocated (the prompt and the tokens to come,
+    /// where known); a buffer that fills up is reallocated at twice its size.
+    capacity: usize,
 }
 
 impl KvCache {
@@ -28,6 +36,15 @@ impl KvCache {
             values: vec![None; model.layers.len()],
             layout: Layout::default(),
             len: 0,
+            capacity: 0,
+        }
+    }
+
+    /// An empty cache for `model` whose buffers hold `positions` before they grow.
+    pub fn with_capacity(model: &Model, positions: usize) -> Self {
+        Self {
+            capacity: positions,
+            ..Self::new(model)
         }
     }
 
@@ -61,8 +78,10 @@ impl KvCache {
         let ids = Tensor::from_vec(ids, (prompts.len(), longest), device)?;
         let positions = Tensor::from_vec(positions, (prompts.len(), width), device)?;
         let layout = Layout::new(None, Some(&positions))?.with_seq_len(width);
-        let mut cache = Self::new(model);
-        cache.layout = layout;
+        let cache = Self {
+            layout,
+            ..Self::with_capacity(model, width)
+        };
         Ok((cache, ids))
     }
 
@@ -85,14 +104,8 @@ impl KvCache {
         for (i, layer) in model.layers.iter().enumerate() {
             let normed = layer.norm_input(&h)?;
             let (k, v) = layer.keys_values(&normed, start, &layout)?;
-            let k = match self.keys[i].take() {
-                Some(prev) => Tensor::cat(&[&prev, &k], 2)?,
-                None => k,
-            };
-            let v = match self.values[i].take() {
-                Some(prev) => Tensor::cat(&[&prev, &v], 2)?,
-                None => v,
-            };
+            let k = append(&mut self.keys[i], &k, start, self.capacity)?;
+            let v = append(&mut self.values[i], &v, start, self.capacity)?;
             let q = layer.queries(&normed, start, &layout)?;
             let k0 = layer.first_visible_key(start, &layout);
             let len = k.dim(2)? - k0;
@@ -104,14 +117,41 @@ impl KvCache {
             };
             let attn = layer.attend(&q, &k.narrow(2, k0, len)?, &v.narrow(2, k0, len)?, block)?;
             h = layer.after_attention(&h, &attn, start, &layout)?;
-            self.keys[i] = Some(k);
-            self.values[i] = Some(v);
         }
         let n = h.dim(1)?;
         self.len += n;
         let last = model.final_norm(&h.narrow(1, n - 1, 1)?)?;
         Ok(model.logits(&last)?.squeeze(1)?)
     }
+}
+
+/// Writes `new` (`[rows, kv_heads, n, head_dim]`) after the `cached` positions of `buffer` and
+/// returns the positions filled so far, a view of the buffer. A missing or full buffer is
+/// (re)allocated for at least `capacity` positions and at least twice what it held, so a cache grown
+/// one token at a time copies each position a bounded number of times.
+fn append(
+    buffer: &mut Option<Tensor>,
+    new: &Tensor,
+    cached: usize,
+    capacity: usize,
+) -> Result<Tensor> {
+    let new = new.contiguous()?;
+    let (rows, heads, n, head_dim) = new.dims4()?;
+    let filled = cached + n;
+    let buffer = match buffer.take() {
+        Some(b) if b.dim(2)? >= filled => buffer.insert(b),
+        old => {
+            let held = old.as_ref().map_or(Ok(0), |b| b.dim(2))?;
+            let size = filled.max(capacity).max(2 * held);
+            let grown = Tensor::zeros((rows, heads, size, head_dim), new.dtype(), new.device())?;
+            if let Some(old) = old {
+                grown.slice_set(&old, 2, 0)?;
+            }
+            buffer.insert(grown)
+        }
+    };
+    buffer.slice_set(&new, 2, cached)?;
+    Ok(buffer.narrow(2, 0, filled)?)
 }
 
 /// Greedy continuation of `prompt` until `eos` or `max_new` tokens (`eos` excluded), with a KV cache.
@@ -122,7 +162,7 @@ pub fn greedy(model: &Model, prompt: &[u32], eos: u32, max_new: usize) -> Result
         ));
     }
     let model = model.detached();
-    let mut cache = KvCache::new(&model);
+    let mut cache = KvCache::with_capacity(&model, prompt.len() + max_new);
     let ids = Tensor::new(prompt, model.device())?.unsqueeze(0)?;
     let mut logits = cache.step(&model, &ids)?;
     let mut out = Vec::new();
