@@ -112,7 +112,7 @@ struct TrainedLinear {
     /// The forward's result computed by candle's ops, off the host; on the host in f32/f64 the op
     /// computes it itself ([`host_product`]): no zero-filled output, no copy handed over.
     out: Option<Precomputed>,
-    /// Where `dW` is added in place instead of being returned (see [`Linear::grad_into`]).
+    /// Where `dW` is added in place instead of being returned (see [`crate::linear::Linear::grad_into`]).
     grad_into: Option<Tensor>,
 }
 

@@ -177,7 +177,8 @@ fn widened_products() -> Values {
 
 /// Products of a few rows by a weight stored row by row (`streambp_models::skinny`, a decoding
 /// step's projections) in f64, f32 and with bf16 weights (rounded to bf16 and added into f32),
-/// rows padded past their length, an inner length no vector width divides.
+/// rows padded past their length, an inner length no vector width divides; five rows by an odd
+/// number of `W`'s, so that the AVX-512 path forms blocks of four by two and single rows alike.
 fn skinny_products() -> Values {
     use half::bf16;
     use streambp_models::skinny::product;
