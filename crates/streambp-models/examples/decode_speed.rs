@@ -1,6 +1,7 @@
 //! Times decoding with the KV cache on a random model of a given config, f32 and bf16 alternated
 //! twice: a prompt of 64 tokens for each of `rows` rows, then `steps` steps of one new token per row
-//! (greedy), as GRPO's sampling runs them. Weights are random; nothing is downloaded.
+//! (greedy), as GRPO's sampling runs them, and the KV cache's size at the end. Weights are random;
+//! nothing is downloaded.
 //!
 //! `cargo run --release -p streambp-models --example decode_speed [config.json] [rows] [steps]`
 //! (default `benches/configs/qwen3-small.json`, 8 rows, 64 steps).
@@ -49,9 +50,11 @@ fn main() -> Result<()> {
         }
         let step = started.elapsed().as_secs_f64() / steps as f64;
         println!(
-            "{}: {rows} rows, prompt of {prompt_len} {prompt:.3} s, then {:.1} ms per new token",
+            "{}: {rows} rows, prompt of {prompt_len} {prompt:.3} s, then {:.1} ms per new token; \
+             KV cache {:.1} MiB",
             dtype.as_str(),
-            step * 1e3
+            step * 1e3,
+            cache.bytes() as f64 / (1 << 20) as f64
         );
     }
     Ok(())

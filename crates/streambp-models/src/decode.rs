@@ -13,27 +13,101 @@ use crate::model::Model;
 /// Each layer's cached keys and values, and the sequence's layout (which keeps its rope tables
 /// across steps).
 ///
-/// A layer's keys (and values) live in one buffer `[rows, kv_heads, capacity, head_dim]` that a step
-/// writes its new positions into and the attention reads in place up to the positions cached:
-/// growing the cache by concatenation would copy every cached position at every step, which at long
-/// completions costs more than the step's own work.
+/// A layer's keys (and values) live in one buffer `[rows, kv_heads, room, head_dim]` that a step
+/// writes its new positions into and the attention reads in place: growing the cache by
+/// concatenation would copy every cached position at every step, which at long completions costs
+/// more than the step's own work. Keys no query to come can see (before a sliding window, or
+/// before the documents the rows are in) are dropped when a buffer fills, so a sliding-window
+/// layer (most of Gemma3's) holds about twice its window, not the whole sequence.
 pub struct KvCache {
-    keys: Vec<Option<Tensor>>,
-    values: Vec<Option<Tensor>>,
+    layers: Vec<LayerCache>,
     layout: Layout,
     /// Positions cached so far.
     len: usize,
     /// Positions the buffers are made for when first allocated (the prompt and the tokens to come,
-    /// where known); a buffer that fills up is reallocated at twice its size.
+    /// where known; at most twice the window of a sliding-window layer).
     capacity: usize,
+}
+
+/// One layer's buffers of keys and values, holding sequence positions from `first` on.
+#[derive(Clone, Default)]
+struct LayerCache {
+    keys: Option<Tensor>,
+    values: Option<Tensor>,
+    /// The sequence position at index 0 of the buffers.
+    first: usize,
+}
+
+impl LayerCache {
+    /// Positions the buffers have room for.
+    fn room(&self) -> Result<usize> {
+        Ok(self.keys.as_ref().map_or(Ok(0), |k| k.dim(2))?)
+    }
+
+    /// Writes keys `k` and values `v` (`[rows, kv_heads, n, head_dim]`) of positions
+    /// `cached..cached + n` and returns those of positions `visible..cached + n`, views of the
+    /// buffers. Buffers without room for them are reallocated, keeping positions `visible..` only,
+    /// for at least `capacity` positions and room for as many more as they keep: a cache grown one
+    /// token at a time copies each position a bounded number of times.
+    fn append(
+        &mut self,
+        (k, v): (&Tensor, &Tensor),
+        (cached, visible): (usize, usize),
+        capacity: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let n = k.dim(2)?;
+        let end = cached + n;
+        let full = self.keys.is_none() || end - self.first > self.room()?;
+        let moved = full.then(|| {
+            let kept = cached - visible;
+            let size = capacity.max(2 * kept + n);
+            (visible - self.first..cached - self.first, size)
+        });
+        if moved.is_some() {
+            self.first = visible;
+        }
+        let at = cached - self.first;
+        let keys = write(&mut self.keys, k, at, moved.clone())?;
+        let values = write(&mut self.values, v, at, moved)?;
+        let (from, len) = (visible - self.first, end - visible);
+        Ok((keys.narrow(2, from, len)?, values.narrow(2, from, len)?))
+    }
+}
+
+/// Writes `new` (`[rows, kv_heads, n, head_dim]`) at index `at` of `buffer` and returns the buffer.
+/// With `moved` (`(kept, size)`), or where there is no buffer yet, a fresh one of `size` positions
+/// takes its place first, holding the old one's positions `kept` from index 0.
+fn write(
+    buffer: &mut Option<Tensor>,
+    new: &Tensor,
+    at: usize,
+    moved: Option<(std::ops::Range<usize>, usize)>,
+) -> Result<Tensor> {
+    let new = new.contiguous()?;
+    let b = match (buffer.take(), moved) {
+        (Some(b), None) => b,
+        (old, moved) => {
+            let (kept, size) = moved.unwrap_or((0..0, at + new.dim(2)?));
+            let (rows, heads, _, head_dim) = new.dims4()?;
+            let fresh = Tensor::zeros((rows, heads, size, head_dim), new.dtype(), new.device())?;
+            if let Some(old) = old.filter(|_| !kept.is_empty()) {
+                // slice_set takes a contiguous source: the kept positions are strided in `old`.
+                let kept = old.narrow(2, kept.start, kept.len())?.contiguous()?;
+                fresh.slice_set(&kept, 2, 0)?;
+            }
+            fresh
+        }
+    };
+    b.slice_set(&new, 2, at)?;
+    *buffer = Some(b.clone());
+    Ok(b)
 }
 
 impl KvCache {
     /// An empty cache for `model`.
     pub fn new(model: &Model) -> Self {
         Self {
-            keys: vec![None; model.layers.len()],
-            values: vec![None; model.layers.len()],
+            layers: vec![LayerCache::default(); model.layers.len()],
             layout: Layout::default(),
             len: 0,
             capacity: 0,
@@ -90,6 +164,20 @@ impl KvCache {
         self.len
     }
 
+    /// Positions each layer's buffers have room for.
+    pub fn room(&self) -> Result<Vec<usize>> {
+        self.layers.iter().map(LayerCache::room).collect()
+    }
+
+    /// Bytes the buffers hold, every layer's keys and values.
+    pub fn bytes(&self) -> usize {
+        let layers = self.layers.iter();
+        let buffers = layers.flat_map(|l| [&l.keys, &l.values]).flatten();
+        buffers
+            .map(|b| b.elem_count() * b.dtype().size_in_bytes())
+            .sum()
+    }
+
     /// Whether nothing is cached yet.
     pub fn is_empty(&self) -> bool {
         self.len == 0
@@ -104,18 +192,20 @@ impl KvCache {
         for (i, layer) in model.layers.iter().enumerate() {
             let normed = layer.norm_input(&h)?;
             let (k, v) = layer.keys_values(&normed, start, &layout)?;
-            let k = append(&mut self.keys[i], &k, start, self.capacity)?;
-            let v = append(&mut self.values[i], &v, start, self.capacity)?;
-            let q = layer.queries(&normed, start, &layout)?;
             let k0 = layer.first_visible_key(start, &layout);
-            let len = k.dim(2)? - k0;
+            let capacity = match layer.kind.sliding_window {
+                Some(window) => self.capacity.min(2 * window),
+                None => self.capacity,
+            };
+            let (k, v) = self.layers[i].append((&k, &v), (start, k0), capacity)?;
+            let q = layer.queries(&normed, start, &layout)?;
             let block = KeyBlock {
                 q_start: start,
                 k_start: k0,
                 layout: &layout,
                 earlier: None,
             };
-            let attn = layer.attend(&q, &k.narrow(2, k0, len)?, &v.narrow(2, k0, len)?, block)?;
+            let attn = layer.attend(&q, &k, &v, block)?;
             h = layer.after_attention(&h, &attn, start, &layout)?;
         }
         let n = h.dim(1)?;
@@ -123,35 +213,6 @@ impl KvCache {
         let last = model.final_norm(&h.narrow(1, n - 1, 1)?)?;
         Ok(model.logits(&last)?.squeeze(1)?)
     }
-}
-
-/// Writes `new` (`[rows, kv_heads, n, head_dim]`) after the `cached` positions of `buffer` and
-/// returns the positions filled so far, a view of the buffer. A missing or full buffer is
-/// (re)allocated for at least `capacity` positions and at least twice what it held, so a cache grown
-/// one token at a time copies each position a bounded number of times.
-fn append(
-    buffer: &mut Option<Tensor>,
-    new: &Tensor,
-    cached: usize,
-    capacity: usize,
-) -> Result<Tensor> {
-    let new = new.contiguous()?;
-    let (rows, heads, n, head_dim) = new.dims4()?;
-    let filled = cached + n;
-    let buffer = match buffer.take() {
-        Some(b) if b.dim(2)? >= filled => buffer.insert(b),
-        old => {
-            let held = old.as_ref().map_or(Ok(0), |b| b.dim(2))?;
-            let size = filled.max(capacity).max(2 * held);
-            let grown = Tensor::zeros((rows, heads, size, head_dim), new.dtype(), new.device())?;
-            if let Some(old) = old {
-                grown.slice_set(&old, 2, 0)?;
-            }
-            buffer.insert(grown)
-        }
-    };
-    buffer.slice_set(&new, 2, cached)?;
-    Ok(buffer.narrow(2, 0, filled)?)
 }
 
 /// Greedy continuation of `prompt` until `eos` or `max_new` tokens (`eos` excluded), with a KV cache.

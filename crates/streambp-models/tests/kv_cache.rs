@@ -1,7 +1,7 @@
-//! The KV cache's buffers: a cache that starts empty and grows as tokens come (reallocating at
-//! twice its size) and one made for the whole sequence give each position the logits of the
-//! uncached forward over the sequence so far, in every family (Gemma3's sliding window of 4
-//! included, which the sequence passes).
+//! The KV cache's buffers: a cache that starts empty and grows as tokens come and one made for the
+//! whole sequence give each position the logits of the uncached forward over the sequence so far,
+//! in every family; Gemma3's sliding-window layers (window 4, which the sequence passes) drop the
+//! keys no later query sees and hold at most twice the window.
 
 mod common;
 
@@ -38,6 +38,12 @@ fn growing_and_preallocated_caches_match_the_uncached_forward() {
                 assert!(err < 1e-12, "{family}, position {}: {err:e}", at - 1);
             }
             assert_eq!(cache.len(), tokens.len());
+            for (layer, room) in model.layers.iter().zip(cache.room().unwrap()) {
+                match layer.kind.sliding_window {
+                    Some(window) => assert!(room <= 2 * window, "{family}: {room} positions"),
+                    None => assert!(room >= tokens.len(), "{family}: {room} positions"),
+                }
+            }
         }
     }
 }
