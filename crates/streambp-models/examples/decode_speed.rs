@@ -1,10 +1,10 @@
 //! Times decoding with the KV cache on a random model of a given config, f32 and bf16 alternated
-//! twice: a prompt of 64 tokens for each of `rows` rows, then `steps` steps of one new token per row
+//! twice: a prompt of `prompt` tokens for each of `rows` rows, then `steps` steps of one new token per row
 //! (greedy), as GRPO's sampling runs them, and the KV cache's size at the end. Weights are random;
 //! nothing is downloaded.
 //!
-//! `cargo run --release -p streambp-models --example decode_speed [config.json] [rows] [steps]`
-//! (default `benches/configs/qwen3-small.json`, 8 rows, 64 steps).
+//! `cargo run --release -p streambp-models --example decode_speed [config.json] [rows] [steps] [prompt]`
+//! (default `benches/configs/qwen3-small.json`, 8 rows, 64 steps, a prompt of 64).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -25,13 +25,12 @@ fn main() -> Result<()> {
             None => default,
         })
     };
-    let (rows, steps) = (count(8)?, count(64)?);
+    let (rows, steps, prompt_len) = (count(8)?, count(64)?, count(64)?);
     let config = ModelConfig::from_file(&config)?;
-    let prompt_len = 64;
     let vocab = config.vocab_size as u32;
     let prompts: Vec<Vec<u32>> = (0..rows)
         .map(|r| {
-            (0..prompt_len)
+            (0..prompt_len as u32)
                 .map(|i| (i * 7 + r as u32) % vocab)
                 .collect()
         })

@@ -295,6 +295,15 @@ impl DecoderLayer {
                 .iter()
                 .all(|t| t.dtype() == DType::F32)
         });
+        let bf16_keys = k.dtype() == DType::BF16 && v.dtype() == DType::BF16;
+        if keys.earlier.is_none() && bf16_keys {
+            // The kernel reads bf16 keys and values as they are (a decoding step's whole cache
+            // would otherwise be widened at every step): only the queries go to f32.
+            let in_f32 = |[q]: [Tensor; 1]| self.attend(&q, k, v, keys);
+            if let Some(out) = through_f32([q], in_f32)? {
+                return Ok(out);
+            }
+        }
         if earlier_f32 {
             let in_f32 = |[q, k, v]: [Tensor; 3]| self.attend(&q, &k, &v, keys);
             if let Some(out) = through_f32([q, k, v], in_f32)? {

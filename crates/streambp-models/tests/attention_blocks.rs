@@ -221,3 +221,74 @@ fn check_against_composed_softmax((b, kv_heads, group, c, t, hd): Shape) {
         );
     }
 }
+
+/// bf16 keys and values under f32 queries (a bf16 model's KV cache): the kernel widens them a key
+/// block at a time, the backward whole, with the bits of the same keys widened to f32 before the
+/// op (their gradients then rounded to bf16), on the kernel and on the tensor-op path, across
+/// several key blocks.
+#[test]
+fn bf16_keys_give_the_bits_of_their_f32_values() {
+    let dev = Device::Cpu;
+    let (b, kv_heads, group, c, t, hd) = (2, 2, 2, 3, 300, 8);
+    let randn = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+    let q = Var::from_tensor(&randn(&[b, kv_heads, group * c, hd])).unwrap();
+    let bf16 = |x: Tensor| Var::from_tensor(&x.to_dtype(DType::BF16).unwrap()).unwrap();
+    let (k16, v16) = (
+        bf16(randn(&[b, kv_heads, t, hd])),
+        bf16(randn(&[b, kv_heads, t, hd])),
+    );
+    let f32_of = |x: &Var| Var::from_tensor(&x.to_dtype(DType::F32).unwrap()).unwrap();
+    let (k32, v32) = (f32_of(&k16), f32_of(&v16));
+    let causal: Vec<f32> = (0..c * t)
+        .map(|x| {
+            if x % t <= t - c + x / t {
+                0.0
+            } else {
+                f32::MIN
+            }
+        })
+        .collect();
+    let bias = Tensor::from_vec(causal, (1, 1, 1, c, t), &dev).unwrap();
+    let weights = randn(&[b, kv_heads, group * c, hd]);
+    let run = |k: &Var, v: &Var| {
+        let blocking = Blocking {
+            compute: DType::F32,
+            key_block: 128,
+        };
+        let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+        let out = attention(qt, kt, vt, None, bias.clone(), group, blocking).unwrap();
+        with_grads(out, &weights, [&q, k, v])
+    };
+    let rounded = |x: &Tensor| x.to_dtype(DType::BF16).unwrap();
+    for composed in [false, true] {
+        let (stored, widened) = if composed {
+            (
+                with_composed_path(|| run(&k16, &v16)),
+                with_composed_path(|| run(&k32, &v32)),
+            )
+        } else {
+            (run(&k16, &v16), run(&k32, &v32))
+        };
+        assert_eq!(stored.2.dtype(), DType::BF16, "dk in the keys' dtype");
+        let widened = (
+            widened.0,
+            widened.1,
+            rounded(&widened.2),
+            rounded(&widened.3),
+        );
+        for (name, a, b) in [
+            ("out", &stored.0, &widened.0),
+            ("dq", &stored.1, &widened.1),
+            ("dk", &stored.2, &widened.2),
+            ("dv", &stored.3, &widened.3),
+        ] {
+            let (a, b) = (
+                a.to_dtype(DType::F32).unwrap(),
+                b.to_dtype(DType::F32).unwrap(),
+            );
+            let same = a.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                == b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(same, "composed path {composed}: {name} differs");
+        }
+    }
+}

@@ -76,15 +76,38 @@ impl<T> HeadRows<'_, T> {
     }
 }
 
-/// What the forward and the backward read.
-pub(crate) struct Inputs<'a, T> {
+/// What the forward and the backward read: queries in the compute type `T`, keys and values in `K`
+/// (`T` itself, or bf16 for an f32 forward: see [`Stored`]).
+pub(crate) struct Inputs<'a, T, K = T> {
     pub dims: Dims,
     /// `[items, rows, hd]`, scaled.
     pub q: &'a [T],
     /// The op's own keys and values.
-    pub own: KeysValues<'a, T>,
+    pub own: KeysValues<'a, K>,
     /// Keys and values before the op's own, if any.
-    pub earlier: Option<KeysValues<'a, T>>,
+    pub earlier: Option<KeysValues<'a, K>>,
+}
+
+/// An element keys and values are stored in, for a kernel computing in `T`: `T` itself, read in
+/// place, or bf16 for f32, widened a key block at a time into the task's buffer (a decoding step's
+/// bf16 cache is read as it is, not widened whole at every step).
+pub(crate) trait Stored<T>: Copy + Send + Sync {
+    /// `src` in `T`: itself, or widened into `buffer`.
+    fn in_compute_type<'s>(src: &'s [Self], buffer: &'s mut Vec<T>) -> &'s [T];
+}
+
+impl<T: Copy + Send + Sync> Stored<T> for T {
+    fn in_compute_type<'s>(src: &'s [T], _: &'s mut Vec<T>) -> &'s [T] {
+        src
+    }
+}
+
+impl Stored<f32> for half::bf16 {
+    fn in_compute_type<'s>(src: &'s [Self], buffer: &'s mut Vec<f32>) -> &'s [f32] {
+        buffer.clear();
+        buffer.extend(src.iter().map(|&x| crate::cpu::widen(x)));
+        buffer
+    }
 }
 
 /// The key blocks, made (their masks built) a wave at a time: `count` of them, block `k` from
@@ -108,9 +131,9 @@ impl<T> Blocks<'_, T> {
     }
 }
 
-impl<T: WithDType + BulkExp> Inputs<'_, T> {
+impl<T: WithDType + BulkExp, K> Inputs<'_, T, K> {
     /// Item `i`'s keys and values of block `blk` (`[n, hd]` each).
-    fn keys_values(&self, i: usize, blk: &KeyBlock<T>) -> (&[T], &[T]) {
+    fn keys_values(&self, i: usize, blk: &KeyBlock<T>) -> (&[K], &[K]) {
         let src = match (&self.earlier, blk.earlier) {
             (Some(e), true) => e,
             _ => &self.own,
@@ -177,8 +200,8 @@ const ROW_TILE: usize = 128;
 /// The online softmax over the key blocks, per tile of query rows: for each block the scores, each
 /// row's new maximum, its exponentials and their sum, the running sum and output rescaled, then
 /// `out += P·V`; the output divided by the sums at the end.
-pub(crate) fn forward<T: WithDType + BulkExp>(
-    inp: &Inputs<'_, T>,
+pub(crate) fn forward<T: WithDType + BulkExp, K: Stored<T>>(
+    inp: &Inputs<'_, T, K>,
     blocks: Blocks<'_, T>,
 ) -> CResult<Forward<T>> {
     let Dims {
@@ -212,8 +235,8 @@ pub(crate) fn forward<T: WithDType + BulkExp>(
 
 /// [`forward`]'s running softmax for item `i`'s query rows from `first` (as many as `max` has)
 /// through the key blocks `wave`.
-fn forward_tile<T: WithDType + BulkExp>(
-    inp: &Inputs<'_, T>,
+fn forward_tile<T: WithDType + BulkExp, K: Stored<T>>(
+    inp: &Inputs<'_, T, K>,
     (i, first): (usize, usize),
     wave: &[KeyBlock<T>],
     out: &mut [T],
@@ -223,9 +246,12 @@ fn forward_tile<T: WithDType + BulkExp>(
     let (rows, hd) = (max.len(), inp.dims.hd);
     let widest = wave.iter().map(|b| b.n).max().unwrap_or(0);
     let mut scores = vec![T::zero(); rows * widest];
+    let (mut key_buffer, mut value_buffer) = (Vec::new(), Vec::new());
     for blk in wave {
         let n = blk.n;
         let (keys, values) = inp.keys_values(i, blk);
+        let keys = K::in_compute_type(keys, &mut key_buffer);
+        let values = K::in_compute_type(values, &mut value_buffer);
         let s = &mut scores[..rows * n];
         inp.masked_scores(i, first, blk, keys, s);
         vectorized!(|_| {

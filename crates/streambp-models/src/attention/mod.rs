@@ -20,7 +20,7 @@ mod softmax_block;
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType, D};
 
-use crate::cpu::{fusable, host_slice, storage_id, with_data_mut, BulkExp};
+use crate::cpu::{cast, fusable, host_slice, storage_id, with_data_mut, BulkExp};
 use crate::error::Result;
 use crate::op::Precomputed;
 
@@ -193,10 +193,15 @@ impl Blocks {
     /// exponentials overflow.
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Normalizer)> {
         if self.kernel_applies(q, k, v)? {
-            return match q.dtype() {
-                DType::F32 => self.kernel_forward::<f32>(q, k, v),
-                _ => self.kernel_forward::<f64>(q, k, v),
+            return match (q.dtype(), k.dtype()) {
+                (DType::F32, DType::BF16) => self.kernel_forward::<f32, half::bf16>(q, k, v),
+                (DType::F32, _) => self.kernel_forward::<f32, f32>(q, k, v),
+                _ => self.kernel_forward::<f64, f64>(q, k, v),
             };
+        }
+        if k.dtype() != q.dtype() {
+            let (k, v) = (cast(k, q.dtype())?, cast(v, q.dtype())?);
+            return self.forward(q, &k, &v);
         }
         let dtype = q.dtype();
         // (running max, running sum of exponentials, running weighted sum of values)
@@ -247,14 +252,22 @@ impl Blocks {
             return Ok(false);
         }
         let (b, kv_heads, rows, hd) = q.dims4()?;
+        // Keys and values in q's dtype, or bf16 ones for an f32 forward without earlier keys
+        // (the kernel widens them a block at a time; the backward widens them whole).
+        let stored = |t: &Tensor| {
+            t.dtype() == q.dtype()
+                || (t.dtype(), q.dtype()) == (DType::BF16, DType::F32) && self.earlier.is_none()
+        };
         // The sequence length of a `[b, kv_heads, len, hd]` tensor like q's on the CPU.
         let heads_of = |t: &Tensor| match *t.dims() {
             [tb, tk, len, td] if (tb, tk, td) == (b, kv_heads, hd) => {
-                (t.device().is_cpu() && t.dtype() == q.dtype()).then_some(len)
+                (t.device().is_cpu() && stored(t)).then_some(len)
             }
             _ => None,
         };
-        let pair = |a: &Tensor, b: &Tensor| heads_of(a).filter(|&n| heads_of(b) == Some(n));
+        let pair = |a: &Tensor, b: &Tensor| {
+            heads_of(a).filter(|&n| heads_of(b) == Some(n) && a.dtype() == b.dtype())
+        };
         let own = pair(k, v);
         let sizes = rows > 0 && hd > 0 && self.group > 0 && rows % self.group == 0;
         let earlier = match &self.earlier {
@@ -327,7 +340,7 @@ impl Blocks {
     }
 
     /// [`Blocks::forward`] by the CPU kernel.
-    fn kernel_forward<T: WithDType + BulkExp>(
+    fn kernel_forward<T: WithDType + BulkExp, K: WithDType + kernel::Stored<T>>(
         &self,
         q: &Tensor,
         k: &Tensor,
@@ -337,7 +350,7 @@ impl Blocks {
         let ranges = self.ranges(k.dim(2)?)?;
         let fetch = |b: usize| self.kernel_block::<T>(dims, ranges[b]);
         let data = HostKeys::new(q, k, v, self.earlier.as_ref())?;
-        let fwd = data.read::<T, _>(dims, |inputs| {
+        let fwd = data.read::<T, K, _>(dims, |inputs| {
             let blocks = kernel::Blocks {
                 count: ranges.len(),
                 fetch: &fetch,
@@ -381,7 +394,7 @@ impl Blocks {
             vec![T::zero(); dims.items * t * dims.hd],
         );
         let mut run = |earlier: Option<kernel::KeyGrads<'_, T>>| {
-            data.read::<T, _>(dims, |inputs| {
+            data.read::<T, T, _>(dims, |inputs| {
                 let blocks = kernel::Blocks {
                     count: ranges.len(),
                     fetch: &fetch,
@@ -482,10 +495,10 @@ impl HostKeys {
     }
 
     /// Runs `f` on the kernel's inputs, the storages read-locked meanwhile.
-    fn read<T: WithDType + BulkExp, R>(
+    fn read<T: WithDType + BulkExp, K: WithDType, R>(
         &self,
         dims: kernel::Dims,
-        f: impl FnOnce(&kernel::Inputs<'_, T>) -> CResult<R>,
+        f: impl FnOnce(&kernel::Inputs<'_, T, K>) -> CResult<R>,
     ) -> CResult<R> {
         let q = self.q.storage_and_layout();
         let (k, v) = (
@@ -498,8 +511,8 @@ impl HostKeys {
             .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()));
         let earlier = match &earlier {
             Some((k, v)) => Some(kernel::KeysValues {
-                keys: head_rows::<T>(&k.0, k.1)?,
-                values: head_rows::<T>(&v.0, v.1)?,
+                keys: head_rows::<K>(&k.0, k.1)?,
+                values: head_rows::<K>(&v.0, v.1)?,
             }),
             None => None,
         };
@@ -507,8 +520,8 @@ impl HostKeys {
             dims,
             q: host_slice::<T>(&q.0, q.1)?,
             own: kernel::KeysValues {
-                keys: head_rows::<T>(&k.0, k.1)?,
-                values: head_rows::<T>(&v.0, v.1)?,
+                keys: head_rows::<K>(&k.0, k.1)?,
+                values: head_rows::<K>(&v.0, v.1)?,
             },
             earlier,
         };
@@ -641,6 +654,12 @@ impl Attention {
         grad: &Tensor,
     ) -> CResult<(Tensor, Tensor, Tensor)> {
         let b = &self.blocks;
+        if k.dtype() != q.dtype() {
+            // Keys and values stored in bf16 for an f32 forward: their gradients in f32, rounded.
+            let (wide_k, wide_v) = (cast(k, q.dtype())?, cast(v, q.dtype())?);
+            let (dq, dk, dv) = self.inner_bwd(q, &wide_k, &wide_v, out, grad)?;
+            return Ok((dq, cast(&dk, k.dtype())?, cast(&dv, v.dtype())?));
+        }
         if b.kernel_applies(q, k, v)? {
             let parts = ((q, k, v), (out, &self.normalizer), grad);
             return match q.dtype() {
