@@ -58,15 +58,9 @@ fn the_tensor_op_path_agrees_too() {
     with_composed_path(|| SHAPES.into_iter().for_each(check_against_composed_softmax));
 }
 
-/// The kernel in f32 against the tensor-op path in f32 (the dtype training runs in).
-#[test]
-fn the_kernel_agrees_in_f32() {
-    let dev = Device::Cpu;
-    let (b, kv_heads, group, c, t, hd) = (1, 2, 2, 130, 700, 8);
-    let randn = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
-    let q = Var::from_tensor(&randn(&[b, kv_heads, group * c, hd])).unwrap();
-    let k = Var::from_tensor(&randn(&[b, kv_heads, t, hd])).unwrap();
-    let v = Var::from_tensor(&randn(&[b, kv_heads, t, hd])).unwrap();
+/// The f32 additive mask `[1, 1, 1, c, t]` of `c` queries at the last `c` of `t` positions, each
+/// seeing the keys up to its own.
+fn causal_bias(c: usize, t: usize) -> Tensor {
     let causal: Vec<f32> = (0..c * t)
         .map(|x| {
             if x % t <= t - c + x / t {
@@ -76,7 +70,19 @@ fn the_kernel_agrees_in_f32() {
             }
         })
         .collect();
-    let bias = Tensor::from_vec(causal, (1, 1, 1, c, t), &dev).unwrap();
+    Tensor::from_vec(causal, (1, 1, 1, c, t), &Device::Cpu).unwrap()
+}
+
+/// The kernel in f32 against the tensor-op path in f32 (the dtype training runs in).
+#[test]
+fn the_kernel_agrees_in_f32() {
+    let dev = Device::Cpu;
+    let (b, kv_heads, group, c, t, hd) = (1, 2, 2, 130, 700, 8);
+    let randn = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+    let q = Var::from_tensor(&randn(&[b, kv_heads, group * c, hd])).unwrap();
+    let k = Var::from_tensor(&randn(&[b, kv_heads, t, hd])).unwrap();
+    let v = Var::from_tensor(&randn(&[b, kv_heads, t, hd])).unwrap();
+    let bias = causal_bias(c, t);
     let weights = randn(&[b, kv_heads, group * c, hd]);
     let run = || {
         let out = attention(
@@ -239,16 +245,7 @@ fn bf16_keys_give_the_bits_of_their_f32_values() {
     );
     let f32_of = |x: &Var| Var::from_tensor(&x.to_dtype(DType::F32).unwrap()).unwrap();
     let (k32, v32) = (f32_of(&k16), f32_of(&v16));
-    let causal: Vec<f32> = (0..c * t)
-        .map(|x| {
-            if x % t <= t - c + x / t {
-                0.0
-            } else {
-                f32::MIN
-            }
-        })
-        .collect();
-    let bias = Tensor::from_vec(causal, (1, 1, 1, c, t), &dev).unwrap();
+    let bias = causal_bias(c, t);
     let weights = randn(&[b, kv_heads, group * c, hd]);
     let run = |k: &Var, v: &Var| {
         let blocking = Blocking {

@@ -27,8 +27,8 @@ fn growing_and_preallocated_caches_match_the_uncached_forward() {
             KvCache::new(&model),
             KvCache::with_capacity(&model, tokens.len()),
         ] {
-            // The prompt in one step, then one token at a time: the growing cache reallocates at
-            // 3, 6 and 12 positions.
+            // The prompt in one step, then one token at a time: the growing cache's global layers
+            // reallocate for 3, 7 and 15 positions (twice those kept, plus the new one).
             let mut at = 0;
             for n in std::iter::once(prompt).chain(std::iter::repeat_n(1, tokens.len() - prompt)) {
                 let logits = cache.step(&model, &all.narrow(1, at, n).unwrap()).unwrap();
