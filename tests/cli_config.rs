@@ -1,9 +1,7 @@
 //! `--config FILE.toml`: keys mirror the flags, typed flags override the file, bad files are explained.
 
-use std::process::Command;
-
 fn sft(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_streambp-train"))
+    let out = streambp_testkit::command(env!("CARGO_BIN_EXE_streambp-train"))
         .arg("sft")
         .args(args)
         .env("RUST_LOG", "warn")

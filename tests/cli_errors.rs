@@ -4,7 +4,6 @@
 //! having trained nothing.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// One bad input: the arguments (`{dir}` is a fresh directory of the row, `{fixtures}` the test
 /// fixtures), the expected exit status and a fragment of stderr.
@@ -362,7 +361,7 @@ fn fixtures() -> PathBuf {
 }
 
 fn train(dir: &Path, args: &[String]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_streambp-train"))
+    let out = streambp_testkit::command(env!("CARGO_BIN_EXE_streambp-train"))
         .args(args)
         .env("RUST_LOG", "warn")
         .env("HF_HUB_OFFLINE", "1")

@@ -24,7 +24,7 @@ fn mpi_available() -> bool {
 fn command(ranks: usize, out: &Path, args: &str) -> Command {
     let exe = env!("CARGO_BIN_EXE_streambp-train");
     let mut cmd = match ranks {
-        1 => Command::new(exe),
+        1 => streambp_testkit::command(exe),
         n => {
             let mut c = Command::new("mpiexec");
             c.args(["-n", &n.to_string(), exe]);

@@ -6,7 +6,6 @@ mod common;
 use common::*;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -34,7 +33,7 @@ fn grad(
     let batch_path = dir.path().join("batch.json");
     std::fs::write(&batch_path, batch.to_string()).unwrap();
     let out = dir.path().join("grads.safetensors");
-    let output = Command::new(env!("CARGO_BIN_EXE_streambp-train"))
+    let output = streambp_testkit::command(env!("CARGO_BIN_EXE_streambp-train"))
         .args(["grad", "--model"])
         .arg(model)
         .arg("--batch")
@@ -430,7 +429,7 @@ fn bad_pair_and_grpo_batches_are_clear_errors() {
         .replacen("0.2", "NaN", 1);
     let path = dir.path().join("nan.json");
     std::fs::write(&path, text).unwrap();
-    let output = Command::new(env!("CARGO_BIN_EXE_streambp-train"))
+    let output = streambp_testkit::command(env!("CARGO_BIN_EXE_streambp-train"))
         .args(["grad", "--model"])
         .arg(&model)
         .arg("--batch")

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 const RUN: &str = "sft --no-progress --max-steps 30 --save-every 1 --batch-size 16 --seed 5";
 
 fn trainer(out: &Path, extra: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_streambp-train"));
+    let mut cmd = streambp_testkit::command(env!("CARGO_BIN_EXE_streambp-train"));
     cmd.args(RUN.split(' '))
         .arg("--output-dir")
         .arg(out)

@@ -5,7 +5,6 @@
 
 use std::io::Write;
 use std::path::Path;
-use std::process::Command;
 
 /// `rows` JSONL rows, each a short arithmetic problem in the columns of every job (SFT's
 /// prompt/completion, DPO's chosen/rejected, GRPO's answer) beside a `meta` column of `meta_bytes`
@@ -28,7 +27,7 @@ fn write_data(path: &Path, rows: usize, meta_bytes: usize) {
 
 /// The heap peak (MiB) of a 3-step run of `job` on `data`, as the binary prints it.
 fn peak_heap_mib(job: &str, data: &Path, out: &Path) -> f64 {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_streambp-train"));
+    let mut command = streambp_testkit::command(env!("CARGO_BIN_EXE_streambp-train"));
     command.args([
         job,
         "--no-progress",

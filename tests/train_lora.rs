@@ -181,7 +181,7 @@ fn grad_writes_adapter_gradients_under_peft_keys() {
             vec!["--lora-r", "4", "--lora-target", "q_proj,down_proj"],
         ] {
             let path = out.path().join("g.safetensors");
-            let status = std::process::Command::new(env!("CARGO_BIN_EXE_streambp-train"))
+            let status = streambp_testkit::command(env!("CARGO_BIN_EXE_streambp-train"))
                 .args(["grad", "--model", model.to_str().unwrap(), "--batch"])
                 .arg(batch)
                 .args([

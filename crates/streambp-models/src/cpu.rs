@@ -115,7 +115,7 @@ const MIN_TILE: usize = 64;
 
 /// Tile edges for an `m × n` output: [`TILE`], halved (down to [`MIN_TILE`]) along the longer edge
 /// while there are fewer tiles than twice the threads.
-pub(crate) fn tile_sizes(m: usize, n: usize) -> (usize, usize) {
+pub fn tile_sizes(m: usize, n: usize) -> (usize, usize) {
     let want = 2 * rayon::current_num_threads();
     let (mut tm, mut tn) = (TILE.min(m).max(1), TILE.min(n).max(1));
     while m.div_ceil(tm) * n.div_ceil(tn) < want {

@@ -2,8 +2,6 @@
 //! it cannot honour leaves the CPU's own choice: the test runs itself again in child processes, one
 //! per value (the choice is read once per process), and each child checks what it got.
 
-use std::process::Command;
-
 use streambp_models::half_product::{Kernel, KERNEL_ENV};
 
 /// The value a child was given, and the kernel it must then run (set only in children).
@@ -29,7 +27,7 @@ fn the_environment_picks_a_kernel_the_cpu_can_run() {
         false => ("dot", own.name()),
     });
     for (asked, expected) in cases {
-        let status = Command::new(std::env::current_exe().unwrap())
+        let status = streambp_testkit::command(std::env::current_exe().unwrap())
             .args([TEST_NAME, "--exact", "--test-threads", "1"])
             .env(KERNEL_ENV, asked)
             .env(EXPECT_ENV, expected)

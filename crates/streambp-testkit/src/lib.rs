@@ -59,6 +59,31 @@ pub fn masked_rel_err(a: &Tensor, b: &Tensor, mask: &Tensor) -> f64 {
     max_of(diff) / max_of(scale).max(f64::MIN_POSITIVE)
 }
 
+/// A command running `program` as the test itself runs: under cargo's runner for this target where
+/// one is set (`CARGO_TARGET_<TRIPLE>_RUNNER`, split on whitespace as cargo does), so that a test run
+/// under an emulator (`qemu-x86_64 -cpu EPYC-Milan`: a CPU without AVX-512) starts its children,
+/// the CLI or the test binary again, on the same emulated CPU rather than on the host's.
+pub fn command(program: impl AsRef<std::ffi::OsStr>) -> std::process::Command {
+    let this_target = |name: &str| {
+        name.starts_with("CARGO_TARGET_")
+            && name.ends_with("_RUNNER")
+            && name.contains(&std::env::consts::ARCH.to_uppercase())
+            && name.contains(&std::env::consts::OS.to_uppercase())
+    };
+    let runner = std::env::vars().find(|(name, _)| this_target(name));
+    let mut words = runner
+        .iter()
+        .flat_map(|(_, value)| value.split_whitespace());
+    match words.next() {
+        Some(emulator) => {
+            let mut command = std::process::Command::new(emulator);
+            command.args(words).arg(program);
+            command
+        }
+        None => std::process::Command::new(program),
+    }
+}
+
 /// Whether a test that launches ranks with `mpiexec` can run: the test binary was built with the `mpi`
 /// feature (`built_with_mpi`: the caller's `cfg!(feature = "mpi")`) and `mpiexec` is on the PATH.
 /// Otherwise it says why and returns false (the test passes without running), unless

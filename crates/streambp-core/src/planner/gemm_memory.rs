@@ -6,10 +6,14 @@
 //! What gemm allocates (gemm-common 0.19, `gemm_basic_generic`):
 //! - once per thread that runs a product, never freed: a slab the size of one core's L2 cache, in
 //!   which it packs blocks of the left operand ([`thread_slabs`]);
-//! - per product, freed when it returns ([`workspace`]): the right operand packed `kc × nc` when it
-//!   is read along strided rows or is large, and the left one prepacked `kc × m` when it is short.
-//!   `nc` is bounded by the L3 cache (`~(assoc − 1)/assoc` of it), so on a CPU with a large L3 one
-//!   product can take tens of MiB (32 MiB on a Zen 4 EPYC with a 32 MiB L3).
+//! - per call, freed when it returns: the right operand packed `kc × nc` when it is read along
+//!   strided rows or is large, and the left one prepacked `kc × m` when it is short. `nc` is bounded
+//!   by the L3 cache (`~(assoc − 1)/assoc` of it), so one call for a whole product with a wide
+//!   operand can take tens of MiB (32 MiB on a Zen 4 EPYC with a 32 MiB L3); the host's products
+//!   call it per output tile of at most 256 × 256 ([`workspace`]), which bounds it by the tile.
+//!
+//! Public so that `tests/gemm_workspace.rs` can hold [`workspace`] against what gemm allocates on
+//! whichever CPU runs it (emulated ones included: `scripts/emulated-cpu.sh`).
 
 use gemm_common::cache::{kernel_params, KernelParams, CACHE_INFO};
 
@@ -34,7 +38,7 @@ fn kernel(elem: usize) -> (usize, usize, usize) {
 
 /// Bytes gemm keeps for good once threads have run products: one L2-sized slab per thread of the
 /// rayon pool (the engine runs every phase on it).
-pub(crate) fn thread_slabs() -> u64 {
+pub fn thread_slabs() -> u64 {
     (rayon::current_num_threads() * CACHE_INFO[1].cache_bytes) as u64
 }
 
@@ -42,7 +46,7 @@ pub(crate) fn thread_slabs() -> u64 {
 /// elements are adjacent along `k` and `B`'s along `n` (a row-major operand's are; a transposed
 /// view's are not).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Product {
+pub struct Product {
     m: usize,
     n: usize,
     k: usize,
@@ -52,7 +56,7 @@ pub(crate) struct Product {
 
 impl Product {
     /// `x · Wᵀ` for `x` `[rows, in]` and `W` `[out, in]` (a projection's forward, the logits).
-    pub(crate) fn by_transposed(rows: usize, out: usize, inner: usize) -> Self {
+    pub fn by_transposed(rows: usize, out: usize, inner: usize) -> Self {
         Self {
             m: rows,
             n: out,
@@ -63,7 +67,7 @@ impl Product {
     }
 
     /// `g · W` for `g` `[rows, out]` and `W` `[out, in]` (an input's gradient).
-    pub(crate) fn by_plain(rows: usize, out: usize, inner: usize) -> Self {
+    pub fn by_plain(rows: usize, out: usize, inner: usize) -> Self {
         Self {
             m: rows,
             n: inner,
@@ -74,7 +78,7 @@ impl Product {
     }
 
     /// `gᵀ · x` for `g` `[rows, out]`, `x` `[rows, in]` (a weight's gradient, `[out, in]`).
-    pub(crate) fn transposed_by(out: usize, inner: usize, rows: usize) -> Self {
+    pub fn transposed_by(out: usize, inner: usize, rows: usize) -> Self {
         Self {
             m: out,
             n: inner,
@@ -85,9 +89,33 @@ impl Product {
     }
 }
 
-/// Bytes one product allocates while it runs, for elements of `elem` bytes, split over the threads
-/// (`parallel`) or not.
-pub(crate) fn workspace(p: Product, elem: usize, parallel: bool) -> u64 {
+/// Bytes a host product allocates while it runs, for elements of `elem` bytes: split into output
+/// tiles that the threads take one each (`tiled`: the models' `cpu::product_into`, which every f32
+/// and f64 product of a layer and of the LM head takes), or one single-threaded gemm call (the
+/// attention kernel's, inside tasks that are themselves the parallelism). A tiled product holds one
+/// tile's workspace per thread at once (at most: short tiles often do not overlap), and the list of
+/// its tiles; a few rows by `Wᵀ` take the models' `skinny` kernel, which allocates nothing.
+pub fn workspace(p: Product, elem: usize, tiled: bool) -> u64 {
+    if !tiled {
+        return call_workspace(p, elem);
+    }
+    // `skinny::applies`: `a`'s rows contiguous, `b = Wᵀ` with `W`'s rows contiguous.
+    if p.m <= streambp_models::skinny::MAX_ROWS && p.a_rows_contiguous && !p.b_rows_contiguous {
+        return 0;
+    }
+    let (tm, tn) = streambp_models::cpu::tile_sizes(p.m, p.n);
+    let tiles = p.m.div_ceil(tm) * p.n.div_ceil(tn);
+    let tile = Product {
+        m: tm.min(p.m),
+        n: tn.min(p.n),
+        ..p
+    };
+    let tile_list = (tiles * std::mem::size_of::<(usize, usize)>()) as u64;
+    rayon::current_num_threads().min(tiles) as u64 * call_workspace(tile, elem) + tile_list
+}
+
+/// Bytes one single-threaded gemm call allocates while it runs, for elements of `elem` bytes.
+fn call_workspace(p: Product, elem: usize) -> u64 {
     if p.m == 0 || p.n == 0 || p.k <= 2 {
         return 0;
     }
@@ -111,11 +139,8 @@ pub(crate) fn workspace(p: Product, elem: usize, parallel: bool) -> u64 {
     } else {
         kernel_params(m, n, k, mr, nr, elem)
     };
-    let nc = match (nc, parallel) {
-        (0, false) => 128 * nr,
-        (0, true) => n.next_multiple_of(nr),
-        (nc, _) => nc,
-    };
+    // No L3 cache size known: gemm's choice for a call on one thread.
+    let nc = if nc == 0 { 128 * nr } else { nc };
     let rhs_threshold = gemm::get_rhs_packing_threshold();
     let pack_rhs = (!rhs_unit_rows && m > 2 * mr) || (rhs_unit_rows && m > rhs_threshold * mr);
     let prepack_lhs = m <= 2 * mc && (m % lanes != 0 || !lhs_unit_rows);

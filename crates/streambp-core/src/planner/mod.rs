@@ -35,7 +35,7 @@
 use candle_core::DType;
 use streambp_models::{LoraConfig, ModelConfig, Projection};
 
-mod gemm_memory;
+pub mod gemm_memory;
 
 use gemm_memory::Product;
 
@@ -316,12 +316,12 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
         (chunks.chunk as u64).min(t),
         (chunks.logits_chunk as u64).min(t),
     );
-    let workspace = |products: &[Product], parallel: bool| -> u64 {
+    let workspace = |products: &[Product], tiled: bool| -> u64 {
         let elem = e.max(f32b) as usize; // the host runs half-precision products in f32
         match p.host {
             true => products
                 .iter()
-                .map(|&pr| gemm_memory::workspace(pr, elem, parallel))
+                .map(|&pr| gemm_memory::workspace(pr, elem, tiled))
                 .max()
                 .unwrap_or(0),
             false => 0,
