@@ -38,7 +38,7 @@ fn kernel(elem: usize) -> (usize, usize, usize) {
 
 /// Bytes gemm keeps for good once threads have run products: one L2-sized slab per thread of the
 /// rayon pool (the engine runs every phase on it).
-pub fn thread_slabs() -> u64 {
+pub(crate) fn thread_slabs() -> u64 {
     (rayon::current_num_threads() * CACHE_INFO[1].cache_bytes) as u64
 }
 
@@ -87,6 +87,26 @@ impl Product {
             b_rows_contiguous: true,
         }
     }
+
+    /// `A`'s column stride in the layout the engine gives it: 1 for a row-major `[m, k]`, `m` for a
+    /// transposed view of a row-major `[k, m]`.
+    fn a_col_stride(&self) -> usize {
+        if self.a_rows_contiguous {
+            1
+        } else {
+            self.m
+        }
+    }
+
+    /// `B`'s row stride likewise: `n` for a row-major `[k, n]`, 1 for a view `Wᵀ` of a row-major
+    /// `W` `[n, k]`.
+    fn b_row_stride(&self) -> usize {
+        if self.b_rows_contiguous {
+            self.n
+        } else {
+            1
+        }
+    }
 }
 
 /// Bytes a host product allocates while it runs, for elements of `elem` bytes: split into output
@@ -99,8 +119,7 @@ pub fn workspace(p: Product, elem: usize, tiled: bool) -> u64 {
     if !tiled {
         return call_workspace(p, elem);
     }
-    // `skinny::applies`: `a`'s rows contiguous, `b = Wᵀ` with `W`'s rows contiguous.
-    if p.m <= streambp_models::skinny::MAX_ROWS && p.a_rows_contiguous && !p.b_rows_contiguous {
+    if streambp_models::skinny::applies(p.m, p.a_col_stride(), p.b_row_stride()) {
         return 0;
     }
     let (tm, tn) = streambp_models::cpu::tile_sizes(p.m, p.n);
