@@ -157,11 +157,15 @@ pack-cpu)
     #   cargo build --release -p streambp-bench
     #   cargo build --release -p streambp-models --example op_timings
     #   cargo test --release -p streambp-core --test planner --no-run
+    #   cargo test --release -p streambp-models --lib --no-run
     rm -rf gpu-cpu /tmp/perf-kit && mkdir -p gpu-cpu /tmp/perf-kit/perf/lib
     xz -T2 -6 -c target/release/streambp-bench > gpu-cpu/streambp-bench.xz
     xz -T2 -6 -c target/release/examples/op_timings > gpu-cpu/op_timings.xz
     test_bin=$(ls -t target/release/deps/planner-* | grep -v '\.d$' | head -1)
     xz -T2 -6 -c "$test_bin" > gpu-cpu/planner.xz
+    # The models' unit tests: the bf16 kernels (AMX's among them) against exact sums on that CPU.
+    test_bin=$(ls -t target/release/deps/streambp_models-* | grep -v '\.d$' | head -1)
+    xz -T2 -6 -c "$test_bin" > gpu-cpu/models_lib.xz
     perf_bin=$(command -v perf) || {
         echo "pack-cpu: no perf on this machine (apt-get install linux-perf)" >&2
         exit 1
@@ -174,13 +178,14 @@ pack-cpu)
     du -sh gpu-cpu
     ;;
 cpu-profile)
-    # Issue 25's open question on this host's CPU: where a bf16 step's time goes that an f32 step's
-    # does not. Both dtypes on two cores (CORES), each phase's time, page faults, and perf's flat and
+    # Issue 25's open questions on this host's CPU: whether AMX's bf16 kernel gives exact sums and
+    # what it saves, and where a bf16 step's time goes that an f32 step's does not. The kernels'
+    # tests, then both dtypes on two cores (CORES), each phase's time, page faults, and perf's flat and
     # inclusive profiles (software clock: these VMs expose no hardware counters), and op_timings with
     # a flat profile of its products; then the planner's test (its cost model against measured
-    # peaks on this CPU). Carry gpu-cpu (`pack-cpu`); results in $OUT, five text files.
+    # peaks on this CPU). Carry gpu-cpu (`pack-cpu`); results in $OUT, six text files.
     kit=gpu-cpu
-    for f in "$kit"/streambp-bench "$kit"/op_timings "$kit"/planner; do
+    for f in "$kit"/streambp-bench "$kit"/op_timings "$kit"/planner "$kit"/models_lib; do
         [ -e "$f" ] || xz -dk "$f.xz"
         chmod +x "$f"
     done
@@ -198,9 +203,14 @@ cpu-profile)
         echo "perf_event_paranoid: $(cat /proc/sys/kernel/perf_event_paranoid 2>/dev/null)"
         nproc
     } > "$report" 2>&1
+    # The bf16 kernels first (AMX's has not run on a CPU with AMX before): every kernel this CPU
+    # has against exact sums, AMX's tiles against a model of them.
+    timeout "${LIMIT:-120}" "$kit/models_lib" amx_kernel half_product --nocapture \
+        > "$out/kernels.txt" 2>&1 || true
     step_args=(--config benches/configs/qwen3-small.json --seq-lens 2048 --modes stream --chunk 128)
     # dtype, SIMD path, bf16 kernel (`-`: the CPU's own choice).
-    for run in "f32 avx512 -" "bf16 avx512 widened" "bf16 avx512 dot" "f32 avx2 -" "bf16 avx2 -"; do
+    for run in "f32 avx512 -" "bf16 avx512 widened" "bf16 avx512 dot" "bf16 avx512 amx" "f32 avx2 -" \
+        "bf16 avx2 -"; do
         # shellcheck disable=SC2086
         set -- $run
         echo "== $1, STREAMBP_SIMD=$2, STREAMBP_BF16_KERNEL=$3: phases (JSON)" >> "$report"

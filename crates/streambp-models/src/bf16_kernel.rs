@@ -18,7 +18,7 @@ use std::ops::Range;
 
 use half::bf16;
 
-use crate::half_product::Operand;
+use crate::half_product::{Operand, Tile};
 
 /// Rows of the micro-kernel's block.
 const MR: usize = 8;
@@ -92,7 +92,7 @@ pub struct Packs {
 /// on: an odd last pair), into blocks of `lanes` rows: block `b`, pair `p`, lane `l` at
 /// `(b · pairs + p) · lanes + l`, each pair a `u32` with the lower inner index in its low half.
 /// Reads run along whichever of `x`'s strides is 1. `lanes` is at most [`NR`].
-fn pack(
+pub(crate) fn pack(
     x: &Operand,
     rows: Range<usize>,
     (k0, pairs, len): (usize, usize, usize),
@@ -116,7 +116,8 @@ fn pack(
                 *y = pair(two[0], two[1]);
             }
             if odd {
-                block[(pairs - 1) * lanes] = pair(run[run.len() - 1], bf16::ZERO);
+                // The run's last pair (not always the slice's: AMX's slices are padded to whole tiles).
+                block[(run.len() / 2) * lanes] = pair(run[run.len() - 1], bf16::ZERO);
             }
         }
     } else {
@@ -152,16 +153,10 @@ fn pack(
 /// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major).
 /// Panics unless [`available`] (the caller dispatches on it) and if `out` is too small; the operands'
 /// ranges are the caller's to check ([`Operand`]s that fit `rows × k` and `k × cols`).
-pub fn tile(
-    a: &Operand,
-    rows: Range<usize>,
-    b: &Operand,
-    cols: Range<usize>,
-    k: usize,
-    packs: &mut Packs,
-    out: &mut [f32],
-) {
+pub fn tile(tile: &Tile, packs: &mut Packs, out: &mut [f32]) {
     assert!(available(), "bf16 kernel: the CPU has no AVX512-BF16");
+    let Tile { a, b, k, .. } = *tile;
+    let (rows, cols) = (tile.rows.clone(), tile.cols.clone());
     let (r, c) = (rows.len(), cols.len());
     assert!(out.len() >= r * c, "bf16 kernel: tile buffer too small");
     let (row_blocks, panels) = (r.div_ceil(MR), c.div_ceil(NR));

@@ -4,9 +4,9 @@
 //! narrowing the result: for a projection that is the weight, for the LM head the whole vocabulary
 //! table, on every call (and a second f32 copy of each gradient product). Here each task owns one
 //! tile of the output and sums it over slices of the inner dimension, reading only the slices of
-//! each operand it needs, with one of two [`Kernel`]s: on CPUs with AVX512-BF16 the slices are
-//! packed as bf16 pairs for its dot-product instruction ([`crate::bf16_kernel`]); elsewhere they are
-//! widened into small f32 buffers for gemm's f32 kernel (the one candle's f32 products run, on one
+//! each operand it needs, with one of the [`Kernel`]s: on CPUs with AVX512-BF16 the slices can be
+//! packed as bf16 pairs for its dot-product instruction ([`crate::bf16_kernel`]) or, with AMX, for
+//! its tiles ([`crate::amx_kernel`]); otherwise they are widened into small f32 buffers for gemm's f32 kernel (the one candle's f32 products run, on one
 //! thread: the tiles are what run in parallel). No operand is ever widened whole, and the result is
 //! rounded once (or added, unrounded, into an f32 accumulator), so the arithmetic is f32's with f32
 //! accumulation, as candle's widened product and PyTorch's bf16 products on the CPU do.
@@ -87,6 +87,21 @@ impl<'a> Operand<'a> {
     }
 }
 
+/// One output tile of a product, `a[rows, ..k]·b[..k, cols]`: what a kernel computes at a time.
+#[derive(Clone)]
+pub struct Tile<'a> {
+    /// The left operand, of which the tile takes `rows`.
+    pub a: &'a Operand<'a>,
+    /// The tile's rows.
+    pub rows: std::ops::Range<usize>,
+    /// The right operand, of which the tile takes `cols`.
+    pub b: &'a Operand<'a>,
+    /// The tile's columns.
+    pub cols: std::ops::Range<usize>,
+    /// The inner dimension.
+    pub k: usize,
+}
+
 /// Where a product's result goes.
 pub enum Destination<'a> {
     /// A new `[m, n]` row-major bf16 matrix, rounded once from the f32 sums.
@@ -102,6 +117,10 @@ pub enum Kernel {
     Widened,
     /// AVX512-BF16's dot products of bf16 pairs on the packed slices ([`crate::bf16_kernel`]).
     Bf16Dot,
+    /// AMX's tile products on the packed slices ([`crate::amx_kernel`]). It has not yet run on a
+    /// CPU with AMX, so it is taken only when asked for ([`KERNEL_ENV`]`=amx`); tests check it on
+    /// every CPU that has it.
+    Amx,
 }
 
 /// The environment variable that picks the bf16 products' kernel by [`Kernel::name`] (read once):
@@ -114,6 +133,7 @@ impl Kernel {
         match self {
             Kernel::Widened => "widened",
             Kernel::Bf16Dot => "dot",
+            Kernel::Amx => "amx",
         }
     }
 
@@ -153,6 +173,9 @@ impl Kernel {
         if crate::bf16_kernel::available() {
             kernels.push(Kernel::Bf16Dot);
         }
+        if crate::amx_kernel::available() {
+            kernels.push(Kernel::Amx);
+        }
         kernels
     }
 }
@@ -160,7 +183,8 @@ impl Kernel {
 /// Rows a product needs for the AVX512-BF16 kernel to pay: its micro-kernel works on blocks of 8
 /// rows and packs `b` once per tile, so a product of a few rows (a short row's chunk, a decoding
 /// step) takes the widened path, whose gemm has kernels for them. At 16 rows the two took the same
-/// time (16 x 128 x 128, AMD EPYC Zen 4); from 64 rows on the dot products took 5-45% less.
+/// time (16 x 128 x 128, AMD EPYC Zen 4); from 64 rows on the dot products took 5-45% less. AMX's
+/// tiles are 16 rows: fewer would multiply padding.
 const MIN_DOT_ROWS: usize = 16;
 
 /// `dst (=|+=) a·b` for `a` `[m, k]` and `b` `[k, n]` in bf16, summed in f32 (see the module doc),
@@ -171,7 +195,7 @@ pub fn product(dst: Destination<'_>, mnk: (usize, usize, usize), a: Operand, b: 
         return skinny_product(dst, mnk, a, b);
     }
     let kernel = match Kernel::detect() {
-        Kernel::Bf16Dot if mnk.0 < MIN_DOT_ROWS => Kernel::Widened,
+        Kernel::Bf16Dot | Kernel::Amx if mnk.0 < MIN_DOT_ROWS => Kernel::Widened,
         kernel => kernel,
     };
     product_by(kernel, dst, mnk, a, b)
@@ -222,7 +246,7 @@ pub fn product_by(
         Destination::AddF32(d) => (None, Some(SharedDst(d.as_mut_ptr()))),
     };
     tiles.par_iter().for_each_init(
-        || (Buffers::default(), crate::bf16_kernel::Packs::default()),
+        || (Buffers::default(), Packs::default()),
         |(bufs, packs), &(i0, j0)| {
             let (rows, cols) = (i0..(i0 + tm).min(m), j0..(j0 + tn).min(n));
             let (r, c) = (rows.len(), cols.len());
@@ -242,7 +266,24 @@ pub fn product_by(
                     widened_tile(&a, rows, &b, cols, k, tile, bufs);
                 }
                 Kernel::Bf16Dot => {
-                    crate::bf16_kernel::tile(&a, rows, &b, cols, k, packs, &mut bufs.sums);
+                    let tile = Tile {
+                        a: &a,
+                        rows,
+                        b: &b,
+                        cols,
+                        k,
+                    };
+                    crate::bf16_kernel::tile(&tile, &mut packs.dot, &mut bufs.sums);
+                }
+                Kernel::Amx => {
+                    let tile = Tile {
+                        a: &a,
+                        rows,
+                        b: &b,
+                        cols,
+                        k,
+                    };
+                    crate::amx_kernel::tile(&tile, &mut packs.amx, &mut bufs.sums);
                 }
             }
             for (t, sums) in bufs.sums.chunks_exact(c).enumerate() {
@@ -270,6 +311,13 @@ pub fn product_by(
             }
         },
     );
+}
+
+/// A task's packing buffers for the kernels that pack bf16 pairs.
+#[derive(Default)]
+struct Packs {
+    dot: crate::bf16_kernel::Packs,
+    amx: crate::amx_kernel::Packs,
 }
 
 /// A task's buffers: the widened slices and the tile's f32 sums.
@@ -335,6 +383,33 @@ pub fn operand<'a>(data: &'a [bf16], l: &Layout) -> CResult<(Operand<'a>, usize,
         candle_core::bail!("bf16 product: operand outside its storage");
     }
     Ok((op, rows, cols))
+}
+
+/// Runs `check` on each pair of layouts the kernels' tests take: row-major, column-major and a
+/// strided view of either operand (`a` `[m, k]` in `a_data`, `b` `[k, n]` in `b_data`, each holding
+/// at least twice its elements).
+#[cfg(test)]
+pub(crate) fn each_layout(
+    (m, n, k): (usize, usize, usize),
+    (a_data, b_data): (&[bf16], &[bf16]),
+    mut check: impl FnMut(Operand, Operand),
+) {
+    let layouts = |rows: usize, cols: usize| [(cols, 1), (1, rows), (2 * cols, 2)];
+    for (row_stride, col_stride) in layouts(m, k) {
+        let a = Operand {
+            data: a_data,
+            row_stride,
+            col_stride,
+        };
+        for (row_stride, col_stride) in layouts(k, n) {
+            let b = Operand {
+                data: b_data,
+                row_stride,
+                col_stride,
+            };
+            check(a, b);
+        }
+    }
 }
 
 /// `a·b`: by [`product`] for 2-D bf16 tensors on the CPU (any strides), by
@@ -428,48 +503,34 @@ mod tests {
         ] {
             let a_data = values(2 * m * k + 1, 1);
             let b_data = values(2 * k * n + 1, 2);
-            let layouts = |rows: usize, cols: usize| [(cols, 1), (1, rows), (2 * cols, 2)];
-            for (ars, acs) in layouts(m, k) {
-                for (brs, bcs) in layouts(k, n) {
-                    let a = Operand {
-                        data: &a_data,
-                        row_stride: ars,
-                        col_stride: acs,
-                    };
-                    let b = Operand {
-                        data: &b_data,
-                        row_stride: brs,
-                        col_stride: bcs,
-                    };
-                    let want = exact(m, n, k, a, b);
-                    // f32 sums of k terms in any order: within a few √k roundings of their
-                    // magnitudes (a kernel that sums each element in one long chain, as the
-                    // AVX512-BF16 one does, comes nearer that than gemm's blocked sums).
-                    let eps = f32::EPSILON as f64;
-                    let tol = |w: f64, abs: f64| {
-                        4.0 * eps * (k as f64).sqrt() * abs + 8.0 * eps * w.abs()
-                    };
-                    for kernel in Kernel::available() {
-                        let mut acc: Vec<f32> = (0..m * n).map(|i| i as f32).collect();
-                        product_by(kernel, Destination::AddF32(&mut acc), (m, n, k), a, b);
-                        for (i, (&got, &(w, abs))) in acc.iter().zip(&want).enumerate() {
-                            let w = w + i as f64;
-                            let err = (got as f64 - w).abs();
-                            let tol = tol(w, abs);
-                            assert!(err <= tol, "{kernel:?} {m}x{n}x{k} add: {got} vs {w}");
-                        }
-                        let mut out = vec![bf16::ZERO; m * n];
-                        product_by(kernel, Destination::Bf16(&mut out), (m, n, k), a, b);
-                        for (&got, &(w, abs)) in out.iter().zip(&want) {
-                            let rounded = bf16::from_f64(w).to_f64();
-                            let ulp = w.abs() * 2f64.powi(-7);
-                            let err = (got.to_f64() - rounded).abs();
-                            let tol = ulp + tol(w, abs);
-                            assert!(err <= tol, "{kernel:?} {m}x{n}x{k}: {got} vs {w}");
-                        }
+            each_layout((m, n, k), (&a_data, &b_data), |a, b| {
+                let want = exact(m, n, k, a, b);
+                // f32 sums of k terms in any order: within a few √k roundings of their
+                // magnitudes (a kernel that sums each element in one long chain, as the
+                // AVX512-BF16 one does, comes nearer that than gemm's blocked sums).
+                let eps = f32::EPSILON as f64;
+                let tol =
+                    |w: f64, abs: f64| 4.0 * eps * (k as f64).sqrt() * abs + 8.0 * eps * w.abs();
+                for kernel in Kernel::available() {
+                    let mut acc: Vec<f32> = (0..m * n).map(|i| i as f32).collect();
+                    product_by(kernel, Destination::AddF32(&mut acc), (m, n, k), a, b);
+                    for (i, (&got, &(w, abs))) in acc.iter().zip(&want).enumerate() {
+                        let w = w + i as f64;
+                        let err = (got as f64 - w).abs();
+                        let tol = tol(w, abs);
+                        assert!(err <= tol, "{kernel:?} {m}x{n}x{k} add: {got} vs {w}");
+                    }
+                    let mut out = vec![bf16::ZERO; m * n];
+                    product_by(kernel, Destination::Bf16(&mut out), (m, n, k), a, b);
+                    for (&got, &(w, abs)) in out.iter().zip(&want) {
+                        let rounded = bf16::from_f64(w).to_f64();
+                        let ulp = w.abs() * 2f64.powi(-7);
+                        let err = (got.to_f64() - rounded).abs();
+                        let tol = ulp + tol(w, abs);
+                        assert!(err <= tol, "{kernel:?} {m}x{n}x{k}: {got} vs {w}");
                     }
                 }
-            }
+            });
         }
     }
 }

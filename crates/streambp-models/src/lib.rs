@@ -24,6 +24,7 @@
 
 pub mod accumulate;
 pub mod adapter;
+mod amx_kernel;
 pub mod attention;
 mod bf16_kernel;
 pub mod config;

@@ -22,10 +22,14 @@ fn the_environment_picks_a_kernel_the_cpu_can_run() {
     let own = Kernel::detect();
     let available = Kernel::available();
     let mut cases = vec![("widened", "widened"), ("no-such-kernel", own.name())];
-    cases.push(match available.contains(&Kernel::Bf16Dot) {
-        true => ("dot", "dot"),
-        false => ("dot", own.name()),
-    });
+    // Each kernel that needs instructions of its own: itself where the CPU has them.
+    for kernel in [Kernel::Bf16Dot, Kernel::Amx] {
+        let name = kernel.name();
+        cases.push(match available.contains(&kernel) {
+            true => (name, name),
+            false => (name, own.name()),
+        });
+    }
     for (asked, expected) in cases {
         let status = streambp_testkit::command(std::env::current_exe().unwrap())
             .args([TEST_NAME, "--exact", "--test-threads", "1"])

@@ -1,0 +1,494 @@
+//! One output tile of a bf16 product on AMX, the tile unit of Intel's Xeons from Sapphire Rapids
+//! on: `tdpbf16ps` multiplies a 16 × 32 bf16 tile by a 32 × 16 one into a 16 × 16 tile of f32
+//! sums, 8,192 multiply-adds an instruction, which is what PyTorch's bf16 products run on there.
+//! The products of two bf16 are exact in f32 and the sums are f32's, as on the other kernels
+//! (the unit treats bf16 denormals as zero, as AVX512-BF16 does).
+//!
+//! AMX's instructions are not stable Rust, so the six used here are inline assembly (their
+//! encodings checked in the tests). A 32 × 32 block of sums lives in four tiles (`tmm0..3`), fed by
+//! two tiles of `a`'s rows (`tmm4`, `tmm5`) and two of `b`'s columns (`tmm6`, `tmm7`). The operands
+//! are packed per inner slice of [`KC`] elements into pairs (`u32`, the lower inner index in the
+//! low half) padded to whole tiles: `a` row by row, each row's pairs contiguous (a tile row is 16
+//! pairs), `b` in panels of 16 columns as [`crate::bf16_kernel`] packs them (a tile row is one
+//! pair of each of the 16 columns). Everything but the tile unit is [`tile_with`] over a
+//! [`TileUnit`], so the tests run it on a model of the unit on every CPU.
+//!
+//! Linux hands AMX's 8 KiB of tile state to a process only when asked (`arch_prctl`): asked once,
+//! by [`available`].
+
+use std::ops::Range;
+
+use crate::half_product::{Operand, Tile};
+
+/// Rows of a block of sums: two tiles of 16.
+const MR: usize = 32;
+/// Columns of a block of sums: two tiles of 16.
+const NR: usize = 32;
+/// Rows of a tile, and pairs in one of its rows (64 bytes): the inner depth of a tile is 32.
+const TILE: usize = 16;
+/// Inner elements per packed slice (8 tiles deep): `a`'s pack for a 256-row tile is then 128 KiB.
+const KC: usize = 256;
+
+/// Whether the running CPU has AMX's tiles and bf16 products, the OS keeps their state, the process
+/// was granted it, and the AVX-512 path is in force (`STREAMBP_SIMD=avx2` turns this kernel off
+/// too); checked, and the state asked for, once.
+pub fn available() -> bool {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            crate::simd::isa() == crate::simd::Isa::Avx512 && cpu_has_amx() && granted_tile_state()
+        })
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    false
+}
+
+/// CPUID's AMX-BF16 and AMX-TILE bits (leaf 7, EDX 22 and 24) and the OS's XCR0 bits for the tile
+/// configuration and data (17, 18).
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn cpu_has_amx() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    // `__cpuid` is safe from Rust 1.90 on, unsafe before (rust-version is 1.89).
+    // SAFETY: CPUID exists on every x86-64 CPU; leaf 7 is read only where leaf 0 lists it.
+    #[allow(unused_unsafe)]
+    let (max_leaf, leaf1) = unsafe { (__cpuid(0).eax, __cpuid(1).ecx) };
+    if max_leaf < 7 || leaf1 & (1 << 27) == 0 {
+        // No leaf 7, or no OSXSAVE (XGETBV would fault).
+        return false;
+    }
+    // SAFETY: as above.
+    #[allow(unused_unsafe)]
+    let edx = unsafe { __cpuid_count(7, 0).edx };
+    if edx & (1 << 22) == 0 || edx & (1 << 24) == 0 {
+        return false;
+    }
+    let (lo, _hi): (u32, u32);
+    // SAFETY: XGETBV with ECX = 0 reads XCR0, defined wherever OSXSAVE is set (checked above).
+    unsafe {
+        std::arch::asm!("xgetbv", in("ecx") 0u32, out("eax") lo, out("edx") _hi,
+            options(nomem, nostack, preserves_flags));
+    }
+    let tile_state = (1 << 17) | (1 << 18);
+    lo & tile_state == tile_state
+}
+
+/// Asks Linux for the tile data state (`ARCH_REQ_XCOMP_PERM`, `XFEATURE_XTILEDATA`), which it
+/// grants to the whole process; without it the first tile instruction faults.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn granted_tile_state() -> bool {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with these integer arguments reads and writes no memory of ours; a
+    // refusal is its return value.
+    let granted = unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        )
+    } == 0;
+    if !granted {
+        tracing::info!("AMX: the kernel did not grant the tile state; bf16 products go without");
+    }
+    granted
+}
+
+/// A task's packing buffers, reused across its tiles.
+#[derive(Default)]
+pub struct Packs {
+    a: Vec<u32>,
+    b: Vec<u32>,
+}
+
+/// Packs rows `rows` of `x` (`[rows, len]`), inner elements `k0..k0 + 2·pairs` (zero from `len`
+/// on), row by row: row `i`, pair `p` at `i · pairs + p`, rows padded with zeros to a whole block
+/// of [`MR`]. Reads run along `x`'s rows where its columns are contiguous, else inner index by
+/// inner index (each a contiguous run of rows where `x.row_stride` is 1).
+fn pack_rows(
+    x: &Operand,
+    rows: Range<usize>,
+    (k0, pairs, len): (usize, usize, usize),
+    buf: &mut Vec<u32>,
+) {
+    buf.clear();
+    buf.resize(rows.len().next_multiple_of(MR) * pairs, 0);
+    let end = len.min(k0 + 2 * pairs);
+    if x.col_stride == 1 {
+        for (row, i) in buf.chunks_exact_mut(pairs).zip(rows) {
+            let start = i * x.row_stride;
+            for (y, two) in row
+                .iter_mut()
+                .zip(x.data[start + k0..start + end].chunks(2))
+            {
+                let hi = two.get(1).map_or(0, |h| h.to_bits() as u32);
+                *y = two[0].to_bits() as u32 | hi << 16;
+            }
+        }
+    } else {
+        for kk in k0..end {
+            let (p, shift) = ((kk - k0) / 2, 16 * ((kk - k0) % 2) as u32);
+            for (ii, i) in rows.clone().enumerate() {
+                let v = x.data[i * x.row_stride + kk * x.col_stride].to_bits() as u32;
+                buf[ii * pairs + p] |= v << shift;
+            }
+        }
+    }
+}
+
+/// What computes one [`MR`] × [`NR`] block of sums from packed operands: AMX's tiles ([`Amx`]), or
+/// in tests a model of them.
+pub(crate) trait TileUnit {
+    /// Before a tile's blocks (AMX: load the tiles' shapes).
+    fn begin(&self);
+    /// `sums = a_block · panels` over `pairs` pairs (a multiple of [`TILE`]): `a_block` holds
+    /// [`MR`] packed rows of `pairs` pairs ([`pack_rows`]), `panels` two panels of 16 columns,
+    /// `pairs · 16` pairs each; `sums` is row-major, [`NR`] to a row.
+    fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: &mut [f32; MR * NR]);
+    /// After a tile's blocks (AMX: release the tiles).
+    fn end(&self);
+}
+
+/// AMX's tile unit: only made where [`available`].
+pub(crate) struct Amx(());
+
+impl Amx {
+    /// The unit, where the CPU has it and the process may use it.
+    pub(crate) fn new() -> Option<Self> {
+        available().then_some(Amx(()))
+    }
+}
+
+/// The tiles' shapes for `ldtilecfg`: palette 1, tiles 0-7 of 16 rows of 64 bytes.
+#[cfg(target_arch = "x86_64")]
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    bytes_per_row: [u16; 16],
+    rows: [u8; 16],
+}
+
+#[cfg(target_arch = "x86_64")]
+const CONFIG: TileConfig = TileConfig {
+    palette: 1,
+    start_row: 0,
+    reserved: [0; 14],
+    bytes_per_row: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
+    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
+};
+
+#[cfg(target_arch = "x86_64")]
+impl TileUnit for Amx {
+    fn begin(&self) {
+        let config = CONFIG;
+        // SAFETY: an `Amx` exists only where the CPU and OS have AMX and the process was granted its
+        // state; `config` is a valid 64-byte configuration.
+        unsafe {
+            std::arch::asm!("ldtilecfg [{0}]", in(reg) &config, options(nostack, readonly));
+        }
+    }
+
+    fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: &mut [f32; MR * NR]) {
+        assert!(pairs.is_multiple_of(TILE), "AMX kernel: {pairs} pairs");
+        assert!(a_block.len() >= MR * pairs && panels.len() >= 2 * TILE * pairs);
+        let (a0, b0) = (a_block.as_ptr(), panels.as_ptr());
+        // Rows 16..32 of the block; columns 16..32 (the second panel).
+        // SAFETY: within the slices, whose lengths were checked.
+        let (a1, b1) = unsafe { (a0.add(TILE * pairs), b0.add(TILE * pairs)) };
+        // SAFETY: tiles 0-3 are configured (`begin`) as 16 × 64 bytes; zeroing reads no memory.
+        unsafe {
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+        }
+        for step in 0..pairs / TILE {
+            // SAFETY: each load reads 16 rows of 64 bytes: `a`'s rows `pairs · 4` bytes apart from
+            // pair `16·step` (within the block's `MR · pairs`), `b`'s pair-rows `16·step..` of a
+            // panel (16 pairs each, 64 bytes apart, within `pairs · 16`); the tiles are configured.
+            unsafe {
+                std::arch::asm!(
+                    "tileloadd tmm4, [{a0} + {a_stride}*1]",
+                    "tileloadd tmm5, [{a1} + {a_stride}*1]",
+                    "tileloadd tmm6, [{b0} + {b_stride}*1]",
+                    "tileloadd tmm7, [{b1} + {b_stride}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a0.add(step * TILE),
+                    a1 = in(reg) a1.add(step * TILE),
+                    b0 = in(reg) b0.add(step * TILE * TILE),
+                    b1 = in(reg) b1.add(step * TILE * TILE),
+                    a_stride = in(reg) pairs * 4,
+                    b_stride = in(reg) TILE * 4,
+                    options(nostack, readonly)
+                );
+            }
+        }
+        let c = sums.as_mut_ptr();
+        // SAFETY: each store writes 16 rows of 64 bytes, `NR · 4` bytes apart, into the quarter of
+        // `sums` (`MR × NR` f32) its tile holds.
+        unsafe {
+            std::arch::asm!(
+                "tilestored [{c0} + {stride}*1], tmm0",
+                "tilestored [{c1} + {stride}*1], tmm1",
+                "tilestored [{c2} + {stride}*1], tmm2",
+                "tilestored [{c3} + {stride}*1], tmm3",
+                c0 = in(reg) c,
+                c1 = in(reg) c.add(TILE),
+                c2 = in(reg) c.add(TILE * NR),
+                c3 = in(reg) c.add(TILE * NR + TILE),
+                stride = in(reg) NR * 4,
+                options(nostack)
+            );
+        }
+    }
+
+    fn end(&self) {
+        // SAFETY: as in `begin`; releasing returns the tiles to their initial state.
+        unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
+    }
+}
+
+/// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major) on
+/// AMX's tiles. Panics unless [`available`] (the caller dispatches on it) and if `out` is too
+/// small; the operands' ranges are the caller's to check.
+pub fn tile(tile: &Tile, packs: &mut Packs, out: &mut [f32]) {
+    let unit = Amx::new().expect("AMX kernel: the CPU or the process has no AMX");
+    #[cfg(target_arch = "x86_64")]
+    tile_with(&unit, tile, packs, out);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (unit, tile, packs, out);
+}
+
+/// [`tile`] on any [`TileUnit`].
+pub(crate) fn tile_with(unit: &impl TileUnit, tile: &Tile, packs: &mut Packs, out: &mut [f32]) {
+    let Tile { a, b, k, .. } = *tile;
+    let (rows, cols) = (tile.rows.clone(), tile.cols.clone());
+    let (r, c) = (rows.len(), cols.len());
+    assert!(out.len() >= r * c, "AMX kernel: tile buffer too small");
+    let (row_blocks, col_blocks) = (r.div_ceil(MR), c.div_ceil(NR));
+    let mut sums = [0f32; MR * NR];
+    unit.begin();
+    for k0 in (0..k).step_by(KC) {
+        let pairs = KC.min(k - k0).div_ceil(2).next_multiple_of(TILE);
+        pack_rows(a, rows.clone(), (k0, pairs, k), &mut packs.a);
+        crate::bf16_kernel::pack(
+            &b.transposed(),
+            cols.clone(),
+            (k0, pairs, k),
+            TILE,
+            &mut packs.b,
+        );
+        // Whole blocks: a second, empty panel where the columns end in the first half of one.
+        packs.b.resize(col_blocks * 2 * TILE * pairs, 0);
+        for cb in 0..col_blocks {
+            let panels = &packs.b[cb * 2 * TILE * pairs..(cb + 1) * 2 * TILE * pairs];
+            for rb in 0..row_blocks {
+                let a_block = &packs.a[rb * MR * pairs..(rb + 1) * MR * pairs];
+                unit.block(a_block, panels, pairs, &mut sums);
+                let (block_rows, block_cols) = (MR.min(r - rb * MR), NR.min(c - cb * NR));
+                for (i, sums) in sums.chunks_exact(NR).take(block_rows).enumerate() {
+                    let at = (rb * MR + i) * c + cb * NR;
+                    for (y, &s) in out[at..at + block_cols].iter_mut().zip(sums) {
+                        *y += s;
+                    }
+                }
+            }
+        }
+    }
+    unit.end();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    /// `tdpbf16ps` as Intel's manual specifies it, on the packs: for each row `m` of an `a` tile,
+    /// pair `p` and column `n` of a `b` tile, `c[m][n] += a.lo·b.lo`, then `+= a.hi·b.hi`, in f32
+    /// (denormals aside).
+    struct Model;
+
+    impl TileUnit for Model {
+        fn begin(&self) {}
+
+        fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: &mut [f32; MR * NR]) {
+            let half =
+                |x: u32, hi: bool| f32::from_bits(if hi { x & 0xffff_0000 } else { x << 16 });
+            sums.fill(0.0);
+            for step in 0..pairs / TILE {
+                for (t, u) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                    for m in 0..TILE {
+                        for p in 0..TILE {
+                            let a = a_block[(t * TILE + m) * pairs + step * TILE + p];
+                            for n in 0..TILE {
+                                let b = panels[(u * pairs + step * TILE + p) * TILE + n];
+                                let c = &mut sums[(t * TILE + m) * NR + u * TILE + n];
+                                *c += half(a, false) * half(b, false);
+                                *c += half(a, true) * half(b, true);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        fn end(&self) {}
+    }
+
+    /// Small integers: every product and partial sum is exact in f32, so any order of summing
+    /// gives the same bits.
+    fn integers(len: usize, seed: usize) -> Vec<bf16> {
+        (0..len)
+            .map(|i| bf16::from_f32(((i * 7 + seed * 3) % 9) as f32 - 4.0))
+            .collect()
+    }
+
+    /// The exact sums of `a·b`, added to the accumulator's initial values.
+    fn exact(m: usize, n: usize, k: usize, a: &Operand, b: &Operand) -> Vec<f32> {
+        let at =
+            |o: &Operand, i: usize, j: usize| o.data[i * o.row_stride + j * o.col_stride].to_f32();
+        (0..m * n)
+            .map(|ij| {
+                (0..k)
+                    .map(|p| at(a, ij / n, p) * at(b, p, ij % n))
+                    .sum::<f32>()
+                    + ij as f32
+            })
+            .collect()
+    }
+
+    /// The packing, the blocks and the edges (rows and columns short of a block, an odd inner
+    /// slice, several slices), on the model of the unit with either operand's layout: the exact
+    /// sums. Where the CPU has AMX, its tiles give the same bits.
+    #[test]
+    fn tiles_give_exact_sums_in_every_layout() {
+        let amx = Amx::new();
+        println!("AMX on this CPU: {}", amx.is_some());
+        for (m, n, k) in [
+            (1, 1, 1),
+            (32, 32, 32),
+            (33, 17, 65),
+            (70, 100, 513),
+            (5, 48, 3),
+        ] {
+            let (a_data, b_data) = (integers(2 * m * k + 1, 1), integers(2 * k * n + 1, 2));
+            crate::half_product::each_layout((m, n, k), (&a_data, &b_data), |a, b| {
+                let want = exact(m, n, k, &a, &b);
+                let start: Vec<f32> = (0..m * n).map(|i| i as f32).collect();
+                let tile = Tile {
+                    a: &a,
+                    rows: 0..m,
+                    b: &b,
+                    cols: 0..n,
+                    k,
+                };
+                let layouts = format!(
+                    "{m}x{n}x{k}, a strides ({}, {}), b ({}, {})",
+                    a.row_stride, a.col_stride, b.row_stride, b.col_stride
+                );
+                let mut packs = Packs::default();
+                let mut got = start.clone();
+                tile_with(&Model, &tile, &mut packs, &mut got);
+                assert_eq!(got, want, "model {layouts}");
+                #[cfg(target_arch = "x86_64")]
+                if let Some(amx) = &amx {
+                    let mut got = start.clone();
+                    tile_with(amx, &tile, &mut packs, &mut got);
+                    assert_eq!(got, want, "AMX {layouts}");
+                }
+            });
+        }
+    }
+
+    /// A tile inside a larger product: rows and columns that start past 0.
+    #[test]
+    fn a_tile_inside_a_product() {
+        let (m, n, k) = (80, 90, 40);
+        let (a_data, b_data) = (integers(m * k, 3), integers(k * n, 4));
+        let a = Operand {
+            data: &a_data,
+            row_stride: k,
+            col_stride: 1,
+        };
+        let b = Operand {
+            data: &b_data,
+            row_stride: n,
+            col_stride: 1,
+        };
+        let full: Vec<f32> = exact(m, n, k, &a, &b)
+            .iter()
+            .enumerate()
+            .map(|(i, x)| x - i as f32)
+            .collect();
+        let (rows, cols) = (37..80, 5..66);
+        let mut got = vec![0f32; rows.len() * cols.len()];
+        let tile = Tile {
+            a: &a,
+            rows: rows.clone(),
+            b: &b,
+            cols: cols.clone(),
+            k,
+        };
+        tile_with(&Model, &tile, &mut Packs::default(), &mut got);
+        for (t, i) in rows.enumerate() {
+            assert_eq!(
+                got[t * cols.len()..(t + 1) * cols.len()],
+                full[i * n + cols.start..i * n + cols.end]
+            );
+        }
+    }
+
+    /// The assembler's bytes for the instructions this kernel uses are Intel's encodings
+    /// (`tdpbf16ps tmm0, tmm4, tmm6`: C4 E2 4A 5C C4, `a` in ModRM.rm, `b` in VEX.vvvv), so a
+    /// mnemonic the assembler read otherwise than meant cannot pass unseen on CPUs without AMX.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_instructions_assemble_to_intels_encodings() {
+        /// The bytes between two labels of an assembled sequence that is jumped over.
+        fn bytes_of(start: *const u8, end: *const u8) -> Vec<u8> {
+            let len = end as usize - start as usize;
+            // SAFETY: both point into this function's text, `start` before `end`.
+            unsafe { std::slice::from_raw_parts(start, len).to_vec() }
+        }
+        let (start, end): (*const u8, *const u8);
+        // SAFETY: the sequence is jumped over, never run; only the labels' addresses are read.
+        unsafe {
+            std::arch::asm!(
+                "lea {start}, [rip + 2f]",
+                "lea {end}, [rip + 3f]",
+                "jmp 3f",
+                "2:",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "tileloadd tmm4, [rax + rcx*1]",
+                "tilestored [rdx + rcx*1], tmm1",
+                "tilezero tmm2",
+                "tilerelease",
+                "ldtilecfg [rax]",
+                "3:",
+                start = out(reg) start,
+                end = out(reg) end,
+                options(nostack, nomem)
+            );
+        }
+        let want: Vec<u8> = [
+            &[0xc4, 0xe2, 0x4a, 0x5c, 0xc4][..], // tdpbf16ps tmm0, tmm4, tmm6
+            &[0xc4, 0xe2, 0x42, 0x5c, 0xdd],     // tdpbf16ps tmm3, tmm5, tmm7
+            &[0xc4, 0xe2, 0x7b, 0x4b, 0x24, 0x08], // tileloadd tmm4, [rax + rcx]
+            &[0xc4, 0xe2, 0x7a, 0x4b, 0x0c, 0x0a], // tilestored [rdx + rcx], tmm1
+            &[0xc4, 0xe2, 0x7b, 0x49, 0xd0],     // tilezero tmm2
+            &[0xc4, 0xe2, 0x78, 0x49, 0xc0],     // tilerelease
+            &[0xc4, 0xe2, 0x78, 0x49, 0x00],     // ldtilecfg [rax]
+        ]
+        .concat();
+        assert_eq!(bytes_of(start, end), want);
+    }
+}
