@@ -44,8 +44,8 @@ pub fn available() -> bool {
     false
 }
 
-/// CPUID's AMX-BF16 and AMX-TILE bits (leaf 7, EDX 22 and 24) and the OS's XCR0 bits for the tile
-/// configuration and data (17, 18).
+/// CPUID's AMX-BF16 and AMX-TILE bits (leaf 7, EDX 22 and 24), tiles of the shapes used here, and
+/// the OS's XCR0 bits for the tile configuration and data (17, 18).
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn cpu_has_amx() -> bool {
     use std::arch::x86_64::{__cpuid, __cpuid_count};
@@ -61,6 +61,27 @@ fn cpu_has_amx() -> bool {
     #[allow(unused_unsafe)]
     let edx = unsafe { __cpuid_count(7, 0).edx };
     if edx & (1 << 22) == 0 || edx & (1 << 24) == 0 {
+        return false;
+    }
+    // The shapes this kernel configures: palette 1 with 8 tiles of 16 rows of 64 bytes (leaf 0x1D),
+    // and a tile multiply that takes them (leaf 0x1E: 16 rows of `b`, 64 bytes of a row).
+    if max_leaf < 0x1e {
+        return false;
+    }
+    // SAFETY: leaves 0x1D and 0x1E exist (checked above).
+    #[allow(unused_unsafe)]
+    let (palettes, palette1, tmul) = unsafe {
+        (
+            __cpuid_count(0x1d, 0).eax,
+            __cpuid_count(0x1d, 1),
+            __cpuid_count(0x1e, 0).ebx,
+        )
+    };
+    let tiles_fit = palettes >= 1
+        && palette1.ebx & 0xffff >= 64
+        && palette1.ebx >> 16 >= 8
+        && palette1.ecx & 0xffff >= 16;
+    if !tiles_fit || tmul & 0xff < 16 || (tmul >> 8) & 0xffff < 64 {
         return false;
     }
     let (lo, _hi): (u32, u32);
@@ -139,14 +160,37 @@ fn pack_rows(
 /// What computes one [`MR`] × [`NR`] block of sums from packed operands: AMX's tiles ([`Amx`]), or
 /// in tests a model of them.
 pub(crate) trait TileUnit {
-    /// Before a tile's blocks (AMX: load the tiles' shapes).
-    fn begin(&self);
-    /// `sums = a_block · panels` over `pairs` pairs (a multiple of [`TILE`]): `a_block` holds
+    /// `sums = a_block · panels` over `pairs` pairs (a whole number of [`TILE`]s): `a_block` holds
     /// [`MR`] packed rows of `pairs` pairs ([`pack_rows`]), `panels` two panels of 16 columns,
     /// `pairs · 16` pairs each; `sums` is row-major, [`NR`] to a row.
     fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: &mut [f32; MR * NR]);
-    /// After a tile's blocks (AMX: release the tiles).
-    fn end(&self);
+}
+
+/// Where a block's tiles start in its operands and sums, in elements, and their rows' strides: the
+/// addresses [`Amx::block`]'s loads and stores take, and the tests' model of them.
+mod addresses {
+    use super::{NR, TILE};
+
+    /// The second `a` tile (rows 16..32) and the second `b` tile (the second panel), from the
+    /// first: the same distance, 16 rows of `pairs` pairs.
+    pub fn second_tile(pairs: usize) -> usize {
+        TILE * pairs
+    }
+
+    /// From one inner step of 32 elements (16 pairs) to the next: along an `a` row, and down a
+    /// `b` panel (16 pair-rows of 16 pairs).
+    pub const A_STEP: usize = TILE;
+    pub const B_STEP: usize = TILE * TILE;
+
+    /// Rows' strides: `a`'s packed rows, `b`'s pair-rows, the sums' rows.
+    pub fn a_row(pairs: usize) -> usize {
+        pairs
+    }
+    pub const B_ROW: usize = TILE;
+    pub const SUMS_ROW: usize = NR;
+
+    /// The sums' quarters that tiles 0-3 hold (`a` tile · `b` tile: 0·0, 0·1, 1·0, 1·1).
+    pub const SUMS: [usize; 4] = [0, TILE, TILE * NR, TILE * NR + TILE];
 }
 
 /// AMX's tile unit: only made where [`available`].
@@ -171,7 +215,7 @@ struct TileConfig {
 }
 
 #[cfg(target_arch = "x86_64")]
-const CONFIG: TileConfig = TileConfig {
+static CONFIG: TileConfig = TileConfig {
     palette: 1,
     start_row: 0,
     reserved: [0; 14],
@@ -181,78 +225,85 @@ const CONFIG: TileConfig = TileConfig {
 
 #[cfg(target_arch = "x86_64")]
 impl TileUnit for Amx {
-    fn begin(&self) {
-        let config = CONFIG;
-        // SAFETY: an `Amx` exists only where the CPU and OS have AMX and the process was granted its
-        // state; `config` is a valid 64-byte configuration.
-        unsafe {
-            std::arch::asm!("ldtilecfg [{0}]", in(reg) &config, options(nostack, readonly));
-        }
-    }
-
+    /// One assembly block from configuring the tiles to releasing them: the tiles' contents and
+    /// configuration live only inside it (Rust promises nothing about registers between blocks,
+    /// and the calling convention does not keep the configuration across calls).
     fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: &mut [f32; MR * NR]) {
-        assert!(pairs.is_multiple_of(TILE), "AMX kernel: {pairs} pairs");
+        use addresses::*;
+        assert!(
+            pairs > 0 && pairs.is_multiple_of(TILE),
+            "AMX kernel: {pairs} pairs"
+        );
         assert!(a_block.len() >= MR * pairs && panels.len() >= 2 * TILE * pairs);
         let (a0, b0) = (a_block.as_ptr(), panels.as_ptr());
-        // Rows 16..32 of the block; columns 16..32 (the second panel).
         // SAFETY: within the slices, whose lengths were checked.
-        let (a1, b1) = unsafe { (a0.add(TILE * pairs), b0.add(TILE * pairs)) };
-        // SAFETY: tiles 0-3 are configured (`begin`) as 16 × 64 bytes; zeroing reads no memory.
+        let (a1, b1) = unsafe { (a0.add(second_tile(pairs)), b0.add(second_tile(pairs))) };
+        let c = sums.as_mut_ptr();
+        // SAFETY: an `Amx` exists only where the CPU has AMX-TILE and AMX-BF16 with this palette,
+        // the OS keeps the tile state and the process was granted it. Each load reads 16 rows of
+        // 64 bytes: `a`'s from pair `16·step` of rows `pairs · 4` bytes apart (within the block's
+        // `MR · pairs` pairs), `b`'s from pair-row `16·step` of a panel, 64 bytes apart (within
+        // `2 · 16 · pairs`); `pairs / 16` steps (at least one). Each store writes 16 rows of 64
+        // bytes, `NR · 4` bytes apart, into its quarter of `sums` (`MR × NR` f32).
         unsafe {
             std::arch::asm!(
+                "ldtilecfg [{config}]",
                 "tilezero tmm0",
                 "tilezero tmm1",
                 "tilezero tmm2",
                 "tilezero tmm3",
-                options(nostack, nomem)
-            );
-        }
-        for step in 0..pairs / TILE {
-            // SAFETY: each load reads 16 rows of 64 bytes: `a`'s rows `pairs · 4` bytes apart from
-            // pair `16·step` (within the block's `MR · pairs`), `b`'s pair-rows `16·step..` of a
-            // panel (16 pairs each, 64 bytes apart, within `pairs · 16`); the tiles are configured.
-            unsafe {
-                std::arch::asm!(
-                    "tileloadd tmm4, [{a0} + {a_stride}*1]",
-                    "tileloadd tmm5, [{a1} + {a_stride}*1]",
-                    "tileloadd tmm6, [{b0} + {b_stride}*1]",
-                    "tileloadd tmm7, [{b1} + {b_stride}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    a0 = in(reg) a0.add(step * TILE),
-                    a1 = in(reg) a1.add(step * TILE),
-                    b0 = in(reg) b0.add(step * TILE * TILE),
-                    b1 = in(reg) b1.add(step * TILE * TILE),
-                    a_stride = in(reg) pairs * 4,
-                    b_stride = in(reg) TILE * 4,
-                    options(nostack, readonly)
-                );
-            }
-        }
-        let c = sums.as_mut_ptr();
-        // SAFETY: each store writes 16 rows of 64 bytes, `NR · 4` bytes apart, into the quarter of
-        // `sums` (`MR × NR` f32) its tile holds.
-        unsafe {
-            std::arch::asm!(
-                "tilestored [{c0} + {stride}*1], tmm0",
-                "tilestored [{c1} + {stride}*1], tmm1",
-                "tilestored [{c2} + {stride}*1], tmm2",
-                "tilestored [{c3} + {stride}*1], tmm3",
-                c0 = in(reg) c,
-                c1 = in(reg) c.add(TILE),
-                c2 = in(reg) c.add(TILE * NR),
-                c3 = in(reg) c.add(TILE * NR + TILE),
-                stride = in(reg) NR * 4,
+                "2:",
+                "tileloadd tmm4, [{a0} + {a_row}*1]",
+                "tileloadd tmm5, [{a1} + {a_row}*1]",
+                "tileloadd tmm6, [{b0} + {row}*1]",
+                "tileloadd tmm7, [{b1} + {row}*1]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "add {a0}, {a_step}",
+                "add {a1}, {a_step}",
+                "add {b0}, {b_step}",
+                "add {b1}, {b_step}",
+                "dec {steps}",
+                "jnz 2b",
+                "mov {row}, {sums_row}",
+                "lea {a0}, [{c} + {c0}]",
+                "tilestored [{a0} + {row}*1], tmm0",
+                "lea {a0}, [{c} + {c1}]",
+                "tilestored [{a0} + {row}*1], tmm1",
+                "lea {a0}, [{c} + {c2}]",
+                "tilestored [{a0} + {row}*1], tmm2",
+                "lea {a0}, [{c} + {c3}]",
+                "tilestored [{a0} + {row}*1], tmm3",
+                "tilerelease",
+                config = in(reg) &CONFIG,
+                a0 = inout(reg) a0 => _,
+                a1 = inout(reg) a1 => _,
+                b0 = inout(reg) b0 => _,
+                b1 = inout(reg) b1 => _,
+                a_row = in(reg) a_row(pairs) * 4,
+                row = inout(reg) B_ROW * 4 => _,
+                steps = inout(reg) pairs / TILE => _,
+                c = in(reg) c,
+                a_step = const A_STEP * 4,
+                b_step = const B_STEP * 4,
+                sums_row = const SUMS_ROW * 4,
+                c0 = const SUMS[0] * 4,
+                c1 = const SUMS[1] * 4,
+                c2 = const SUMS[2] * 4,
+                c3 = const SUMS[3] * 4,
+                out("tmm0") _,
+                out("tmm1") _,
+                out("tmm2") _,
+                out("tmm3") _,
+                out("tmm4") _,
+                out("tmm5") _,
+                out("tmm6") _,
+                out("tmm7") _,
                 options(nostack)
             );
         }
-    }
-
-    fn end(&self) {
-        // SAFETY: as in `begin`; releasing returns the tiles to their initial state.
-        unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
     }
 }
 
@@ -268,14 +319,13 @@ pub fn tile(tile: &Tile, packs: &mut Packs, out: &mut [f32]) {
 }
 
 /// [`tile`] on any [`TileUnit`].
-pub(crate) fn tile_with(unit: &impl TileUnit, tile: &Tile, packs: &mut Packs, out: &mut [f32]) {
+pub(crate) fn tile_with(unit: &dyn TileUnit, tile: &Tile, packs: &mut Packs, out: &mut [f32]) {
     let Tile { a, b, k, .. } = *tile;
     let (rows, cols) = (tile.rows.clone(), tile.cols.clone());
     let (r, c) = (rows.len(), cols.len());
     assert!(out.len() >= r * c, "AMX kernel: tile buffer too small");
     let (row_blocks, col_blocks) = (r.div_ceil(MR), c.div_ceil(NR));
     let mut sums = [0f32; MR * NR];
-    unit.begin();
     for k0 in (0..k).step_by(KC) {
         let pairs = KC.min(k - k0).div_ceil(2).next_multiple_of(TILE);
         pack_rows(a, rows.clone(), (k0, pairs, k), &mut packs.a);
@@ -303,7 +353,6 @@ pub(crate) fn tile_with(unit: &impl TileUnit, tile: &Tile, packs: &mut Packs, ou
             }
         }
     }
-    unit.end();
 }
 
 #[cfg(test)]
@@ -311,36 +360,49 @@ mod tests {
     use super::*;
     use half::bf16;
 
-    /// `tdpbf16ps` as Intel's manual specifies it, on the packs: for each row `m` of an `a` tile,
-    /// pair `p` and column `n` of a `b` tile, `c[m][n] += a.lo·b.lo`, then `+= a.hi·b.hi`, in f32
-    /// (denormals aside).
+    /// The tile unit as Intel's manual specifies it, at the addresses [`Amx::block`] takes: each
+    /// tile loaded as 16 rows from its base at its row stride; `tdpbf16ps c, a, b` adds, for each
+    /// row `m` of `a`, pair `p` and column `n` of `b`, `a[m][p].lo·b[p][n].lo`, then
+    /// `a[m][p].hi·b[p][n].hi`, to `c[m][n]` in f32 (denormals aside).
     struct Model;
 
-    impl TileUnit for Model {
-        fn begin(&self) {}
+    type TileRows = [[u32; TILE]; TILE];
 
-        fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: &mut [f32; MR * NR]) {
-            let half =
-                |x: u32, hi: bool| f32::from_bits(if hi { x & 0xffff_0000 } else { x << 16 });
-            sums.fill(0.0);
-            for step in 0..pairs / TILE {
-                for (t, u) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
-                    for m in 0..TILE {
-                        for p in 0..TILE {
-                            let a = a_block[(t * TILE + m) * pairs + step * TILE + p];
-                            for n in 0..TILE {
-                                let b = panels[(u * pairs + step * TILE + p) * TILE + n];
-                                let c = &mut sums[(t * TILE + m) * NR + u * TILE + n];
-                                *c += half(a, false) * half(b, false);
-                                *c += half(a, true) * half(b, true);
-                            }
-                        }
-                    }
+    fn load(data: &[u32], base: usize, stride: usize) -> TileRows {
+        std::array::from_fn(|m| std::array::from_fn(|p| data[base + m * stride + p]))
+    }
+
+    fn tdpbf16ps(c: &mut [[f32; TILE]; TILE], a: &TileRows, b: &TileRows) {
+        let half = |x: u32, hi: bool| f32::from_bits(if hi { x & 0xffff_0000 } else { x << 16 });
+        for (c, a) in c.iter_mut().zip(a) {
+            for (p, &a) in a.iter().enumerate() {
+                for (c, &b) in c.iter_mut().zip(&b[p]) {
+                    *c += half(a, false) * half(b, false);
+                    *c += half(a, true) * half(b, true);
                 }
             }
         }
+    }
 
-        fn end(&self) {}
+    impl TileUnit for Model {
+        fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: &mut [f32; MR * NR]) {
+            use addresses::*;
+            let mut c = [[[0f32; TILE]; TILE]; 4];
+            for step in 0..pairs / TILE {
+                let a =
+                    [0, second_tile(pairs)].map(|t| load(a_block, t + step * A_STEP, a_row(pairs)));
+                let b = [0, second_tile(pairs)].map(|t| load(panels, t + step * B_STEP, B_ROW));
+                tdpbf16ps(&mut c[0], &a[0], &b[0]);
+                tdpbf16ps(&mut c[1], &a[0], &b[1]);
+                tdpbf16ps(&mut c[2], &a[1], &b[0]);
+                tdpbf16ps(&mut c[3], &a[1], &b[1]);
+            }
+            for (tile, &base) in c.iter().zip(&SUMS) {
+                for (m, row) in tile.iter().enumerate() {
+                    sums[base + m * SUMS_ROW..][..TILE].copy_from_slice(row);
+                }
+            }
+        }
     }
 
     /// Small integers: every product and partial sum is exact in f32, so any order of summing
@@ -377,6 +439,8 @@ mod tests {
             (32, 32, 32),
             (33, 17, 65),
             (70, 100, 513),
+            (40, 20, 298),
+            (33, 33, 512),
             (5, 48, 3),
         ] {
             let (a_data, b_data) = (integers(2 * m * k + 1, 1), integers(2 * k * n + 1, 2));
@@ -429,7 +493,6 @@ mod tests {
             .map(|(i, x)| x - i as f32)
             .collect();
         let (rows, cols) = (37..80, 5..66);
-        let mut got = vec![0f32; rows.len() * cols.len()];
         let tile = Tile {
             a: &a,
             rows: rows.clone(),
@@ -437,12 +500,22 @@ mod tests {
             cols: cols.clone(),
             k,
         };
-        tile_with(&Model, &tile, &mut Packs::default(), &mut got);
-        for (t, i) in rows.enumerate() {
-            assert_eq!(
-                got[t * cols.len()..(t + 1) * cols.len()],
-                full[i * n + cols.start..i * n + cols.end]
-            );
+        let mut units: Vec<(&str, &dyn TileUnit)> = vec![("model", &Model)];
+        let amx = Amx::new();
+        #[cfg(target_arch = "x86_64")]
+        if let Some(amx) = &amx {
+            units.push(("AMX", amx));
+        }
+        for (name, unit) in units {
+            let mut got = vec![0f32; rows.len() * cols.len()];
+            tile_with(unit, &tile, &mut Packs::default(), &mut got);
+            for (t, i) in rows.clone().enumerate() {
+                assert_eq!(
+                    got[t * cols.len()..(t + 1) * cols.len()],
+                    full[i * n + cols.start..i * n + cols.end],
+                    "{name}"
+                );
+            }
         }
     }
 
