@@ -6,8 +6,9 @@
 //! tile of the output and sums it over slices of the inner dimension, reading only the slices of
 //! each operand it needs, with one of the [`Kernel`]s: on CPUs with AVX512-BF16 the slices can be
 //! packed as bf16 pairs for its dot-product instruction ([`crate::bf16_kernel`]) or, with AMX, for
-//! its tiles ([`crate::amx_kernel`]); otherwise they are widened into small f32 buffers for gemm's f32 kernel (the one candle's f32 products run, on one
-//! thread: the tiles are what run in parallel). No operand is ever widened whole, and the result is
+//! its tiles ([`crate::amx_kernel`]); otherwise they are widened into small f32 buffers for gemm's
+//! f32 kernel (the one candle's f32 products run, on one thread: the tiles are what run in
+//! parallel). No operand is ever widened whole, and the result is
 //! rounded once (or added, unrounded, into an f32 accumulator), so the arithmetic is f32's with f32
 //! accumulation, as candle's widened product and PyTorch's bf16 products on the CPU do.
 
@@ -248,13 +249,19 @@ pub fn product_by(
     tiles.par_iter().for_each_init(
         || (Buffers::default(), Packs::default()),
         |(bufs, packs), &(i0, j0)| {
-            let (rows, cols) = (i0..(i0 + tm).min(m), j0..(j0 + tn).min(n));
-            let (r, c) = (rows.len(), cols.len());
+            let tile = Tile {
+                a: &a,
+                rows: i0..(i0 + tm).min(m),
+                b: &b,
+                cols: j0..(j0 + tn).min(n),
+                k,
+            };
+            let (r, c) = (tile.rows.len(), tile.cols.len());
             if let (Kernel::Widened, Some(d)) = (kernel, f32_dst) {
                 // gemm adds the tile's sums into the f32 accumulator itself.
                 // SAFETY: tile (i0, j0) is this task's alone; its elements lie within `m × n`.
-                let tile = unsafe { d.0.add(i0 * n + j0) };
-                return widened_tile(&a, rows, &b, cols, k, (tile, n, true), bufs);
+                let dst = unsafe { d.0.add(i0 * n + j0) };
+                return widened_tile(&tile, (dst, n, true), bufs);
             }
             // Otherwise the sums go into `sums`, then are added into an f32 destination or
             // rounded into a bf16 one.
@@ -262,29 +269,11 @@ pub fn product_by(
             bufs.sums.resize(r * c, 0.0f32);
             match kernel {
                 Kernel::Widened => {
-                    let tile = (bufs.sums.as_mut_ptr(), c, false);
-                    widened_tile(&a, rows, &b, cols, k, tile, bufs);
+                    let dst = (bufs.sums.as_mut_ptr(), c, false);
+                    widened_tile(&tile, dst, bufs);
                 }
-                Kernel::Bf16Dot => {
-                    let tile = Tile {
-                        a: &a,
-                        rows,
-                        b: &b,
-                        cols,
-                        k,
-                    };
-                    crate::bf16_kernel::tile(&tile, &mut packs.dot, &mut bufs.sums);
-                }
-                Kernel::Amx => {
-                    let tile = Tile {
-                        a: &a,
-                        rows,
-                        b: &b,
-                        cols,
-                        k,
-                    };
-                    crate::amx_kernel::tile(&tile, &mut packs.amx, &mut bufs.sums);
-                }
+                Kernel::Bf16Dot => crate::bf16_kernel::tile(&tile, &mut packs.dot, &mut bufs.sums),
+                Kernel::Amx => crate::amx_kernel::tile(&tile, &mut packs.amx, &mut bufs.sums),
             }
             for (t, sums) in bufs.sums.chunks_exact(c).enumerate() {
                 let at = (i0 + t) * n + j0;
@@ -328,28 +317,27 @@ struct Buffers {
     sums: Vec<f32>,
 }
 
-/// `tile (=|+=) a[rows, ..k]·b[..k, cols]` by gemm's f32 kernel on slices of [`INNER`] inner
-/// elements widened into `bufs`; `tile` is `(first element, row stride, whether to add into it)`.
+/// `dst (=|+=) a[rows, ..k]·b[..k, cols]` for `tile` by gemm's f32 kernel on slices of [`INNER`]
+/// inner elements widened into `bufs`; `dst` is `(first element, row stride, whether to add into
+/// it)`.
 fn widened_tile(
-    a: &Operand,
-    rows: std::ops::Range<usize>,
-    b: &Operand,
-    cols: std::ops::Range<usize>,
-    k: usize,
-    (tile, tile_rs, mut read_dst): (*mut f32, usize, bool),
+    tile: &Tile,
+    (dst, dst_rs, mut read_dst): (*mut f32, usize, bool),
     bufs: &mut Buffers,
 ) {
+    let Tile { a, b, k, .. } = *tile;
+    let (rows, cols) = (tile.rows.clone(), tile.cols.clone());
     let (r, c) = (rows.len(), cols.len());
     for k0 in (0..k).step_by(INNER) {
         let inner = k0..(k0 + INNER).min(k);
         let (ars, acs) = a.widen(rows.clone(), inner.clone(), &mut bufs.a);
         let (brs, bcs) = b.widen(inner.clone(), cols.clone(), &mut bufs.b);
         // SAFETY: the buffers hold `r × inner` and `inner × c` elements at the strides `widen`
-        // returned; the caller's tile has room for `r × c` at row stride `tile_rs`, its alone.
+        // returned; the caller's `dst` has room for `r × c` at row stride `dst_rs`, its alone.
         unsafe {
             crate::cpu::gemm_call(
-                tile,
-                tile_rs,
+                dst,
+                dst_rs,
                 (r, c, inner.len()),
                 read_dst,
                 (bufs.a.as_ptr(), ars, acs),
