@@ -568,6 +568,25 @@ fn widened_bf16(x: &[half::bf16]) -> Vec<f32> {
     y
 }
 
+/// `x` narrowed to bf16 where every value is one bf16 holds (the low 16 bits of each zero, so the
+/// narrowing is exact), `None` where one is not; split over rayon's threads as the casts are.
+pub(crate) fn narrowed_exactly(x: &[f32]) -> Option<Vec<half::bf16>> {
+    use rayon::prelude::*;
+    let mut y = vec![half::bf16::ZERO; x.len()];
+    let exact = y
+        .par_chunks_mut(CAST_PER_TASK)
+        .zip(x.par_chunks(CAST_PER_TASK))
+        .all(|(y, x)| {
+            let low_bits = vectorized!(|_| y.iter_mut().zip(x).fold(0u32, |low, (y, &x)| {
+                let bits = x.to_bits();
+                *y = half::bf16::from_bits((bits >> 16) as u16);
+                low | (bits & 0xffff)
+            }));
+            low_bits == 0
+        });
+    exact.then_some(y)
+}
+
 /// Rounds `t` (f32, contiguous, on the CPU) in place to the nearest values of `dtype` (bf16 or f16),
 /// as a cast there and back would: what a half-precision layer computed in f32 does where the
 /// model's own arithmetic rounds ([`crate::layer::DecoderLayer::computed_in_f32`]). It records

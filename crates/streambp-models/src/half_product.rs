@@ -107,8 +107,20 @@ pub struct Tile<'a> {
 pub enum Destination<'a> {
     /// A new `[m, n]` row-major bf16 matrix, rounded once from the f32 sums.
     Bf16(&'a mut [bf16]),
+    /// A new `[m, n]` row-major f32 matrix, the sums unrounded (a layer computed in f32 rounds
+    /// them where the model rounds: [`linear_of_bf16_values`]).
+    F32(&'a mut [f32]),
     /// `dst += a·b` into an `[m, n]` row-major f32 accumulator, unrounded.
     AddF32(&'a mut [f32]),
+}
+
+impl Destination<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Destination::Bf16(d) => d.len(),
+            Destination::F32(d) | Destination::AddF32(d) => d.len(),
+        }
+    }
 }
 
 /// How a tile's sums are computed.
@@ -195,11 +207,17 @@ pub fn product(dst: Destination<'_>, mnk: (usize, usize, usize), a: Operand, b: 
     if crate::skinny::applies(mnk.0, a.col_stride, b.row_stride) {
         return skinny_product(dst, mnk, a, b);
     }
-    let kernel = match Kernel::detect() {
-        Kernel::Bf16Dot | Kernel::Amx if mnk.0 < MIN_DOT_ROWS => Kernel::Widened,
-        kernel => kernel,
-    };
+    let kernel = packing_kernel(Kernel::detect(), mnk.0).unwrap_or(Kernel::Widened);
     product_by(kernel, dst, mnk, a, b)
+}
+
+/// `kernel` where it is one that packs bf16 pairs and pays for `rows` rows of `a` ([`MIN_DOT_ROWS`]);
+/// `None` where a product of that many rows takes the widened kernel.
+fn packing_kernel(kernel: Kernel, rows: usize) -> Option<Kernel> {
+    match kernel {
+        Kernel::Widened => None,
+        Kernel::Bf16Dot | Kernel::Amx => (rows >= MIN_DOT_ROWS).then_some(kernel),
+    }
 }
 
 /// [`product`] of a few rows by `b = Wᵀ` with each row of `W` contiguous, by
@@ -216,6 +234,7 @@ fn skinny_product(dst: Destination<'_>, (m, n, k): (usize, usize, usize), a: Ope
     let (x, w) = ((x.as_slice(), x_rs), (b.data, b.col_stride));
     match dst {
         Destination::Bf16(d) => crate::skinny::product((d, n), (m, n, k), false, x, w),
+        Destination::F32(d) => crate::skinny::product((d, n), (m, n, k), false, x, w),
         Destination::AddF32(d) => crate::skinny::product((d, n), (m, n, k), true, x, w),
     }
 }
@@ -232,20 +251,24 @@ pub fn product_by(
         a.fits(m, k) && b.fits(k, n),
         "bf16 product: operand out of range"
     );
-    let len = match &dst {
-        Destination::Bf16(d) => d.len(),
-        Destination::AddF32(d) => d.len(),
-    };
-    assert!(len >= m * n, "bf16 product: destination too small");
+    assert!(dst.len() >= m * n, "bf16 product: destination too small");
     if m * n == 0 {
         return;
     }
     let (tm, tn) = tile_sizes(m, n);
     let tiles = tiles(m, n, (tm, tn));
+    // The f32 destination, and whether the sums are added into it.
     let (bf16_dst, f32_dst) = match dst {
         Destination::Bf16(d) => (Some(SharedDst(d.as_mut_ptr())), None),
-        Destination::AddF32(d) => (None, Some(SharedDst(d.as_mut_ptr()))),
+        Destination::F32(d) => (None, Some((SharedDst(d.as_mut_ptr()), false))),
+        Destination::AddF32(d) => (None, Some((SharedDst(d.as_mut_ptr()), true))),
     };
+    if let (Some((d, false)), true) = (f32_dst, k == 0) {
+        // No tile's kernel runs: the empty sums are zeros.
+        // SAFETY: the destination holds at least `m × n` elements (asserted above).
+        unsafe { std::slice::from_raw_parts_mut(d.0, m * n) }.fill(0.0);
+        return;
+    }
     tiles.par_iter().for_each_init(
         || (Buffers::default(), Packs::default()),
         |(bufs, packs), &(i0, j0)| {
@@ -257,14 +280,14 @@ pub fn product_by(
                 k,
             };
             let (r, c) = (tile.rows.len(), tile.cols.len());
-            if let (Kernel::Widened, Some(d)) = (kernel, f32_dst) {
-                // gemm adds the tile's sums into the f32 accumulator itself.
+            if let (Kernel::Widened, Some((d, add))) = (kernel, f32_dst) {
+                // gemm writes (or adds) the tile's sums into the f32 destination itself.
                 // SAFETY: tile (i0, j0) is this task's alone; its elements lie within `m × n`.
                 let dst = unsafe { d.0.add(i0 * n + j0) };
-                return widened_tile(&tile, (dst, n, true), bufs);
+                return widened_tile(&tile, (dst, n, add), bufs);
             }
-            // Otherwise the sums go into `sums`, then are added into an f32 destination or
-            // rounded into a bf16 one.
+            // Otherwise the sums go into `sums`, then are written or added into an f32
+            // destination or rounded into a bf16 one.
             bufs.sums.clear();
             bufs.sums.resize(r * c, 0.0f32);
             match kernel {
@@ -278,8 +301,13 @@ pub fn product_by(
             for (t, sums) in bufs.sums.chunks_exact(c).enumerate() {
                 let at = (i0 + t) * n + j0;
                 match (f32_dst, bf16_dst) {
-                    (Some(d), _) => {
+                    (Some((d, false)), _) => {
                         // SAFETY: row `i0 + t` of tile (i0, j0) is this task's alone, within `m × n`.
+                        let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), c) };
+                        row.copy_from_slice(sums);
+                    }
+                    (Some((d, true)), _) => {
+                        // SAFETY: as above.
                         let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), c) };
                         crate::vectorized!(|_| row
                             .iter_mut()
@@ -443,11 +471,69 @@ pub fn linear(
         x_op,
         w_op.transposed(),
     );
-    let mut shape = xl.dims().to_vec();
-    if let Some(last) = shape.last_mut() {
-        *last = out;
+    Ok((dst, with_last_dim(xl, out)))
+}
+
+/// `l`'s shape with its last dimension `last`.
+fn with_last_dim(l: &Layout, last: usize) -> candle_core::Shape {
+    let mut dims = l.dims().to_vec();
+    if let Some(d) = dims.last_mut() {
+        *d = last;
     }
-    Ok((dst, shape.into()))
+    dims.into()
+}
+
+/// `x Wᵀ` in f32 for f32 `x` `[.., in]` (contiguous) whose every value bf16 holds and `W` the bf16
+/// weight `[out, in]` (any strides): `x` narrowed to bf16, which is then exact, and the product
+/// taken by the bf16 kernel in force, its sums unrounded. A bf16 layer computed in f32
+/// ([`crate::layer::DecoderLayer::computed_in_f32`]) multiplies such operands in its forward (its
+/// activations rounded where bf16 rounds, its weights widened from bf16), so they can run on the
+/// CPU's bf16 arithmetic; its gradients' products cannot (the gradients are f32). `None` where
+/// f32's product is the faster way (the kernel in force widens, or `x` has too few rows for it:
+/// [`packing_kernel`]) or where `x` holds a value bf16 does not.
+pub fn linear_of_bf16_values(
+    x: (&[f32], &Layout),
+    w: (&[bf16], &Layout),
+) -> CResult<Option<(Vec<f32>, candle_core::Shape)>> {
+    linear_of_bf16_values_by(Kernel::detect(), x, w)
+}
+
+/// [`linear_of_bf16_values`] where `kernel` is the one in force.
+fn linear_of_bf16_values_by(
+    kernel: Kernel,
+    (x, xl): (&[f32], &Layout),
+    (w, wl): (&[bf16], &Layout),
+) -> CResult<Option<(Vec<f32>, candle_core::Shape)>> {
+    let (w_op, out, k) = operand(w, wl)?;
+    let k_x = xl.dims().last().copied().unwrap_or(0);
+    if k_x != k || wl.dims().len() != 2 || !xl.is_contiguous() {
+        candle_core::bail!("linear: x {:?}, weight {:?}", xl.dims(), wl.dims());
+    }
+    let n = xl.dims()[..xl.dims().len().saturating_sub(1)]
+        .iter()
+        .product();
+    let w_t = w_op.transposed();
+    let kernel = match crate::skinny::applies(n, 1, w_t.row_stride) {
+        true => None,
+        false => packing_kernel(kernel, n),
+    };
+    let Some(kernel) = kernel else {
+        return Ok(None);
+    };
+    let Some(x) = x.get(xl.start_offset()..xl.start_offset() + n * k) else {
+        candle_core::bail!("linear: operand outside its storage");
+    };
+    let Some(x) = crate::cpu::narrowed_exactly(x) else {
+        return Ok(None);
+    };
+    let x_op = Operand {
+        data: &x,
+        row_stride: k,
+        col_stride: 1,
+    };
+    let mut dst = vec![0f32; n * out];
+    product_by(kernel, Destination::F32(&mut dst), (n, out, k), x_op, w_t);
+    Ok(Some((dst, with_last_dim(xl, out))))
 }
 
 #[cfg(test)]
@@ -508,6 +594,15 @@ mod tests {
                         let tol = tol(w, abs);
                         assert!(err <= tol, "{kernel:?} {m}x{n}x{k} add: {got} vs {w}");
                     }
+                    let mut sums = vec![f32::NAN; m * n];
+                    product_by(kernel, Destination::F32(&mut sums), (m, n, k), a, b);
+                    for (&got, &(w, abs)) in sums.iter().zip(&want) {
+                        let err = (got as f64 - w).abs();
+                        assert!(
+                            err <= tol(w, abs),
+                            "{kernel:?} {m}x{n}x{k} f32: {got} vs {w}"
+                        );
+                    }
                     let mut out = vec![bf16::ZERO; m * n];
                     product_by(kernel, Destination::Bf16(&mut out), (m, n, k), a, b);
                     for (&got, &(w, abs)) in out.iter().zip(&want) {
@@ -519,6 +614,65 @@ mod tests {
                     }
                 }
             });
+        }
+    }
+
+    /// f32 inputs holding bf16 values by a bf16 weight: with each kernel that packs bf16 pairs, the
+    /// f32 sums that [`linear`] rounds (so, rounded, its bits), in either layout of the weight and
+    /// with leading dimensions; by f32's product (`None`) under the widened kernel, for rows too few
+    /// for the packing kernels, and for an input holding a value bf16 does not.
+    #[test]
+    fn bf16_values_take_the_packing_kernels() {
+        let (rows, out, k) = (70, 100, 300);
+        let x16 = values(rows * k, 3);
+        let x: Vec<f32> = x16.iter().map(|v| v.to_f32()).collect();
+        let w16 = values(out * k, 4);
+        let shape = |dims: &[usize]| Layout::contiguous(dims);
+        let x_layout = shape(&[2, rows / 2, k]);
+        // The weight `[out, k]` row-major, and the transpose of a `[k, out]` row-major matrix.
+        let w_t16: Vec<bf16> = (0..k * out).map(|i| w16[(i % out) * k + i / out]).collect();
+        let weights = [
+            (w16.as_slice(), shape(&[out, k])),
+            (w_t16.as_slice(), shape(&[k, out]).transpose(0, 1).unwrap()),
+        ];
+        for kernel in Kernel::available() {
+            for (w, w_layout) in &weights {
+                let got = linear_of_bf16_values_by(kernel, (&x, &x_layout), (w, w_layout));
+                let got = got.unwrap();
+                if kernel == Kernel::Widened {
+                    assert!(
+                        got.is_none(),
+                        "the widened kernel widens back: f32's product"
+                    );
+                    continue;
+                }
+                let (sums, got_shape) = got.expect("bf16 values by a packing kernel");
+                assert_eq!(got_shape.dims(), &[2, rows / 2, out]);
+                let (rounded, _) = linear((&x16, &x_layout), (w, w_layout)).unwrap();
+                if Kernel::detect() == kernel {
+                    let same = sums
+                        .iter()
+                        .zip(&rounded)
+                        .all(|(s, r)| bf16::from_f32(*s).to_bits() == r.to_bits());
+                    assert!(same, "{kernel:?}: not the bf16 product's bits");
+                }
+                let (a, b) = (operand(&x16, &shape(&[rows, k])).unwrap().0, {
+                    operand(w, w_layout).unwrap().0.transposed()
+                });
+                let want = exact(rows, out, k, a, b);
+                let eps = f32::EPSILON as f64;
+                for (&got, &(w, abs)) in sums.iter().zip(&want) {
+                    let tol = 4.0 * eps * (k as f64).sqrt() * abs + 8.0 * eps * w.abs();
+                    assert!((got as f64 - w).abs() <= tol, "{kernel:?}: {got} vs {w}");
+                }
+                let few = shape(&[MIN_DOT_ROWS - 1, k]);
+                let few_rows = linear_of_bf16_values_by(kernel, (&x, &few), (w, w_layout));
+                assert!(few_rows.unwrap().is_none(), "{kernel:?}: too few rows");
+                let mut off = x.clone();
+                off[rows * k - 1] = 1.0 + f32::EPSILON;
+                let off_values = linear_of_bf16_values_by(kernel, (&off, &x_layout), (w, w_layout));
+                assert!(off_values.unwrap().is_none(), "{kernel:?}: not bf16 values");
+            }
         }
     }
 }

@@ -479,7 +479,9 @@ impl DecoderLayer {
     /// and its activations are f32 tensors holding values of the model's dtype: each op computes in
     /// f32 and its output is rounded in place where the model's own arithmetic rounds (each op's
     /// output, each residual sum), so the forward is the half-precision model's, while every op runs
-    /// its f32 kernel, autograd's nodes are f32 and no cast sits between them. Gradients flow in f32
+    /// its f32 kernel, autograd's nodes are f32 and no cast sits between them. (A bf16 layer's
+    /// forward products, whose operands both hold bf16 values, may run on the CPU's bf16
+    /// arithmetic instead, from the bf16 weights: [`Linear::bf16_weight`].) Gradients flow in f32
     /// (those of trained weights land on f32 stand-ins, [`InF32::parameters`]); the adapters, in f32
     /// already, are shared, and the base output under each is rounded before the adapter's term is
     /// added to it, as PEFT adds it ([`crate::lora::LoraAdapter::round_base_to`]).
@@ -505,7 +507,11 @@ impl DecoderLayer {
         let mut layer = self.map_weights(&mut widen)?;
         layer.round_to = Some(dtype);
         for p in Projection::ALL {
-            if let Some(adapter) = layer.projection_mut(p).lora.as_mut() {
+            // The forward's products may run from the bf16 weights ([`Linear::bf16_weight`]).
+            let bf16_weight = (dtype == DType::BF16).then(|| self.projection(p).weight.detach());
+            let projection = layer.projection_mut(p);
+            projection.bf16_weight = bf16_weight;
+            if let Some(adapter) = projection.lora.as_mut() {
                 adapter.round_base_to = Some(dtype);
             }
         }

@@ -25,6 +25,11 @@ pub struct Linear {
     /// `dW` to autograd as usual). The streamed backward sets it for each chunk's graph, so a chunk
     /// makes no weight-sized buffer.
     pub grad_into: Option<Tensor>,
+    /// In a bf16 layer computed in f32 ([`crate::layer::DecoderLayer::computed_in_f32`]), the bf16
+    /// weight `weight` was widened from: the forward's product, whose input holds bf16 values too,
+    /// runs from it on the CPU's bf16 arithmetic where that is faster
+    /// ([`crate::half_product::linear_of_bf16_values`]). Gradients still land on `weight`.
+    pub bf16_weight: Option<Tensor>,
 }
 
 impl Linear {
@@ -36,6 +41,15 @@ impl Linear {
             frozen: false,
             lora: None,
             grad_into: None,
+            bf16_weight: None,
+        }
+    }
+
+    /// The weight as the ops read it.
+    fn op_weight(&self) -> crate::op::Weight<'_> {
+        crate::op::Weight {
+            tensor: &self.weight,
+            bf16: self.bf16_weight.as_ref(),
         }
     }
 
@@ -60,7 +74,7 @@ impl Linear {
         };
         if self.lora.is_none() && !self.frozen {
             // Any leading dimensions: no reshape nodes in the graph (see `op::trained_linear`).
-            let y = crate::op::trained_linear(x, &self.weight, self.grad_into.as_ref())?;
+            let y = crate::op::trained_linear(x, self.op_weight(), self.grad_into.as_ref())?;
             return Ok(match &self.bias {
                 Some(b) => y.broadcast_add(b)?,
                 None => y,
@@ -71,10 +85,10 @@ impl Linear {
         let y = match (&self.lora, self.frozen) {
             (Some(adapter), _) => {
                 let batch_rows = if lead.len() > 1 { lead[0] } else { 1 };
-                let base = (&self.weight, self.bias.as_ref());
+                let base = (self.op_weight(), self.bias.as_ref());
                 adapter.forward(&x2, base, batch_rows, start, dropout)?
             }
-            (None, _) => crate::op::frozen_linear(&x2, &self.weight, self.bias.as_ref())?,
+            (None, _) => crate::op::frozen_linear(&x2, self.op_weight(), self.bias.as_ref())?,
         };
         let mut out_shape = lead.to_vec();
         out_shape.push(self.weight.dim(0)?);
@@ -84,7 +98,7 @@ impl Linear {
 
 impl MapWeights for Linear {
     /// The same projection with each weight (the adapter's too) replaced by `f(weight)`, and no
-    /// gradient accumulator (one belongs to the weight it was made for).
+    /// gradient accumulator or bf16 weight (each belongs to the weight it was made for).
     fn map_weights<E>(
         &self,
         f: &mut impl FnMut(&Tensor) -> std::result::Result<Tensor, E>,
@@ -95,6 +109,7 @@ impl MapWeights for Linear {
             frozen: self.frozen,
             lora: self.lora.as_ref().map(|a| a.map_weights(f)).transpose()?,
             grad_into: None,
+            bf16_weight: None,
         })
     }
 }

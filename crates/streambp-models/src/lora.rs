@@ -193,10 +193,10 @@ impl LoraAdapter {
     /// are cast to it, as autocast does, and their gradients come back in f32. (In a half-precision
     /// layer computed in f32, `x` is f32: the adapter runs in f32 as PEFT's does, and the base's
     /// output is rounded first, [`LoraAdapter::round_base_to`].)
-    pub fn forward(
+    pub(crate) fn forward(
         &self,
         x: &Tensor,
-        (weight, bias): (&Tensor, Option<&Tensor>),
+        (weight, bias): (crate::op::Weight, Option<&Tensor>),
         rows: usize,
         start: usize,
         dropout: Option<DropoutKey>,

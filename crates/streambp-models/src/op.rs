@@ -13,6 +13,47 @@ use crate::half_product;
 
 type CResult<T> = candle_core::Result<T>;
 
+/// A projection's weight as its ops read it: the tensor autograd differentiates and, in a bf16 layer
+/// computed in f32, the bf16 weight that tensor was widened from, from which the forward's products
+/// run on the CPU's bf16 arithmetic ([`half_product::linear_of_bf16_values`]).
+#[derive(Clone, Copy)]
+pub(crate) struct Weight<'a> {
+    /// `[out, in]`.
+    pub tensor: &'a Tensor,
+    /// The same values in bf16, where the layer keeps them.
+    pub bf16: Option<&'a Tensor>,
+}
+
+/// `x Wᵀ` from `bf16`, the weight in bf16, by [`half_product::linear_of_bf16_values`] for f32 host
+/// data `x`; `None` where that does not take it.
+fn of_bf16_values(
+    x: (&[f32], &Layout),
+    bf16: Option<&Tensor>,
+) -> CResult<Option<(Vec<f32>, Shape)>> {
+    let Some(w) = bf16 else {
+        return Ok(None);
+    };
+    let (storage, wl) = w.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(CpuStorage::BF16(w)) => half_product::linear_of_bf16_values(x, (w, wl)),
+        _ => Ok(None),
+    }
+}
+
+/// `x Wᵀ` of constants (a frozen base's forward): from the bf16 weight where
+/// [`of_bf16_values`] takes it, else by [`half_product::matmul`].
+fn constant_linear(x: &Tensor, weight: Weight) -> CResult<Tensor> {
+    if weight.bf16.is_some() && x.device().is_cpu() && x.is_contiguous() {
+        let (storage, layout) = x.storage_and_layout();
+        if let Storage::Cpu(CpuStorage::F32(data)) = &*storage {
+            if let Some((out, shape)) = of_bf16_values((data, layout), weight.bf16)? {
+                return Tensor::from_vec(out, shape, x.device());
+            }
+        }
+    }
+    half_product::matmul(x, &weight.tensor.detach().t()?)
+}
+
 /// A forward result waiting to be handed to the op that records it (once).
 #[derive(Debug)]
 pub(crate) struct Precomputed(Mutex<Option<Tensor>>);
@@ -85,10 +126,10 @@ impl candle_core::CustomOp1 for FrozenLinear {
 
 /// `x Wᵀ (+ b)` for `x` `[n, in]` with a frozen `weight` `[out, in]`: differentiable in `x` only. An
 /// untracked `x` (no graph) takes the plain path.
-pub(crate) fn frozen_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> CResult<Tensor> {
-    let (weight, bias) = (weight.detach(), bias.map(Tensor::detach));
+pub(crate) fn frozen_linear(x: &Tensor, weight: Weight, bias: Option<&Tensor>) -> CResult<Tensor> {
+    let bias = bias.map(Tensor::detach);
     let plain = |x: &Tensor| -> CResult<Tensor> {
-        let y = half_product::matmul(x, &weight.t()?)?;
+        let y = constant_linear(x, weight)?;
         match &bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -99,7 +140,7 @@ pub(crate) fn frozen_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) 
     }
     let out = plain(&x.detach())?;
     x.apply_op1(FrozenLinear {
-        weight,
+        weight: weight.tensor.detach(),
         out: Precomputed::new(out),
     })
 }
@@ -114,6 +155,8 @@ struct TrainedLinear {
     out: Option<Precomputed>,
     /// Where `dW` is added in place instead of being returned (see [`crate::linear::Linear::grad_into`]).
     grad_into: Option<Tensor>,
+    /// The weight in bf16, where the forward's product may run from it ([`Weight::bf16`]).
+    bf16_weight: Option<Tensor>,
 }
 
 impl candle_core::CustomOp2 for TrainedLinear {
@@ -131,7 +174,10 @@ impl candle_core::CustomOp2 for TrainedLinear {
         match (&self.out, s1, s2) {
             (Some(out), _, _) => out.cpu(),
             (None, CpuStorage::F32(x), CpuStorage::F32(w)) => {
-                let (out, shape) = host_product((x, l1), (w, l2))?;
+                let (out, shape) = match of_bf16_values((x, l1), self.bf16_weight.as_ref())? {
+                    Some(product) => product,
+                    None => host_product((x, l1), (w, l2))?,
+                };
                 Ok((CpuStorage::F32(out), shape))
             }
             (None, CpuStorage::F64(x), CpuStorage::F64(w)) => {
@@ -237,7 +283,10 @@ fn host_product<T: candle_core::WithDType + crate::skinny::SumType>(
 /// backward.
 pub(crate) fn trained_linear(
     x: &Tensor,
-    weight: &Tensor,
+    Weight {
+        tensor: weight,
+        bf16,
+    }: Weight,
     grad_into: Option<&Tensor>,
 ) -> CResult<Tensor> {
     let tracked = x.track_op() || weight.track_op();
@@ -246,6 +295,7 @@ pub(crate) fn trained_linear(
         let op = TrainedLinear {
             out: None,
             grad_into: grad_into.cloned(),
+            bf16_weight: bf16.map(Tensor::detach),
         };
         match tracked {
             true => x.apply_op2(weight, op),
@@ -268,6 +318,7 @@ pub(crate) fn trained_linear(
             let op = TrainedLinear {
                 out: Some(Precomputed::new(out)),
                 grad_into: grad_into.cloned(),
+                bf16_weight: None,
             };
             x2.apply_op2(weight, op)?
         }
@@ -338,13 +389,12 @@ impl candle_core::CustomOp3 for LoraLinear {
 /// `round_base_to` where given (f32 `x` only: see [`crate::lora::LoraAdapter::round_base_to`]).
 pub(crate) fn lora_linear(
     x: &Tensor,
-    (weight, bias): (&Tensor, Option<&Tensor>),
+    (weight, bias): (Weight, Option<&Tensor>),
     (u, lora_b, scale): (&Tensor, &Tensor, f64),
     round_base_to: Option<candle_core::DType>,
 ) -> CResult<Tensor> {
-    let weight = weight.detach();
     let out = {
-        let base = half_product::matmul(&x.detach(), &weight.t()?)?;
+        let base = constant_linear(&x.detach(), weight)?;
         let base = match bias {
             Some(b) => base.broadcast_add(&b.detach())?,
             None => base,
@@ -362,7 +412,7 @@ pub(crate) fn lora_linear(
         u,
         lora_b,
         LoraLinear {
-            weight,
+            weight: weight.tensor.detach(),
             scale,
             out: Precomputed::new(out),
         },
