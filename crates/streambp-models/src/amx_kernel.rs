@@ -18,6 +18,7 @@
 
 use std::ops::Range;
 
+use crate::bf16_kernel::zeroed_on_line;
 use crate::half_product::{Operand, Tile};
 
 /// Rows of a block of sums: two tiles of 16.
@@ -123,17 +124,19 @@ pub struct Packs {
 }
 
 /// Packs rows `rows` of `x` (`[rows, len]`), inner elements `k0..k0 + 2·pairs` (zero from `len`
-/// on), row by row: row `i`, pair `p` at `i · pairs + p`, rows padded with zeros to a whole block
-/// of [`MR`]. Reads run along `x`'s rows where its columns are contiguous, else inner index by
-/// inner index (each a contiguous run of rows where `x.row_stride` is 1).
+/// on), row by row into `buf` (zeros, [`MR`] rows' worth per block of them): row `i`, pair `p` at
+/// `i · pairs + p`, the rows short of a whole block left zero. Reads run along `x`'s rows where
+/// its columns are contiguous, else inner index by inner index (each a contiguous run of rows
+/// where `x.row_stride` is 1).
 fn pack_rows(
     x: &Operand,
     rows: Range<usize>,
     (k0, pairs, len): (usize, usize, usize),
-    buf: &mut Vec<u32>,
+    buf: &mut [u32],
 ) {
-    buf.clear();
-    buf.resize(rows.len().next_multiple_of(MR) * pairs, 0);
+    let size = rows.len().next_multiple_of(MR) * pairs;
+    assert!(buf.len() >= size, "AMX kernel: pack too small");
+    let buf = &mut buf[..size];
     let end = len.min(k0 + 2 * pairs);
     if x.col_stride == 1 {
         for (row, i) in buf.chunks_exact_mut(pairs).zip(rows) {
@@ -328,20 +331,17 @@ pub(crate) fn tile_with(unit: &dyn TileUnit, tile: &Tile, packs: &mut Packs, out
     let mut sums = [0f32; MR * NR];
     for k0 in (0..k).step_by(KC) {
         let pairs = KC.min(k - k0).div_ceil(2).next_multiple_of(TILE);
-        pack_rows(a, rows.clone(), (k0, pairs, k), &mut packs.a);
-        crate::bf16_kernel::pack(
-            &b.transposed(),
-            cols.clone(),
-            (k0, pairs, k),
-            TILE,
-            &mut packs.b,
-        );
+        // Each pack starts on a cache line, and so does each tile row in it (16 pairs, 64 bytes).
+        let a_pack = zeroed_on_line(&mut packs.a, row_blocks * MR * pairs);
+        pack_rows(a, rows.clone(), (k0, pairs, k), a_pack);
         // Whole blocks: a second, empty panel where the columns end in the first half of one.
-        packs.b.resize(col_blocks * 2 * TILE * pairs, 0);
+        let b_pack = zeroed_on_line(&mut packs.b, col_blocks * 2 * TILE * pairs);
+        crate::bf16_kernel::pack(&b.transposed(), cols.clone(), (k0, pairs, k), TILE, b_pack);
+        let (a_pack, b_pack) = (&*a_pack, &*b_pack);
         for cb in 0..col_blocks {
-            let panels = &packs.b[cb * 2 * TILE * pairs..(cb + 1) * 2 * TILE * pairs];
+            let panels = &b_pack[cb * 2 * TILE * pairs..(cb + 1) * 2 * TILE * pairs];
             for rb in 0..row_blocks {
-                let a_block = &packs.a[rb * MR * pairs..(rb + 1) * MR * pairs];
+                let a_block = &a_pack[rb * MR * pairs..(rb + 1) * MR * pairs];
                 unit.block(a_block, panels, pairs, &mut sums);
                 let (block_rows, block_cols) = (MR.min(r - rb * MR), NR.min(c - cb * NR));
                 for (i, sums) in sums.chunks_exact(NR).take(block_rows).enumerate() {

@@ -88,21 +88,36 @@ pub struct Packs {
     b: Vec<u32>,
 }
 
+/// `len` zeros in `buf`, starting on a 64-byte cache line: a load of 16 pairs (a vector here, a
+/// tile's row for AMX) from a pack that starts off a line straddles two lines, and the allocator
+/// aligns large buffers to 16 bytes only.
+pub(crate) fn zeroed_on_line(buf: &mut Vec<u32>, len: usize) -> &mut [u32] {
+    const PER_LINE: usize = 64 / std::mem::size_of::<u32>();
+    buf.clear();
+    buf.resize(len + PER_LINE - 1, 0);
+    let skip = (buf.as_ptr() as usize).wrapping_neg() % 64 / std::mem::size_of::<u32>();
+    &mut buf[skip..skip + len]
+}
+
 /// Packs rows `rows` of `x` (`[rows, len]`), inner elements `k0..k0 + 2·pairs` (zero from `len`
-/// on: an odd last pair), into blocks of `lanes` rows: block `b`, pair `p`, lane `l` at
-/// `(b · pairs + p) · lanes + l`, each pair a `u32` with the lower inner index in its low half.
+/// on: an odd last pair), into blocks of `lanes` rows in `buf` (zeros, at least that long, as
+/// [`zeroed_on_line`] gives): block `b`, pair `p`, lane `l` at `(b · pairs + p) · lanes + l`, each
+/// pair a `u32` with the lower inner index in its low half, the lanes past the last row left zero.
 /// Reads run along whichever of `x`'s strides is 1. `lanes` is at most [`NR`].
 pub(crate) fn pack(
     x: &Operand,
     rows: Range<usize>,
     (k0, pairs, len): (usize, usize, usize),
     lanes: usize,
-    buf: &mut Vec<u32>,
+    buf: &mut [u32],
 ) {
     assert!(lanes <= NR, "bf16 kernel: blocks of {lanes} rows");
     let blocks = rows.len().div_ceil(lanes);
-    buf.clear();
-    buf.resize(blocks * pairs * lanes, 0);
+    assert!(
+        buf.len() >= blocks * pairs * lanes,
+        "bf16 kernel: pack too small"
+    );
+    let buf = &mut buf[..blocks * pairs * lanes];
     let end = len.min(k0 + 2 * pairs);
     let pair = |lo: bf16, hi: bf16| lo.to_bits() as u32 | (hi.to_bits() as u32) << 16;
     if x.col_stride == 1 {
@@ -163,20 +178,17 @@ pub fn tile(tile: &Tile, packs: &mut Packs, out: &mut [f32]) {
     for k0 in (0..k).step_by(KC) {
         let pairs = KC.min(k - k0).div_ceil(2);
         // `a` in blocks of MR rows, `b` in panels of NR columns (the rows of `bᵀ`).
-        pack(a, rows.clone(), (k0, pairs, k), MR, &mut packs.a);
-        pack(
-            &b.transposed(),
-            cols.clone(),
-            (k0, pairs, k),
-            NR,
-            &mut packs.b,
-        );
+        let a_pack = zeroed_on_line(&mut packs.a, row_blocks * pairs * MR);
+        pack(a, rows.clone(), (k0, pairs, k), MR, a_pack);
+        let b_pack = zeroed_on_line(&mut packs.b, panels * pairs * NR);
+        pack(&b.transposed(), cols.clone(), (k0, pairs, k), NR, b_pack);
+        let (a_pack, b_pack) = (&*a_pack, &*b_pack);
         for pn in 0..panels {
             for rb in 0..row_blocks {
                 let block_rows = MR.min(r - rb * MR);
                 let block_cols = NR.min(c - pn * NR);
-                let a_block = &packs.a[rb * pairs * MR..(rb + 1) * pairs * MR];
-                let b_panel = &packs.b[pn * pairs * NR..(pn + 1) * pairs * NR];
+                let a_block = &a_pack[rb * pairs * MR..(rb + 1) * pairs * MR];
+                let b_panel = &b_pack[pn * pairs * NR..(pn + 1) * pairs * NR];
                 let at = rb * MR * c + pn * NR;
                 // SAFETY: the CPU has AVX512-BF16 (asserted above); the packs hold `pairs` pairs of
                 // their block and panel; `out` holds the block's rows and columns from `at` at row
@@ -243,6 +255,25 @@ unsafe fn micro(
         let row = &mut out[i * ldo..i * ldo + cols];
         for (y, &s) in row.iter_mut().zip(&lanes) {
             *y += s;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each pack starts on a cache line, holds zeros only, and is as long as asked, whatever the
+    /// buffer held before and wherever the allocator put it.
+    #[test]
+    fn packs_start_on_a_line_and_hold_zeros() {
+        let mut buf = Vec::new();
+        for len in [0, 1, 17, 4096, 100_003] {
+            let pack = zeroed_on_line(&mut buf, len);
+            assert_eq!(pack.len(), len);
+            assert_eq!(pack.as_ptr() as usize % 64, 0, "{len}: not on a line");
+            assert!(pack.iter().all(|&v| v == 0), "{len}: not zeros");
+            pack.fill(u32::MAX);
         }
     }
 }
