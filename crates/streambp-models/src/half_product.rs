@@ -204,19 +204,31 @@ const MIN_DOT_ROWS: usize = 16;
 /// by the fastest kernel the CPU has for it ([`Kernel::detect`], [`MIN_DOT_ROWS`]). Panics if an
 /// operand's strides reach past its data or the destination is smaller than `[m, n]`.
 pub fn product(dst: Destination<'_>, mnk: (usize, usize, usize), a: Operand, b: Operand) {
-    if crate::skinny::applies(mnk.0, a.col_stride, b.row_stride) {
-        return skinny_product(dst, mnk, a, b);
+    match route(Kernel::detect(), mnk.0, (a.col_stride, b.row_stride)) {
+        Route::Skinny => skinny_product(dst, mnk, a, b),
+        Route::Tiles(kernel) => product_by(kernel, dst, mnk, a, b),
     }
-    let kernel = packing_kernel(Kernel::detect(), mnk.0).unwrap_or(Kernel::Widened);
-    product_by(kernel, dst, mnk, a, b)
 }
 
-/// `kernel` where it is one that packs bf16 pairs and pays for `rows` rows of `a` ([`MIN_DOT_ROWS`]);
-/// `None` where a product of that many rows takes the widened kernel.
-fn packing_kernel(kernel: Kernel, rows: usize) -> Option<Kernel> {
+/// How [`product`] takes a product.
+#[derive(Debug, PartialEq, Eq)]
+enum Route {
+    /// [`crate::skinny`]'s dot products.
+    Skinny,
+    /// Tiles by this kernel.
+    Tiles(Kernel),
+}
+
+/// The route of a product of `rows` rows of `a` by `b` (their column and row strides) with
+/// `kernel` in force: a few rows by a weight stored row by row take [`crate::skinny`]; a packing
+/// kernel takes at least [`MIN_DOT_ROWS`] rows, the widened kernel the rest.
+fn route(kernel: Kernel, rows: usize, (a_col_stride, b_row_stride): (usize, usize)) -> Route {
+    if crate::skinny::applies(rows, a_col_stride, b_row_stride) {
+        return Route::Skinny;
+    }
     match kernel {
-        Kernel::Widened => None,
-        Kernel::Bf16Dot | Kernel::Amx => (rows >= MIN_DOT_ROWS).then_some(kernel),
+        Kernel::Bf16Dot | Kernel::Amx if rows < MIN_DOT_ROWS => Route::Tiles(Kernel::Widened),
+        kernel => Route::Tiles(kernel),
     }
 }
 
@@ -240,7 +252,7 @@ fn skinny_product(dst: Destination<'_>, (m, n, k): (usize, usize, usize), a: Ope
 /// [`product`] by `kernel` (which must be among [`Kernel::available`]).
 pub fn product_by(
     kernel: Kernel,
-    dst: Destination<'_>,
+    mut dst: Destination<'_>,
     (m, n, k): (usize, usize, usize),
     a: Operand,
     b: Operand,
@@ -253,20 +265,19 @@ pub fn product_by(
     if m * n == 0 {
         return;
     }
+    if let (Destination::F32(d), 0) = (&mut dst, k) {
+        // No kernel sums anything (the widened one would leave the tiles as they are): zeros.
+        d[..m * n].fill(0.0);
+        return;
+    }
     let (tm, tn) = tile_sizes(m, n);
     let tiles = tiles(m, n, (tm, tn));
-    // The f32 destination, and whether the sums are added into it.
+    // Where the sums go: a bf16 destination, or an f32 one and whether they are added into it.
     let (bf16_dst, f32_dst) = match dst {
         Destination::Bf16(d) => (Some(SharedDst(d.as_mut_ptr())), None),
         Destination::F32(d) => (None, Some((SharedDst(d.as_mut_ptr()), false))),
         Destination::AddF32(d) => (None, Some((SharedDst(d.as_mut_ptr()), true))),
     };
-    if let (Some((d, false)), true) = (f32_dst, k == 0) {
-        // No tile's kernel runs: the empty sums are zeros.
-        // SAFETY: the destination holds at least `m × n` elements (asserted above).
-        unsafe { std::slice::from_raw_parts_mut(d.0, m * n) }.fill(0.0);
-        return;
-    }
     tiles.par_iter().for_each_init(
         || (Buffers::default(), Packs::default()),
         |(bufs, packs), &(i0, j0)| {
@@ -488,7 +499,7 @@ fn with_last_dim(l: &Layout, last: usize) -> candle_core::Shape {
 /// activations rounded where bf16 rounds, its weights widened from bf16), so they can run on the
 /// CPU's bf16 arithmetic; its gradients' products cannot (the gradients are f32). `None` where
 /// f32's product is the faster way (the kernel in force widens, or `x` has too few rows for it:
-/// [`packing_kernel`]) or where `x` holds a value bf16 does not.
+/// [`route`]) or where `x` is not contiguous or holds a value bf16 does not.
 pub fn linear_of_bf16_values(
     x: (&[f32], &Layout),
     w: (&[bf16], &Layout),
@@ -504,19 +515,20 @@ fn linear_of_bf16_values_by(
 ) -> CResult<Option<(Vec<f32>, candle_core::Shape)>> {
     let (w_op, out, k) = operand(w, wl)?;
     let k_x = xl.dims().last().copied().unwrap_or(0);
-    if k_x != k || wl.dims().len() != 2 || !xl.is_contiguous() {
+    if k_x != k || wl.dims().len() != 2 {
         candle_core::bail!("linear: x {:?}, weight {:?}", xl.dims(), wl.dims());
+    }
+    if !xl.is_contiguous() {
+        return Ok(None);
     }
     let n = xl.dims()[..xl.dims().len().saturating_sub(1)]
         .iter()
         .product();
     let w_t = w_op.transposed();
-    let kernel = match crate::skinny::applies(n, 1, w_t.row_stride) {
-        true => None,
-        false => packing_kernel(kernel, n),
-    };
-    let Some(kernel) = kernel else {
-        return Ok(None);
+    // `x`'s columns are contiguous.
+    let kernel = match route(kernel, n, (1, w_t.row_stride)) {
+        Route::Tiles(kernel) if kernel != Kernel::Widened => kernel,
+        _ => return Ok(None),
     };
     let Some(x) = x.get(xl.start_offset()..xl.start_offset() + n * k) else {
         candle_core::bail!("linear: operand outside its storage");
@@ -615,26 +627,35 @@ mod tests {
         }
     }
 
-    /// f32 inputs holding bf16 values by a bf16 weight: with each kernel that packs bf16 pairs, the
-    /// f32 sums that [`linear`] rounds (so, rounded, its bits), in either layout of the weight and
-    /// with leading dimensions; by f32's product (`None`) under the widened kernel, for rows too few
-    /// for the packing kernels, and for an input holding a value bf16 does not.
+    /// f32 inputs holding bf16 values (read from an offset, after values bf16 does not hold) by a
+    /// bf16 weight, with leading dimensions and in either layout of the weight: with each kernel
+    /// that packs bf16 pairs, f32 sums within f32's rounding of the exact ones that, rounded, are
+    /// the same kernel's bf16 product bit for bit (and [`linear`]'s, for the kernel in force); by
+    /// f32's product (`None`) under the widened kernel, for rows too few for the packing kernels
+    /// or few enough for `skinny` (by a row-major weight), and for an input holding a value bf16
+    /// does not.
     #[test]
     fn bf16_values_take_the_packing_kernels() {
-        let (rows, out, k) = (70, 100, 300);
+        let (rows, out, k, offset) = (70, 100, 300, 5);
         let x16 = values(rows * k, 3);
-        let x: Vec<f32> = x16.iter().map(|v| v.to_f32()).collect();
+        let not_bf16 = 1.0 + f32::EPSILON;
+        let mut x = vec![not_bf16; offset];
+        x.extend(x16.iter().map(|v| v.to_f32()));
+        let x_at = |dims: &[usize]| Layout::contiguous_with_offset(dims, offset);
         let w16 = values(out * k, 4);
-        let shape = |dims: &[usize]| Layout::contiguous(dims);
-        let x_layout = shape(&[2, rows / 2, k]);
         // The weight `[out, k]` row-major, and the transpose of a `[k, out]` row-major matrix.
         let w_t16: Vec<bf16> = (0..k * out).map(|i| w16[(i % out) * k + i / out]).collect();
         let weights = [
-            (w16.as_slice(), shape(&[out, k])),
-            (w_t16.as_slice(), shape(&[k, out]).transpose(0, 1).unwrap()),
+            (w16.as_slice(), Layout::contiguous((out, k)), true),
+            (
+                w_t16.as_slice(),
+                Layout::contiguous((k, out)).transpose(0, 1).unwrap(),
+                false,
+            ),
         ];
+        let x_layout = x_at(&[2, rows / 2, k]);
         for kernel in Kernel::available() {
-            for (w, w_layout) in &weights {
+            for (w, w_layout, row_major) in &weights {
                 let got = linear_of_bf16_values_by(kernel, (&x, &x_layout), (w, w_layout));
                 let got = got.unwrap();
                 if kernel == Kernel::Widened {
@@ -646,28 +667,41 @@ mod tests {
                 }
                 let (sums, got_shape) = got.expect("bf16 values by a packing kernel");
                 assert_eq!(got_shape.dims(), &[2, rows / 2, out]);
-                let (rounded, _) = linear((&x16, &x_layout), (w, w_layout)).unwrap();
+                let x_op = operand(&x16, &Layout::contiguous((rows, k))).unwrap().0;
+                let w_op = operand(w, w_layout).unwrap().0.transposed();
+                let mut rounded = vec![bf16::ZERO; rows * out];
+                product_by(
+                    kernel,
+                    Destination::Bf16(&mut rounded),
+                    (rows, out, k),
+                    x_op,
+                    w_op,
+                );
+                let same = |other: &[bf16]| {
+                    let mut pairs = sums.iter().zip(other);
+                    pairs.all(|(s, r)| bf16::from_f32(*s).to_bits() == r.to_bits())
+                };
+                assert!(same(&rounded), "{kernel:?}: not its bf16 product's bits");
                 if Kernel::detect() == kernel {
-                    let same = sums
-                        .iter()
-                        .zip(&rounded)
-                        .all(|(s, r)| bf16::from_f32(*s).to_bits() == r.to_bits());
-                    assert!(same, "{kernel:?}: not the bf16 product's bits");
+                    let (linear, _) =
+                        linear((&x16, &Layout::contiguous((2, rows / 2, k))), (w, w_layout))
+                            .unwrap();
+                    assert!(same(&linear), "{kernel:?}: not `linear`'s bits");
                 }
-                let (a, b) = (operand(&x16, &shape(&[rows, k])).unwrap().0, {
-                    operand(w, w_layout).unwrap().0.transposed()
-                });
-                let want = exact(rows, out, k, a, b);
                 let eps = f32::EPSILON as f64;
-                for (&got, &(w, abs)) in sums.iter().zip(&want) {
+                for (&got, &(w, abs)) in sums.iter().zip(&exact(rows, out, k, x_op, w_op)) {
                     let tol = 4.0 * eps * (k as f64).sqrt() * abs + 8.0 * eps * w.abs();
                     assert!((got as f64 - w).abs() <= tol, "{kernel:?}: {got} vs {w}");
                 }
-                let few = shape(&[MIN_DOT_ROWS - 1, k]);
-                let few_rows = linear_of_bf16_values_by(kernel, (&x, &few), (w, w_layout));
-                assert!(few_rows.unwrap().is_none(), "{kernel:?}: too few rows");
+                let max_skinny = crate::skinny::MAX_ROWS;
+                for few in [MIN_DOT_ROWS - 1, MIN_DOT_ROWS, max_skinny, max_skinny + 1] {
+                    let taken = few >= MIN_DOT_ROWS && !(*row_major && few <= max_skinny);
+                    let x_few = (&x[..offset + few * k], &x_at(&[few, k]));
+                    let got = linear_of_bf16_values_by(kernel, x_few, (w, w_layout)).unwrap();
+                    assert_eq!(got.is_some(), taken, "{kernel:?}, {few} rows");
+                }
                 let mut off = x.clone();
-                off[rows * k - 1] = 1.0 + f32::EPSILON;
+                off[offset + rows * k - 1] = not_bf16;
                 let off_values = linear_of_bf16_values_by(kernel, (&off, &x_layout), (w, w_layout));
                 assert!(off_values.unwrap().is_none(), "{kernel:?}: not bf16 values");
             }

@@ -508,7 +508,8 @@ impl DecoderLayer {
         layer.round_to = Some(dtype);
         for p in Projection::ALL {
             // The forward's products may run from the bf16 weights ([`Linear::bf16_weight`]).
-            let bf16_weight = (dtype == DType::BF16).then(|| self.projection(p).weight.detach());
+            let weight = &self.projection(p).weight;
+            let bf16_weight = (weight.dtype() == DType::BF16).then(|| weight.detach());
             let projection = layer.projection_mut(p);
             projection.bf16_weight = bf16_weight;
             if let Some(adapter) = projection.lora.as_mut() {
@@ -530,6 +531,18 @@ impl DecoderLayer {
 }
 
 impl MapWeights for DecoderLayer {
+    /// The same layer cut from the graph, each projection's bf16 weight kept
+    /// ([`Linear::bf16_weight`]): detaching keeps the values, which a mapping in general does not
+    /// (the streamed backward recomputes a layer's keys and values detached).
+    fn detached(&self) -> Self {
+        let Ok(mut layer) =
+            self.map_weights(&mut |t: &Tensor| Ok::<_, std::convert::Infallible>(t.detach()));
+        for p in Projection::ALL {
+            layer.projection_mut(p).bf16_weight = self.projection(p).bf16_weight.clone();
+        }
+        layer
+    }
+
     /// The same layer with each weight (norms, projections, adapters) replaced by `f(weight)`.
     fn map_weights<E>(
         &self,

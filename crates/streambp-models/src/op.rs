@@ -24,15 +24,19 @@ pub(crate) struct Weight<'a> {
     pub bf16: Option<&'a Tensor>,
 }
 
-/// `x Wᵀ` from `bf16`, the weight in bf16, by [`half_product::linear_of_bf16_values`] for f32 host
-/// data `x`; `None` where that does not take it.
+/// `x Wᵀ` from `bf16`, the weight of shape `weight_dims` in bf16, by
+/// [`half_product::linear_of_bf16_values`] for f32 host data `x`; `None` where that does not take
+/// it. A bf16 weight of another shape than the weight's is an error (it cannot be its copy).
 fn of_bf16_values(
     x: (&[f32], &Layout),
-    bf16: Option<&Tensor>,
+    (bf16, weight_dims): (Option<&Tensor>, &[usize]),
 ) -> CResult<Option<(Vec<f32>, Shape)>> {
-    let Some(w) = bf16 else {
+    let Some(w) = bf16.filter(|w| w.dtype() == candle_core::DType::BF16) else {
         return Ok(None);
     };
+    if w.dims() != weight_dims {
+        candle_core::bail!("linear: bf16 weight {:?}, weight {weight_dims:?}", w.dims());
+    }
     let (storage, wl) = w.storage_and_layout();
     match &*storage {
         Storage::Cpu(CpuStorage::BF16(w)) => half_product::linear_of_bf16_values(x, (w, wl)),
@@ -46,7 +50,8 @@ fn constant_linear(x: &Tensor, weight: Weight) -> CResult<Tensor> {
     if weight.bf16.is_some() && x.device().is_cpu() && x.is_contiguous() {
         let (storage, layout) = x.storage_and_layout();
         if let Storage::Cpu(CpuStorage::F32(data)) = &*storage {
-            if let Some((out, shape)) = of_bf16_values((data, layout), weight.bf16)? {
+            let bf16 = (weight.bf16, weight.tensor.dims());
+            if let Some((out, shape)) = of_bf16_values((data, layout), bf16)? {
                 return Tensor::from_vec(out, shape, x.device());
             }
         }
@@ -174,7 +179,8 @@ impl candle_core::CustomOp2 for TrainedLinear {
         match (&self.out, s1, s2) {
             (Some(out), _, _) => out.cpu(),
             (None, CpuStorage::F32(x), CpuStorage::F32(w)) => {
-                let (out, shape) = match of_bf16_values((x, l1), self.bf16_weight.as_ref())? {
+                let bf16 = (self.bf16_weight.as_ref(), l2.dims());
+                let (out, shape) = match of_bf16_values((x, l1), bf16)? {
                     Some(product) => product,
                     None => host_product((x, l1), (w, l2))?,
                 };

@@ -79,9 +79,10 @@ fn layer_input(model: &Model, family: &str, repeats: usize) -> Tensor {
 /// in bf16 each elementary op rounds). Measured there: 8.1e-3 (Qwen2) and 3.6e-3 (Gemma3) of the
 /// output's largest value, 27% and 78% of the elements bit-equal.
 ///
-/// The fixture's rows, and those rows four times over: past [`streambp_models::skinny::MAX_ROWS`]
-/// the forward's products run from the bf16 weights on the packing kernels where the CPU has
-/// them (`Linear::bf16_weight`), as the bf16 layer's own products do.
+/// The fixture's 33 rows, and those rows four times over: past
+/// [`streambp_models::skinny::MAX_ROWS`] the forward's products run from the bf16 weights on the
+/// packing kernel where one is in force (`Linear::bf16_weight`), as the bf16 layer's own products
+/// do (that they run there, [`the_forward_reads_the_bf16_weights_the_backward_the_f32_ones`]).
 #[test]
 fn a_bf16_layer_in_f32_rounds_where_bf16_does() {
     for (family, repeats) in FAMILIES.iter().flat_map(|f| [(*f, 1), (*f, 4)]) {
@@ -202,6 +203,44 @@ fn gradients_land_on_the_stand_ins() {
                 "{name}"
             );
         }
+    }
+}
+
+/// A bf16 layer computed in f32 multiplies in its forward from each projection's bf16 weight
+/// where the kernel in force packs bf16 pairs, and only there, and differentiates with the f32
+/// stand-ins: with the down projection's bf16 weight zeroed the layer's output changes on such a
+/// CPU (and not elsewhere), while every stand-in's gradient of the output's sum stays the same bits
+/// (the backward reads the forward's activations before that product and the f32 weights).
+#[test]
+fn the_forward_reads_the_bf16_weights_the_backward_the_f32_ones() {
+    let family = "qwen3";
+    let model = load_model(&fixture_dir(family), DType::BF16, &Device::Cpu).unwrap();
+    let params = model.layer_parameters(0);
+    let wide = model.layers[0].computed_in_f32().unwrap().unwrap();
+    let stand_ins = wide.parameters(params);
+    let x = layer_input(&model, family, 1).to_dtype(DType::F32).unwrap();
+    let mut zeroed = wide.layer.clone();
+    let bf16_weight = zeroed.down_proj.bf16_weight.as_ref().expect("a bf16 weight");
+    zeroed.down_proj.bf16_weight = Some(bf16_weight.zeros_like().unwrap());
+    let run = |layer: &streambp_models::DecoderLayer| {
+        let y = layer.forward(&x, &Layout::default()).unwrap();
+        let store = y.sum_all().unwrap().backward().unwrap();
+        let grads: Vec<Vec<f32>> = stand_ins
+            .iter()
+            .map(|(name, v)| {
+                let g = store.get(v.as_tensor()).unwrap_or_else(|| panic!("{name}"));
+                g.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            })
+            .collect();
+        (y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), grads)
+    };
+    let ((y, grads), (y_zeroed, grads_zeroed)) = (run(&wide.layer), run(&zeroed));
+    let packs = streambp_models::half_product::Kernel::detect()
+        != streambp_models::half_product::Kernel::Widened;
+    assert_eq!(y != y_zeroed, packs, "the bf16 weight read: {packs}");
+    for (((name, _), g), g_zeroed) in stand_ins.iter().zip(&grads).zip(&grads_zeroed) {
+        let same = g.iter().zip(g_zeroed).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{name}: the gradient read the bf16 weight");
     }
 }
 
