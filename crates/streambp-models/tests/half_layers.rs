@@ -220,7 +220,11 @@ fn the_forward_reads_the_bf16_weights_the_backward_the_f32_ones() {
     let stand_ins = wide.parameters(params);
     let x = layer_input(&model, family, 1).to_dtype(DType::F32).unwrap();
     let mut zeroed = wide.layer.clone();
-    let bf16_weight = zeroed.down_proj.bf16_weight.as_ref().expect("a bf16 weight");
+    let bf16_weight = zeroed
+        .down_proj
+        .bf16_weight
+        .as_ref()
+        .expect("a bf16 weight");
     zeroed.down_proj.bf16_weight = Some(bf16_weight.zeros_like().unwrap());
     let run = |layer: &streambp_models::DecoderLayer| {
         let y = layer.forward(&x, &Layout::default()).unwrap();
@@ -239,7 +243,10 @@ fn the_forward_reads_the_bf16_weights_the_backward_the_f32_ones() {
         != streambp_models::half_product::Kernel::Widened;
     assert_eq!(y != y_zeroed, packs, "the bf16 weight read: {packs}");
     for (((name, _), g), g_zeroed) in stand_ins.iter().zip(&grads).zip(&grads_zeroed) {
-        let same = g.iter().zip(g_zeroed).all(|(a, b)| a.to_bits() == b.to_bits());
+        let same = g
+            .iter()
+            .zip(g_zeroed)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "{name}: the gradient read the bf16 weight");
     }
 }
