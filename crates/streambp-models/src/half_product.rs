@@ -310,18 +310,16 @@ pub fn product_by(
             for (t, sums) in bufs.sums.chunks_exact(c).enumerate() {
                 let at = (i0 + t) * n + j0;
                 match (f32_dst, bf16_dst) {
-                    (Some((d, false)), _) => {
+                    (Some((d, add)), _) => {
                         // SAFETY: row `i0 + t` of tile (i0, j0) is this task's alone, within `m × n`.
                         let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), c) };
-                        row.copy_from_slice(sums);
-                    }
-                    (Some((d, true)), _) => {
-                        // SAFETY: as above.
-                        let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), c) };
-                        crate::vectorized!(|_| row
-                            .iter_mut()
-                            .zip(sums)
-                            .for_each(|(y, &s)| *y += s));
+                        match add {
+                            true => crate::vectorized!(|_| row
+                                .iter_mut()
+                                .zip(sums)
+                                .for_each(|(y, &s)| *y += s)),
+                            false => row.copy_from_slice(sums),
+                        }
                     }
                     (None, Some(d)) => {
                         // SAFETY: as above.

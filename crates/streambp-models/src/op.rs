@@ -47,7 +47,8 @@ fn of_bf16_values(
 /// `x Wᵀ` of constants (a frozen base's forward): from the bf16 weight where
 /// [`of_bf16_values`] takes it, else by [`half_product::matmul`].
 fn constant_linear(x: &Tensor, weight: Weight) -> CResult<Tensor> {
-    if weight.bf16.is_some() && x.device().is_cpu() && x.is_contiguous() {
+    // (`of_bf16_values` declines other layouts; without a bf16 weight no storage is locked.)
+    if weight.bf16.is_some() {
         let (storage, layout) = x.storage_and_layout();
         if let Storage::Cpu(CpuStorage::F32(data)) = &*storage {
             let bf16 = (weight.bf16, weight.tensor.dims());
