@@ -10,6 +10,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, WithDType, D};
+use half::{bf16, f16};
 use num_traits::Float;
 use rayon::prelude::*;
 
@@ -76,12 +77,36 @@ impl Rotary {
     }
 
     /// `(cos, sin)` tables of shape `[n, head_dim]` in `dtype` for the `n` given positions.
+    ///
+    /// Each angle's f64 cosine and sine are rounded to `dtype` as they are computed (through f32
+    /// for half precision, as transformers' tables are, to round once more the same way): the same
+    /// bits as f64 tables cast afterwards, without holding them. Those were four times a bf16
+    /// table's bytes, the forward's peak at long `T`.
     pub fn tables(
         &self,
         positions: impl Iterator<Item = f64>,
         n: usize,
         dtype: DType,
         device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        match dtype {
+            DType::F64 => self.tables_of(positions, n, device, |v| v),
+            DType::F32 => self.tables_of(positions, n, device, |v| v as f32),
+            DType::BF16 => self.tables_of(positions, n, device, |v| bf16::from_f32(v as f32)),
+            DType::F16 => self.tables_of(positions, n, device, |v| f16::from_f32(v as f32)),
+            other => Err(crate::error::ModelError::Input(format!(
+                "rope: no tables in {other:?}"
+            ))),
+        }
+    }
+
+    /// [`Rotary::tables`] with each f64 value rounded by `round`.
+    fn tables_of<T: WithDType>(
+        &self,
+        positions: impl Iterator<Item = f64>,
+        n: usize,
+        device: &Device,
+        round: impl Fn(f64) -> T,
     ) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(n * 2 * half);
@@ -91,8 +116,8 @@ impl Rotary {
             let row = cos.len();
             for f in &self.inv_freq {
                 let (s, c) = (p * f).sin_cos();
-                cos.push(c);
-                sin.push(s);
+                cos.push(round(c));
+                sin.push(round(s));
             }
             cos.extend_from_within(row..);
             sin.extend_from_within(row..);
@@ -104,16 +129,10 @@ impl Rotary {
             )));
         }
         let shape = (n, 2 * half);
-        // Non-f64 dtypes go through f32 like transformers' tables do, to round once more the same way.
-        let cast = |v: Vec<f64>| -> Result<Tensor> {
-            let t = Tensor::from_vec(v, shape, device)?;
-            Ok(match dtype {
-                DType::F64 => t,
-                DType::F32 => t.to_dtype(DType::F32)?,
-                _ => t.to_dtype(DType::F32)?.to_dtype(dtype)?,
-            })
-        };
-        Ok((cast(cos)?, cast(sin)?))
+        Ok((
+            Tensor::from_vec(cos, shape, device)?,
+            Tensor::from_vec(sin, shape, device)?,
+        ))
     }
 }
 
@@ -248,6 +267,45 @@ mod tests {
     use super::*;
     use crate::testing::{grads, max_diff};
     use candle_core::Var;
+
+    /// Tables in each dtype hold the f64 tables' values rounded as candle casts them (through f32
+    /// for half precision), bit for bit, at positions up to 70K and out of order (packing).
+    #[test]
+    fn tables_are_the_f64_tables_rounded_to_their_dtype() {
+        let dev = Device::Cpu;
+        let rotary = Rotary::new(
+            &RopeConfig {
+                theta: 1_000_000.0,
+                scaling: RopeScaling::None,
+            },
+            16,
+        );
+        let positions: Vec<f64> = (0..300).map(|i| ((i * 7919) % 70_001) as f64).collect();
+        let n = positions.len();
+        let (cos64, sin64) = rotary
+            .tables(positions.iter().copied(), n, DType::F64, &dev)
+            .unwrap();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let (cos, sin) = rotary
+                .tables(positions.iter().copied(), n, dtype, &dev)
+                .unwrap();
+            for (table, wide) in [(cos, &cos64), (sin, &sin64)] {
+                assert_eq!(table.dtype(), dtype);
+                let want = match dtype {
+                    DType::F32 => wide.to_dtype(dtype).unwrap(),
+                    _ => wide.to_dtype(DType::F32).unwrap().to_dtype(dtype).unwrap(),
+                };
+                let bits = |t: &Tensor| t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+                assert_eq!(
+                    bits(&table).to_vec1::<f64>().unwrap(),
+                    bits(&want).to_vec1::<f64>().unwrap(),
+                    "{dtype:?}"
+                );
+            }
+        }
+        let two = (0..2).map(|p| p as f64);
+        assert!(rotary.tables(two, 2, DType::U8, &dev).is_err());
+    }
 
     /// The fused rotation and the composed one: equal outputs and input gradients in f64, with one
     /// table for all rows and with one table per batch row (packing), on a strided input.
