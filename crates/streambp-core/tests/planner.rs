@@ -16,8 +16,8 @@ use streambp_core::{
 use streambp_models::{LoraConfig, Model, ModelConfig, Projection};
 use streambp_objectives::Sft;
 
-/// Runs only the cases whose label contains this variable's value (e.g. `BF16`): a subset where a
-/// whole run takes too long, as under an emulated CPU.
+/// Runs only the cases whose label contains one of this variable's `|`-separated values (e.g.
+/// `small BF16|LoRA BF16`): a subset where a whole run takes too long, as under an emulated CPU.
 const CASES_ENV: &str = "STREAMBP_PLANNER_CASES";
 
 #[global_allocator]
@@ -137,7 +137,10 @@ impl Case {
 
     /// Whether [`CASES_ENV`] leaves this case in (every case where it is unset).
     fn selected(&self) -> bool {
-        std::env::var(CASES_ENV).map_or(true, |only| self.label().contains(only.trim()))
+        let label = self.label();
+        std::env::var(CASES_ENV).map_or(true, |only| {
+            only.split('|').any(|part| label.contains(part.trim()))
+        })
     }
 
     /// Whole peak and the phases' peaks of one streamed SFT backward, in bytes above `floor`.
@@ -193,6 +196,7 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
     let tiny_vocab = qwen3(16, 128, 384, 2, (4, 2, 32));
     let two_layers = qwen3(4096, 128, 384, 2, (4, 2, 32));
     let deep = qwen3(16, 128, 256, 8, (4, 2, 32));
+    let wide = qwen3(16, 8192, 1024, 1, (8, 2, 128));
     // Gemma3's first layer attends through a sliding window, which keeps T = 64K quick.
     let long = json!({
         "model_type": "gemma3_text", "vocab_size": 16, "hidden_size": 64, "intermediate_size": 128,
@@ -222,13 +226,12 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
             (1, 1024),
         )
         .chunks(128, 200),
-        case(
-            "hidden 8192",
-            qwen3(16, 8192, 1024, 1, (8, 2, 128)),
-            f32_,
-            (1, 512),
-        ),
-        case("T 64K", long, f32_, (1, 65_536)).chunks(1024, 1000),
+        case("hidden 8192", wide.clone(), f32_, (1, 512)),
+        case("hidden 8192", wide.clone(), bf16, (1, 512)),
+        case("T 64K", long.clone(), f32_, (1, 65_536)).chunks(1024, 1000),
+        // Half precision where the forward's rope tables (T = 64K) and the layer's f32 gradient
+        // accumulators (hidden 8192: the embedding phase holds only the table's) decide a phase.
+        case("T 64K", long, bf16, (1, 65_536)).chunks(1024, 1000),
         case(
             "batch 3",
             qwen3(1000, 128, 384, 2, (4, 2, 32)),
@@ -239,7 +242,38 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
         case("LoRA", two_layers.clone(), f32_, (1, 2048)).lora(8),
         case("LoRA", two_layers, bf16, (2, 1024)).lora(8),
         case("f64", qwen3(1000, 64, 128, 2, (4, 2, 16)), f64_, (2, 1024)).chunks(100, 100),
-        // 4. Deep and narrow, where the checkpoints are most of the peak: one per layer, per two
+        // 4. One of `d`, `q`, `kv`, `ffn` far wider than the others, two rows a chunk: each moment
+        // of a chunk's backward where its gradients peak (the attention op's, the MLP's) decides
+        // one of these; and a Gemma3-27B-like layer (`ffn = 4d`, GQA 2:1) scaled down.
+        case(
+            "q-wide",
+            qwen3(16, 256, 512, 1, (32, 4, 128)),
+            f32_,
+            (2, 256),
+        ),
+        case(
+            "kv-wide",
+            qwen3(16, 256, 512, 1, (16, 16, 128)),
+            bf16,
+            (2, 256),
+        )
+        .lora(8),
+        case(
+            "ffn-wide",
+            qwen3(16, 256, 16384, 1, (4, 2, 64)),
+            f32_,
+            (2, 256),
+        )
+        .lora(8),
+        case("d-wide", wide.clone(), bf16, (2, 256)).lora(8),
+        case(
+            "27B-like",
+            qwen3(16, 672, 2688, 1, (4, 2, 128)),
+            bf16,
+            (2, 256),
+        )
+        .lora(8),
+        // 5. Deep and narrow, where the checkpoints are most of the peak: one per layer, per two
         // layers, per three (⌈√8⌉).
         case("8 layers", deep.clone(), f32_, (1, 4096)).chunks(256, 500),
         case("8 layers", deep.clone(), f32_, (1, 4096))

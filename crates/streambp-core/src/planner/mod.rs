@@ -16,9 +16,10 @@
 //!   its VJP overwrite; four elsewhere; half precision more) and its `lc × d` rows (the hidden
 //!   state's copy, the final norm and its backward, the hidden state's gradient);
 //! - in a layer's backward: K, V and their pending gradients, the incoming and outgoing `[b, T, d]`
-//!   gradients, and one chunk's graph: its activations (`c × (d, q, kv, ffn)` several times) and its
-//!   attention scores against one block of keys (`heads × c × min(T, KEY_BLOCK)`, a few copies inside
-//!   the attention op's backward; on the host two per running task of its kernel);
+//!   gradients, and one chunk's graph: its activations (`c × (d, q, kv, ffn)` several times) and
+//!   the larger of its gradients' two peaks: the attention op's backward, with its scores against
+//!   one block of keys (`heads × c × min(T, KEY_BLOCK)`, a few copies; on the host two per running
+//!   task of its kernel), or the MLP's;
 //! - in the embedding's backward: the incoming `[b, T, d]` gradient (and its f32 copy in half
 //!   precision on the host), and off the host copies of the table's gradient;
 //! - on the host, the largest packing workspace of the phase's matrix products, from the blocking
@@ -26,8 +27,9 @@
 //!   between CPUs (tens of MiB on a CPU with a large L3 cache, for products with a wide operand).
 //!
 //! The copy counts are fitted to peaks measured exactly with the counting allocator (CPU, candle 0.11)
-//! over the shapes of `tests/planner.rs` — vocabularies 16 to 256K, hidden sizes 64 to 8192, T up to
-//! 64K, batch 3, LoRA, f32, f64 and bf16 — on an AMD EPYC (Zen 4, AVX-512, 1 MiB L2 and 32 MiB L3 per
+//! over the shapes of `tests/planner.rs` — vocabularies 16 to 256K, hidden sizes 64 to 8192, one of
+//! `d`, `q`, `kv` or `ffn` far wider than the others, T up to 64K, batch 2 and 3, LoRA, f32, f64 and
+//! bf16 — on an AMD EPYC (Zen 4, AVX-512, 1 MiB L2 and 32 MiB L3 per
 //! core complex), with gemm's workspace derived, not fitted, so that they hold where gemm blocks
 //! differently. The test checks the model against measured peaks; the bench prints its error next to
 //! every measured stream peak, and `--predict` prints its estimate for shapes too large to run here.
@@ -279,16 +281,18 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // table's when tied) in the head, every one once the layers are done. LoRA: the frozen weights,
     // and the adapters with their gradients (f32, or f64 for an f64 model); the head's and the
     // table's gradients never exist.
-    let (weights, grads, head_grad, table_grad) = match p.lora {
+    // Once the layers are done, only the table's accumulator is still in f32.
+    let (weights, grads, grads_after_layers, head_grad, table_grad) = match p.lora {
         None => (
             params * e,
             params * e + in_flight * (grad_bytes - e),
+            params * e + vocab * d * (grad_bytes - e),
             vocab * d * grad_bytes,
             vocab * d * (e + grad_bytes),
         ),
         Some(lora) => {
             let adapters = adapter_count(cfg, lora) * f32b.max(e);
-            (params * e + adapters, adapters, 0, 0)
+            (params * e + adapters, adapters, adapters, 0, 0)
         }
     };
     // Per token: the batch's ids, positions, targets and log-probs (fitted: 48 bytes).
@@ -348,15 +352,29 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
             .collect()
     };
 
-    // A chunk's activations (`[c, d | q | kv | ffn]` several times; fitted, see the module docs): in
-    // a graph in the backward, passing through in the forward. Half precision on the host computes
-    // them in f32 (`DecoderLayer::computed_in_f32`), with the layer in flight's weights widened to
-    // f32 for the phase.
+    // A chunk's rows (`[c, d | q | kv | ffn]`, counts fitted, see the module docs). Half precision
+    // on the host computes them in f32 (`DecoderLayer::computed_in_f32`), with the layer in
+    // flight's weights widened to f32 for the phase.
     let half_host = half && p.host;
     let act = if half_host { f32b } else { e };
     let widened_layer = if half_host { layer_params * f32b } else { 0 };
-    let chunk_acts = b * c * (6 * d + 7 * q + 3 * kv + 6 * ffn) * act;
-    let forward_acts = b * c * (4 * d + 3 * q + 2 * kv + 4 * ffn) * act;
+    let rows = |(of_d, of_q, of_kv, of_ffn): (u64, u64, u64, u64)| {
+        b * c * (of_d * d + of_q * q + of_kv * kv + of_ffn * ffn) * act
+    };
+    // In the backward, the chunk's graph holds every activation until its backward ends (the input,
+    // the norms, the projections, q/k norms and rope, the attention's output, the residual sums) ...
+    let chunk_acts = rows((7, 6, 6, 3));
+    // ... and its gradients peak at one of two moments: the attention op's backward (its output's
+    // gradient, its inputs', the inner-layout copies, the input's gradient so far, and its score
+    // tiles: `scores`) or the MLP's (the gate's and up projection's gradients beside the SwiGLU's
+    // and the residual's). Which one is the larger depends on the shape: summing both
+    // over-estimated long sequences and a single fitted sum under-estimated wide `d`, `q`, `kv` or
+    // `ffn` by up to 19%.
+    let attention_moment = rows((1, 3, 3, 0));
+    let mlp_moment = rows((4, 0, 0, 5));
+    // In the forward no graph: what one op of a chunk reads and writes, and what the layer keeps
+    // for later ops (the input, the residual sum).
+    let forward_acts = rows((5, 4, 1, 4));
     // The layer's keys and values of the whole sequence, in the dtype the layer computes in (f32 for
     // half precision on the host).
     let keys_values = 2 * b * t * kv * act;
@@ -441,22 +459,30 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     } else {
         41 * b * heads * score_area(t, c, key_block) * f32b.max(e) / 10
     };
+    // Measured on the host; on an accelerator (not measured there yet) both, to err high.
+    let busiest_moment = match p.host {
+        true => (attention_moment + scores).max(mlp_moment),
+        false => attention_moment + scores + mlp_moment,
+    };
     let layer_phase = grads
         + widened_layer
         + layer_checkpoints
         + kv_state
         + grads_io
         + chunk_acts
-        + scores
+        + busiest_moment
         + projection_workspace;
 
     // The embedding's VJP (written out): the incoming `[b, T, d]` gradient; on the host its rows go
     // into the table's accumulator in place (in half precision widened to f32 first); elsewhere its
     // scaled rows and the table's gradient (model dtype; an f32 copy of it for half precision, added
     // in place on it) summed with the accumulated one. Under LoRA the gradient arrives and nothing is done with
-    // it. Gemma's embedding scale and a padding id each make one more copy of the rows.
-    let row_copies = cfg.embed_scale.is_some() as u64 + cfg.pad_token_id.is_some() as u64;
-    let embedding_phase = grads
+    // it. Gemma's embedding scale and a padding id each make one more copy of the rows (not under LoRA).
+    let row_copies = match p.lora {
+        None => cfg.embed_scale.is_some() as u64 + cfg.pad_token_id.is_some() as u64,
+        Some(_) => 0,
+    };
+    let embedding_phase = grads_after_layers
         + row_copies * hidden
         + match (p.lora, p.host) {
             (Some(_), _) => hidden,
