@@ -367,9 +367,8 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // ... and its gradients peak at one of two moments: the attention op's backward (its output's
     // gradient, its inputs', the inner-layout copies, the input's gradient so far, and its score
     // tiles: `scores`) or the MLP's (the gate's and up projection's gradients beside the SwiGLU's
-    // and the residual's). Which one is the larger depends on the shape: summing both
-    // over-estimated long sequences and a single fitted sum under-estimated wide `d`, `q`, `kv` or
-    // `ffn` by up to 19%.
+    // and the residual's). Which one is the larger depends on the shape: one fitted sum for all of
+    // them under-estimated a wide `d`, `q`, `kv` or `ffn` by up to 19%.
     let attention_moment = rows((1, 3, 3, 0));
     let mlp_moment = rows((4, 0, 0, 5));
     // In the forward no graph: what one op of a chunk reads and writes, and what the layer keeps
