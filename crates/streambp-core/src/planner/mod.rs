@@ -358,22 +358,22 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let half_host = half && p.host;
     let act = if half_host { f32b } else { e };
     let widened_layer = if half_host { layer_params * f32b } else { 0 };
-    let rows = |(of_d, of_q, of_kv, of_ffn): (u64, u64, u64, u64)| {
+    let chunk_rows = |(of_d, of_q, of_kv, of_ffn): (u64, u64, u64, u64)| {
         b * c * (of_d * d + of_q * q + of_kv * kv + of_ffn * ffn) * act
     };
     // In the backward, the chunk's graph holds every activation until its backward ends (the input,
     // the norms, the projections, q/k norms and rope, the attention's output, the residual sums) ...
-    let chunk_acts = rows((7, 6, 6, 3));
+    let chunk_acts = chunk_rows((7, 6, 6, 3));
     // ... and its gradients peak at one of two moments: the attention op's backward (its output's
     // gradient, its inputs', the inner-layout copies, the input's gradient so far, and its score
     // tiles: `scores`) or the MLP's (the gate's and up projection's gradients beside the SwiGLU's
     // and the residual's). Which one is the larger depends on the shape: one fitted sum for all of
     // them under-estimated a wide `d`, `q`, `kv` or `ffn` by up to 19%.
-    let attention_moment = rows((1, 3, 3, 0));
-    let mlp_moment = rows((4, 0, 0, 5));
+    let attention_moment = chunk_rows((1, 3, 3, 0));
+    let mlp_moment = chunk_rows((4, 0, 0, 5));
     // In the forward no graph: what one op of a chunk reads and writes, and what the layer keeps
     // for later ops (the input, the residual sum).
-    let forward_acts = rows((5, 4, 1, 4));
+    let forward_acts = chunk_rows((5, 4, 1, 4));
     // The layer's keys and values of the whole sequence, in the dtype the layer computes in (f32 for
     // half precision on the host).
     let keys_values = 2 * b * t * kv * act;
