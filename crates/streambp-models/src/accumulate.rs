@@ -59,6 +59,23 @@ pub fn add_product(acc: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool> {
     Ok(true)
 }
 
+/// `acc += a·b` in place for `a` `[m, k]` f32 holding bf16 values (see
+/// [`half_product::Element`]), `b` `[k, n]` bf16 (any strides) and `acc` `[m, n]` f32 on the host:
+/// [`add_product`] of `a` cast to bf16, without that copy; `false`, with nothing done, where that
+/// does not apply.
+pub fn add_product_of_bf16_values(acc: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool> {
+    let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
+    let applies = acc.dtype() == DType::F32
+        && acc.is_contiguous()
+        && [acc, a, b].iter().all(|t| t.device().is_cpu())
+        && (a.dtype(), b.dtype()) == (DType::F32, DType::BF16);
+    if !applies || k != k2 || acc.dims() != [m, n] {
+        return Ok(false);
+    }
+    acc.inplace_op3(a, b, &AddProductOfBf16Values)?;
+    Ok(true)
+}
+
 /// `acc[ids[i]] += rows[i]` in place, row after row in order (as candle's `index_add` sums), for
 /// `acc` `[V, d]`, `ids` `[n]` (any integer dtype) and `rows` `[n, d]`; `false`, with nothing done,
 /// where that does not apply. An id outside `0..V` is an error.
@@ -222,10 +239,72 @@ impl InplaceOp3 for AddProduct {
     }
 }
 
+/// The op of [`add_product_of_bf16_values`].
+struct AddProductOfBf16Values;
+
+impl InplaceOp3 for AddProductOfBf16Values {
+    fn name(&self) -> &'static str {
+        "streambp-add-product-of-bf16-values"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<()> {
+        let r = range(l1)?;
+        let (CpuStorage::F32(acc), CpuStorage::F32(a), CpuStorage::BF16(b)) = (s1, s2, s3) else {
+            candle_core::bail!("in-place product: not f32 += f32 (bf16 values) · bf16");
+        };
+        let ((a, m, k), (b, _, n)) = (half_product::operand(a, l2)?, half_product::operand(b, l3)?);
+        half_product::product(Destination::AddF32(&mut acc[r]), (m, n, k), a, b);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::{DType, Device};
+
+    /// A product of f32 holding bf16 values added in place equals the product of those bf16 (bit
+    /// for bit on a kernel that packs bf16; within f32's rounding on the widened one, which reads
+    /// the f32 in place), `aᵀ` strided as the LM head's `dzᵀ` is; other dtypes are declined.
+    #[test]
+    fn products_of_bf16_values_add_as_their_bf16() {
+        let dev = Device::Cpu;
+        let (m, n, k) = (37, 21, 300);
+        let values = |len: usize, seed: usize| -> Vec<f32> {
+            let v = (0..len).map(|i| ((i * 7 + seed) as f32 * 0.37).sin() * 2.0);
+            v.map(|x| half::bf16::from_f32(x).to_f32()).collect()
+        };
+        let a_t = Tensor::from_vec(values(k * m, 1), (k, m), &dev).unwrap();
+        let a = a_t.t().unwrap();
+        let b = Tensor::from_vec(values(k * n, 2), (k, n), &dev)
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .unwrap();
+        let held = Tensor::from_vec(values(m * n, 3), (m, n), &dev).unwrap();
+        let (want, got) = (held.copy().unwrap(), held.copy().unwrap());
+        let a16 = a.to_dtype(DType::BF16).unwrap();
+        assert!(add_product(&want, &a16, &b).unwrap());
+        assert!(add_product_of_bf16_values(&got, &a, &b).unwrap());
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (want, got) = (flat(&want), flat(&got));
+        if half_product::Kernel::detect() == half_product::Kernel::Widened {
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{g} vs {w}");
+            }
+        } else {
+            assert!(got == want, "not the bf16 product's bits");
+        }
+        assert!(!add_product_of_bf16_values(&held, &a16, &b).unwrap());
+        let acc64 = held.to_dtype(DType::F64).unwrap();
+        assert!(!add_product_of_bf16_values(&acc64, &a, &b).unwrap());
+    }
 
     /// Rows added in place equal candle's `index_add` onto what the accumulator held, repeated ids
     /// included; an id past the table is an error that changes nothing; half precision is declined.

@@ -19,7 +19,7 @@
 use std::ops::Range;
 
 use crate::bf16_kernel::zeroed_on_line;
-use crate::half_product::{Operand, Tile};
+use crate::half_product::{Element, Operand, Tile};
 
 /// Rows of a block of sums: two tiles of 16.
 const MR: usize = 32;
@@ -128,8 +128,8 @@ pub struct Packs {
 /// `i · pairs + p`, the rows short of a whole block left zero. Reads run along `x`'s rows where
 /// its columns are contiguous, else inner index by inner index (each a contiguous run of rows
 /// where `x.row_stride` is 1).
-fn pack_rows(
-    x: &Operand,
+fn pack_rows<E: Element>(
+    x: &Operand<E>,
     rows: Range<usize>,
     (k0, pairs, len): (usize, usize, usize),
     buf: &mut [u32],
@@ -145,15 +145,17 @@ fn pack_rows(
                 .iter_mut()
                 .zip(x.data[start + k0..start + end].chunks(2))
             {
-                let hi = two.get(1).map_or(0, |h| h.to_bits() as u32);
-                *y = two[0].to_bits() as u32 | hi << 16;
+                let hi = two.get(1).map_or(0, |h| h.to_bf16().to_bits() as u32);
+                *y = two[0].to_bf16().to_bits() as u32 | hi << 16;
             }
         }
     } else {
         for kk in k0..end {
             let (p, shift) = ((kk - k0) / 2, 16 * ((kk - k0) % 2) as u32);
             for (ii, i) in rows.clone().enumerate() {
-                let v = x.data[i * x.row_stride + kk * x.col_stride].to_bits() as u32;
+                let v = x.data[i * x.row_stride + kk * x.col_stride]
+                    .to_bf16()
+                    .to_bits() as u32;
                 buf[ii * pairs + p] |= v << shift;
             }
         }
@@ -313,7 +315,7 @@ impl TileUnit for Amx {
 /// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major) on
 /// AMX's tiles. Panics unless [`available`] (the caller dispatches on it) and if `out` is too
 /// small; the operands' ranges are the caller's to check.
-pub fn tile(tile: &Tile, packs: &mut Packs, out: &mut [f32]) {
+pub fn tile<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: &mut [f32]) {
     let unit = Amx::new().expect("AMX kernel: the CPU or the process has no AMX");
     #[cfg(target_arch = "x86_64")]
     tile_with(&unit, tile, packs, out);
@@ -322,7 +324,12 @@ pub fn tile(tile: &Tile, packs: &mut Packs, out: &mut [f32]) {
 }
 
 /// [`tile`] on any [`TileUnit`].
-pub(crate) fn tile_with(unit: &dyn TileUnit, tile: &Tile, packs: &mut Packs, out: &mut [f32]) {
+pub(crate) fn tile_with<A: Element>(
+    unit: &dyn TileUnit,
+    tile: &Tile<A>,
+    packs: &mut Packs,
+    out: &mut [f32],
+) {
     let Tile { a, b, k, .. } = *tile;
     let (rows, cols) = (tile.rows.clone(), tile.cols.clone());
     let (r, c) = (rows.len(), cols.len());

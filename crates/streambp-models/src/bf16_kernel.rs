@@ -18,7 +18,7 @@ use std::ops::Range;
 
 use half::bf16;
 
-use crate::half_product::{Operand, Tile};
+use crate::half_product::{Element, Operand, Tile};
 
 /// Rows of the micro-kernel's block.
 const MR: usize = 8;
@@ -104,8 +104,8 @@ pub(crate) fn zeroed_on_line(buf: &mut Vec<u32>, len: usize) -> &mut [u32] {
 /// [`zeroed_on_line`] gives): block `b`, pair `p`, lane `l` at `(b · pairs + p) · lanes + l`, each
 /// pair a `u32` with the lower inner index in its low half, the lanes past the last row left zero.
 /// Reads run along whichever of `x`'s strides is 1. `lanes` is at most [`NR`].
-pub(crate) fn pack(
-    x: &Operand,
+pub(crate) fn pack<E: Element>(
+    x: &Operand<E>,
     rows: Range<usize>,
     (k0, pairs, len): (usize, usize, usize),
     lanes: usize,
@@ -128,11 +128,12 @@ pub(crate) fn pack(
             let block = &mut buf[(ii / lanes) * pairs * lanes + ii % lanes..];
             let (whole, odd) = (run.chunks_exact(2), run.len() % 2 == 1);
             for (y, two) in block.iter_mut().step_by(lanes).zip(whole) {
-                *y = pair(two[0], two[1]);
+                *y = pair(two[0].to_bf16(), two[1].to_bf16());
             }
             if odd {
                 // The run's last pair (not always the slice's: AMX's slices are padded to whole tiles).
-                block[(run.len() / 2) * lanes] = pair(run[run.len() - 1], bf16::ZERO);
+                let last = run[run.len() - 1].to_bf16();
+                block[(run.len() / 2) * lanes] = pair(last, bf16::ZERO);
             }
         }
     } else {
@@ -142,11 +143,12 @@ pub(crate) fn pack(
             (false, _) => into.fill(bf16::ZERO),
             (true, 1) => {
                 let at = first + k * x.col_stride;
-                into.copy_from_slice(&x.data[at..at + into.len()]);
+                let run = &x.data[at..at + into.len()];
+                into.iter_mut().zip(run).for_each(|(y, v)| *y = v.to_bf16());
             }
             (true, rs) => {
                 for (l, y) in into.iter_mut().enumerate() {
-                    *y = x.data[(first + l) * rs + k * x.col_stride];
+                    *y = x.data[(first + l) * rs + k * x.col_stride].to_bf16();
                 }
             }
         };
@@ -168,7 +170,7 @@ pub(crate) fn pack(
 /// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major).
 /// Panics unless [`available`] (the caller dispatches on it) and if `out` is too small; the operands'
 /// ranges are the caller's to check ([`Operand`]s that fit `rows × k` and `k × cols`).
-pub fn tile(tile: &Tile, packs: &mut Packs, out: &mut [f32]) {
+pub fn tile<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: &mut [f32]) {
     assert!(available(), "bf16 kernel: the CPU has no AVX512-BF16");
     let Tile { a, b, k, .. } = *tile;
     let (rows, cols) = (tile.rows.clone(), tile.cols.clone());

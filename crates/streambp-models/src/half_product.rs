@@ -23,20 +23,62 @@ type CResult<T> = candle_core::Result<T>;
 /// The inner slice summed per kernel call, as long as a tile's edge ([`crate::cpu::tile_sizes`]).
 const INNER: usize = 256;
 
-/// A bf16 matrix operand: its data from its first element and its row and column strides.
+/// An element of a product's operand: a bf16, or an f32 holding a bf16's value (a half-precision
+/// computation's value carried in f32, rounded where bf16 rounds: the LM head's logits and their
+/// gradient on the host), which the kernels read as that bf16.
+pub trait Element: Copy + Send + Sync + 'static {
+    /// The value in f32 (exact).
+    fn to_f32(self) -> f32;
+    /// The value as a bf16: exact for a bf16's value (an f32 of another value is truncated).
+    fn to_bf16(self) -> bf16;
+    /// The elements as f32 where they are f32 already: the widened kernel then reads them in
+    /// place.
+    fn as_f32(data: &[Self]) -> Option<&[f32]>;
+}
+
+impl Element for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        widen(self)
+    }
+    #[inline(always)]
+    fn to_bf16(self) -> bf16 {
+        self
+    }
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+}
+
+impl Element for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn to_bf16(self) -> bf16 {
+        bf16::from_bits((self.to_bits() >> 16) as u16)
+    }
+    fn as_f32(data: &[Self]) -> Option<&[f32]> {
+        Some(data)
+    }
+}
+
+/// A matrix operand of bf16 values: its data from its first element and its row and column
+/// strides.
 #[derive(Clone, Copy)]
-pub struct Operand<'a> {
+pub struct Operand<'a, E = bf16> {
     /// The elements, from the matrix's first.
-    pub data: &'a [bf16],
+    pub data: &'a [E],
     /// Elements from one row to the next.
     pub row_stride: usize,
     /// Elements from one column to the next.
     pub col_stride: usize,
 }
 
-impl<'a> Operand<'a> {
+impl<'a, E: Element> Operand<'a, E> {
     /// The same matrix transposed (reads `xᵀ[j, i]` as `x[i, j]`).
-    pub fn transposed(&self) -> Operand<'a> {
+    pub fn transposed(&self) -> Operand<'a, E> {
         Operand {
             data: self.data,
             row_stride: self.col_stride,
@@ -63,8 +105,8 @@ impl<'a> Operand<'a> {
         let at = |i: usize, j: usize| i * self.row_stride + j * self.col_stride;
         // Each contiguous run is one loop through the SIMD layer (the widening is about 7% of a
         // widened bf16 step's time; compiled for the baseline alone it ran on SSE2).
-        let widen_run = |buf: &mut Vec<f32>, run: &[bf16]| {
-            crate::vectorized!(|_| buf.extend(run.iter().map(|x| widen(*x))))
+        let widen_run = |buf: &mut Vec<f32>, run: &[E]| {
+            crate::vectorized!(|_| buf.extend(run.iter().map(|x| x.to_f32())))
         };
         if self.row_stride == 1 && self.col_stride != 1 {
             // Column-major: each column's run of rows is contiguous.
@@ -81,7 +123,7 @@ impl<'a> Operand<'a> {
             (c, 1)
         } else {
             for i in rows {
-                buf.extend(cols.clone().map(|j| widen(self.data[at(i, j)])));
+                buf.extend(cols.clone().map(|j| self.data[at(i, j)].to_f32()));
             }
             (c, 1)
         }
@@ -90,9 +132,9 @@ impl<'a> Operand<'a> {
 
 /// One output tile of a product, `a[rows, ..k]·b[..k, cols]`: what a kernel computes at a time.
 #[derive(Clone)]
-pub struct Tile<'a> {
+pub struct Tile<'a, A = bf16> {
     /// The left operand, of which the tile takes `rows`.
-    pub a: &'a Operand<'a>,
+    pub a: &'a Operand<'a, A>,
     /// The tile's rows.
     pub rows: std::ops::Range<usize>,
     /// The right operand, of which the tile takes `cols`.
@@ -112,13 +154,16 @@ pub enum Destination<'a> {
     F32(&'a mut [f32]),
     /// `dst += a·b` into an `[m, n]` row-major f32 accumulator, unrounded.
     AddF32(&'a mut [f32]),
+    /// A new `[m, n]` row-major f32 matrix holding the sums rounded once to bf16: the values of
+    /// [`Destination::Bf16`] for a computation that carries them in f32.
+    Bf16Values(&'a mut [f32]),
 }
 
 impl Destination<'_> {
     fn len(&self) -> usize {
         match self {
             Destination::Bf16(d) => d.len(),
-            Destination::F32(d) | Destination::AddF32(d) => d.len(),
+            Destination::F32(d) | Destination::AddF32(d) | Destination::Bf16Values(d) => d.len(),
         }
     }
 }
@@ -203,7 +248,12 @@ const MIN_DOT_ROWS: usize = 16;
 /// `dst (=|+=) a·b` for `a` `[m, k]` and `b` `[k, n]` in bf16, summed in f32 (see the module doc),
 /// by the fastest kernel the CPU has for it ([`Kernel::detect`], [`MIN_DOT_ROWS`]). Panics if an
 /// operand's strides reach past its data or the destination is smaller than `[m, n]`.
-pub fn product(dst: Destination<'_>, mnk: (usize, usize, usize), a: Operand, b: Operand) {
+pub fn product<A: Element>(
+    dst: Destination<'_>,
+    mnk: (usize, usize, usize),
+    a: Operand<A>,
+    b: Operand,
+) {
     match route(Kernel::detect(), mnk.0, (a.col_stride, b.row_stride)) {
         Route::Skinny => skinny_product(dst, mnk, a, b),
         Route::Tiles(kernel) => product_by(kernel, dst, mnk, a, b),
@@ -235,7 +285,12 @@ fn route(kernel: Kernel, rows: usize, (a_col_stride, b_row_stride): (usize, usiz
 /// [`product`] of a few rows by `b = Wᵀ` with each row of `W` contiguous, by
 /// [`crate::skinny::product`]: `a`'s rows widened to f32 (a few rows: the weight is never widened),
 /// the sums rounded once or added into the f32 destination.
-fn skinny_product(dst: Destination<'_>, (m, n, k): (usize, usize, usize), a: Operand, b: Operand) {
+fn skinny_product<A: Element>(
+    dst: Destination<'_>,
+    (m, n, k): (usize, usize, usize),
+    a: Operand<A>,
+    b: Operand,
+) {
     // `b`'s range is `skinny::product`'s to check; `a`'s is read here, to widen it.
     assert!(a.fits(m, k), "bf16 product: operand out of range");
     let mut x = Vec::new();
@@ -246,15 +301,21 @@ fn skinny_product(dst: Destination<'_>, (m, n, k): (usize, usize, usize), a: Ope
         Destination::Bf16(d) => crate::skinny::product((d, n), (m, n, k), false, x, w),
         Destination::F32(d) => crate::skinny::product((d, n), (m, n, k), false, x, w),
         Destination::AddF32(d) => crate::skinny::product((d, n), (m, n, k), true, x, w),
+        Destination::Bf16Values(d) => {
+            crate::skinny::product((&mut *d, n), (m, n, k), false, x, w);
+            crate::vectorized!(|_| d[..m * n]
+                .iter_mut()
+                .for_each(|y| *y = widen(bf16::from_f32(*y))));
+        }
     }
 }
 
 /// [`product`] by `kernel` (which must be among [`Kernel::available`]).
-pub fn product_by(
+pub fn product_by<A: Element>(
     kernel: Kernel,
     mut dst: Destination<'_>,
     (m, n, k): (usize, usize, usize),
-    a: Operand,
+    a: Operand<A>,
     b: Operand,
 ) {
     assert!(
@@ -265,18 +326,19 @@ pub fn product_by(
     if m * n == 0 {
         return;
     }
-    if let (Destination::F32(d), 0) = (&mut dst, k) {
+    if let (Destination::F32(d) | Destination::Bf16Values(d), 0) = (&mut dst, k) {
         // No kernel sums anything (the widened one would leave the tiles as they are): zeros.
         d[..m * n].fill(0.0);
         return;
     }
     let (tm, tn) = tile_sizes(m, n);
     let tiles = tiles(m, n, (tm, tn));
-    // Where the sums go: a bf16 destination, or an f32 one and whether they are added into it.
-    let (bf16_dst, f32_dst) = match dst {
-        Destination::Bf16(d) => (Some(SharedDst(d.as_mut_ptr())), None),
-        Destination::F32(d) => (None, Some((SharedDst(d.as_mut_ptr()), false))),
-        Destination::AddF32(d) => (None, Some((SharedDst(d.as_mut_ptr()), true))),
+    // Where the sums go, through a pointer the tasks share (each writes its own tile).
+    let sink = match dst {
+        Destination::Bf16(d) => Sink::Bf16(SharedDst(d.as_mut_ptr())),
+        Destination::F32(d) => Sink::F32(SharedDst(d.as_mut_ptr()), false),
+        Destination::AddF32(d) => Sink::F32(SharedDst(d.as_mut_ptr()), true),
+        Destination::Bf16Values(d) => Sink::Bf16Values(SharedDst(d.as_mut_ptr())),
     };
     tiles.par_iter().for_each_init(
         || (Buffers::default(), Packs::default()),
@@ -289,7 +351,7 @@ pub fn product_by(
                 k,
             };
             let (r, c) = (tile.rows.len(), tile.cols.len());
-            if let (Kernel::Widened, Some((d, add))) = (kernel, f32_dst) {
+            if let (Kernel::Widened, Sink::F32(d, add)) = (kernel, sink) {
                 // gemm writes (or adds) the tile's sums into the f32 destination itself.
                 // SAFETY: tile (i0, j0) is this task's alone; its elements lie within `m × n`.
                 let dst = unsafe { d.0.add(i0 * n + j0) };
@@ -308,33 +370,53 @@ pub fn product_by(
                 Kernel::Amx => crate::amx_kernel::tile(&tile, &mut packs.amx, &mut bufs.sums),
             }
             for (t, sums) in bufs.sums.chunks_exact(c).enumerate() {
-                let at = (i0 + t) * n + j0;
-                match (f32_dst, bf16_dst) {
-                    (Some((d, add)), _) => {
-                        // SAFETY: row `i0 + t` of tile (i0, j0) is this task's alone, within `m × n`.
-                        let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), c) };
-                        match add {
-                            true => crate::vectorized!(|_| row
-                                .iter_mut()
-                                .zip(sums)
-                                .for_each(|(y, &s)| *y += s)),
-                            false => row.copy_from_slice(sums),
-                        }
-                    }
-                    (None, Some(d)) => {
-                        // SAFETY: as above.
-                        let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), c) };
-                        crate::vectorized!(|_| {
-                            row.iter_mut()
-                                .zip(sums)
-                                .for_each(|(y, &s)| *y = bf16::from_f32(s))
-                        });
-                    }
-                    (None, None) => {}
-                }
+                // SAFETY: row `i0 + t` of tile (i0, j0) is this task's alone, within `m × n`.
+                unsafe { sink.write_row((i0 + t) * n + j0, sums) };
             }
         },
     );
+}
+
+/// Where [`product_by`]'s tasks put their sums: a [`Destination`]'s data, shared.
+#[derive(Clone, Copy)]
+enum Sink {
+    /// Rounded to bf16.
+    Bf16(SharedDst<bf16>),
+    /// Written, or added (`true`), unrounded.
+    F32(SharedDst<f32>, bool),
+    /// Rounded to bf16, stored in f32.
+    Bf16Values(SharedDst<f32>),
+}
+
+impl Sink {
+    /// Puts a tile row's `sums` at element `at` of the destination.
+    ///
+    /// # Safety
+    /// `at..at + sums.len()` must lie within the destination and be the caller's alone.
+    unsafe fn write_row(self, at: usize, sums: &[f32]) {
+        let row = |d: SharedDst<f32>| {
+            // SAFETY: the caller's.
+            unsafe { std::slice::from_raw_parts_mut(d.0.add(at), sums.len()) }
+        };
+        match self {
+            Sink::F32(d, true) => {
+                crate::vectorized!(|_| row(d).iter_mut().zip(sums).for_each(|(y, &s)| *y += s))
+            }
+            Sink::F32(d, false) => row(d).copy_from_slice(sums),
+            Sink::Bf16Values(d) => crate::vectorized!(|_| row(d)
+                .iter_mut()
+                .zip(sums)
+                .for_each(|(y, &s)| *y = widen(bf16::from_f32(s)))),
+            Sink::Bf16(d) => {
+                // SAFETY: the caller's.
+                let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), sums.len()) };
+                crate::vectorized!(|_| row
+                    .iter_mut()
+                    .zip(sums)
+                    .for_each(|(y, &s)| *y = bf16::from_f32(s)))
+            }
+        }
+    }
 }
 
 /// A task's packing buffers for the kernels that pack bf16 pairs.
@@ -355,8 +437,8 @@ struct Buffers {
 /// `dst (=|+=) a[rows, ..k]·b[..k, cols]` for `tile` by gemm's f32 kernel on slices of [`INNER`]
 /// inner elements widened into `bufs`; `dst` is `(first element, row stride, whether to add into
 /// it)`.
-fn widened_tile(
-    tile: &Tile,
+fn widened_tile<A: Element>(
+    tile: &Tile<A>,
     (dst, dst_rs, mut read_dst): (*mut f32, usize, bool),
     bufs: &mut Buffers,
 ) {
@@ -365,9 +447,22 @@ fn widened_tile(
     let (r, c) = (rows.len(), cols.len());
     for k0 in (0..k).step_by(INNER) {
         let inner = k0..(k0 + INNER).min(k);
-        let (ars, acs) = a.widen(rows.clone(), inner.clone(), &mut bufs.a);
+        // `a`'s slice where it is f32 already (its first element in range: the operand fits
+        // `r × k`, and `r` and the slice are not empty), else widened.
+        let a_slice = match A::as_f32(a.data) {
+            Some(data) => (
+                data[rows.start * a.row_stride + k0 * a.col_stride..].as_ptr(),
+                a.row_stride,
+                a.col_stride,
+            ),
+            None => {
+                let (ars, acs) = a.widen(rows.clone(), inner.clone(), &mut bufs.a);
+                (bufs.a.as_ptr(), ars, acs)
+            }
+        };
         let (brs, bcs) = b.widen(inner.clone(), cols.clone(), &mut bufs.b);
-        // SAFETY: the buffers hold `r × inner` and `inner × c` elements at the strides `widen`
+        // SAFETY: `a_slice` addresses `r × inner` elements at its strides (the operand's, which
+        // fit it, or those `widen` returned), `bufs.b` holds `inner × c` at the strides `widen`
         // returned; the caller's `dst` has room for `r × c` at row stride `dst_rs`, its alone.
         unsafe {
             crate::cpu::gemm_call(
@@ -375,7 +470,7 @@ fn widened_tile(
                 dst_rs,
                 (r, c, inner.len()),
                 read_dst,
-                (bufs.a.as_ptr(), ars, acs),
+                a_slice,
                 (bufs.b.as_ptr(), brs, bcs),
             );
         }
@@ -385,7 +480,10 @@ fn widened_tile(
 
 /// The operand a 2-D layout (or a contiguous one of any rank, its leading dimensions as rows)
 /// addresses in `data`, with its rows and columns.
-pub fn operand<'a>(data: &'a [bf16], l: &Layout) -> CResult<(Operand<'a>, usize, usize)> {
+pub fn operand<'a, E: Element>(
+    data: &'a [E],
+    l: &Layout,
+) -> CResult<(Operand<'a, E>, usize, usize)> {
     let (dims, stride) = (l.dims(), l.stride());
     let (rows, cols, row_stride, col_stride) = match *dims {
         [rows, cols] => (rows, cols, stride[0], stride[1]),
@@ -459,6 +557,58 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     let mut out = vec![bf16::ZERO; m * n];
     product(Destination::Bf16(&mut out), (m, n, k), oa, ob);
     Tensor::from_vec(out, (m, n), a.device())
+}
+
+/// `a·b` for 2-D host tensors (any strides): `a` f32 holding bf16 values ([`Element`]), `b` bf16,
+/// by [`product`], rounded to bf16: [`matmul`]'s product of `a` cast to bf16, without that copy.
+/// Like it, it records no backward.
+pub fn matmul_of_bf16_values(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    let (Storage::Cpu(CpuStorage::F32(da)), Storage::Cpu(CpuStorage::BF16(db))) = (&*sa, &*sb)
+    else {
+        candle_core::bail!("bf16 product: operands not f32 and bf16 in host storage");
+    };
+    if a.rank() != 2 || b.rank() != 2 {
+        candle_core::bail!("bf16 product: {:?} by {:?}", a.dims(), b.dims());
+    }
+    let ((oa, m, k), (ob, k2, n)) = (operand(da, la)?, operand(db, lb)?);
+    if k != k2 {
+        candle_core::bail!("bf16 product: [{m}, {k}] by [{k2}, {n}]");
+    }
+    let mut out = vec![bf16::ZERO; m * n];
+    product(Destination::Bf16(&mut out), (m, n, k), oa, ob);
+    Tensor::from_vec(out, (m, n), a.device())
+}
+
+/// `x Wᵀ` for bf16 host tensors `x` `[.., in]` and `W` `[out, in]` (any strides) as f32 holding
+/// the sums rounded to bf16 (`[.., out]`): [`linear`]'s values, for a computation that goes on
+/// in f32 (the LM head's softmax), without the bf16 result and its widened copy. `None` for other
+/// dtypes or devices.
+pub fn linear_as_bf16_values(x: &Tensor, w: &Tensor) -> CResult<Option<Tensor>> {
+    let host_bf16 = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle_core::DType::BF16;
+    if !(host_bf16(x) && host_bf16(w)) {
+        return Ok(None);
+    }
+    let x = x.contiguous()?;
+    let (sx, xl) = x.storage_and_layout();
+    let (sw, wl) = w.storage_and_layout();
+    let (Storage::Cpu(CpuStorage::BF16(dx)), Storage::Cpu(CpuStorage::BF16(dw))) = (&*sx, &*sw)
+    else {
+        return Ok(None);
+    };
+    let ((x_op, n, k), (w_op, out, k2)) = (operand(dx, xl)?, operand(dw, wl)?);
+    if k != k2 || wl.dims().len() != 2 {
+        candle_core::bail!("linear: x {:?}, weight {:?}", xl.dims(), wl.dims());
+    }
+    let mut dst = vec![0f32; n * out];
+    product(
+        Destination::Bf16Values(&mut dst),
+        (n, out, k),
+        x_op,
+        w_op.transposed(),
+    );
+    Tensor::from_vec(dst, with_last_dim(xl, out), x.device()).map(Some)
 }
 
 /// `x Wᵀ` for bf16 host data: `x` `[.., in]` contiguous, `W` `[out, in]` (any strides); the result
@@ -623,6 +773,93 @@ mod tests {
                 }
             });
         }
+    }
+
+    /// An f32 operand holding bf16 values multiplies as those bf16 do, in every layout of either
+    /// operand and into every destination: bit for bit on the kernels that pack it as bf16, within
+    /// f32's rounding of the exact sums on the widened one (which reads it in place, and gemm's
+    /// order of summation depends on the layout); [`Destination::Bf16Values`] holds the
+    /// [`Destination::Bf16`] result's values; and the tensor functions agree with their bf16
+    /// counterparts.
+    #[test]
+    fn bf16_values_in_f32_multiply_as_their_bf16() {
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for (m, n, k) in [(70, 300, 513), (257, 65, 40), (20, 33, 7)] {
+            let a16 = values(2 * m * k + 1, 5);
+            let a32: Vec<f32> = a16.iter().map(|v| v.to_f32()).collect();
+            let b_data = values(2 * k * n + 1, 6);
+            each_layout((m, n, k), (&a16, &b_data), |a, b| {
+                let a_values = Operand {
+                    data: a32.as_slice(),
+                    row_stride: a.row_stride,
+                    col_stride: a.col_stride,
+                };
+                let exact = exact(m, n, k, a, b);
+                let strides = (a.row_stride, a.col_stride, b.row_stride, b.col_stride);
+                for kernel in Kernel::available() {
+                    let case = format!("{kernel:?} {m}x{n}x{k}, strides {strides:?}");
+                    let same = |got: &[f32], want: &[f32], what: &str| match kernel {
+                        Kernel::Widened => {
+                            // Each within f32's rounding of the exact sum (plus what `want` held).
+                            let eps = f32::EPSILON as f64;
+                            for ((&g, &w), &(_, abs)) in got.iter().zip(want).zip(&exact) {
+                                let (g, w) = (g as f64, w as f64);
+                                let tol = 4.0 * eps * (k as f64).sqrt() * abs + 8.0 * eps * w.abs();
+                                assert!((g - w).abs() <= 2.0 * tol, "{case}: {what}");
+                            }
+                        }
+                        _ => assert!(bits(got) == bits(want), "{case}: {what}"),
+                    };
+                    let start: Vec<f32> = (0..m * n).map(|i| i as f32).collect();
+                    let (mut want, mut got) = (start.clone(), start);
+                    product_by(kernel, Destination::AddF32(&mut want), (m, n, k), a, b);
+                    product_by(
+                        kernel,
+                        Destination::AddF32(&mut got),
+                        (m, n, k),
+                        a_values,
+                        b,
+                    );
+                    same(&got, &want, "added");
+                    product_by(kernel, Destination::F32(&mut want), (m, n, k), a, b);
+                    product_by(kernel, Destination::F32(&mut got), (m, n, k), a_values, b);
+                    same(&got, &want, "f32");
+                    let mut rounded = vec![bf16::ZERO; m * n];
+                    product_by(kernel, Destination::Bf16(&mut rounded), (m, n, k), a, b);
+                    let mut from_values = vec![bf16::ZERO; m * n];
+                    let dst = Destination::Bf16(&mut from_values);
+                    product_by(kernel, dst, (m, n, k), a_values, b);
+                    if kernel != Kernel::Widened {
+                        assert!(from_values == rounded, "{case}: bf16");
+                    }
+                    product_by(kernel, Destination::Bf16Values(&mut got), (m, n, k), a, b);
+                    let widened: Vec<f32> = rounded.iter().map(|v| v.to_f32()).collect();
+                    assert!(bits(&got) == bits(&widened), "{case}: values");
+                }
+            });
+        }
+        // The tensor functions, by the kernel in force: `x Wᵀ` as values, `a·b` of values.
+        let dev = candle_core::Device::Cpu;
+        let tensor = |len: usize, seed: u32, shape: (usize, usize)| {
+            Tensor::from_vec(values(len, seed), shape, &dev).unwrap()
+        };
+        let (x, w) = (
+            tensor(40 * 300, 7, (40, 300)),
+            tensor(90 * 300, 8, (90, 300)),
+        );
+        let linear16 = x.matmul(&w.t().unwrap()).unwrap();
+        let as_values = linear_as_bf16_values(&x, &w).unwrap().unwrap();
+        let want = matmul(&x, &w.t().unwrap()).unwrap();
+        let f32s = |t: &Tensor| {
+            let t = t.to_dtype(candle_core::DType::F32).unwrap();
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        assert_eq!(f32s(&as_values), f32s(&want), "linear as values");
+        assert_eq!(linear16.dims(), as_values.dims());
+        let a32 = x.to_dtype(candle_core::DType::F32).unwrap();
+        let of_values = matmul_of_bf16_values(&a32, &w.t().unwrap()).unwrap();
+        assert_eq!(f32s(&of_values), f32s(&want), "product of values");
+        assert!(linear_as_bf16_values(&a32, &w).unwrap().is_none());
     }
 
     /// f32 inputs holding bf16 values (read from an offset, after values bf16 does not hold) by a

@@ -124,6 +124,23 @@ impl GradSink {
         self.accumulate(name, half_product::matmul(a, b)?, true)
     }
 
+    /// [`GradSink::add_product`] for `a` f32 holding bf16 values and `b` bf16 (the LM head's
+    /// `dzᵀ·h` on the host: [`accumulate::add_product_of_bf16_values`]), into the f32 accumulator.
+    pub(super) fn add_product_of_bf16_values(
+        &mut self,
+        name: &str,
+        a: &Tensor,
+        b: &Tensor,
+    ) -> Result<()> {
+        let shape = (a.dim(0)?, b.dim(1)?).into();
+        if let Some(acc) = self.accumulator_for(name, &shape, b.dtype(), b.device())? {
+            if accumulate::add_product_of_bf16_values(&acc, a, b)? {
+                return Ok(());
+            }
+        }
+        self.accumulate(name, half_product::matmul_of_bf16_values(a, b)?, true)
+    }
+
     /// Adds `rows[i]` into row `ids[i]` of the gradient of `name` (shaped like `table`): in place on
     /// the host (a bf16 table's rows widened to its f32 accumulator first: `[rows, d]`, not the
     /// table), else as a table-sized sum added like any other.

@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use candle_core::{DType, Tensor, Var, D};
-use streambp_models::cpu::cast;
+use streambp_models::cpu::{cast, round_in_place};
 use streambp_models::half_product;
 use streambp_models::Model;
 use streambp_objectives::Objective;
@@ -161,7 +161,11 @@ pub(super) fn head_backward(
         if let Some(name) = head {
             let (b, c, d) = h.dims3()?;
             let h = h.detach().reshape((b * c, d))?;
-            sink.add_product(name, &out.grad_logits.t()?, &h)?;
+            let dz_t = out.grad_logits.t()?;
+            match out.grad_logits.dtype() == h.dtype() {
+                true => sink.add_product(name, &dz_t, &h)?,
+                false => sink.add_product_of_bf16_values(name, &dz_t, &h)?,
+            }
         }
         let store = seed(&h, &out.grad_hidden)?.backward()?;
         grad_last.slice_set(
@@ -186,8 +190,9 @@ struct HeadChunk {
     logp: Tensor,
     /// `[b, c, d]` gradient of the normed hidden states.
     grad_hidden: Tensor,
-    /// `[b·c, V]` gradient of the logits: the head weight's gradient is its transpose times the
-    /// normed hidden states.
+    /// `[b·c, V]` gradient of the logits, in the model's dtype or, for a bf16 head on the host,
+    /// f32 holding its bf16 values: the head weight's gradient is its transpose times the normed
+    /// hidden states.
     grad_logits: Tensor,
 }
 
@@ -211,9 +216,13 @@ fn head_chunk(
     let weight = detached.head_weight();
     let dtype = h.dtype();
     let compute = compute_dtype(dtype);
-    // The model's own head product (on the host one gemm into a buffer that is never zero-filled);
-    // casts between bf16 and f32 on the host split over the threads (`cpu::cast`).
-    let z = cast(&detached.logits(&h2)?, compute)?;
+    // The model's own head product (on the host one gemm into a buffer that is never zero-filled).
+    // bf16 on the host: its values in f32, the buffer the softmax runs in; elsewhere cast to the
+    // compute dtype (on the host split over the threads: `cpu::cast`).
+    let (z, in_f32) = match detached.logits_as_bf16_values(&h2)? {
+        Some(z) => (z, true),
+        None => (cast(&detached.logits(&h2)?, compute)?, false),
+    };
     if detached.scores_positions() {
         // A reward model: the `[n, 1]` scores are what the objective reads; their gradient is its.
         let scores = z.reshape((b, c))?;
@@ -254,10 +263,18 @@ fn head_chunk(
     if temperature != 1.0 {
         dz = dz.affine(1.0 / temperature, 0.0)?;
     }
-    let dz = cast(&dz, dtype)?;
+    // The gradient of bf16 logits is bf16: rounded in place where the logits were f32 values of
+    // bf16 (the products read those values as bf16), else cast.
+    let grad_hidden = if in_f32 {
+        round_in_place(&dz, dtype)?;
+        half_product::matmul_of_bf16_values(&dz, weight)?
+    } else {
+        dz = cast(&dz, dtype)?;
+        half_product::matmul(&dz, weight)?
+    };
     Ok(HeadChunk {
         logp,
-        grad_hidden: half_product::matmul(&dz, weight)?.reshape((b, c, d))?,
+        grad_hidden: grad_hidden.reshape((b, c, d))?,
         grad_logits: dz,
     })
 }

@@ -12,8 +12,8 @@
 //!   segment in flight's `K` recomputed inputs;
 //! - in the forward: one layer's keys and values and a chunk's activations (and, for half precision
 //!   on the host, computed in f32, that layer's weights widened to f32, as in its backward);
-//! - in the head, per logits chunk: its logits `lc × V` (on the host one buffer, which the softmax and
-//!   its VJP overwrite; four elsewhere; half precision more) and its `lc × d` rows (the hidden
+//! - in the head, per logits chunk: its logits `lc × V` (on the host one f32 buffer, which the softmax
+//!   and its VJP overwrite; four elsewhere, half precision more) and its `lc × d` rows (the hidden
 //!   state's copy, the final norm and its backward, the hidden state's gradient);
 //! - in a layer's backward: K, V and their pending gradients, the incoming and outgoing `[b, T, d]`
 //!   gradients, and one chunk's graph: its activations (`c × (d, q, kv, ffn)` several times) and
@@ -387,12 +387,12 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
 
     // The head, per logits chunk of `b · lc` rows. The scores in the compute dtype, their softmax,
     // its VJP and the target scatter; on the host the scores alone, which their softmax and its VJP
-    // overwrite; half precision adds the VJP rounded to it (on the host; its products there make no
-    // f32 copies) or the raw logits, the rounded VJP and temporaries (elsewhere; fitted).
+    // overwrite (bf16's too: its logits and their gradient are f32 holding bf16 values, which its
+    // products read as bf16); elsewhere half precision adds the raw logits, the rounded VJP and
+    // temporaries (fitted).
     let half_logits = match (half, p.host) {
-        (false, _) => 0,
-        (true, true) => e,
         (true, false) => 4 * e,
+        _ => 0,
     };
     let buffers = if p.host { 1 } else { 4 };
     let logits = b * lc * vocab * (buffers * f32b.max(e) + half_logits);
