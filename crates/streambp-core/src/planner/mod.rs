@@ -398,8 +398,9 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let logits = b * lc * vocab * (buffers * f32b.max(e) + half_logits);
     // The chunk's `[lc, d]` rows: its copy of the last hidden state, the final norm's output and
     // what its backward keeps, the hidden state's gradient and the norm's VJP (fitted: 7, at least
-    // f32's size: half precision's norm runs in f32, on the host in one op, elsewhere composed).
-    let head_rows = b * lc * d * 7 * e.max(f32b);
+    // f32's size: half precision's norm runs in f32, on the host in one op, elsewhere composed;
+    // and one more in half precision: its bf16 rows beside their f32 ones).
+    let head_rows = b * lc * d * (7 * e.max(f32b) + if half { e } else { 0 });
     // Each chunk's share of the head weight's gradient: added into the accumulator by the product
     // itself on the host (bf16 operands into an f32 accumulator), a `[V, d]` buffer elsewhere.
     let head_share = if p.host { 0 } else { head_grad };
