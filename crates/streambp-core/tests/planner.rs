@@ -14,7 +14,7 @@ use streambp_core::{
     Chunks, Mode, Options, Plan, Problem, Tiers,
 };
 use streambp_models::{LoraConfig, Model, ModelConfig, Projection};
-use streambp_objectives::Sft;
+use streambp_objectives::{Dpo, Objective, Sft};
 
 /// Runs only the cases whose label contains one of this variable's `|`-separated values (e.g.
 /// `small BF16|LoRA BF16`): a subset where a whole run takes too long, as under an emulated CPU.
@@ -49,6 +49,9 @@ struct Case {
     lora: Option<usize>,
     /// Layers per stored checkpoint.
     every: usize,
+    /// DPO on the rows as pairs (an objective that reads every position before its backward),
+    /// else SFT.
+    dpo: bool,
 }
 
 fn case(name: &'static str, config: Value, dtype: DType, (batch, t): (usize, usize)) -> Case {
@@ -64,6 +67,7 @@ fn case(name: &'static str, config: Value, dtype: DType, (batch, t): (usize, usi
         },
         lora: None,
         every: 1,
+        dpo: false,
     }
 }
 
@@ -80,6 +84,10 @@ impl Case {
 
     fn every(self, every: usize) -> Self {
         Self { every, ..self }
+    }
+
+    fn dpo(self) -> Self {
+        Self { dpo: true, ..self }
     }
 
     fn lora(self, r: usize) -> Self {
@@ -132,7 +140,7 @@ impl Case {
         ) + &match self.every {
             1 => String::new(),
             k => format!(" checkpoint every {k}"),
-        }
+        } + if self.dpo { " DPO" } else { "" }
     }
 
     /// Whether [`CASES_ENV`] leaves this case in (every case where it is unset).
@@ -143,7 +151,8 @@ impl Case {
         })
     }
 
-    /// Whole peak and the phases' peaks of one streamed SFT backward, in bytes above `floor`.
+    /// Whole peak and the phases' peaks of one streamed SFT (or DPO) backward, in bytes above
+    /// `floor`.
     fn measure(&self, floor: usize) -> (usize, Vec<(&'static str, usize)>) {
         let cfg = self.config();
         let vocab = cfg.vocab_size;
@@ -160,7 +169,15 @@ impl Case {
             .map(|row| row.iter().map(|&v| v as i64).collect())
             .collect();
         let ids = Tensor::from_vec(ids, (self.batch, self.t), &Device::Cpu).unwrap();
-        let sft = Sft::new(&labels, vocab, None, &Device::Cpu).unwrap();
+        let objective: Box<dyn Objective> = match self.dpo {
+            false => Box::new(Sft::new(&labels, vocab, None, &Device::Cpu).unwrap()),
+            true => {
+                let pairs = self.batch / 2;
+                let (chosen, rejected) = (vec![-20.0; pairs], vec![-21.5; pairs]);
+                let dpo = Dpo::new(&labels, &chosen, &rejected, 0.1, vocab, &Device::Cpu);
+                Box::new(dpo.unwrap())
+            }
+        };
         reset_peak();
         let options = Options {
             checkpoint_every: CheckpointEvery::Layers(self.every),
@@ -169,7 +186,7 @@ impl Case {
         let out = backward_with(
             &model,
             Batch::new(&ids, None),
-            &sft,
+            objective.as_ref(),
             Plan::new(Mode::Stream, self.chunks).with(options),
         )
         .unwrap();
@@ -242,6 +259,14 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
         case("LoRA", two_layers.clone(), f32_, (1, 2048)).lora(8),
         case("LoRA", two_layers, bf16, (2, 1024)).lora(8),
         case("f64", qwen3(1000, 64, 128, 2, (4, 2, 16)), f64_, (2, 1024)).chunks(100, 100),
+        // An objective that reads every position's log-prob before its backward (DPO), whose
+        // forward-only pass over the head must hold no more than the backward does.
+        case("pair", small(), f32_, (2, 1024))
+            .chunks(128, 500)
+            .dpo(),
+        case("pair", small(), bf16, (2, 1024))
+            .chunks(128, 500)
+            .dpo(),
         // 4. One of `d`, `q`, `kv`, `ffn` far wider than the others, two rows a chunk: each moment
         // of a chunk's backward where its gradients peak (the attention op's, the MLP's) decides
         // one of these; and a Gemma3-27B-like layer (`ffn = 4d`, GQA 2:1) scaled down.
@@ -327,6 +352,7 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
         (case("small", small(), f32_, (1, 2048)), 60),
         (case("small", small(), f32_, (1, 2048)), 120),
         (case("small", small(), bf16, (1, 2048)), 40),
+        (case("pair", small(), f32_, (2, 1024)).dpo(), 60),
         (case("vocab 16", tiny_vocab.clone(), f32_, (1, 8192)), 40),
         (case("vocab 16", tiny_vocab.clone(), f32_, (1, 8192)), 80),
         // Fewer stored checkpoints where the chunks would otherwise fall below 128.

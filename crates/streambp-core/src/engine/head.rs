@@ -29,14 +29,50 @@ pub(super) fn head_logprobs(
     for r in ranges {
         let normed = detached.final_norm(&last.narrow(1, r.start, r.len())?)?;
         let chunk_targets = targets.narrow(1, r.start, r.len())?;
-        parts.push(head_outputs(
+        parts.push(chunk_logprobs(
             detached,
-            detached.logits(&normed)?,
+            &normed,
             &chunk_targets,
             temperature,
         )?);
     }
     Ok(Tensor::cat(&parts, 1)?)
+}
+
+/// [`head_outputs`] of one chunk of normed rows `normed` (`[b, c, d]`), without a graph: on the
+/// host the softmax's passes in the logits' one buffer ([`crate::head_softmax`]), as the head's
+/// backward takes them, so this pass (the loss of an objective that reads every position first,
+/// a frozen model's log-probs) holds no more than the backward does; the composed ops elsewhere.
+fn chunk_logprobs(
+    detached: &Model,
+    normed: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+) -> Result<Tensor> {
+    if detached.scores_positions() {
+        return head_outputs(detached, detached.logits(normed)?, targets, temperature);
+    }
+    let (b, c, d) = normed.dims3()?;
+    let (z, _) = chunk_logits(detached, &normed.reshape((b * c, d))?)?;
+    let z = tempered(z, temperature)?;
+    let idx = targets.reshape((b * c, 1))?.contiguous()?;
+    Ok(match crate::head_softmax::log_softmax_rows(&z, &idx)? {
+        Some(rows) => rows.logp.reshape((b, c))?,
+        None => target_logprobs(&z.reshape((b, c, ()))?, targets)?,
+    })
+}
+
+/// The logits of normed rows `h2` (`[n, d]`) in the compute dtype, for the softmax: on the host a
+/// bf16 head's as f32 holding bf16 values (`true`: its gradient is then rounded to bf16 in place),
+/// else the model's logits cast (on the host split over the threads: `cpu::cast`).
+fn chunk_logits(detached: &Model, h2: &Tensor) -> Result<(Tensor, bool)> {
+    Ok(match detached.logits_as_bf16_values(h2)? {
+        Some(z) => (z, true),
+        None => {
+            let compute = compute_dtype(h2.dtype());
+            (cast(&detached.logits(h2)?, compute)?, false)
+        }
+    })
 }
 
 /// What the objective reads from the head's `logits` `[b, c, V]`: the targets' log-probs at
@@ -217,12 +253,7 @@ fn head_chunk(
     let dtype = h.dtype();
     let compute = compute_dtype(dtype);
     // The model's own head product (on the host one gemm into a buffer that is never zero-filled).
-    // bf16 on the host: its values in f32, the buffer the softmax runs in; elsewhere cast to the
-    // compute dtype (on the host split over the threads: `cpu::cast`).
-    let (z, in_f32) = match detached.logits_as_bf16_values(&h2)? {
-        Some(z) => (z, true),
-        None => (cast(&detached.logits(&h2)?, compute)?, false),
-    };
+    let (z, in_f32) = chunk_logits(detached, &h2)?;
     if detached.scores_positions() {
         // A reward model: the `[n, 1]` scores are what the objective reads; their gradient is its.
         let scores = z.reshape((b, c))?;
