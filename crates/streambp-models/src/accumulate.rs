@@ -72,7 +72,7 @@ pub fn add_product_of_bf16_values(acc: &Tensor, a: &Tensor, b: &Tensor) -> CResu
     if !applies || k != k2 || acc.dims() != [m, n] {
         return Ok(false);
     }
-    acc.inplace_op3(a, b, &AddProductOfBf16Values)?;
+    acc.inplace_op3(a, b, &AddProduct)?;
     Ok(true)
 }
 
@@ -200,6 +200,18 @@ impl AddProduct {
         product_into(dst, (m, n, k), true, strided(a), strided(b));
         Ok(())
     }
+
+    /// `dst[m, n] += a[m, k]·b[k, n]` for bf16 values `a` and bf16 `b`, summed in f32
+    /// ([`half_product::product`]).
+    fn half<A: half_product::Element>(
+        dst: &mut [f32],
+        (a, la): (&[A], &Layout),
+        (b, lb): (&[half::bf16], &Layout),
+    ) -> CResult<()> {
+        let ((a, m, k), (b, _, n)) = (half_product::operand(a, la)?, half_product::operand(b, lb)?);
+        half_product::product(Destination::AddF32(dst), (m, n, k), a, b);
+        Ok(())
+    }
 }
 
 impl InplaceOp3 for AddProduct {
@@ -219,10 +231,11 @@ impl InplaceOp3 for AddProduct {
         let r = range(l1)?;
         match (s1, s2, s3) {
             (CpuStorage::F32(acc), CpuStorage::BF16(a), CpuStorage::BF16(b)) => {
-                let ((a, m, k), (b, _, n)) =
-                    (half_product::operand(a, l2)?, half_product::operand(b, l3)?);
-                half_product::product(Destination::AddF32(&mut acc[r]), (m, n, k), a, b);
-                Ok(())
+                Self::half(&mut acc[r], (a, l2), (b, l3))
+            }
+            // f32 holding bf16 values by bf16: only `add_product_of_bf16_values` passes these.
+            (CpuStorage::F32(acc), CpuStorage::F32(a), CpuStorage::BF16(b)) => {
+                Self::half(&mut acc[r], (a, l2), (b, l3))
             }
             (CpuStorage::F32(acc), _, _) => Self::run(
                 &mut acc[r],
@@ -236,33 +249,6 @@ impl InplaceOp3 for AddProduct {
             ),
             _ => candle_core::bail!("in-place product: not f32 or f64"),
         }
-    }
-}
-
-/// The op of [`add_product_of_bf16_values`].
-struct AddProductOfBf16Values;
-
-impl InplaceOp3 for AddProductOfBf16Values {
-    fn name(&self) -> &'static str {
-        "streambp-add-product-of-bf16-values"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> CResult<()> {
-        let r = range(l1)?;
-        let (CpuStorage::F32(acc), CpuStorage::F32(a), CpuStorage::BF16(b)) = (s1, s2, s3) else {
-            candle_core::bail!("in-place product: not f32 += f32 (bf16 values) · bf16");
-        };
-        let ((a, m, k), (b, _, n)) = (half_product::operand(a, l2)?, half_product::operand(b, l3)?);
-        half_product::product(Destination::AddF32(&mut acc[r]), (m, n, k), a, b);
-        Ok(())
     }
 }
 

@@ -550,13 +550,7 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     else {
         candle_core::bail!("bf16 product: operands not in bf16 host storage");
     };
-    let ((oa, m, k), (ob, k2, n)) = (operand(da, la)?, operand(db, lb)?);
-    if k != k2 {
-        candle_core::bail!("bf16 product: [{m}, {k}] by [{k2}, {n}]");
-    }
-    let mut out = vec![bf16::ZERO; m * n];
-    product(Destination::Bf16(&mut out), (m, n, k), oa, ob);
-    Tensor::from_vec(out, (m, n), a.device())
+    rounded_product((da, la), (db, lb), a.device())
 }
 
 /// `a·b` for 2-D host tensors (any strides): `a` f32 holding bf16 values ([`Element`]), `b` bf16,
@@ -572,13 +566,23 @@ pub fn matmul_of_bf16_values(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     if a.rank() != 2 || b.rank() != 2 {
         candle_core::bail!("bf16 product: {:?} by {:?}", a.dims(), b.dims());
     }
-    let ((oa, m, k), (ob, k2, n)) = (operand(da, la)?, operand(db, lb)?);
+    rounded_product((da, la), (db, lb), a.device())
+}
+
+/// `a·b` by [`product`] for 2-D operands `a` (bf16 values) and `b` (bf16) in host data, rounded
+/// to a new bf16 tensor on `device`.
+fn rounded_product<A: Element>(
+    (a, la): (&[A], &Layout),
+    (b, lb): (&[bf16], &Layout),
+    device: &candle_core::Device,
+) -> CResult<Tensor> {
+    let ((oa, m, k), (ob, k2, n)) = (operand(a, la)?, operand(b, lb)?);
     if k != k2 {
         candle_core::bail!("bf16 product: [{m}, {k}] by [{k2}, {n}]");
     }
     let mut out = vec![bf16::ZERO; m * n];
     product(Destination::Bf16(&mut out), (m, n, k), oa, ob);
-    Tensor::from_vec(out, (m, n), a.device())
+    Tensor::from_vec(out, (m, n), device)
 }
 
 /// `x Wᵀ` for bf16 host tensors `x` `[.., in]` and `W` `[out, in]` (any strides) as f32 holding
