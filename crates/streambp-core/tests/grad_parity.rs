@@ -272,3 +272,88 @@ fn checkpoint_every_is_validated() {
     assert!("0".parse::<CheckpointEvery>().is_err());
     assert!("two".parse::<CheckpointEvery>().is_err());
 }
+
+/// SFT taken at a sampling temperature, as one sum of positions or as a loss of all of them at
+/// once (which the head reads in a forward-only pass before its backward).
+struct Tempered {
+    sft: streambp_objectives::Sft,
+    separable: bool,
+}
+
+impl streambp_objectives::Objective for Tempered {
+    fn name(&self) -> &str {
+        "tempered sft"
+    }
+    fn targets(&self) -> &candle_core::Tensor {
+        self.sft.targets()
+    }
+    fn separable(&self) -> bool {
+        self.separable
+    }
+    fn loss(
+        &self,
+        logp: &candle_core::Tensor,
+        cols: std::ops::Range<usize>,
+    ) -> streambp_objectives::Result<candle_core::Tensor> {
+        self.sft.loss(logp, cols)
+    }
+    fn temperature(&self) -> f64 {
+        TEMP
+    }
+}
+
+/// At a temperature, a half-precision model's log-probs are the same bits in every pass that takes
+/// them on the host: the frozen forward (a reference model's, GRPO's old policy's) and the streamed
+/// backward, separable or not (so an on-policy ratio is exactly 1); in bf16 the full backward's
+/// composed log-softmax within f32's rounding of them. The logits are divided by the temperature in f32
+/// everywhere (dividing bf16 logits rounds each quotient to bf16: errors of about 1e-2 here).
+#[test]
+fn log_probs_at_a_temperature_agree_across_passes_in_half_precision() {
+    use streambp_core::{backward, forward_logprobs, Batch, Chunks};
+    use streambp_objectives::Objective;
+    for family in FAMILIES {
+        for dtype in [DType::BF16, DType::F16] {
+            let f = fixture(family, dtype);
+            let batch = || Batch::new(&f.ids, Some(&f.reference["attention_mask"]));
+            let chunks = Chunks {
+                chunk: 3,
+                logits_chunk: 4,
+            };
+            let frozen = {
+                let sft = f.sft();
+                forward_logprobs(&f.model.detached(), batch(), sft.targets(), (chunks, TEMP))
+            };
+            let frozen = frozen.unwrap().flatten_all().unwrap();
+            let values = |t: &candle_core::Tensor| t.flatten_all().unwrap().to_vec1::<f32>();
+            for separable in [true, false] {
+                let objective = Tempered {
+                    sft: f.sft(),
+                    separable,
+                };
+                let what = format!("{family} {dtype:?}, separable {separable}");
+                let stream = backward(&f.model, batch(), &objective, Mode::Stream, chunks).unwrap();
+                assert_eq!(
+                    values(&stream.logp).unwrap(),
+                    values(&frozen).unwrap(),
+                    "{what}"
+                );
+                if dtype == DType::F16 || family == "gemma3" {
+                    // Their full backwards round the layers differently from the streamed ones
+                    // (f16: 3.5e-3 here; Gemma3's composed GELU rounds after each op: 9e-2).
+                    continue;
+                }
+                let full = backward(&f.model, batch(), &objective, Mode::Full, chunks).unwrap();
+                let (full, frozen) = (values(&full.logp).unwrap(), values(&frozen).unwrap());
+                for (a, b) in full.iter().zip(&frozen) {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                        "{what}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The sampling temperature of [`Tempered`].
+const TEMP: f64 = 0.7;

@@ -154,7 +154,10 @@ unsafe impl<T> Sync for SharedDst<T> {}
 
 /// Whether a `rows × cols` operand `(data, row stride, column stride)` lies within its data.
 pub(crate) fn fits<T>(rows: usize, cols: usize, (data, rs, cs): (&[T], usize, usize)) -> bool {
-    rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < data.len()
+    let last = (rows.wrapping_sub(1).checked_mul(rs))
+        .zip(cols.wrapping_sub(1).checked_mul(cs))
+        .and_then(|(r, c)| r.checked_add(c));
+    rows == 0 || cols == 0 || last.is_some_and(|last| last < data.len())
 }
 
 /// A 2-D layout's matrix in `data` as [`gemm_into`] takes it: the data from its first element (empty

@@ -555,7 +555,8 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
 
 /// `a·b` for 2-D host tensors (any strides): `a` f32 holding bf16 values ([`Element`]), `b` bf16,
 /// by [`product`], rounded to bf16: [`matmul`]'s product of `a` cast to bf16, without that copy.
-/// Like it, it records no backward.
+/// Like it, it records no backward. The caller rounds `a` first: a value bf16 does not hold would
+/// be truncated by the packing kernels and read whole by the widened one.
 pub fn matmul_of_bf16_values(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     let (sa, la) = a.storage_and_layout();
     let (sb, lb) = b.storage_and_layout();

@@ -77,18 +77,19 @@ fn chunk_logits(detached: &Model, h2: &Tensor) -> Result<(Tensor, bool)> {
 
 /// What the objective reads from the head's `logits` `[b, c, V]`: the targets' log-probs at
 /// `temperature`, or a reward model's scores (`V = 1`: one per position), in f32 (f64 for f64
-/// models), differentiable in the logits.
+/// models), differentiable in the logits. The logits are divided by the temperature in that
+/// dtype, as the streamed head does.
 pub(super) fn head_outputs(
     model: &Model,
     logits: Tensor,
     targets: &Tensor,
     temperature: f64,
 ) -> Result<Tensor> {
+    let z = logits.to_dtype(compute_dtype(logits.dtype()))?;
     if model.scores_positions() {
-        let compute = compute_dtype(logits.dtype());
-        return Ok(logits.squeeze(D::Minus1)?.to_dtype(compute)?);
+        return Ok(z.squeeze(D::Minus1)?);
     }
-    target_logprobs(&tempered(logits, temperature)?, targets)
+    target_logprobs(&tempered(z, temperature)?, targets)
 }
 
 /// `logits / temperature` (the logits themselves at temperature 1).

@@ -387,11 +387,14 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
 
     // The head, per logits chunk of `b · lc` rows. The scores in the compute dtype, their softmax,
     // its VJP and the target scatter; on the host the scores alone, which their softmax and its VJP
-    // overwrite (bf16's too: its logits and their gradient are f32 holding bf16 values, which its
-    // products read as bf16); elsewhere half precision adds the raw logits, the rounded VJP and
+    // overwrite (a bf16 head's too: its logits and their gradient are f32 holding bf16 values,
+    // which its products read as bf16; an f16 or soft-capped head adds the half-precision copy
+    // each cast makes); elsewhere half precision adds the raw logits, the rounded VJP and
     // temporaries (fitted).
+    let cast_head = p.dtype != DType::BF16 || cfg.final_logit_softcap.is_some();
     let half_logits = match (half, p.host) {
         (true, false) => 4 * e,
+        (true, true) if cast_head => e,
         _ => 0,
     };
     let buffers = if p.host { 1 } else { 4 };
