@@ -447,6 +447,15 @@ impl ModelConfig {
         out
     }
 
+    /// Whether the head of a model in `dtype` carries its logits on the host as f32 holding bf16
+    /// values ([`crate::Model::logits_as_bf16_values`]) rather than casting them: a bf16 LM head
+    /// without a soft-cap (whose ops round in bf16). The planner counts the cast's copy elsewhere.
+    pub fn head_logits_as_bf16_values(&self, dtype: candle_core::DType) -> bool {
+        dtype == candle_core::DType::BF16
+            && self.head == Head::Lm
+            && self.final_logit_softcap.is_none()
+    }
+
     /// The checkpoint name of the head's weight (the embedding table's under tied embeddings).
     pub fn head_name(&self) -> &'static str {
         match (self.head, self.tie_word_embeddings) {

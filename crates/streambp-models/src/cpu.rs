@@ -495,6 +495,12 @@ pub(crate) fn widen(x: half::bf16) -> f32 {
     f32::from_bits((x.to_bits() as u32) << 16)
 }
 
+/// `x` rounded to the nearest bf16, kept in f32: the value a cast there and back gives.
+#[inline(always)]
+pub(crate) fn bf16_value(x: f32) -> f32 {
+    widen(half::bf16::from_f32(x))
+}
+
 /// The op of [`cast`]: its target dtype.
 struct Cast(DType);
 
@@ -616,11 +622,9 @@ impl candle_core::InplaceOp1 for RoundTo {
         };
         let tasks = data[start..end].par_chunks_mut(CAST_PER_TASK);
         match self.0 {
-            DType::BF16 => tasks.for_each(|x| {
-                vectorized!(|_| x
-                    .iter_mut()
-                    .for_each(|x| *x = widen(half::bf16::from_f32(*x))))
-            }),
+            DType::BF16 => {
+                tasks.for_each(|x| vectorized!(|_| x.iter_mut().for_each(|x| *x = bf16_value(*x))))
+            }
             DType::F16 => tasks.for_each(|x| {
                 x.iter_mut()
                     .for_each(|x| *x = half::f16::from_f32(*x).to_f32())

@@ -16,7 +16,7 @@ use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::cpu::{tile_sizes, tiles, widen, SharedDst};
+use crate::cpu::{bf16_value, tile_sizes, tiles, widen, SharedDst};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -303,9 +303,7 @@ fn skinny_product<A: Element>(
         Destination::AddF32(d) => crate::skinny::product((d, n), (m, n, k), true, x, w),
         Destination::Bf16Values(d) => {
             crate::skinny::product((&mut *d, n), (m, n, k), false, x, w);
-            crate::vectorized!(|_| d[..m * n]
-                .iter_mut()
-                .for_each(|y| *y = widen(bf16::from_f32(*y))));
+            crate::vectorized!(|_| d[..m * n].iter_mut().for_each(|y| *y = bf16_value(*y)));
         }
     }
 }
@@ -406,7 +404,7 @@ impl Sink {
             Sink::Bf16Values(d) => crate::vectorized!(|_| row(d)
                 .iter_mut()
                 .zip(sums)
-                .for_each(|(y, &s)| *y = widen(bf16::from_f32(s)))),
+                .for_each(|(y, &s)| *y = bf16_value(s))),
             Sink::Bf16(d) => {
                 // SAFETY: the caller's.
                 let row = unsafe { std::slice::from_raw_parts_mut(d.0.add(at), sums.len()) };
@@ -602,37 +600,32 @@ pub fn linear_as_bf16_values(x: &Tensor, w: &Tensor) -> CResult<Option<Tensor>> 
     else {
         return Ok(None);
     };
-    let ((x_op, n, k), (w_op, out, k2)) = (operand(dx, xl)?, operand(dw, wl)?);
-    if k != k2 || wl.dims().len() != 2 {
-        candle_core::bail!("linear: x {:?}, weight {:?}", xl.dims(), wl.dims());
-    }
-    let mut dst = vec![0f32; n * out];
-    product(
-        Destination::Bf16Values(&mut dst),
-        (n, out, k),
-        x_op,
-        w_op.transposed(),
-    );
-    Tensor::from_vec(dst, with_last_dim(xl, out), x.device()).map(Some)
+    let (dst, shape) = linear_into((dx, xl), (dw, wl), |d| Destination::Bf16Values(d))?;
+    Tensor::from_vec(dst, shape, x.device()).map(Some)
 }
 
 /// `x Wᵀ` for bf16 host data: `x` `[.., in]` contiguous, `W` `[out, in]` (any strides); the result
 /// `[.., out]`.
 pub fn linear(
+    x: (&[bf16], &Layout),
+    w: (&[bf16], &Layout),
+) -> CResult<(Vec<bf16>, candle_core::Shape)> {
+    linear_into(x, w, |d| Destination::Bf16(d))
+}
+
+/// [`linear`] into a new buffer of `T`, written as `destination` says (bf16, or f32 of bf16
+/// values).
+fn linear_into<T: Copy + Default>(
     (x, xl): (&[bf16], &Layout),
     (w, wl): (&[bf16], &Layout),
-) -> CResult<(Vec<bf16>, candle_core::Shape)> {
+    destination: impl FnOnce(&mut [T]) -> Destination<'_>,
+) -> CResult<(Vec<T>, candle_core::Shape)> {
     let ((x_op, n, k), (w_op, out, k2)) = (operand(x, xl)?, operand(w, wl)?);
     if k != k2 || wl.dims().len() != 2 {
         candle_core::bail!("linear: x {:?}, weight {:?}", xl.dims(), wl.dims());
     }
-    let mut dst = vec![bf16::ZERO; n * out];
-    product(
-        Destination::Bf16(&mut dst),
-        (n, out, k),
-        x_op,
-        w_op.transposed(),
-    );
+    let mut dst = vec![T::default(); n * out];
+    product(destination(&mut dst), (n, out, k), x_op, w_op.transposed());
     Ok((dst, with_last_dim(xl, out)))
 }
 

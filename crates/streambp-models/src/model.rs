@@ -329,10 +329,11 @@ impl Model {
 
     /// [`Model::logits`] of bf16 rows `normed` (`[n, d]`) on the host, as f32 holding their bf16
     /// values ([`crate::half_product::linear_as_bf16_values`]): for the LM head's softmax, which
-    /// runs in f32, without a bf16 copy and its widening. `None` for a score head, a soft-capped one
-    /// (its ops round in bf16), and other dtypes or devices.
+    /// runs in f32, without a bf16 copy and its widening. `None` where the config's head casts
+    /// instead ([`ModelConfig::head_logits_as_bf16_values`]: a score head, a soft-capped one) and
+    /// off the host.
     pub fn logits_as_bf16_values(&self, normed: &Tensor) -> Result<Option<Tensor>> {
-        if self.scores_positions() || self.config.final_logit_softcap.is_some() {
+        if !self.config.head_logits_as_bf16_values(self.dtype()) {
             return Ok(None);
         }
         Ok(crate::half_product::linear_as_bf16_values(

@@ -388,10 +388,10 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // The head, per logits chunk of `b · lc` rows. The scores in the compute dtype, their softmax,
     // its VJP and the target scatter; on the host the scores alone, which their softmax and its VJP
     // overwrite (a bf16 head's too: its logits and their gradient are f32 holding bf16 values,
-    // which its products read as bf16; an f16 or soft-capped head adds the half-precision copy
-    // each cast makes); elsewhere half precision adds the raw logits, the rounded VJP and
-    // temporaries (fitted).
-    let cast_head = p.dtype != DType::BF16 || cfg.final_logit_softcap.is_some();
+    // which its products read as bf16; a head that casts instead, f16, soft-capped or a score
+    // head, adds the half-precision copy each cast makes); elsewhere half precision adds the raw
+    // logits, the rounded VJP and temporaries (fitted).
+    let cast_head = !cfg.head_logits_as_bf16_values(p.dtype);
     let half_logits = match (half, p.host) {
         (true, false) => 4 * e,
         (true, true) if cast_head => e,
