@@ -21,7 +21,7 @@ use streambp_core::{
     Options, Plan, Problem, Tiers,
 };
 use streambp_models::device::{parse_budget, parse_device, parse_dtype};
-use streambp_models::LoraConfig;
+use streambp_models::{op_times, LoraConfig};
 use streambp_models::{Model, ModelConfig};
 use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
 use streambp_train::config::LoraArgs;
@@ -107,6 +107,11 @@ struct Args {
     /// before it is lent. No weights are built.
     #[arg(long)]
     predict: bool,
+    /// Time the engine's and the attention op's parts too (each synchronises its device before and
+    /// after, so an accelerator's kernels count where they were queued): printed under each point
+    /// and written to --json. The synchronisation slows the step: read the parts as shares.
+    #[arg(long)]
+    op_times: bool,
     /// Write the results as JSON lines here too, each as soon as its point is done.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -155,6 +160,8 @@ struct Point {
     optimizer: Option<(usize, f64)>,
     /// With --checkpoint-dir: the checkpoints' bytes written and read and their seconds.
     checkpoint_io: streambp_core::CheckpointIo,
+    /// With --op-times: the parts' calls and seconds in this run.
+    op_times: Vec<op_times::OpTime>,
 }
 
 fn rows_of(objective: &str, group: usize) -> usize {
@@ -252,6 +259,8 @@ fn run(
         let before = Meter::for_device(model.device())
             .current_bytes()
             .unwrap_or(0);
+        // Only this run's parts (empty unless --op-times switched the timing on).
+        op_times::take();
         let start = Instant::now();
         let out = backward_with(
             model,
@@ -260,6 +269,7 @@ fn run(
             Plan::new(mode, chunks).with(options.clone()),
         )?;
         let seconds = start.elapsed().as_secs_f64();
+        let op_times = op_times::take();
         let optimizer = with_optimizer
             .then(|| optimizer_step(model, &out.grads))
             .transpose()?;
@@ -288,6 +298,7 @@ fn run(
                 loss: out.loss,
                 optimizer,
                 checkpoint_io: out.checkpoint_io,
+                op_times,
             });
         }
     }
@@ -503,6 +514,29 @@ fn longest_fitting(
     Ok((lo, best_peak, Some(hi)))
 }
 
+/// With --op-times: each part's calls, seconds and share of the point's step, by name (the
+/// `attention.*` parts run inside the `layer.*` ones).
+fn print_op_times(p: &Point) {
+    if p.op_times.is_empty() {
+        return;
+    }
+    let mut parts = p.op_times.clone();
+    parts.sort_by(|a, b| a.name.cmp(b.name));
+    println!(
+        "T={} {} {}: parts of the step ({:.3} s with every part synchronised)",
+        p.t, p.trained, p.mode, p.seconds
+    );
+    for o in parts {
+        println!(
+            "  {:<30} {:>7} calls {:>9.3} s {:>6.1}%",
+            o.name,
+            o.calls,
+            o.seconds,
+            100.0 * o.seconds / p.seconds
+        );
+    }
+}
+
 /// One JSON line of results.
 fn point_json(args: &Args, p: &Point, c: &Chunks) -> serde_json::Value {
     serde_json::json!({
@@ -515,6 +549,7 @@ fn point_json(args: &Args, p: &Point, c: &Chunks) -> serde_json::Value {
             "seconds": p.checkpoint_io.seconds,
         })),
         "phases": p.phases.iter().map(|(n, b, s)| serde_json::json!({"phase": n, "peak_bytes": b, "seconds": s})).collect::<Vec<_>>(),
+        "op_times": p.op_times.iter().map(|o| serde_json::json!({"part": o.name, "calls": o.calls, "seconds": o.seconds})).collect::<Vec<_>>(),
     })
 }
 
@@ -627,6 +662,7 @@ fn main() -> anyhow::Result<()> {
     if args.predict {
         return predict(&cfg, dtype, &args);
     }
+    op_times::switch(args.op_times);
     let device = match (parse_device(&args.device)?, args.world) {
         // One GPU per rank of the node.
         (Device::Cuda(_), Some(_)) => Device::new_cuda(streambp_dist::local_rank())?,
@@ -812,6 +848,7 @@ fn sweep(
                     io.seconds
                 );
             }
+            print_op_times(&p);
             if let Some((peak, seconds)) = p.optimizer {
                 println!(
                     "T={t} {mode}: AdamW step {seconds:.3} s, peak {:.1} MiB above the gradients (f32 moments included)",

@@ -43,6 +43,7 @@ pub mod lora;
 pub mod model;
 pub mod norm;
 mod op;
+pub mod op_times;
 pub mod rope;
 pub mod simd;
 pub mod skinny;

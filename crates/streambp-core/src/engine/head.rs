@@ -5,8 +5,8 @@ use std::ops::Range;
 
 use candle_core::{DType, Tensor, Var, D};
 use streambp_models::cpu::{cast, round_in_place};
-use streambp_models::half_product;
 use streambp_models::Model;
+use streambp_models::{half_product, op_times};
 use streambp_objectives::Objective;
 
 use crate::error::Result;
@@ -196,13 +196,15 @@ pub(super) fn head_backward(
             grad_of,
         )?;
         if let Some(name) = head {
-            let (b, c, d) = h.dims3()?;
-            let h = h.detach().reshape((b * c, d))?;
-            let dz_t = out.grad_logits.t()?;
-            match out.grad_logits.dtype() == h.dtype() {
-                true => sink.add_product(name, &dz_t, &h)?,
-                false => sink.add_product_of_bf16_values(name, &dz_t, &h)?,
-            }
+            op_times::timed("head.weight_gradient", last.device(), || {
+                let (b, c, d) = h.dims3()?;
+                let h = h.detach().reshape((b * c, d))?;
+                let dz_t = out.grad_logits.t()?;
+                match out.grad_logits.dtype() == h.dtype() {
+                    true => sink.add_product(name, &dz_t, &h),
+                    false => sink.add_product_of_bf16_values(name, &dz_t, &h),
+                }
+            })?;
         }
         let store = seed(&h, &out.grad_hidden)?.backward()?;
         grad_last.slice_set(
@@ -254,7 +256,8 @@ fn head_chunk(
     let dtype = h.dtype();
     let compute = compute_dtype(dtype);
     // The model's own head product (on the host one gemm into a buffer that is never zero-filled).
-    let (z, in_f32) = chunk_logits(detached, &h2)?;
+    let device = h.device();
+    let (z, in_f32) = op_times::timed("head.logits", device, || chunk_logits(detached, &h2))?;
     if detached.scores_positions() {
         // A reward model: the `[n, 1]` scores are what the objective reads; their gradient is its.
         let scores = z.reshape((b, c))?;
@@ -271,24 +274,27 @@ fn head_chunk(
     let z = tempered(z, temperature)?;
     // On the CPU two passes per row in `z`'s buffer (crate::head_softmax); elsewhere the same with
     // tensor ops.
-    let (logp, mut dz) = match crate::head_softmax::log_softmax_rows(&z, &idx)? {
-        Some(rows) => {
-            let logp = rows.logp.reshape((b, c))?;
-            let g = grad_of(&logp)?.to_dtype(compute)?;
-            let dz = rows.logit_grad(&g)?;
-            (logp, dz)
-        }
-        None => {
-            let lse = z.log_sum_exp(D::Minus1)?;
-            let logp = (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
-            let g = grad_of(&logp)?.to_dtype(compute)?.reshape((n, 1))?;
-            let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
-            let dz = p
-                .broadcast_mul(&g.neg()?)?
-                .scatter_add(&idx, &g, D::Minus1)?;
-            (logp, dz)
-        }
-    };
+    let (logp, mut dz) = op_times::timed("head.softmax", device, || {
+        Ok::<_, crate::EngineError>(match crate::head_softmax::log_softmax_rows(&z, &idx)? {
+            Some(rows) => {
+                let logp = rows.logp.reshape((b, c))?;
+                let g = grad_of(&logp)?.to_dtype(compute)?;
+                let dz = rows.logit_grad(&g)?;
+                (logp, dz)
+            }
+            None => {
+                let lse = z.log_sum_exp(D::Minus1)?;
+                let logp =
+                    (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
+                let g = grad_of(&logp)?.to_dtype(compute)?.reshape((n, 1))?;
+                let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
+                let dz = p
+                    .broadcast_mul(&g.neg()?)?
+                    .scatter_add(&idx, &g, D::Minus1)?;
+                (logp, dz)
+            }
+        })
+    })?;
     if let Some(slope) = slope {
         dz = (dz * slope)?;
     }
@@ -297,13 +303,15 @@ fn head_chunk(
     }
     // The gradient of bf16 logits is bf16: rounded in place where the logits were f32 values of
     // bf16 (the products read those values as bf16), else cast.
-    let grad_hidden = if in_f32 {
-        round_in_place(&dz, dtype)?;
-        half_product::matmul_of_bf16_values(&dz, weight)?
-    } else {
-        dz = cast(&dz, dtype)?;
-        half_product::matmul(&dz, weight)?
-    };
+    let grad_hidden = op_times::timed("head.hidden_gradient", device, || {
+        Ok::<_, crate::EngineError>(if in_f32 {
+            round_in_place(&dz, dtype)?;
+            half_product::matmul_of_bf16_values(&dz, weight)?
+        } else {
+            dz = cast(&dz, dtype)?;
+            half_product::matmul(&dz, weight)?
+        })
+    })?;
     Ok(HeadChunk {
         logp,
         grad_hidden: grad_hidden.reshape((b, c, d))?,

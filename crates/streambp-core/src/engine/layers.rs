@@ -7,7 +7,7 @@ use std::ops::Range;
 use candle_core::{DType, Tensor, Var};
 use streambp_models::attention::EarlierKeys;
 use streambp_models::cpu::{cast, widened_values};
-use streambp_models::{DecoderLayer, KeyBlock, Layout, MapWeights, Model};
+use streambp_models::{op_times, DecoderLayer, KeyBlock, Layout, MapWeights, Model};
 
 use crate::error::Result;
 use crate::seed::seed;
@@ -68,12 +68,15 @@ fn keys_values_streamed(
     let shape = (b, layer.shape.num_kv_heads, t, layer.shape.head_dim);
     let keys = Tensor::zeros(shape, layer.dtype(), x.device())?;
     let values = keys.zeros_like()?;
-    for c in shard.chunks(chunk) {
-        let normed = layer.norm_input(&chunk_input(x, c.local.clone(), layer.dtype())?)?;
-        let (k, v) = layer.keys_values(&normed, c.start, layout)?;
-        keys.slice_set(&k, 2, c.local.start)?;
-        values.slice_set(&v, 2, c.local.start)?;
-    }
+    op_times::timed("layer.keys_values", x.device(), || {
+        for c in shard.chunks(chunk) {
+            let normed = layer.norm_input(&chunk_input(x, c.local.clone(), layer.dtype())?)?;
+            let (k, v) = layer.keys_values(&normed, c.start, layout)?;
+            keys.slice_set(&k, 2, c.local.start)?;
+            values.slice_set(&v, 2, c.local.start)?;
+        }
+        Ok::<_, crate::EngineError>(())
+    })?;
     Ok((shard.gather(&keys, 2)?, shard.gather(&values, 2)?))
 }
 
@@ -99,13 +102,15 @@ pub(super) fn layer_forward_streamed(
             layout,
             earlier: None,
         };
-        let y = layer.forward_chunk(
-            &chunk_input(x, c.local.clone(), layer.dtype())?,
-            &keys.narrow(2, k0, e - k0)?,
-            &values.narrow(2, k0, e - k0)?,
-            block,
-        )?;
-        out.slice_set(&cast(&y, x.dtype())?, 1, c.local.start)?;
+        op_times::timed("layer.forward_chunk", x.device(), || {
+            let y = layer.forward_chunk(
+                &chunk_input(x, c.local.clone(), layer.dtype())?,
+                &keys.narrow(2, k0, e - k0)?,
+                &values.narrow(2, k0, e - k0)?,
+                block,
+            )?;
+            Ok::<_, crate::EngineError>(out.slice_set(&cast(&y, x.dtype())?, 1, c.local.start)?)
+        })?;
     }
     Ok(out)
 }
@@ -162,39 +167,45 @@ pub(super) fn layer_backward_streamed(
     for c in chunks.iter().rev() {
         let (s, len) = (c.start, c.local.len());
         let k0 = layer.first_visible_key(s, layout);
-        let x_c = chunk_variable(x, c.local.clone(), dtype)?;
-        let normed = layer.norm_input(x_c.as_tensor())?;
-        let (k_own, v_own) = layer.keys_values(&normed, s, layout)?;
-        let q = layer.queries(&normed, s, layout)?;
-        // Keys before the chunk are constants of its graph; the attention op adds their gradients
-        // straight into `grad_keys` / `grad_values`.
-        let earlier = match k0 < s {
-            true => Some(EarlierKeys {
-                keys: keys.narrow(2, k0, s - k0)?,
-                values: values.narrow(2, k0, s - k0)?,
-                grad_keys: grad_keys.clone(),
-                grad_values: grad_values.clone(),
-                offset: k0,
-            }),
-            false => None,
-        };
-        let block = KeyBlock {
-            q_start: s,
-            k_start: k0,
-            layout,
-            earlier: earlier.as_ref(),
-        };
-        let attn = layer.attend(&q, &k_own, &v_own, block)?;
-        let y = layer.after_attention(x_c.as_tensor(), &attn, s, layout)?;
-        // The pending gradients of the chunk's own keys and values, complete now.
-        let own = |grads: &Tensor| grads.narrow(2, s, len);
-        let surrogate = (seed(&y, &chunk_input(grad_out, c.local.clone(), dtype)?)?
-            + seed(&k_own, &own(&grad_keys)?)?
-            + seed(&v_own, &own(&grad_values)?)?)?;
-        let store = surrogate.backward()?;
-        let grad_x = required(&store, x_c.as_tensor(), "layer input")?;
-        grad_in.slice_set(&cast(&grad_x, grad_in.dtype())?, 1, c.local.start)?;
-        sink.absorb(&store, params.iter())?;
+        // The chunk's part of the layer again, with a graph.
+        let (x_c, surrogate) = op_times::timed("layer.chunk_recompute", x.device(), || {
+            let x_c = chunk_variable(x, c.local.clone(), dtype)?;
+            let normed = layer.norm_input(x_c.as_tensor())?;
+            let (k_own, v_own) = layer.keys_values(&normed, s, layout)?;
+            let q = layer.queries(&normed, s, layout)?;
+            // Keys before the chunk are constants of its graph; the attention op adds their
+            // gradients straight into `grad_keys` / `grad_values`.
+            let earlier = match k0 < s {
+                true => Some(EarlierKeys {
+                    keys: keys.narrow(2, k0, s - k0)?,
+                    values: values.narrow(2, k0, s - k0)?,
+                    grad_keys: grad_keys.clone(),
+                    grad_values: grad_values.clone(),
+                    offset: k0,
+                }),
+                false => None,
+            };
+            let block = KeyBlock {
+                q_start: s,
+                k_start: k0,
+                layout,
+                earlier: earlier.as_ref(),
+            };
+            let attn = layer.attend(&q, &k_own, &v_own, block)?;
+            let y = layer.after_attention(x_c.as_tensor(), &attn, s, layout)?;
+            // The pending gradients of the chunk's own keys and values, complete now.
+            let own = |grads: &Tensor| grads.narrow(2, s, len);
+            let surrogate = (seed(&y, &chunk_input(grad_out, c.local.clone(), dtype)?)?
+                + seed(&k_own, &own(&grad_keys)?)?
+                + seed(&v_own, &own(&grad_values)?)?)?;
+            Ok::<_, crate::EngineError>((x_c, surrogate))
+        })?;
+        let store = op_times::timed("layer.chunk_backward", x.device(), || surrogate.backward())?;
+        op_times::timed("layer.chunk_gradients", x.device(), || {
+            let grad_x = required(&store, x_c.as_tensor(), "layer input")?;
+            grad_in.slice_set(&cast(&grad_x, grad_in.dtype())?, 1, c.local.start)?;
+            sink.absorb(&store, params.iter())
+        })?;
     }
     if shard.is_split() {
         // This rank's own part was fed in above; what is left are the gradients of other ranks' keys
@@ -260,8 +271,11 @@ pub(super) fn layer_backward_whole(
     let (layer, params) = computed(&model.layers[index], model.layer_parameters(index))?;
     let whole = 0..x.dim(1)?;
     let x_var = chunk_variable(x, whole.clone(), layer.dtype())?;
-    let y = layer.forward(x_var.as_tensor(), layout)?;
-    let store = seed(&y, &chunk_input(grad_out, whole, layer.dtype())?)?.backward()?;
+    let surrogate = op_times::timed("layer.whole_recompute", x.device(), || {
+        let y = layer.forward(x_var.as_tensor(), layout)?;
+        seed(&y, &chunk_input(grad_out, whole, layer.dtype())?)
+    })?;
+    let store = op_times::timed("layer.whole_backward", x.device(), || surrogate.backward())?;
     let grad_in = required(&store, x_var.as_tensor(), "layer input")?;
     sink.absorb(&store, params.iter())?;
     Ok(cast(&grad_in, x.dtype())?)

@@ -36,7 +36,7 @@ use candle_core::{DType, Tensor};
 use streambp_dist::Communicator;
 use streambp_models::cpu::cast;
 use streambp_models::lora::DropoutKey;
-use streambp_models::{Layout, Model};
+use streambp_models::{op_times, Layout, Model};
 use streambp_objectives::Objective;
 
 use crate::error::{EngineError, Result};
@@ -620,7 +620,7 @@ fn full_backward(
     let t = logp.dim(1)?;
     let loss = objective.loss(&logp, 0..t)?;
     let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    let store = loss.backward()?;
+    let store = op_times::timed("full.backward", loss.device(), || loss.backward())?;
     sink.absorb(&store, params.iter())?;
     Ok((value, logp.detach()))
 }

@@ -23,6 +23,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType
 use crate::cpu::{cast, fusable, host_slice, storage_id, with_data_mut, BulkExp};
 use crate::error::Result;
 use crate::op::Precomputed;
+use crate::op_times;
 
 thread_local! {
     /// Set by [`with_composed_path`].
@@ -192,12 +193,15 @@ impl Blocks {
     /// Output (like q) and each query's softmax normalizer, with a running maximum so that no block's
     /// exponentials overflow.
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Normalizer)> {
+        let device = q.device();
         if self.kernel_applies(q, k, v)? {
-            return match (q.dtype(), k.dtype()) {
-                (DType::F32, DType::BF16) => self.kernel_forward::<f32, half::bf16>(q, k, v),
-                (DType::F32, _) => self.kernel_forward::<f32, f32>(q, k, v),
-                _ => self.kernel_forward::<f64, f64>(q, k, v),
-            };
+            return op_times::timed("attention.forward.kernel", device, || {
+                match (q.dtype(), k.dtype()) {
+                    (DType::F32, DType::BF16) => self.kernel_forward::<f32, half::bf16>(q, k, v),
+                    (DType::F32, _) => self.kernel_forward::<f32, f32>(q, k, v),
+                    _ => self.kernel_forward::<f64, f64>(q, k, v),
+                }
+            });
         }
         if k.dtype() != q.dtype() {
             let (k, v) = (cast(k, q.dtype())?, cast(v, q.dtype())?);
@@ -208,34 +212,39 @@ impl Blocks {
         let mut state: Option<(Tensor, Tensor, Tensor)> = None;
         for r in self.ranges(k.dim(2)?)? {
             let (k, v) = self.keys_values(r, k, v)?;
-            let (s, mask) = self.scores(q, &k, r)?;
+            let (s, mask) =
+                op_times::timed("attention.forward.scores", device, || self.scores(q, &k, r))?;
             let before = state.as_ref().map(|(m, _, _)| m);
-            let (p, max, sum) = match softmax_block::forward(&s, mask.as_ref(), before)? {
-                Some(fused) => fused,
-                None => {
-                    let s = masked(&s, mask.as_ref())?;
-                    let block_max = s.max_keepdim(D::Minus1)?;
-                    let max = match before {
-                        Some(m) => m.maximum(&block_max)?,
-                        None => block_max,
-                    };
-                    let p = s.broadcast_sub(&max)?.exp()?;
-                    let sum = p.sum_keepdim(D::Minus1)?;
-                    (p, max, sum)
+            let (p, max, sum) = op_times::timed("attention.forward.softmax", device, || {
+                match softmax_block::forward(&s, mask.as_ref(), before)? {
+                    Some(fused) => Ok(fused),
+                    None => {
+                        let s = masked(&s, mask.as_ref())?;
+                        let block_max = s.max_keepdim(D::Minus1)?;
+                        let max = match before {
+                            Some(m) => m.maximum(&block_max)?,
+                            None => block_max,
+                        };
+                        let p = s.broadcast_sub(&max)?.exp()?;
+                        let sum = p.sum_keepdim(D::Minus1)?;
+                        Ok::<_, candle_core::Error>((p, max, sum))
+                    }
                 }
-            };
+            })?;
             // Only the probabilities go on: the scores' memory is free for the product.
             drop((s, mask));
-            let pv = self.grouped(&self.flat(&p, dtype)?.matmul(&v)?)?;
-            state = Some(match state {
-                None => (max, sum, pv),
-                Some((m, l, acc)) => {
-                    let rescale = (m - &max)?.exp()?;
-                    let l = ((l * &rescale)? + sum)?;
-                    let acc = (acc.broadcast_mul(&rescale)? + pv)?;
-                    (max, l, acc)
-                }
-            });
+            state = Some(op_times::timed("attention.forward.values", device, || {
+                let pv = self.grouped(&self.flat(&p, dtype)?.matmul(&v)?)?;
+                Ok::<_, candle_core::Error>(match state {
+                    None => (max, sum, pv),
+                    Some((m, l, acc)) => {
+                        let rescale = (m - &max)?.exp()?;
+                        let l = ((l * &rescale)? + sum)?;
+                        let acc = (acc.broadcast_mul(&rescale)? + pv)?;
+                        (max, l, acc)
+                    }
+                })
+            })?);
         }
         let (max, sum, acc) = state.ok_or_else(|| candle_core::Error::Msg("no keys".into()))?;
         let out = self.flat(&acc.broadcast_div(&sum)?, dtype)?.contiguous()?;
@@ -660,12 +669,13 @@ impl Attention {
             let (dq, dk, dv) = self.inner_bwd(q, &wide_k, &wide_v, out, grad)?;
             return Ok((dq, cast(&dk, k.dtype())?, cast(&dv, v.dtype())?));
         }
+        let device = q.device();
         if b.kernel_applies(q, k, v)? {
             let parts = ((q, k, v), (out, &self.normalizer), grad);
-            return match q.dtype() {
+            return op_times::timed("attention.backward.kernel", device, || match q.dtype() {
                 DType::F32 => b.kernel_backward::<f32>(parts.0, parts.1, parts.2),
                 _ => b.kernel_backward::<f64>(parts.0, parts.1, parts.2),
-            };
+            });
         }
         let dtype = q.dtype();
         let dot = (b.grouped(grad)? * b.grouped(out)?)?.sum_keepdim(D::Minus1)?;
@@ -673,43 +683,52 @@ impl Attention {
         let (own_grad_k, own_grad_v) = (k.zeros_like()?, v.zeros_like()?);
         for r in b.ranges(k.dim(2)?)? {
             let (k_r, v_r) = b.keys_values(r, k, v)?;
-            let (s, mask) = b.scores(q, &k_r, r)?;
-            let grad_p = grad
-                .matmul(&v_r.t()?)?
-                .to_dtype(b.compute)?
-                .reshape(s.shape())?;
+            let (s, mask, grad_p) = op_times::timed("attention.backward.scores", device, || {
+                let (s, mask) = b.scores(q, &k_r, r)?;
+                let grad_p = grad
+                    .matmul(&v_r.t()?)?
+                    .to_dtype(b.compute)?
+                    .reshape(s.shape())?;
+                Ok::<_, candle_core::Error>((s, mask, grad_p))
+            })?;
             let normalizer = (&self.normalizer.max, &self.normalizer.log_sum);
-            let (p, grad_s) =
+            let (p, grad_s) = op_times::timed("attention.backward.softmax", device, || {
                 match softmax_block::backward(&s, mask.as_ref(), normalizer, &grad_p, &dot)? {
-                    Some(fused) => fused,
+                    Some(fused) => Ok(fused),
                     None => {
                         let p = masked(&s, mask.as_ref())?
                             .broadcast_sub(normalizer.0)?
                             .broadcast_sub(normalizer.1)?
                             .exp()?;
                         let grad_s = (&p * grad_p.broadcast_sub(&dot)?)?;
-                        (p, grad_s)
+                        Ok::<_, candle_core::Error>((p, grad_s))
                     }
-                };
+                }
+            })?;
             // Each score-sized buffer is freed as soon as it is used: the scores and dP now, P after
             // its product.
             drop((s, mask, grad_p));
-            let grad_v_r = b.flat(&p, dtype)?.t()?.matmul(grad)?;
-            drop(p);
-            let grad_s = b.flat(&grad_s, dtype)?;
-            let dq = grad_s.matmul(&k_r)?.to_dtype(b.compute)?;
-            grad_q = Some(match grad_q {
-                Some(acc) => (acc + dq)?,
-                None => dq,
-            });
-            let grad_k_r = grad_s.t()?.matmul(q)?;
+            let (grad_k_r, grad_v_r) =
+                op_times::timed("attention.backward.products", device, || {
+                    let grad_v_r = b.flat(&p, dtype)?.t()?.matmul(grad)?;
+                    drop(p);
+                    let grad_s = b.flat(&grad_s, dtype)?;
+                    let dq = grad_s.matmul(&k_r)?.to_dtype(b.compute)?;
+                    grad_q = Some(match grad_q.take() {
+                        Some(acc) => (acc + dq)?,
+                        None => dq,
+                    });
+                    Ok::<_, candle_core::Error>((grad_s.t()?.matmul(q)?, grad_v_r))
+                })?;
             // Each block's gradient goes straight where it belongs: no per-block list to concatenate.
             let (grad_keys, grad_values, at) = match (&b.earlier, r.earlier) {
                 (Some(e), true) => (&e.grad_keys, &e.grad_values, e.offset + r.start),
                 _ => (&own_grad_k, &own_grad_v, r.start),
             };
-            add_at(grad_keys, &grad_k_r, at)?;
-            add_at(grad_values, &grad_v_r, at)?;
+            op_times::timed("attention.backward.scatter", device, || {
+                add_at(grad_keys, &grad_k_r, at)?;
+                add_at(grad_values, &grad_v_r, at)
+            })?;
         }
         let grad_q = grad_q
             .ok_or_else(|| candle_core::Error::Msg("no keys".into()))?
