@@ -15,7 +15,7 @@
 # it measured.
 set -euo pipefail
 
-step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile|cpu|pack-cpu|cpu-profile}
+step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile|cpu|pack-cpu|cpu-profile|session}
 out=${OUT:-gpu-out}
 config=benches/configs/qwen3-8b.json
 bench=gpu/streambp-bench
@@ -123,8 +123,13 @@ disk)
     ;;
 profile)
     # Where the card's time goes in one layer's stream backward (the attention op's composed path
-    # is the suspect, docs/cuda.md): Nsight Systems' kernel and memory-copy summaries.
+    # is the suspect, docs/cuda.md): the bench's own parts (`--op-times`: the engine's and the
+    # attention op's steps, each synchronised) at T = 4096 and 16,384, then Nsight Systems' kernel
+    # and memory-copy summaries where `nsys` exists (it did not on the H200 machines).
     unpack
+    timeout "${LIMIT:-240}" "$bench" --config "$config" --device cuda --dtype bf16 --layers 1 \
+        --seq-lens "${SEQS:-4096,16384}" --chunk 2048 --logits-chunk 1024 --modes stream,checkpoint \
+        --repeats 2 --op-times --json "$out/op_times.jsonl" > "$out/op_times.txt" 2>&1 || true
     nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys \
         /usr/local/cuda/nsight-systems-*/bin/nsys 2>/dev/null | head -1 || true)
     if [ -z "$nsys" ]; then
@@ -215,7 +220,7 @@ cpu-profile)
         set -- $run
         echo "== $1, STREAMBP_SIMD=$2, STREAMBP_BF16_KERNEL=$3: phases (JSON)" >> "$report"
         STREAMBP_SIMD=$2 STREAMBP_BF16_KERNEL=$3 timeout "${LIMIT:-120}" taskset -c "$cores" \
-            "$kit/streambp-bench" "${step_args[@]}" --dtype "$1" --repeats 3 \
+            "$kit/streambp-bench" "${step_args[@]}" --dtype "$1" --repeats 3 --op-times \
             --json /tmp/phases.jsonl 2>&1 | grep '^CPU:' >> "$report" || true
         cat /tmp/phases.jsonl >> "$report" 2>/dev/null || true
         rm -f /tmp/phases.jsonl
@@ -242,6 +247,31 @@ cpu-profile)
     "${perf[@]}" report -i /tmp/perf-ops.data --no-children --sort sym -g none --percent-limit 0.5 --stdio \
         2>&1 | grep -v '^#' | grep -v '^$' | head -60 >> "$out/op_timings.txt" || true
     timeout "${LIMIT:-240}" taskset -c "$cores" "$kit/planner" --nocapture > "$out/planner.txt" 2>&1 || true
+    ;;
+session)
+    # One device call for both open issues: `parity`, `disk` and `profile` on the card (host cores
+    # 4-15) while the host CPU runs `cpu` (cores 0,1) and `cpu-profile` (cores 2,3), carrying `gpu`
+    # and `gpu-cpu` (pack both; the CPU side uses the CUDA build's bench, the same host code, and
+    # `gpu/streambp-train.xz` can be left out: what travels is limited to 64 MiB). Everything under $OUT is bundled into results.tgz at the end (the call brings back at
+    # most 8 files), also when a step runs past its time.
+    unpack
+    [ -e gpu-cpu/streambp-bench ] || cp gpu/streambp-bench gpu-cpu/streambp-bench
+    {
+        grep -m1 'model name' /proc/cpuinfo
+        nproc
+        free -g | head -2
+    } > "$out/host.txt"
+    budget=${SESSION_LIMIT:-450}
+    (timeout "$budget" taskset -c 4-15 "$0" parity > "$out/parity.log" 2>&1 || true
+        LAYERS=4 SEQS=32768 timeout $((budget - SECONDS)) taskset -c 4-15 "$0" disk > "$out/disk.log" 2>&1 \
+            || true
+        SEQS=4096,16384 timeout $((budget - SECONDS)) taskset -c 4-15 "$0" profile > "$out/profile.log" 2>&1 \
+            || true) &
+    CORES=0,1 timeout "$budget" "$0" cpu > "$out/cpu-step.log" 2>&1 &
+    CORES=2,3 timeout "$budget" "$0" cpu-profile > "$out/cpu-profile.log" 2>&1 &
+    wait
+    (cd "$out" && tar czf /tmp/results.tgz . && find . -type f -delete && mv /tmp/results.tgz .)
+    ls -la "$out"
     ;;
 *)
     echo "unknown step $step" >&2
