@@ -5,8 +5,7 @@ use std::ops::Range;
 
 use candle_core::{DType, Tensor, Var, D};
 use streambp_models::cpu::{cast, round_in_place};
-use streambp_models::Model;
-use streambp_models::{half_product, op_times};
+use streambp_models::{half_product, op_times, Model};
 use streambp_objectives::Objective;
 
 use crate::error::Result;
