@@ -1,6 +1,6 @@
 //! The attention op's parts as `op_times` counts them (the bench's `--op-times`): one call per key
-//! block on the tensor-op path (the one CUDA takes), one per op on the host kernel, nothing while
-//! timing is off. A test binary of its own: the totals are the process's.
+//! block on the tensor-op path (the one CUDA takes, its softmax's tensor ops each a part of their
+//! own), one per op on the host kernel, nothing while timing is off. A test binary of its own: the totals are the process's.
 
 use candle_core::{DType, Device, Tensor, Var};
 use streambp_models::attention::{attention, with_composed_path, Blocking};
@@ -64,9 +64,19 @@ fn attention_parts_are_counted_per_key_block_and_only_while_on() {
             ("attention.backward.scatter", blocks),
             ("attention.backward.scores", blocks),
             ("attention.backward.softmax", blocks),
+            ("attention.backward.softmax.gradient", blocks),
+            ("attention.backward.softmax.probabilities", blocks),
             ("attention.forward.scores", blocks),
             ("attention.forward.softmax", blocks),
+            ("attention.forward.softmax.exp", blocks),
+            ("attention.forward.softmax.mask", blocks),
+            ("attention.forward.softmax.max", blocks),
+            ("attention.forward.softmax.sum", blocks),
             ("attention.forward.values", blocks),
+            // The scores' parts, the forward's and the backward's.
+            ("attention.scores.cast", 2 * blocks),
+            ("attention.scores.mask", 2 * blocks),
+            ("attention.scores.product", 2 * blocks),
         ]
     );
     forward_and_backward();

@@ -31,8 +31,8 @@ thread_local! {
 }
 
 /// Runs `f` with the attention ops it makes and differentiates on this thread taking their
-/// tensor-op path (the one CUDA takes) even where the CPU kernel applies: for
-/// tests that check that path on the CPU.
+/// tensor-op path (the one CUDA takes) even where the CPU kernel applies, its softmax blocks
+/// composed of tensor ops too: for tests that check that path on the CPU.
 pub fn with_composed_path<R>(f: impl FnOnce() -> R) -> R {
     /// Restores the setting however `f` ends (a failing test's panic included).
     struct Restore(bool);
@@ -161,19 +161,21 @@ impl Blocks {
 
     /// Scores of all queries against the keys `k` of block `r` (`[b, kv_heads, group, c, n]`, in the
     /// compute dtype), and the block's additive mask (`None`: every query reads every key).
+    /// Timed in parts ([`op_times`], the forward's and the backward's together): the product, its
+    /// cast to the compute dtype and the mask.
     fn scores(&self, q: &Tensor, k: &Tensor, r: KeyRange) -> CResult<(Tensor, Option<Tensor>)> {
         let (b, kv_heads, rows, _) = q.dims4()?;
-        let s = q.matmul(&k.t()?)?.to_dtype(self.compute)?.reshape((
-            b,
-            kv_heads,
-            self.group,
-            rows / self.group,
-            r.n,
-        ))?;
-        let mask = self
-            .mask
-            .bias(r.index, r.n, self.compute)
-            .map_err(to_candle)?;
+        let device = q.device();
+        let s = op_times::timed("attention.scores.product", device, || q.matmul(&k.t()?))?;
+        let s = op_times::timed("attention.scores.cast", device, || {
+            s.to_dtype(self.compute)?
+                .reshape((b, kv_heads, self.group, rows / self.group, r.n))
+        })?;
+        let mask = op_times::timed("attention.scores.mask", device, || {
+            self.mask
+                .bias(r.index, r.n, self.compute)
+                .map_err(to_candle)
+        })?;
         Ok((s, mask))
     }
 
@@ -216,20 +218,29 @@ impl Blocks {
                 op_times::timed("attention.forward.scores", device, || self.scores(q, &k, r))?;
             let before = state.as_ref().map(|(m, _, _)| m);
             let (p, max, sum) = op_times::timed("attention.forward.softmax", device, || {
-                match softmax_block::forward(&s, mask.as_ref(), before)? {
-                    Some(fused) => Ok(fused),
-                    None => {
-                        let s = masked(&s, mask.as_ref())?;
-                        let block_max = s.max_keepdim(D::Minus1)?;
-                        let max = match before {
-                            Some(m) => m.maximum(&block_max)?,
-                            None => block_max,
-                        };
-                        let p = s.broadcast_sub(&max)?.exp()?;
-                        let sum = p.sum_keepdim(D::Minus1)?;
-                        Ok::<_, candle_core::Error>((p, max, sum))
-                    }
+                if let Some(fused) =
+                    fused_softmax(|| softmax_block::forward(&s, mask.as_ref(), before))?
+                {
+                    return Ok(fused);
                 }
+                // The tensor ops of the softmax block, each timed (the suspects on a card).
+                let s = op_times::timed("attention.forward.softmax.mask", device, || {
+                    masked(&s, mask.as_ref())
+                })?;
+                let max = op_times::timed("attention.forward.softmax.max", device, || {
+                    let block_max = s.max_keepdim(D::Minus1)?;
+                    match before {
+                        Some(m) => m.maximum(&block_max),
+                        None => Ok(block_max),
+                    }
+                })?;
+                let p = op_times::timed("attention.forward.softmax.exp", device, || {
+                    s.broadcast_sub(&max)?.exp()
+                })?;
+                let sum = op_times::timed("attention.forward.softmax.sum", device, || {
+                    p.sum_keepdim(D::Minus1)
+                })?;
+                Ok::<_, candle_core::Error>((p, max, sum))
             })?;
             // Only the probabilities go on: the scores' memory is free for the product.
             drop((s, mask));
@@ -693,17 +704,24 @@ impl Attention {
             })?;
             let normalizer = (&self.normalizer.max, &self.normalizer.log_sum);
             let (p, grad_s) = op_times::timed("attention.backward.softmax", device, || {
-                match softmax_block::backward(&s, mask.as_ref(), normalizer, &grad_p, &dot)? {
-                    Some(fused) => Ok(fused),
-                    None => {
-                        let p = masked(&s, mask.as_ref())?
+                let fused =
+                    || softmax_block::backward(&s, mask.as_ref(), normalizer, &grad_p, &dot);
+                if let Some(fused) = fused_softmax(fused)? {
+                    return Ok(fused);
+                }
+                // The tensor ops of the softmax block, each timed (the suspects on a card).
+                let p =
+                    op_times::timed("attention.backward.softmax.probabilities", device, || {
+                        masked(&s, mask.as_ref())?
                             .broadcast_sub(normalizer.0)?
                             .broadcast_sub(normalizer.1)?
-                            .exp()?;
-                        let grad_s = (&p * grad_p.broadcast_sub(&dot)?)?;
-                        Ok::<_, candle_core::Error>((p, grad_s))
-                    }
-                }
+                            .exp()
+                    })?;
+                let grad_s =
+                    op_times::timed("attention.backward.softmax.gradient", device, || {
+                        &p * grad_p.broadcast_sub(&dot)?
+                    })?;
+                Ok::<_, candle_core::Error>((p, grad_s))
             })?;
             // Each score-sized buffer is freed as soon as it is used: the scores and dP now, P after
             // its product.
@@ -734,6 +752,16 @@ impl Attention {
             .ok_or_else(|| candle_core::Error::Msg("no keys".into()))?
             .to_dtype(dtype)?;
         Ok((grad_q, own_grad_k, own_grad_v))
+    }
+}
+
+/// A softmax block's fused host pass (`pass`: [`softmax_block::forward`] or `backward`), unless
+/// [`with_composed_path`] asks for the tensor ops CUDA runs: `None` then, and where the pass does
+/// not apply.
+fn fused_softmax<R>(pass: impl FnOnce() -> CResult<Option<R>>) -> CResult<Option<R>> {
+    match COMPOSED_PATH.with(|c| c.get()) {
+        true => Ok(None),
+        false => pass(),
     }
 }
 
