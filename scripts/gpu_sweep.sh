@@ -32,6 +32,18 @@ unpack() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/card.csv"
 }
 
+# The seconds a run may take: `$1`, or less where a session's DEADLINE (epoch seconds) comes
+# sooner, so that no run outlives the session that started it.
+limit() {
+    local seconds=$1
+    if [ -n "${DEADLINE:-}" ]; then
+        local left=$((DEADLINE - $(date +%s)))
+        [ "$left" -ge "$seconds" ] || seconds=$left
+    fi
+    [ "$seconds" -ge 1 ] || seconds=1
+    echo "$seconds"
+}
+
 case "$step" in
 pack)
     mkdir -p gpu
@@ -45,7 +57,8 @@ pack)
 parity)
     # CUDA vs CPU: loss and every gradient of the four fixture families, f32, all modes.
     unpack
-    STREAMBP_FIXTURES=tests/fixtures gpu/cuda_parity --nocapture 2>&1 | tee "$out/cuda_parity.txt"
+    STREAMBP_FIXTURES=tests/fixtures timeout "$(limit "${LIMIT:-300}")" gpu/cuda_parity --nocapture 2>&1 \
+        | tee "$out/cuda_parity.txt"
     ;;
 train)
     # The trainer on the card: the built-in SFT run (full, then LoRA), DPO and GRPO, a few steps each;
@@ -57,7 +70,7 @@ train)
         name=$(echo "$job" | tr -d ' -' | cut -c1-24)
         echo "== $job" | tee -a "$out/train.log"
         # shellcheck disable=SC2086
-        timeout "${LIMIT:-120}" "$train" $job --device cuda --output-dir "/tmp/run-$name" \
+        timeout "$(limit "${LIMIT:-120}")" "$train" $job --device cuda --output-dir "/tmp/run-$name" \
             --overwrite-output-dir 2>&1 | tr '\r' '\n' | tail -8 | tee -a "$out/train.log" || true
         head -4 "/tmp/run-$name/metrics.jsonl" >> "$out/train.log" 2>/dev/null || true
     done
@@ -65,7 +78,7 @@ train)
 time)
     # Qwen3-8B, bf16, one backward per mode at fixed T (the peers' lengths), side by side.
     unpack
-    timeout "${LIMIT:-570}" "$bench" --config "$config" --device cuda --dtype bf16 \
+    timeout "$(limit "${LIMIT:-570}")" "$bench" --config "$config" --device cuda --dtype bf16 \
         --seq-lens "${SEQS:-16384,24576}" --repeats "${REPEATS:-1}" \
         --chunk 2048 --logits-chunk 1024 --modes "${MODES:-stream,checkpoint,full}" \
         --json "$out/time.jsonl" 2>&1 | tee "$out/time.md"
@@ -74,7 +87,7 @@ maxt)
     # Longest T that fits the card per mode (out-of-memory counts as over; stream's chunks planned),
     # searched up to T_MAX: past it a backward takes minutes, and `--predict` sizes it instead.
     unpack
-    timeout "${LIMIT:-570}" "$bench" --config "$config" --device cuda --dtype bf16 \
+    timeout "$(limit "${LIMIT:-570}")" "$bench" --config "$config" --device cuda --dtype bf16 \
         --max-t-budget 78GiB --t-step 8192 --t-max "${T_MAX:-65536}" \
         --modes "${MODES:-checkpoint,stream}" 2>&1 | tee "$out/maxt.md"
     ;;
@@ -85,15 +98,15 @@ long)
     # gradients (offloaded checkpoints are not on the card), and its time about the layers' share
     # scaled to 36 (docs/benchmarks.md).
     unpack
-    timeout "${LIMIT:-570}" "$bench" --config "$config" --device cuda --dtype bf16 \
+    timeout "$(limit "${LIMIT:-570}")" "$bench" --config "$config" --device cuda --dtype bf16 \
         --layers "${LAYERS:-2}" --seq-lens "${SEQS:-229376}" --chunk 8192 --logits-chunk 4096 \
         --modes stream --offload-checkpoints --json "$out/long.jsonl" 2>&1 | tee "$out/long.md"
     ;;
 peer)
     # transformers with gradient checkpointing on the same config, same card.
     unpack
-    timeout "${LIMIT:-570}" /opt/torch/.venv/bin/python gpu/peer_transformers.py --config "$config" --mode gc \
-        --seqs "${SEQS:-4096,16384,24576,28672,32768}" 2>&1 | tee "$out/peer_gc.jsonl"
+    timeout "$(limit "${LIMIT:-570}")" /opt/torch/.venv/bin/python gpu/peer_transformers.py \
+        --config "$config" --mode gc --seqs "${SEQS:-4096,16384,24576,28672,32768}" 2>&1 | tee "$out/peer_gc.jsonl"
     ;;
 disk)
     # Issue 28 on the card: one stream backward of Qwen3-8B's first LAYERS layers (bf16, T = SEQS)
@@ -114,7 +127,7 @@ disk)
         echo "== $binary ${run#*|}" | tee -a "$out/disk.md"
         rm -f "/tmp/disk$n.jsonl"
         # shellcheck disable=SC2086
-        timeout "${LIMIT:-240}" "$binary" --config "$config" --device cuda --dtype bf16 \
+        timeout "$(limit "${LIMIT:-240}")" "$binary" --config "$config" --device cuda --dtype bf16 \
             --layers "${LAYERS:-4}" --seq-lens "${SEQS:-32768}" --chunk 2048 --logits-chunk 1024 \
             --modes stream --repeats "${REPEATS:-1}" ${run#*|} --json "/tmp/disk$n.jsonl" 2>&1 \
             | tee -a "$out/disk.md" || true
@@ -127,7 +140,7 @@ profile)
     # attention op's steps, each synchronised) at T = 4096 and 16,384, then Nsight Systems' kernel
     # and memory-copy summaries where `nsys` exists (it did not on the H200 machines).
     unpack
-    timeout "${LIMIT:-240}" "$bench" --config "$config" --device cuda --dtype bf16 --layers 1 \
+    timeout "$(limit "${LIMIT:-240}")" "$bench" --config "$config" --device cuda --dtype bf16 --layers 1 \
         --seq-lens "${SEQS:-4096,16384}" --chunk 2048 --logits-chunk 1024 --modes stream,checkpoint \
         --repeats 2 --op-times --json "$out/op_times.jsonl" > "$out/op_times.txt" 2>&1 || true
     nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys \
@@ -136,8 +149,8 @@ profile)
         echo "no nsys on this machine" | tee "$out/profile.txt"
         exit 0
     fi
-    timeout "${LIMIT:-240}" "$nsys" profile -o /tmp/streambp-profile --force-overwrite true \
-        "$bench" --config "$config" --device cuda --dtype bf16 --layers 1 --seq-lens "${SEQS:-16384}" \
+    timeout "$(limit "${LIMIT:-240}")" "$nsys" profile -o /tmp/streambp-profile --force-overwrite true \
+        "$bench" --config "$config" --device cuda --dtype bf16 --layers 1 --seq-lens "${NSYS_SEQS:-16384}" \
         --chunk 2048 --logits-chunk 1024 --modes stream --repeats 1 > "$out/profile.txt" 2>&1 || true
     "$nsys" stats --report cuda_gpu_kern_sum --report cuda_gpu_mem_time_sum --report cuda_api_sum \
         --format csv --output - /tmp/streambp-profile.nsys-rep 2>/dev/null | head -120 >> "$out/profile.txt" || true
@@ -149,7 +162,7 @@ cpu)
     py=/opt/torch/.venv/bin/python
     [ -x "$py" ] || py=python3
     for dtype in f32 bf16; do
-        timeout "${LIMIT:-240}" taskset -c "${CORES:-0,1}" "$bench" \
+        timeout "$(limit "${LIMIT:-240}")" taskset -c "${CORES:-0,1}" "$bench" \
             --config benches/configs/qwen3-small.json --dtype "$dtype" --seq-lens 2048,4096 \
             --modes stream --chunk 128 --repeats "${REPEATS:-3}" --peer "$py" \
             --peer-script scripts/peer_bench.py --peer-doc "$out/peer.md" 2>&1 | tee -a "$out/cpu.log" || true
@@ -210,7 +223,7 @@ cpu-profile)
     } > "$report" 2>&1
     # The bf16 kernels first (AMX's has not run on a CPU with AMX before): every kernel this CPU
     # has against exact sums, AMX's tiles against a model of them.
-    timeout "${LIMIT:-120}" "$kit/models_lib" amx_kernel half_product --nocapture \
+    timeout "$(limit "${LIMIT:-120}")" "$kit/models_lib" amx_kernel half_product --nocapture \
         > "$out/kernels.txt" 2>&1 || true
     step_args=(--config benches/configs/qwen3-small.json --seq-lens 2048 --modes stream --chunk 128)
     # dtype, SIMD path, bf16 kernel (`-`: the CPU's own choice).
@@ -219,7 +232,7 @@ cpu-profile)
         # shellcheck disable=SC2086
         set -- $run
         echo "== $1, STREAMBP_SIMD=$2, STREAMBP_BF16_KERNEL=$3: phases (JSON)" >> "$report"
-        STREAMBP_SIMD=$2 STREAMBP_BF16_KERNEL=$3 timeout "${LIMIT:-120}" taskset -c "$cores" \
+        STREAMBP_SIMD=$2 STREAMBP_BF16_KERNEL=$3 timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" \
             "$kit/streambp-bench" "${step_args[@]}" --dtype "$1" --repeats 3 --op-times \
             --json /tmp/phases.jsonl 2>&1 | grep '^CPU:' >> "$report" || true
         cat /tmp/phases.jsonl >> "$report" 2>/dev/null || true
@@ -227,10 +240,10 @@ cpu-profile)
     done
     for dtype in f32 bf16; do
         echo "== $dtype: perf stat, 4 steps" >> "$report"
-        timeout "${LIMIT:-120}" taskset -c "$cores" "${perf[@]}" stat \
+        timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" "${perf[@]}" stat \
             -e task-clock,page-faults,context-switches,cpu-migrations -- "$kit/streambp-bench" \
             "${step_args[@]}" --dtype "$dtype" --repeats 4 >> "$report" 2>&1 || true
-        timeout "${LIMIT:-120}" taskset -c "$cores" "${perf[@]}" record -q -e cpu-clock -F 400 \
+        timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" "${perf[@]}" record -q -e cpu-clock -F 400 \
             --call-graph dwarf,16384 -o "/tmp/perf-$dtype.data" -- "$kit/streambp-bench" \
             "${step_args[@]}" --dtype "$dtype" --repeats 3 > /dev/null 2>&1 || true
         {
@@ -242,36 +255,56 @@ cpu-profile)
                 --percent-limit 1 --stdio 2>&1 | grep -v '^#' | grep -v '^$' | head -150 || true
         } > "$out/profile-$dtype.txt"
     done
-    RAYON_NUM_THREADS=2 timeout "${LIMIT:-120}" taskset -c "$cores" "${perf[@]}" record -q -e cpu-clock -F 1000 \
-        -o /tmp/perf-ops.data -- "$kit/op_timings" > "$out/op_timings.txt" 2>&1 || true
+    RAYON_NUM_THREADS=2 timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" "${perf[@]}" record -q \
+        -e cpu-clock -F 1000 -o /tmp/perf-ops.data -- "$kit/op_timings" > "$out/op_timings.txt" 2>&1 || true
     "${perf[@]}" report -i /tmp/perf-ops.data --no-children --sort sym -g none --percent-limit 0.5 --stdio \
         2>&1 | grep -v '^#' | grep -v '^$' | head -60 >> "$out/op_timings.txt" || true
-    timeout "${LIMIT:-240}" taskset -c "$cores" "$kit/planner" --nocapture > "$out/planner.txt" 2>&1 || true
+    timeout "$(limit "${LIMIT:-240}")" taskset -c "$cores" "$kit/planner" --nocapture \
+        > "$out/planner.txt" 2>&1 || true
     ;;
 session)
-    # One device call for both open issues: `parity`, `disk` and `profile` on the card (host cores
-    # 4-15) while the host CPU runs `cpu` (cores 0,1) and `cpu-profile` (cores 2,3), carrying `gpu`
+    # One device call for both open issues: `parity`, `profile` and `disk` on the card (host cores
+    # CARD_CORES, 4-15) while the host CPU runs `cpu` (PEER_CORES, 0,1) and `cpu-profile`
+    # (PROFILE_CORES, 2,3), carrying `gpu`
     # and `gpu-cpu` (pack both; the CPU side uses the CUDA build's bench, the same host code, and
-    # `gpu/streambp-train.xz` can be left out: what travels is limited to 64 MiB). Everything under $OUT is bundled into results.tgz at the end (the call brings back at
-    # most 8 files), also when a step runs past its time.
+    # `gpu/streambp-train.xz` and `gpu-cpu/streambp-bench.xz` can be left out: what travels is
+    # limited to 64 MiB). The host's figures are taken beside the card's runs (memory bandwidth
+    # and caches shared), so they are comparable among themselves, not with a quiet machine's.
+    # Every run ends by SESSION_LIMIT seconds; what the steps wrote under $OUT is bundled into
+    # results.tgz however the session ends (a call brings back at most 8 files).
     unpack
+    mkdir -p gpu-cpu
     [ -e gpu-cpu/streambp-bench ] || cp gpu/streambp-bench gpu-cpu/streambp-bench
     {
-        grep -m1 'model name' /proc/cpuinfo
+        grep -m1 'model name' /proc/cpuinfo || true
         nproc
         free -g | head -2
     } > "$out/host.txt"
-    budget=${SESSION_LIMIT:-450}
-    (timeout "$budget" taskset -c 4-15 "$0" parity > "$out/parity.log" 2>&1 || true
-        LAYERS=4 SEQS=32768 timeout $((budget - SECONDS)) taskset -c 4-15 "$0" disk > "$out/disk.log" 2>&1 \
-            || true
-        SEQS=4096,16384 timeout $((budget - SECONDS)) taskset -c 4-15 "$0" profile > "$out/profile.log" 2>&1 \
-            || true) &
-    CORES=0,1 timeout "$budget" "$0" cpu > "$out/cpu-step.log" 2>&1 &
-    CORES=2,3 timeout "$budget" "$0" cpu-profile > "$out/cpu-profile.log" 2>&1 &
+    DEADLINE=$(($(date +%s) + ${SESSION_LIMIT:-450}))
+    export DEADLINE
+    bundle() {
+        cd "$out" || return
+        # Exit status 1: a file changed while it was read (a run cut off at the deadline).
+        local status=0
+        tar czf /tmp/results.tgz --warning=no-file-changed . || status=$?
+        if [ "$status" -le 1 ]; then
+            find . -type f -delete
+            mv /tmp/results.tgz .
+        fi
+        ls -la
+    }
+    trap bundle EXIT
+    (
+        card_cores=${CARD_CORES:-4-15}
+        taskset -c "$card_cores" "$0" parity > "$out/parity.log" 2>&1 || true
+        SEQS=4096,16384 taskset -c "$card_cores" "$0" profile > "$out/profile.log" 2>&1 || true
+        LAYERS=4 SEQS=32768 taskset -c "$card_cores" "$0" disk > "$out/disk.log" 2>&1 || true
+    ) &
+    CORES=${PEER_CORES:-0,1} "$0" cpu > "$out/cpu-step.log" 2>&1 &
+    if [ -e gpu-cpu/perf.tar.xz ]; then
+        CORES=${PROFILE_CORES:-2,3} "$0" cpu-profile > "$out/cpu-profile.log" 2>&1 &
+    fi
     wait
-    (cd "$out" && tar czf /tmp/results.tgz . && find . -type f -delete && mv /tmp/results.tgz .)
-    ls -la "$out"
     ;;
 *)
     echo "unknown step $step" >&2

@@ -523,12 +523,13 @@ fn print_op_times(p: &Point) {
     let mut parts = p.op_times.clone();
     parts.sort_by(|a, b| a.name.cmp(b.name));
     println!(
-        "T={} {} {}: parts of the step ({:.3} s with every part synchronised)",
+        "T={} {} {}: parts of the step ({:.3} s with every part synchronised; parts in parts \
+         count in both)",
         p.t, p.trained, p.mode, p.seconds
     );
     for o in parts {
         println!(
-            "  {:<30} {:>7} calls {:>9.3} s {:>6.1}%",
+            "  {:<42} {:>7} calls {:>9.3} s {:>6.1}%",
             o.name,
             o.calls,
             o.seconds,

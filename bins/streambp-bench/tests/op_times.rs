@@ -84,7 +84,7 @@ fn parts_are_reported_per_chunk_only_when_asked() {
     for part in ["head.logits", "head.softmax", "head.hidden_gradient"] {
         assert_eq!(calls("stream", part), 4, "{part}");
     }
-    // The parts that hold no other part of the engine's are disjoint spans of the step.
+    // The engine's parts (the attention op's run inside them) are disjoint spans of the step.
     for (mode, (parts, seconds)) in &on {
         let spans: f64 = parts
             .iter()

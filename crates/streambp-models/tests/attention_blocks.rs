@@ -4,7 +4,9 @@
 //! (constants whose gradients the op adds into buffers).
 
 use candle_core::{DType, Device, Tensor, Var};
-use streambp_models::attention::{attention, with_composed_path, Blocking, EarlierKeys};
+use streambp_models::attention::{
+    attention, with_composed_path, with_fused_softmax_blocks, Blocking, EarlierKeys,
+};
 use streambp_testkit::rel_err;
 
 /// An output and its gradients for q, k and v.
@@ -52,10 +54,12 @@ fn key_blocks_do_not_change_output_or_gradients() {
     SHAPES.into_iter().for_each(check_against_composed_softmax);
 }
 
-/// The op's tensor-op path (CUDA's), run on the CPU.
+/// The op's tensor-op path (CUDA's), run on the CPU, and the same with the host's fused softmax
+/// blocks (what the CPU runs where its kernel does not apply).
 #[test]
 fn the_tensor_op_path_agrees_too() {
     with_composed_path(|| SHAPES.into_iter().for_each(check_against_composed_softmax));
+    with_fused_softmax_blocks(|| SHAPES.into_iter().for_each(check_against_composed_softmax));
 }
 
 /// The f32 additive mask `[1, 1, 1, c, t]` of `c` queries at the last `c` of `t` positions, each
@@ -103,6 +107,8 @@ fn the_kernel_agrees_in_f32() {
     let kernel = run();
     let composed = with_composed_path(run);
     assert_within(1e-5, "f32", refs(&kernel), refs(&composed));
+    let fused_softmax = with_fused_softmax_blocks(run);
+    assert_within(1e-5, "f32", refs(&kernel), refs(&fused_softmax));
 }
 
 fn check_against_composed_softmax((b, kv_heads, group, c, t, hd): Shape) {
@@ -257,15 +263,13 @@ fn bf16_keys_give_the_bits_of_their_f32_values() {
         with_grads(out, &weights, [&q, k, v])
     };
     let rounded = |x: &Tensor| x.to_dtype(DType::BF16).unwrap();
-    for composed in [false, true] {
-        let (stored, widened) = if composed {
-            (
-                with_composed_path(|| run(&k16, &v16)),
-                with_composed_path(|| run(&k32, &v32)),
-            )
-        } else {
-            (run(&k16, &v16), run(&k32, &v32))
+    for path in ["kernel", "tensor ops", "fused softmax blocks"] {
+        let on_path = |k: &Var, v: &Var| match path {
+            "tensor ops" => with_composed_path(|| run(k, v)),
+            "fused softmax blocks" => with_fused_softmax_blocks(|| run(k, v)),
+            _ => run(k, v),
         };
+        let (stored, widened) = (on_path(&k16, &v16), on_path(&k32, &v32));
         assert_eq!(stored.2.dtype(), DType::BF16, "dk in the keys' dtype");
         let widened = (
             widened.0,
@@ -285,7 +289,7 @@ fn bf16_keys_give_the_bits_of_their_f32_values() {
             );
             let same = a.flatten_all().unwrap().to_vec1::<f32>().unwrap()
                 == b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            assert!(same, "composed path {composed}: {name} differs");
+            assert!(same, "{path}: {name} differs");
         }
     }
 }

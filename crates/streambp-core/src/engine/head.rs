@@ -273,6 +273,7 @@ fn head_chunk(
     let z = tempered(z, temperature)?;
     // On the CPU two passes per row in `z`'s buffer (crate::head_softmax); elsewhere the same with
     // tensor ops.
+    // Timed with the objective's loss and gradient of the chunk, which `grad_of` computes.
     let (logp, mut dz) = op_times::timed("head.softmax", device, || {
         Ok::<_, crate::EngineError>(match crate::head_softmax::log_softmax_rows(&z, &idx)? {
             Some(rows) => {

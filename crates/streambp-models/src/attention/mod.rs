@@ -25,24 +25,47 @@ use crate::error::Result;
 use crate::op::Precomputed;
 use crate::op_times;
 
+/// Which way the attention ops of a thread run (tests choose; [`with_composed_path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// The CPU kernel where it applies, else the tensor ops with the host's fused softmax blocks
+    /// where those apply.
+    Fastest,
+    /// The tensor ops, the host's fused softmax blocks included.
+    FusedSoftmax,
+    /// The tensor ops alone: CUDA's path.
+    TensorOps,
+}
+
 thread_local! {
-    /// Set by [`with_composed_path`].
-    static COMPOSED_PATH: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Set by [`with_composed_path`] and [`with_fused_softmax_blocks`].
+    static PATH: std::cell::Cell<Path> = const { std::cell::Cell::new(Path::Fastest) };
+}
+
+/// Runs `f` with the attention ops made on this thread taking `path`, restored however `f` ends
+/// (a failing test's panic included).
+fn with_path<R>(path: Path, f: impl FnOnce() -> R) -> R {
+    struct Restore(Path);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            PATH.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(PATH.with(|c| c.replace(path)));
+    f()
 }
 
 /// Runs `f` with the attention ops it makes and differentiates on this thread taking their
-/// tensor-op path (the one CUDA takes) even where the CPU kernel applies, its softmax blocks
-/// composed of tensor ops too: for tests that check that path on the CPU.
+/// tensor-op path even where the CPU kernel applies, its softmax blocks tensor ops too: CUDA's
+/// path, for tests that check it on the CPU.
 pub fn with_composed_path<R>(f: impl FnOnce() -> R) -> R {
-    /// Restores the setting however `f` ends (a failing test's panic included).
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            COMPOSED_PATH.with(|c| c.set(self.0));
-        }
-    }
-    let _restore = Restore(COMPOSED_PATH.with(|c| c.replace(true)));
-    f()
+    with_path(Path::TensorOps, f)
+}
+
+/// Runs `f` with the attention ops on this thread taking their tensor-op path with the host's fused
+/// softmax blocks (what the CPU runs where its kernel does not apply): for tests of that path.
+pub fn with_fused_softmax_blocks<R>(f: impl FnOnce() -> R) -> R {
+    with_path(Path::FusedSoftmax, f)
 }
 
 /// Keys per block: the score tensors of a query chunk are at most `heads × c × KEY_BLOCK`. 512 keeps
@@ -268,7 +291,7 @@ impl Blocks {
     /// into (contiguous buffers long enough, sharing no storage with each other or the inputs).
     /// Elsewhere the tensor-op path runs, which reports what does not fit.
     fn kernel_applies(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<bool> {
-        if COMPOSED_PATH.with(|c| c.get()) || !fusable(q) || self.compute != q.dtype() {
+        if PATH.with(|c| c.get()) != Path::Fastest || !fusable(q) || self.compute != q.dtype() {
             return Ok(false);
         }
         let (b, kv_heads, rows, hd) = q.dims4()?;
@@ -694,14 +717,15 @@ impl Attention {
         let (own_grad_k, own_grad_v) = (k.zeros_like()?, v.zeros_like()?);
         for r in b.ranges(k.dim(2)?)? {
             let (k_r, v_r) = b.keys_values(r, k, v)?;
-            let (s, mask, grad_p) = op_times::timed("attention.backward.scores", device, || {
-                let (s, mask) = b.scores(q, &k_r, r)?;
-                let grad_p = grad
-                    .matmul(&v_r.t()?)?
-                    .to_dtype(b.compute)?
-                    .reshape(s.shape())?;
-                Ok::<_, candle_core::Error>((s, mask, grad_p))
-            })?;
+            let (s, mask, grad_p) =
+                op_times::timed("attention.backward.scores_and_dp", device, || {
+                    let (s, mask) = b.scores(q, &k_r, r)?;
+                    let grad_p = grad
+                        .matmul(&v_r.t()?)?
+                        .to_dtype(b.compute)?
+                        .reshape(s.shape())?;
+                    Ok::<_, candle_core::Error>((s, mask, grad_p))
+                })?;
             let normalizer = (&self.normalizer.max, &self.normalizer.log_sum);
             let (p, grad_s) = op_times::timed("attention.backward.softmax", device, || {
                 let fused =
@@ -759,9 +783,9 @@ impl Attention {
 /// [`with_composed_path`] asks for the tensor ops CUDA runs: `None` then, and where the pass does
 /// not apply.
 fn fused_softmax<R>(pass: impl FnOnce() -> CResult<Option<R>>) -> CResult<Option<R>> {
-    match COMPOSED_PATH.with(|c| c.get()) {
-        true => Ok(None),
-        false => pass(),
+    match PATH.with(|c| c.get()) {
+        Path::TensorOps => Ok(None),
+        Path::Fastest | Path::FusedSoftmax => pass(),
     }
 }
 
