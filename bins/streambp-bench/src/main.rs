@@ -21,8 +21,7 @@ use streambp_core::{
     Options, Plan, Problem, Tiers,
 };
 use streambp_models::device::{parse_budget, parse_device, parse_dtype};
-use streambp_models::{op_times, LoraConfig};
-use streambp_models::{Model, ModelConfig};
+use streambp_models::{op_times, LoraConfig, Model, ModelConfig};
 use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
 use streambp_train::config::LoraArgs;
 use streambp_train::optim::{AdamW, AdamWConfig};
