@@ -65,13 +65,14 @@ impl std::fmt::Display for Cpu {
         let cache = *gemm_common::cache::CACHE_INFO;
         write!(
             f,
-            "{} ({}; L2 {} KiB, L3 {} KiB as gemm reads them; {} cores; our passes on {}, bf16 \
-             products on the {} kernel)",
+            "{} ({}; L2 {} KiB, L3 {} KiB as gemm reads them; {} cores, {} worker threads; our passes \
+             on {}, bf16 products on the {} kernel)",
             self.model,
             self.flags.join(" "),
             cache[1].cache_bytes >> 10,
             cache[2].cache_bytes >> 10,
             std::thread::available_parallelism().map_or(0, |n| n.get()),
+            rayon::current_num_threads(),
             streambp_models::simd::isa().name(),
             streambp_models::half_product::Kernel::detect().name(),
         )

@@ -56,4 +56,4 @@ pub use planner::{
     estimate, plan_for_budget, plan_with_checkpoints, CheckpointPlace, ChunkPolicy, Estimate,
     Planned, Problem, Tiers,
 };
-pub use workers::{on_workers, settle_thread_settings};
+pub use workers::{host_threads, on_workers, settle_thread_settings};

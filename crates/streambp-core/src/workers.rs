@@ -22,8 +22,8 @@ pub fn on_workers<R: Send>(device: &Device, work: impl FnOnce() -> R + Send) -> 
 
 /// Sets, for this process, the thread settings candle's CPU backend reads from the environment, unless
 /// the user has set them:
-/// - `RAYON_NUM_THREADS` to the thread count candle would pick (its physical cores): left unset,
-///   candle recounts the cores, reading `/proc/cpuinfo`, at every matrix product;
+/// - `RAYON_NUM_THREADS` to [`host_threads`]: left unset, candle recounts the cores, reading
+///   `/proc/cpuinfo`, at every matrix product;
 /// - `CANDLE_BARRIER_POOL_SPIN_LIMIT` to 200: after each large element-wise op, candle's second
 ///   pool spins 25,000 times by default before sleeping, on a core the next product's workers need
 ///   (measured in docs/benchmarks.md).
@@ -31,10 +31,7 @@ pub fn on_workers<R: Send>(device: &Device, work: impl FnOnce() -> R + Send) -> 
 /// Call it first thing in `main`, before any other thread exists: it writes the process environment.
 pub fn settle_thread_settings() {
     let settings = [
-        (
-            "RAYON_NUM_THREADS",
-            candle_core::utils::get_num_threads().to_string(),
-        ),
+        ("RAYON_NUM_THREADS", host_threads().to_string()),
         ("CANDLE_BARRIER_POOL_SPIN_LIMIT", "200".to_string()),
     ];
     for (key, value) in settings {
@@ -42,4 +39,15 @@ pub fn settle_thread_settings() {
             std::env::set_var(key, value);
         }
     }
+}
+
+/// The worker threads for the host's kernels: candle's count (the machine's physical cores, from
+/// `/proc/cpuinfo`) capped by the cores this process may run on (its affinity mask and cgroup
+/// quota: `taskset`, a container's `--cpuset-cpus`, a batch scheduler's allocation). Candle's
+/// count alone ignores the mask: on a 16-core machine under `taskset -c 0,1` it gave 16 rayon
+/// workers and 15 spinning element-wise workers to two cores (927,843 context switches in 8 s of
+/// a bench run, docs/benchmarks.md).
+pub fn host_threads() -> usize {
+    let allowed = std::thread::available_parallelism().map_or(usize::MAX, |n| n.get());
+    candle_core::utils::get_num_threads().min(allowed).max(1)
 }
