@@ -22,11 +22,46 @@ pub fn parse_device(spec: &str) -> Result<Device> {
                     "--device cuda needs a build with `--features cuda` and a GPU".into(),
                 ));
             }
-            Ok(Device::new_cuda(ordinal)?)
+            let device = Device::new_cuda(ordinal)?;
+            #[cfg(feature = "cuda")]
+            keep_freed_memory(&device);
+            Ok(device)
         }
         other => Err(ModelError::Input(format!(
             "unknown device {other:?} (expected cpu, cuda or cuda:N)"
         ))),
+    }
+}
+
+/// Lets the device's memory pool keep what a step frees instead of returning it to the driver.
+///
+/// Candle allocates stream-ordered (`cuMemAllocAsync`) from the device's current pool, whose release
+/// threshold is 0 by default: every synchronisation (each phase's end, every value read back) hands
+/// the pool's free memory back, and the next allocations map it again, page by page. A training
+/// process reuses the same sizes every step, so it keeps them, as PyTorch's caching allocator does.
+/// The peaks the bench reports count bytes in use, not bytes kept. Best effort: a pool that cannot
+/// be set is left as it is.
+#[cfg(feature = "cuda")]
+fn keep_freed_memory(device: &Device) {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys::CUmemPool_attribute};
+    let Device::Cuda(cuda) = device else { return };
+    let context = cuda.cuda_stream().context().clone();
+    if !context.has_async_alloc() || context.bind_to_thread().is_err() {
+        return;
+    }
+    let mut keep_all = u64::MAX;
+    // SAFETY: the pool comes from a live, bound context, and the release threshold is a u64.
+    let set = unsafe {
+        result::device::get_mem_pool(context.cu_device()).and_then(|pool| {
+            result::mem_pool::set_attribute(
+                pool,
+                CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut keep_all as *mut u64 as *mut std::ffi::c_void,
+            )
+        })
+    };
+    if let Err(e) = set {
+        tracing::warn!("the CUDA memory pool keeps releasing freed memory: {e}");
     }
 }
 
