@@ -381,8 +381,13 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
             measured >> 10
         );
         if c.name == "8 layers" {
+            // Dense checkpoints would leave chunks below 128 or not fit at all (which, depends on
+            // the CPU's gemm workspace: they do not fit on an Intel Xeon (Emerald Rapids), where
+            // every third layer stored gives chunks of 67), so the plan stores fewer, for larger chunks.
+            let dense = plan_for_budget(c.problem(&cfg, None), budget).map_or(0, |c| c.chunk);
+            assert!(dense < 128, "dense checkpoints: chunk {dense}");
             assert!(planned.checkpoint_every > 1, "{planned:?}");
-            assert!(chunks.chunk >= 128, "{planned:?}");
+            assert!(chunks.chunk > dense, "{planned:?} vs dense chunk {dense}");
         }
         if measured as u64 > budget {
             failures.push(format!(
