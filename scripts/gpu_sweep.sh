@@ -175,15 +175,18 @@ pack-cpu)
     #   cargo build --release -p streambp-bench
     #   cargo build --release -p streambp-models --example op_timings
     #   cargo test --release -p streambp-core --test planner --no-run
-    #   cargo test --release -p streambp-models --lib --no-run
+    #   cargo test --release -p streambp-models --lib --test half_layers --test bf16_kernel_choice --no-run
     rm -rf gpu-cpu /tmp/perf-kit && mkdir -p gpu-cpu /tmp/perf-kit/perf/lib
     xz -T2 -6 -c target/release/streambp-bench > gpu-cpu/streambp-bench.xz
     xz -T2 -6 -c target/release/examples/op_timings > gpu-cpu/op_timings.xz
     test_bin=$(ls -t target/release/deps/planner-* | grep -v '\.d$' | head -1)
     xz -T2 -6 -c "$test_bin" > gpu-cpu/planner.xz
-    # The models' unit tests: the bf16 kernels (AMX's among them) against exact sums on that CPU.
-    test_bin=$(ls -t target/release/deps/streambp_models-* | grep -v '\.d$' | head -1)
-    xz -T2 -6 -c "$test_bin" > gpu-cpu/models_lib.xz
+    # The models' unit tests and the bf16 layers' and kernel choice's tests: the bf16 kernels (AMX's
+    # among them) against exact sums, and the layers with the kernel that CPU chooses in force.
+    for test in streambp_models:models_lib half_layers:half_layers bf16_kernel_choice:bf16_kernel_choice; do
+        test_bin=$(ls -t target/release/deps/"${test%%:*}"-* | grep -v '\.d$' | head -1)
+        xz -T2 -6 -c "$test_bin" > gpu-cpu/"${test##*:}".xz
+    done
     perf_bin=$(command -v perf) || {
         echo "pack-cpu: no perf on this machine (apt-get install linux-perf)" >&2
         exit 1
@@ -203,7 +206,8 @@ cpu-profile)
     # a flat profile of its products; then the planner's test (its cost model against measured
     # peaks on this CPU). Carry gpu-cpu (`pack-cpu`); results in $OUT, six text files.
     kit=gpu-cpu
-    for f in "$kit"/streambp-bench "$kit"/op_timings "$kit"/planner "$kit"/models_lib; do
+    for f in "$kit"/streambp-bench "$kit"/op_timings "$kit"/planner "$kit"/models_lib \
+        "$kit"/half_layers "$kit"/bf16_kernel_choice; do
         [ -e "$f" ] || xz -dk "$f.xz"
         chmod +x "$f"
     done
@@ -221,10 +225,13 @@ cpu-profile)
         echo "perf_event_paranoid: $(cat /proc/sys/kernel/perf_event_paranoid 2>/dev/null)"
         nproc
     } > "$report" 2>&1
-    # The bf16 kernels first (AMX's has not run on a CPU with AMX before): every kernel this CPU
-    # has against exact sums, AMX's tiles against a model of them.
-    timeout "$(limit "${LIMIT:-120}")" "$kit/models_lib" amx_kernel half_product --nocapture \
-        > "$out/kernels.txt" 2>&1 || true
+    # The tests first, with the bf16 kernel this CPU chooses in force (AMX's, where it has AMX, has
+    # run there only under its own unit tests): every kernel against exact sums, AMX's tiles against
+    # a model of them, the models' unit tests, the bf16 layers' bits, the kernel choice.
+    for test in models_lib half_layers bf16_kernel_choice; do
+        STREAMBP_FIXTURES=tests/fixtures timeout "$(limit "${LIMIT:-120}")" "$kit/$test" --nocapture \
+            >> "$out/kernels.txt" 2>&1 || echo "$test: exit $?" >> "$out/kernels.txt"
+    done
     step_args=(--config benches/configs/qwen3-small.json --seq-lens 2048 --modes stream --chunk 128)
     # dtype, SIMD path, bf16 kernel (`-`: the CPU's own choice).
     for run in "f32 avx512 -" "bf16 avx512 widened" "bf16 avx512 dot" "bf16 avx512 amx" "f32 avx2 -" \

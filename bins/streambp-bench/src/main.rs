@@ -665,7 +665,9 @@ fn main() -> anyhow::Result<()> {
     op_times::switch(args.op_times);
     let device = match (parse_device(&args.device)?, args.world) {
         // One GPU per rank of the node.
-        (Device::Cuda(_), Some(_)) => Device::new_cuda(streambp_dist::local_rank())?,
+        (Device::Cuda(_), Some(_)) => {
+            parse_device(&format!("cuda:{}", streambp_dist::local_rank()))?
+        }
         (device, _) => device,
     };
     // Seeded: every rank builds the same weights.

@@ -3,6 +3,8 @@
 //! machine's cores from `/proc/cpuinfo`, which on a 16-core machine under `taskset -c 0,1` gave
 //! 16 workers to two cores).
 
+#![cfg(target_os = "linux")]
+
 use std::process::Command;
 
 /// The first core this process may run on, from `/proc/self/status`.
@@ -32,8 +34,15 @@ fn one_allowed_core_gets_one_worker_thread() {
         .env_remove("RAYON_NUM_THREADS")
         .env_remove("CANDLE_NUM_THREADS")
         .env("RUST_LOG", "warn")
-        .output()
-        .expect("taskset (util-linux) runs the bench on one core");
+        .output();
+    let out = match out {
+        Ok(out) => out,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            println!("not checked: no taskset on this machine (util-linux)");
+            return;
+        }
+        Err(e) => panic!("taskset: {e}"),
+    };
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

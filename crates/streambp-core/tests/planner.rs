@@ -381,13 +381,19 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
             measured >> 10
         );
         if c.name == "8 layers" {
-            // Dense checkpoints would leave chunks below 128 or not fit at all (which, depends on
-            // the CPU's gemm workspace: they do not fit on an Intel Xeon (Emerald Rapids), where
-            // every third layer stored gives chunks of 67), so the plan stores fewer, for larger chunks.
+            // Dense checkpoints would leave chunks below 128 or not fit at all (which of the two
+            // depends on the CPU's gemm workspace: on an Intel Xeon, Emerald Rapids, they do not
+            // fit), so the plan stores fewer, for larger chunks: chunks of 128 or more, else the
+            // fewest checkpoints it considers (every ⌈√8⌉ = 3 layers; chunk 67 on that Xeon).
             let dense = plan_for_budget(c.problem(&cfg, None), budget).map_or(0, |c| c.chunk);
             assert!(dense < 128, "dense checkpoints: chunk {dense}");
             assert!(planned.checkpoint_every > 1, "{planned:?}");
             assert!(chunks.chunk > dense, "{planned:?} vs dense chunk {dense}");
+            let fewest = CheckpointEvery::Sqrt.layers(8);
+            assert!(
+                chunks.chunk >= 128 || planned.checkpoint_every == fewest,
+                "{planned:?}"
+            );
         }
         if measured as u64 > budget {
             failures.push(format!(

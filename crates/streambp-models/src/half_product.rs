@@ -177,9 +177,10 @@ pub enum Kernel {
     Bf16Dot,
     /// AMX's tile products on the packed slices ([`crate::amx_kernel`]): the choice wherever the CPU
     /// has AMX. Measured on an Intel Xeon (Emerald Rapids, model 207, 2 threads): the qwen3-small
-    /// bf16 step 1.248 s against 1.42 s widened and 1.61 s dot products, `examples/op_timings`'
-    /// products 0.58-0.87x the widened kernel's time but for the two with the vocabulary as inner or
-    /// outer size (1.05-1.17x), its exact-sum tests passed there (docs/benchmarks.md).
+    /// bf16 step 1.248 s against 1.42 s widened and 1.61 s dot products; `examples/op_timings`'
+    /// products 0.58-0.88x the widened kernel's time but for the head's input gradient (the
+    /// vocabulary as inner size, 1.17x) and embedding gradient (as rows, 1.14x); its exact-sum
+    /// tests passed there (docs/benchmarks.md).
     Amx,
 }
 
