@@ -477,10 +477,15 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
         + projection_workspace;
 
     // The embedding's VJP (written out): the incoming `[b, T, d]` gradient; on the host its rows go
-    // into the table's accumulator in place (in half precision widened to f32 first); elsewhere its
-    // scaled rows and the table's gradient (model dtype; an f32 copy of it for half precision, added
-    // in place on it) summed with the accumulated one. Under LoRA the gradient arrives and nothing is done with
-    // it. Gemma's embedding scale and a padding id each make one more copy of the rows (not under LoRA).
+    // into the table's accumulator in place (in half precision widened to f32 first); elsewhere they
+    // make a table-sized sum in the model dtype (`index_add`), copied to f32 in half precision. Not
+    // tied, that sum (or its copy) becomes the table's accumulator, already counted in
+    // `grads_after_layers`: only the model-dtype sum a copy is made from comes on top (measured on
+    // an H100: Qwen3-8B's first 4 layers, bf16, T = 32,768, 6.81 GB above the weights). Tied, the
+    // accumulator holds the head's share already, and the scaled rows and the sum (with its f32
+    // copy) are added to it out of place, a new sum beside it (not yet measured on a card). Under
+    // LoRA the gradient arrives and nothing is done with it. Gemma's embedding scale and a padding
+    // id each make one more copy of the rows (not under LoRA).
     let row_copies = match p.lora {
         None => cfg.embed_scale.is_some() as u64 + cfg.pad_token_id.is_some() as u64,
         Some(_) => 0,
@@ -491,6 +496,9 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
             (Some(_), _) => hidden,
             (None, true) if half => hidden + b * t * d * f32b,
             (None, true) => hidden,
+            (None, false) if !cfg.tie_word_embeddings => {
+                hidden + if half { vocab * d * e } else { 0 }
+            }
             (None, false) if half => 2 * hidden + table_grad + vocab * d * f32b,
             (None, false) => 2 * hidden + table_grad,
         };
@@ -719,6 +727,35 @@ mod tests {
         // On the CPU host memory is the planned memory: only the device or disk.
         let cpu = plan_with_checkpoints(problem(&cfg, 524_288, true), budget, everything).unwrap();
         assert_eq!(cpu.place, Some(CheckpointPlace::Disk));
+    }
+
+    /// Off the host, the estimate against what an H100 measured (2026-11-27, docs/benchmarks.md,
+    /// "Checkpoint tiers on the card"): Qwen3-8B's first 4 layers in bf16, T = 32,768, chunk 2048,
+    /// logits chunk 1024, one stream backward; the phases' peaks above the weights, in bytes. The
+    /// embedding phase (an untied table: its rows' sum becomes the accumulator) to 1%; the head's,
+    /// the peak there, not under by more than the 7% a budget keeps.
+    #[test]
+    fn device_phases_match_the_card() {
+        let mut cfg = qwen3_8b();
+        cfg.layers.truncate(4);
+        let rows = Chunks {
+            chunk: 2048,
+            logits_chunk: 1024,
+        };
+        let estimate = estimate(problem(&cfg, 32_768, false), rows);
+        // The estimate's phases are above `resident`: the weights, and the rope tables and tokens.
+        let above_weights = |phase: u64| phase + estimate.resident - 4_033_685_504;
+        let error = |phase: u64, measured: f64| above_weights(phase) as f64 / measured - 1.0;
+        let embedding = error(estimate.embedding_phase, 6_807_562_240.0);
+        assert!(
+            embedding.abs() < 0.01,
+            "embedding phase off by {embedding:+.3}"
+        );
+        let head = error(estimate.head_phase, 10_735_226_880.0);
+        assert!(
+            (-0.07..0.25).contains(&head),
+            "head phase off by {head:+.3}"
+        );
     }
 
     /// The plan's place sets the options: host offloads, disk keeps the directory, device drops both.
