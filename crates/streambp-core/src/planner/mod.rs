@@ -478,10 +478,11 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
 
     // The embedding's VJP (written out): the incoming `[b, T, d]` gradient; on the host its rows go
     // into the table's accumulator in place (in half precision widened to f32 first); elsewhere they
-    // make a table-sized sum in the model dtype (`index_add`), copied to f32 in half precision. Not
-    // tied, that sum (or its copy) becomes the table's accumulator, already counted in
-    // `grads_after_layers`: only the model-dtype sum a copy is made from comes on top (measured on
-    // an H100: Qwen3-8B's first 4 layers, bf16, T = 32,768, 6.81 GB above the weights). Tied, the
+    // make a table-sized sum in the model dtype (`index_add` onto zeros), copied to f32 in half
+    // precision. Not tied, that sum (or its copy) becomes the table's accumulator, already counted
+    // in `grads_after_layers`: one more model-dtype table comes on top, the zeros beside the sum or
+    // the sum beside its copy (measured on an H100: Qwen3-8B's first 4 layers, bf16, T = 32,768,
+    // 6.81 GB above the weights). Tied, the
     // accumulator holds the head's share already, and the scaled rows and the sum (with its f32
     // copy) are added to it out of place, a new sum beside it (not yet measured on a card). Under
     // LoRA the gradient arrives and nothing is done with it. Gemma's embedding scale and a padding
@@ -496,9 +497,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
             (Some(_), _) => hidden,
             (None, true) if half => hidden + b * t * d * f32b,
             (None, true) => hidden,
-            (None, false) if !cfg.tie_word_embeddings => {
-                hidden + if half { vocab * d * e } else { 0 }
-            }
+            (None, false) if !cfg.tie_word_embeddings => hidden + vocab * d * e,
             (None, false) if half => 2 * hidden + table_grad + vocab * d * f32b,
             (None, false) => 2 * hidden + table_grad,
         };
