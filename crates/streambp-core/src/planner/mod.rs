@@ -482,11 +482,10 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // precision. Not tied, that sum (or its copy) becomes the table's accumulator, already counted
     // in `grads_after_layers`: one more model-dtype table comes on top, the zeros beside the sum or
     // the sum beside its copy (measured on an H100: Qwen3-8B's first 4 layers, bf16, T = 32,768,
-    // 6.81 GB above the weights). Tied, the
-    // accumulator holds the head's share already, and the scaled rows and the sum (with its f32
-    // copy) are added to it out of place, a new sum beside it (not yet measured on a card). Under
-    // LoRA the gradient arrives and nothing is done with it. Gemma's embedding scale and a padding
-    // id each make one more copy of the rows (not under LoRA).
+    // 6.81 GB above the weights). Tied, the accumulator holds the head's share already, and the
+    // scaled rows and the sum (with its f32 copy) are added to it out of place, a new sum beside it
+    // (not yet measured on a card). Under LoRA the gradient arrives and nothing is done with it.
+    // Gemma's embedding scale and a padding id each make one more copy of the rows (not under LoRA).
     let row_copies = match p.lora {
         None => cfg.embed_scale.is_some() as u64 + cfg.pad_token_id.is_some() as u64,
         Some(_) => 0,
