@@ -273,10 +273,9 @@ session)
     # One device call for the runs still owed: `parity`, `profile` and `time` at T = 16,384 (stream
     # and checkpoint; since the memory pool keeps its memory, not yet measured on the whole model)
     # on the card (host cores CARD_CORES, 4-15) while the host CPU runs `cpu` (PEER_CORES, 0,1) and
-    # `cpu-profile` (PROFILE_CORES, 2,3), carrying `gpu`
-    # and `gpu-cpu` (pack both; the CPU side uses the CUDA build's bench, the same host code, and
-    # `gpu/streambp-train.xz` and `gpu-cpu/streambp-bench.xz` can be left out: what travels is
-    # limited to 64 MiB). The host's figures are taken beside the card's runs (memory bandwidth
+    # `cpu-profile` (PROFILE_CORES, 2,3), carrying `gpu` and `gpu-cpu` (pack both; the CPU side uses
+    # the CUDA build's bench, the same host code, and `gpu/streambp-train.xz` and
+    # `gpu-cpu/streambp-bench.xz` can be left out: what travels is limited to 64 MiB). The host's figures are taken beside the card's runs (memory bandwidth
     # and caches shared), so they are comparable among themselves, not with a quiet machine's.
     # Every run ends by SESSION_LIMIT seconds; what the steps wrote under $OUT is bundled into
     # results.tgz however the session ends (a call brings back at most 8 files).
