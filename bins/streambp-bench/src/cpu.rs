@@ -74,7 +74,7 @@ impl std::fmt::Display for Cpu {
             std::thread::available_parallelism().map_or(0, |n| n.get()),
             rayon::current_num_threads(),
             streambp_models::simd::isa().name(),
-            streambp_models::half_product::Kernel::detect().name(),
+            streambp_models::half_product::Kernel::detect().label(),
         )
     }
 }

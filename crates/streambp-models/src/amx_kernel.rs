@@ -11,7 +11,8 @@
 //! low half) padded to whole tiles: `a` row by row, each row's pairs contiguous (a tile row is 16
 //! pairs), `b` in panels of 16 columns as [`crate::bf16_kernel`] packs them (a tile row is one
 //! pair of each of the 16 columns). Everything but the tile unit is [`tile_with`] over a
-//! [`TileUnit`], so the tests run it on a model of the unit on every CPU.
+//! [`TileUnit`], so the tests run it on a model of the unit ([`Emulated`]) on every CPU, and
+//! `STREAMBP_BF16_KERNEL=amx-emulated` runs every bf16 product on that model.
 //!
 //! Linux hands AMX's 8 KiB of tile state to a process only when asked (`arch_prctl`): asked once,
 //! by [`available`].
@@ -163,7 +164,7 @@ fn pack_rows<E: Element>(
 }
 
 /// What computes one [`MR`] × [`NR`] block of sums from packed operands: AMX's tiles ([`Amx`]), or
-/// in tests a model of them.
+/// a model of them ([`Emulated`]).
 pub(crate) trait TileUnit {
     /// `sums = a_block · panels` over `pairs` pairs (a whole number of [`TILE`]s): `a_block` holds
     /// [`MR`] packed rows of `pairs` pairs ([`pack_rows`]), `panels` two panels of 16 columns,
@@ -172,7 +173,7 @@ pub(crate) trait TileUnit {
 }
 
 /// Where a block's tiles start in its operands and sums, in elements, and their rows' strides: the
-/// addresses [`Amx::block`]'s loads and stores take, and the tests' model of them.
+/// addresses [`Amx::block`]'s loads and stores take, and [`Emulated`]'s.
 mod addresses {
     use super::{NR, TILE};
 
@@ -312,15 +313,85 @@ impl TileUnit for Amx {
     }
 }
 
+/// AMX's tile unit in software, at the addresses [`Amx::block`] takes: each tile loaded as 16 rows
+/// from its base at its row stride; `tdpbf16ps c, a, b` adds, for each row `m` of `a`, pair `p` and
+/// column `n` of `b`, `a[m][p].hi·b[p][n].hi`, then `a[m][p].lo·b[p][n].lo`, to `c[m][n]` in f32
+/// (each product exact, each sum rounded; denormals aside). The tests run [`tile_with`] on it on
+/// every CPU; [`EMULATED`] runs every bf16 product on it where the CPU has no AMX, so that the whole
+/// test suite can run with the tiles' order of sums on any CPU (slowly).
+///
+/// The order is the one nearest the hardware's: a qwen3-small bf16 step (T = 2048, chunk 128) gave
+/// the loss 9.752959042787552 on an Emerald Rapids Xeon's tiles and 9.752959281206131 on this model
+/// (the AVX512-BF16 kernel's bits, whose `vdpbf16ps` adds the high halves first), against
+/// 9.752923622727394 adding the low halves first, as Intel's pseudo-code for `tdpbf16ps` reads, and
+/// 9.75296293 for each pair summed before it is added: orders of summation alone move this loss
+/// by about 1e-5 (the rounding of bf16 activations amplifies them).
+pub(crate) struct Emulated;
+
+/// Sixteen rows of sixteen packed pairs: one tile.
+type TileRows = [[u32; TILE]; TILE];
+
+fn load(data: &[u32], base: usize, stride: usize) -> TileRows {
+    std::array::from_fn(|m| std::array::from_fn(|p| data[base + m * stride + p]))
+}
+
+fn tdpbf16ps(c: &mut [[f32; TILE]; TILE], a: &TileRows, b: &TileRows) {
+    let half = |x: u32, hi: bool| f32::from_bits(if hi { x & 0xffff_0000 } else { x << 16 });
+    for (c, a) in c.iter_mut().zip(a) {
+        for (p, &a) in a.iter().enumerate() {
+            for (c, &b) in c.iter_mut().zip(&b[p]) {
+                *c += half(a, true) * half(b, true);
+                *c += half(a, false) * half(b, false);
+            }
+        }
+    }
+}
+
+impl TileUnit for Emulated {
+    fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: &mut [f32; MR * NR]) {
+        use addresses::*;
+        let mut c = [[[0f32; TILE]; TILE]; 4];
+        for step in 0..pairs / TILE {
+            let a = [0, second_tile(pairs)].map(|t| load(a_block, t + step * A_STEP, a_row(pairs)));
+            let b = [0, second_tile(pairs)].map(|t| load(panels, t + step * B_STEP, B_ROW));
+            tdpbf16ps(&mut c[0], &a[0], &b[0]);
+            tdpbf16ps(&mut c[1], &a[0], &b[1]);
+            tdpbf16ps(&mut c[2], &a[1], &b[0]);
+            tdpbf16ps(&mut c[3], &a[1], &b[1]);
+        }
+        for (tile, &base) in c.iter().zip(&SUMS) {
+            for (m, row) in tile.iter().enumerate() {
+                sums[base + m * SUMS_ROW..][..TILE].copy_from_slice(row);
+            }
+        }
+    }
+}
+
+/// The value of [`crate::half_product::KERNEL_ENV`] that runs this kernel on [`Emulated`] where the
+/// CPU has no AMX (and on the tiles where it has).
+pub const EMULATED: &str = "amx-emulated";
+
+/// Whether bf16 products on this kernel run on [`Emulated`]: asked for by [`EMULATED`], on a CPU
+/// without AMX. Read once.
+pub fn emulated() -> bool {
+    static EMULATING: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *EMULATING.get_or_init(|| {
+        let asked = std::env::var(crate::half_product::KERNEL_ENV);
+        !available() && asked.is_ok_and(|v| v.trim() == EMULATED)
+    })
+}
+
 /// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major) on
-/// AMX's tiles. Panics unless [`available`] (the caller dispatches on it) and if `out` is too
-/// small; the operands' ranges are the caller's to check.
+/// AMX's tiles, or on [`Emulated`] where asked for ([`emulated`]). Panics if neither (the caller
+/// dispatches on [`available`]) and if `out` is too small; the operands' ranges are the caller's
+/// to check.
 pub fn tile<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: &mut [f32]) {
-    let unit = Amx::new().expect("AMX kernel: the CPU or the process has no AMX");
     #[cfg(target_arch = "x86_64")]
-    tile_with(&unit, tile, packs, out);
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (unit, tile, packs, out);
+    if let Some(unit) = Amx::new() {
+        return tile_with(&unit, tile, packs, out);
+    }
+    assert!(emulated(), "AMX kernel: the CPU or the process has no AMX");
+    tile_with(&Emulated, tile, packs, out)
 }
 
 /// [`tile`] on any [`TileUnit`].
@@ -366,51 +437,6 @@ pub(crate) fn tile_with<A: Element>(
 mod tests {
     use super::*;
     use half::bf16;
-
-    /// The tile unit as Intel's manual specifies it, at the addresses [`Amx::block`] takes: each
-    /// tile loaded as 16 rows from its base at its row stride; `tdpbf16ps c, a, b` adds, for each
-    /// row `m` of `a`, pair `p` and column `n` of `b`, `a[m][p].lo·b[p][n].lo`, then
-    /// `a[m][p].hi·b[p][n].hi`, to `c[m][n]` in f32 (denormals aside).
-    struct Model;
-
-    type TileRows = [[u32; TILE]; TILE];
-
-    fn load(data: &[u32], base: usize, stride: usize) -> TileRows {
-        std::array::from_fn(|m| std::array::from_fn(|p| data[base + m * stride + p]))
-    }
-
-    fn tdpbf16ps(c: &mut [[f32; TILE]; TILE], a: &TileRows, b: &TileRows) {
-        let half = |x: u32, hi: bool| f32::from_bits(if hi { x & 0xffff_0000 } else { x << 16 });
-        for (c, a) in c.iter_mut().zip(a) {
-            for (p, &a) in a.iter().enumerate() {
-                for (c, &b) in c.iter_mut().zip(&b[p]) {
-                    *c += half(a, false) * half(b, false);
-                    *c += half(a, true) * half(b, true);
-                }
-            }
-        }
-    }
-
-    impl TileUnit for Model {
-        fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: &mut [f32; MR * NR]) {
-            use addresses::*;
-            let mut c = [[[0f32; TILE]; TILE]; 4];
-            for step in 0..pairs / TILE {
-                let a =
-                    [0, second_tile(pairs)].map(|t| load(a_block, t + step * A_STEP, a_row(pairs)));
-                let b = [0, second_tile(pairs)].map(|t| load(panels, t + step * B_STEP, B_ROW));
-                tdpbf16ps(&mut c[0], &a[0], &b[0]);
-                tdpbf16ps(&mut c[1], &a[0], &b[1]);
-                tdpbf16ps(&mut c[2], &a[1], &b[0]);
-                tdpbf16ps(&mut c[3], &a[1], &b[1]);
-            }
-            for (tile, &base) in c.iter().zip(&SUMS) {
-                for (m, row) in tile.iter().enumerate() {
-                    sums[base + m * SUMS_ROW..][..TILE].copy_from_slice(row);
-                }
-            }
-        }
-    }
 
     /// Small integers: every product and partial sum is exact in f32, so any order of summing
     /// gives the same bits.
@@ -467,7 +493,7 @@ mod tests {
                 );
                 let mut packs = Packs::default();
                 let mut got = start.clone();
-                tile_with(&Model, &tile, &mut packs, &mut got);
+                tile_with(&Emulated, &tile, &mut packs, &mut got);
                 assert_eq!(got, want, "model {layouts}");
                 #[cfg(target_arch = "x86_64")]
                 if let Some(amx) = &amx {
@@ -477,6 +503,49 @@ mod tests {
                 }
             });
         }
+    }
+
+    /// On operands whose sums round (not small integers), the model adds in the AVX512-BF16
+    /// kernel's order: the same bits as it, where the CPU has it, in every layout and across
+    /// several inner slices. (The tiles themselves were measured near it, not equal: see
+    /// [`Emulated`].)
+    #[test]
+    fn the_model_sums_in_the_dot_kernels_order() {
+        if !crate::bf16_kernel::available() {
+            println!("not checked: no AVX512-BF16 on this CPU");
+            return;
+        }
+        let (m, n, k) = (37, 45, 600);
+        let values = |len: usize, seed: u64| -> Vec<bf16> {
+            (0..len as u64)
+                .map(|i| {
+                    bf16::from_f32(((i * 2654435761 + seed * 97) % 2001) as f32 / 1000.0 - 1.0)
+                })
+                .collect()
+        };
+        let (a_data, b_data) = (values(2 * m * k + 1, 1), values(2 * k * n + 1, 2));
+        crate::half_product::each_layout((m, n, k), (&a_data, &b_data), |a, b| {
+            let tile = Tile {
+                a: &a,
+                rows: 0..m,
+                b: &b,
+                cols: 0..n,
+                k,
+            };
+            let (mut model, mut dot) = (vec![0.5f32; m * n], vec![0.5f32; m * n]);
+            tile_with(&Emulated, &tile, &mut Packs::default(), &mut model);
+            crate::bf16_kernel::tile(&tile, &mut Default::default(), &mut dot);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&model),
+                bits(&dot),
+                "a strides ({}, {}), b ({}, {})",
+                a.row_stride,
+                a.col_stride,
+                b.row_stride,
+                b.col_stride
+            );
+        });
     }
 
     /// A tile inside a larger product: rows and columns that start past 0.
@@ -507,7 +576,7 @@ mod tests {
             cols: cols.clone(),
             k,
         };
-        let mut units: Vec<(&str, &dyn TileUnit)> = vec![("model", &Model)];
+        let mut units: Vec<(&str, &dyn TileUnit)> = vec![("model", &Emulated)];
         let amx = Amx::new();
         #[cfg(target_arch = "x86_64")]
         if let Some(amx) = &amx {

@@ -185,7 +185,9 @@ pub enum Kernel {
 }
 
 /// The environment variable that picks the bf16 products' kernel by [`Kernel::name`] (read once):
-/// to compare the two on a CPU whose choice was never measured, or to test one.
+/// to compare them on a CPU whose choice was never measured, or to test one; `amx-emulated` runs
+/// AMX's kernel on a software model of its tiles where the CPU has none, to run the tests with
+/// AMX's order of sums on any CPU (slowly).
 pub const KERNEL_ENV: &str = "STREAMBP_BF16_KERNEL";
 
 impl Kernel {
@@ -195,6 +197,15 @@ impl Kernel {
             Kernel::Widened => "widened",
             Kernel::Bf16Dot => "dot",
             Kernel::Amx => "amx",
+        }
+    }
+
+    /// The name reports print for the kernel in force: [`Kernel::name`], or `amx-emulated` where
+    /// AMX's kernel runs on its software model (see [`KERNEL_ENV`]).
+    pub fn label(self) -> &'static str {
+        match self {
+            Kernel::Amx if crate::amx_kernel::emulated() => crate::amx_kernel::EMULATED,
+            kernel => kernel.name(),
         }
     }
 
@@ -215,6 +226,9 @@ impl Kernel {
             let Ok(asked) = std::env::var(KERNEL_ENV) else {
                 return measured;
             };
+            if crate::amx_kernel::emulated() {
+                return Kernel::Amx;
+            }
             let kernels = Kernel::available();
             match kernels.iter().find(|k| k.name() == asked.trim()) {
                 Some(&kernel) => kernel,
@@ -231,13 +245,14 @@ impl Kernel {
         })
     }
 
-    /// Every kernel the running CPU can run (for tests that check each).
+    /// Every kernel the running CPU can run (for tests that check each), AMX's on its model of the
+    /// tiles included where that is asked for (`amx-emulated`, [`KERNEL_ENV`]).
     pub fn available() -> Vec<Self> {
         let mut kernels = vec![Kernel::Widened];
         if crate::bf16_kernel::available() {
             kernels.push(Kernel::Bf16Dot);
         }
-        if crate::amx_kernel::available() {
+        if crate::amx_kernel::available() || crate::amx_kernel::emulated() {
             kernels.push(Kernel::Amx);
         }
         kernels
