@@ -204,7 +204,8 @@ cpu-profile)
     # tests, then both dtypes on two cores (CORES), each phase's time, page faults, and perf's flat and
     # inclusive profiles (software clock: these VMs expose no hardware counters), and op_timings with
     # a flat profile of its products; then the planner's test (its cost model against measured
-    # peaks on this CPU). Carry gpu-cpu (`pack-cpu`); results in $OUT, six text files.
+    # peaks on this CPU), and the peer's step by operator. Carry gpu-cpu (`pack-cpu`); results in
+    # $OUT, seven text files.
     kit=gpu-cpu
     for f in "$kit"/streambp-bench "$kit"/op_timings "$kit"/planner "$kit"/models_lib \
         "$kit"/half_layers "$kit"/bf16_kernel_choice; do
@@ -268,6 +269,16 @@ cpu-profile)
         2>&1 | grep -v '^#' | grep -v '^$' | head -60 >> "$out/op_timings.txt" || true
     timeout "$(limit "${LIMIT:-240}")" taskset -c "$cores" "$kit/planner" --nocapture \
         > "$out/planner.txt" 2>&1 || true
+    # The peer's step by operator (torch's profiler: its products, attention, element-wise work),
+    # f32 and bf16 with checkpointing, to set beside the phases' times above (our f32 step at
+    # T = 2048 was 1.18x the peer's here on 2026-11-27).
+    py=/opt/torch/.venv/bin/python
+    [ -x "$py" ] || py=python3
+    for dtype in f32 bf16; do
+        timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" "$py" scripts/peer_bench.py \
+            --config benches/configs/qwen3-small.json --dtype "$dtype" --seqs 2048 --modes gc \
+            --repeats 2 --profile >> "$out/peer-profile.txt" 2>&1 || true
+    done
     ;;
 session)
     # One device call for the runs still owed: `parity`, `profile` and `time` at T = 16,384 (stream

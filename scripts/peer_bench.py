@@ -6,6 +6,12 @@ Two ways to run it (torch + transformers from PyPI: `.venv/bin/pip install torch
     # standalone: JSON lines, one per (T, mode), the median of --repeats after a warm-up
     python scripts/peer_bench.py --config benches/configs/qwen3-small.json --seqs 2048,4096
 
+    # where its time goes: after the timed steps, one more step per (T, mode) under torch's profiler,
+    # its operators' own times (what the peer's step spends in products, attention, element-wise
+    # work), to set beside the bench's --op-times
+    python scripts/peer_bench.py --config benches/configs/qwen3-small.json --seqs 2048 --modes gc \
+        --profile
+
     # as the bench's peer (streambp-bench --peer python): reads "T MODE" lines on stdin, answers one
     # JSON line per request, so the bench can alternate the peer's steps with its own in one run
     python scripts/peer_bench.py --config benches/configs/qwen3-small.json --serve
@@ -36,6 +42,8 @@ p.add_argument("--seqs", default="1024,2048", help="standalone: sequence lengths
 p.add_argument("--modes", default="none,gc", help="standalone: none, gc or both")
 p.add_argument("--repeats", type=int, default=3, help="standalone: timed steps per point")
 p.add_argument("--serve", action="store_true", help="answer 'T MODE' lines on stdin")
+p.add_argument("--profile", action="store_true",
+               help="standalone: one more step per point under torch's profiler, its table after the JSON")
 a = p.parse_args()
 
 torch.set_num_threads(a.threads)
@@ -97,3 +105,9 @@ else:
             times = [step(t, mode)[0] for _ in range(a.repeats)]
             print(json.dumps(dict(T=t, mode=mode, median_s=statistics.median(times), runs=times,
                                   **info())), flush=True)
+            if a.profile:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    seconds, _ = step(t, mode)
+                print(f"# torch profiler, T={t} {mode} {a.dtype}: one step, {seconds:.3f} s under the "
+                      f"profiler (the timed steps' median: {statistics.median(times):.3f} s)")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
