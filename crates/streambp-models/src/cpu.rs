@@ -5,6 +5,7 @@ use candle_core::{DType, Storage, Tensor, WithDType};
 use num_traits::Float;
 
 use crate::skinny::{self, SumType};
+use crate::transpose;
 use crate::vectorized;
 
 type CResult<T> = candle_core::Result<T>;
@@ -283,13 +284,46 @@ pub(crate) fn product_into<T: WithDType + SumType>(
     }
 }
 
-/// `dst (=|+=) a·b`, one single-threaded gemm call, `dst` at row stride `dst_rs` and each operand
-/// as `(first element, row stride, column stride)`.
+/// `dst (=|+=) a·b` on one thread, `dst` at row stride `dst_rs` and each operand as `(first
+/// element, row stride, column stride)`: one gemm call, or where `b` is a transposed view (`Wᵀ`),
+/// one per slab of its columns copied into rows ([`transpose`]).
 ///
 /// # Safety
 /// `dst` must address `m` rows of `n` writable elements at row stride `dst_rs` that nothing else
 /// touches during the call, `a` an `m × k` and `b` a `k × n` matrix of readable elements.
 pub(crate) unsafe fn gemm_call<T: WithDType>(
+    dst: *mut T,
+    dst_rs: usize,
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+    a: (*const T, usize, usize),
+    b: (*const T, usize, usize),
+) {
+    let Some(slab) = transpose::slab_columns((m, n, k), (b.1, b.2)) else {
+        // SAFETY: the caller's contract.
+        return unsafe { gemm_once(dst, dst_rs, (m, n, k), accumulate, a, b) };
+    };
+    let mut rows = Vec::new();
+    for j0 in (0..n).step_by(slab) {
+        let c = slab.min(n - j0);
+        // SAFETY: columns j0..j0 + c of `b` (each `k` adjacent elements: `b.1` is 1) are readable,
+        // and so is their `[k, c]` copy; columns j0.. of `dst` are the caller's.
+        unsafe {
+            transpose::columns_into_rows(&mut rows, b.0.wrapping_add(j0 * b.2), (k, c), b.2);
+            gemm_once(
+                dst.wrapping_add(j0),
+                dst_rs,
+                (m, c, k),
+                accumulate,
+                a,
+                (rows.as_ptr(), c, 1),
+            );
+        }
+    }
+}
+
+/// One single-threaded gemm call, as [`gemm_call`] (and its contract).
+unsafe fn gemm_once<T: WithDType>(
     dst: *mut T,
     dst_rs: usize,
     (m, n, k): (usize, usize, usize),

@@ -50,6 +50,7 @@ pub mod skinny;
 mod swiglu;
 #[cfg(test)]
 mod testing;
+pub mod transpose;
 pub mod weights;
 
 pub use config::{

@@ -107,6 +107,15 @@ impl Product {
             1
         }
     }
+
+    /// `B`'s column stride: 1 for a row-major `[k, n]`, `k` for a view `Wᵀ`.
+    fn b_col_stride(&self) -> usize {
+        if self.b_rows_contiguous {
+            1
+        } else {
+            self.k
+        }
+    }
 }
 
 /// Bytes a host product allocates while it runs, for elements of `elem` bytes: split into output
@@ -133,8 +142,27 @@ pub fn workspace(p: Product, elem: usize, tiled: bool) -> u64 {
     rayon::current_num_threads().min(tiles) as u64 * call_workspace(tile, elem) + tile_list
 }
 
-/// Bytes one single-threaded gemm call allocates while it runs, for elements of `elem` bytes.
+/// Bytes one single-threaded product allocates while it runs, for elements of `elem` bytes: where
+/// `B` is a transposed view, the copy of a slab of its columns into rows (kept across the slabs,
+/// the first the widest) beside the gemm call on it (`streambp_models::transpose`), else the
+/// call's own.
 fn call_workspace(p: Product, elem: usize) -> u64 {
+    let b_strides = (p.b_row_stride(), p.b_col_stride());
+    match streambp_models::transpose::slab_columns((p.m, p.n, p.k), b_strides) {
+        Some(slab) => {
+            let on_rows = Product {
+                n: slab,
+                b_rows_contiguous: true,
+                ..p
+            };
+            (p.k * slab * elem) as u64 + gemm_call_workspace(on_rows, elem)
+        }
+        None => gemm_call_workspace(p, elem),
+    }
+}
+
+/// Bytes one single-threaded gemm call allocates while it runs, for elements of `elem` bytes.
+fn gemm_call_workspace(p: Product, elem: usize) -> u64 {
     if p.m == 0 || p.n == 0 || p.k <= 2 {
         return 0;
     }
