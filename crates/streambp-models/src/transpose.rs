@@ -5,9 +5,9 @@
 //! its left panels. When those columns are strided (a row of `W` is a column of `Wᵀ`), its packing
 //! gathers them one element at a time (`pack_lhs`: 15.6% of an f32 step's samples on an AMD EPYC
 //! Zen 4, 14.0% on an Intel Xeon). Copied into rows first, by 8 × 8 blocks in AVX registers, they
-//! are packed by whole vectors: the qwen3-small f32 step (T = 2048, chunk 128, `--op-times`, six
-//! alternated runs on the Zen 4) took 1.006-1.082 s against 1.053-1.238 s, its forward 0.155-0.173
-//! against 0.175-0.217 s, with the same loss and peak to the bit (the same kernel adds the same
+//! are packed by whole vectors: the qwen3-small f32 step (T = 2048, chunk 128, `--op-times`, four
+//! alternated runs on the Zen 4) took 0.979-1.054 s against 1.087-1.193 s, its forward 0.150-0.169
+//! against 0.176-0.201 s, with the same loss and peak to the bit (the same kernel adds the same
 //! terms in the same order, and the copy takes the place of gemm's own packing buffer).
 //!
 //! The copy is made per call and in slabs of columns ([`slab_columns`]), so that it holds about as
@@ -15,7 +15,8 @@
 
 use crate::simd::{self, Isa};
 
-/// Elements a slab holds at most, unless [`MIN_SLAB_COLUMNS`] columns need more.
+/// Elements a slab holds at most, unless [`MIN_SLAB_COLUMNS`] columns need more; its columns are a
+/// multiple of 16.
 const SLAB_ELEMENTS: usize = 128 * 1024;
 
 /// The fewest columns a slab takes (gemm's AVX-512 register tile is 64 rows of its transposed
@@ -35,7 +36,9 @@ pub fn slab_columns(
 ) -> Option<usize> {
     let transposed_view = b_row_stride == 1 && b_col_stride != 1;
     let packs = m > 1 && n > 1 && k > 2 && m * n > DOT_PRODUCT_OUTPUTS;
-    (transposed_view && packs).then(|| (SLAB_ELEMENTS / k).max(MIN_SLAB_COLUMNS).min(n))
+    // Whole vectors of gemm's widest kernel (16 f32), so that it packs no slab but the last.
+    let columns = (SLAB_ELEMENTS / k / 16 * 16).max(MIN_SLAB_COLUMNS);
+    (transposed_view && packs).then(|| columns.min(n))
 }
 
 /// `c` columns of a `k`-row operand, column `j` starting at `src + j·ld` with its `k` elements

@@ -144,21 +144,26 @@ pub fn workspace(p: Product, elem: usize, tiled: bool) -> u64 {
 
 /// Bytes one single-threaded product allocates while it runs, for elements of `elem` bytes: where
 /// `B` is a transposed view, the copy of a slab of its columns into rows (kept across the slabs,
-/// the first the widest) beside the gemm call on it (`streambp_models::transpose`), else the
-/// call's own.
+/// the first the widest) beside the gemm call on each (`streambp_models::transpose`; the last
+/// slab's columns may not fill gemm's vectors, so that it packs them), else the call's own.
 fn call_workspace(p: Product, elem: usize) -> u64 {
     let b_strides = (p.b_row_stride(), p.b_col_stride());
-    match streambp_models::transpose::slab_columns((p.m, p.n, p.k), b_strides) {
-        Some(slab) => {
-            let on_rows = Product {
-                n: slab,
-                b_rows_contiguous: true,
-                ..p
-            };
-            (p.k * slab * elem) as u64 + gemm_call_workspace(on_rows, elem)
-        }
-        None => gemm_call_workspace(p, elem),
-    }
+    let Some(slab) = streambp_models::transpose::slab_columns((p.m, p.n, p.k), b_strides) else {
+        return gemm_call_workspace(p, elem);
+    };
+    let last = match p.n % slab {
+        0 => slab,
+        rest => rest,
+    };
+    let on_rows = |n: usize| {
+        let slab = Product {
+            n,
+            b_rows_contiguous: true,
+            ..p
+        };
+        gemm_call_workspace(slab, elem)
+    };
+    (p.k * slab * elem) as u64 + on_rows(slab).max(on_rows(last))
 }
 
 /// Bytes one single-threaded gemm call allocates while it runs, for elements of `elem` bytes.
