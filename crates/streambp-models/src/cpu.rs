@@ -299,61 +299,43 @@ pub(crate) unsafe fn gemm_call<T: WithDType>(
     a: (*const T, usize, usize),
     b: (*const T, usize, usize),
 ) {
+    // `dst`'s first `cols` columns (=|+=) `a` by `b`'s, as gemm takes them.
+    let gemm_on = |dst: *mut T, cols: usize, b: (*const T, usize, usize)| {
+        // SAFETY: each call below passes columns of `dst` within the caller's `n` (its contract),
+        // and `b` as the caller gave it or a readable `[k, cols]` copy of its columns.
+        unsafe {
+            gemm::gemm(
+                m,
+                cols,
+                k,
+                dst,
+                1,
+                dst_rs as isize,
+                accumulate,
+                a.0,
+                a.2 as isize,
+                a.1 as isize,
+                b.0,
+                b.2 as isize,
+                b.1 as isize,
+                T::from_f64(1.0),
+                T::from_f64(1.0),
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    };
     let Some(slab) = transpose::slab_columns((m, n, k), (b.1, b.2)) else {
-        // SAFETY: the caller's contract.
-        return unsafe { gemm_once(dst, dst_rs, (m, n, k), accumulate, a, b) };
+        return gemm_on(dst, n, b);
     };
     let mut rows = Vec::new();
     for j0 in (0..n).step_by(slab) {
         let c = slab.min(n - j0);
-        // SAFETY: columns j0..j0 + c of `b` (each `k` adjacent elements: `b.1` is 1) are readable,
-        // and so is their `[k, c]` copy; columns j0.. of `dst` are the caller's.
-        unsafe {
-            transpose::columns_into_rows(&mut rows, b.0.wrapping_add(j0 * b.2), (k, c), b.2);
-            gemm_once(
-                dst.wrapping_add(j0),
-                dst_rs,
-                (m, c, k),
-                accumulate,
-                a,
-                (rows.as_ptr(), c, 1),
-            );
-        }
-    }
-}
-
-/// One single-threaded gemm call, as [`gemm_call`] (and its contract).
-unsafe fn gemm_once<T: WithDType>(
-    dst: *mut T,
-    dst_rs: usize,
-    (m, n, k): (usize, usize, usize),
-    accumulate: bool,
-    a: (*const T, usize, usize),
-    b: (*const T, usize, usize),
-) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            dst_rs as isize,
-            accumulate,
-            a.0,
-            a.2 as isize,
-            a.1 as isize,
-            b.0,
-            b.2 as isize,
-            b.1 as isize,
-            T::from_f64(1.0),
-            T::from_f64(1.0),
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
+        // SAFETY: columns j0..j0 + c of `b` (each `k` adjacent elements: `b.1` is 1) are readable.
+        unsafe { transpose::columns_into_rows(&mut rows, b.0.wrapping_add(j0 * b.2), (k, c), b.2) };
+        gemm_on(dst.wrapping_add(j0), c, (rows.as_ptr(), c, 1));
     }
 }
 

@@ -37,8 +37,7 @@ pub fn slab_columns(
     let transposed_view = b_row_stride == 1 && b_col_stride != 1;
     let packs = m > 1 && n > 1 && k > 2 && m * n > DOT_PRODUCT_OUTPUTS;
     // Whole vectors of gemm's widest kernel (16 f32), so that it packs no slab but the last.
-    let columns = (SLAB_ELEMENTS / k / 16 * 16).max(MIN_SLAB_COLUMNS);
-    (transposed_view && packs).then(|| columns.min(n))
+    (transposed_view && packs).then(|| (SLAB_ELEMENTS / k / 16 * 16).max(MIN_SLAB_COLUMNS).min(n))
 }
 
 /// `c` columns of a `k`-row operand, column `j` starting at `src + j·ld` with its `k` elements
@@ -201,6 +200,7 @@ mod tests {
         );
         assert_eq!(slab_columns((1, 768, 256), (1, 256)), None, "a vector");
         assert_eq!(slab_columns((128, 768, 2), (1, 2)), None, "k ≤ 2");
+        assert_eq!(slab_columns((128, 768, 0), (1, 0)), None, "k = 0");
         assert_eq!(slab_columns((16, 16, 256), (1, 256)), None, "dot products");
     }
 }
