@@ -322,7 +322,7 @@ impl TileUnit for Amx {
 ///
 /// The order is the one nearest the hardware's: a qwen3-small bf16 step (T = 2048, chunk 128) gave
 /// the loss 9.752959042787552 on an Emerald Rapids Xeon's tiles and 9.752959281206131 on this model
-/// (the AVX512-BF16 kernel's bits, whose `vdpbf16ps` adds the high halves first), against
+/// (the AVX512-BF16 kernel's bits, to the last: it adds in the same order), against
 /// 9.752923622727394 adding the low halves first, as Intel's pseudo-code for `tdpbf16ps` reads, and
 /// 9.75296293 for each pair summed before it is added: orders of summation alone move this loss
 /// by about 1e-5 (the rounding of bf16 activations amplifies them).
