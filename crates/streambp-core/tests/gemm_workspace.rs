@@ -71,9 +71,10 @@ fn workspace_model_covers_what_the_products_allocate() {
     let mut shapes = Vec::new();
     for dtype in [DType::F32, DType::F64] {
         // A projection of a small model and of a wider one, an LM head (vocabulary 4096), a head
-        // with hidden size 64; rows from a decoding step's 8 to a large chunk's 600 (sizes kept
+        // with hidden size 64, and a projection whose 500 outputs leave edge tiles that do not fill
+        // gemm's vectors; rows from a decoding step's 8 to a large chunk's 600 (sizes kept
         // small enough to run on an emulated CPU in a minute or two).
-        for (out, inner) in [(768, 256), (256, 768), (4096, 256), (2048, 64)] {
+        for (out, inner) in [(768, 256), (256, 768), (4096, 256), (2048, 64), (500, 256)] {
             for rows in [8, 100, 128, 300, 600] {
                 shapes.extend(products(rows, out, inner, dtype));
             }

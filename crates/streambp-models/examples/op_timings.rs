@@ -104,7 +104,8 @@ fn main() -> Result<()> {
     let chosen = half_product::Kernel::detect();
     let names: Vec<String> = kernels.iter().map(|k| format!("bf16 {k:?} (ms)")).collect();
     println!(
-        "bf16 kernels {kernels:?}, {chosen:?} chosen\n\n| product | m × n × k | {} | f32 (ms) |",
+        "bf16 kernels {kernels:?}, {} chosen\n\n| product | m × n × k | {} | f32 (ms) |",
+        chosen.label(),
         names.join(" | ")
     );
     println!("|---|---|{}---|", "---|".repeat(kernels.len()));

@@ -199,9 +199,11 @@ mod addresses {
     pub const SUMS: [usize; 4] = [0, TILE, TILE * NR, TILE * NR + TILE];
 }
 
-/// AMX's tile unit: only made where [`available`].
+/// AMX's tile unit: only made where [`available`] (only x86-64 runs it: its `TileUnit`).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) struct Amx(());
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl Amx {
     /// The unit, where the CPU has it and the process may use it.
     pub(crate) fn new() -> Option<Self> {
@@ -367,12 +369,12 @@ impl TileUnit for Emulated {
     }
 }
 
-/// The value of [`crate::half_product::KERNEL_ENV`] that runs this kernel on [`Emulated`] where the
-/// CPU has no AMX (and on the tiles where it has).
+/// The value of [`crate::half_product::KERNEL_ENV`] that runs this kernel on [`Emulated`] where its
+/// tiles are not [`available`] (and on them where they are).
 pub const EMULATED: &str = "amx-emulated";
 
-/// Whether bf16 products on this kernel run on [`Emulated`]: asked for by [`EMULATED`], on a CPU
-/// without AMX. Read once.
+/// Whether bf16 products on this kernel run on [`Emulated`]: asked for by [`EMULATED`], where the
+/// tiles are not [`available`]. Read once.
 pub fn emulated() -> bool {
     static EMULATING: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *EMULATING.get_or_init(|| {

@@ -226,7 +226,8 @@ impl Kernel {
             let Ok(asked) = std::env::var(KERNEL_ENV) else {
                 return measured;
             };
-            if crate::amx_kernel::emulated() {
+            // AMX's kernel, on its tiles where they are available, else on their model.
+            if asked.trim() == crate::amx_kernel::EMULATED {
                 return Kernel::Amx;
             }
             let kernels = Kernel::available();

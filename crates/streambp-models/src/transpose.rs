@@ -4,20 +4,25 @@
 //! gemm computes a row-major product as its transpose and packs the right operand's columns into
 //! its left panels. When those columns are strided (a row of `W` is a column of `Wᵀ`), its packing
 //! gathers them one element at a time (`pack_lhs`: 15.6% of an f32 step's samples on an AMD EPYC
-//! Zen 4, 14.0% on an Intel Xeon). Copied into rows first, by 8 × 8 blocks in AVX registers, they
-//! are packed by whole vectors: the qwen3-small f32 step (T = 2048, chunk 128, `--op-times`, four
-//! alternated runs on the Zen 4) took 0.979-1.054 s against 1.087-1.193 s, its forward 0.150-0.169
-//! against 0.176-0.201 s, with the same loss and peak to the bit (the same kernel adds the same
-//! terms in the same order, and the copy takes the place of gemm's own packing buffer).
+//! Zen 4, 14.0% on an Intel Xeon). Copied into rows first (f32 by 8 × 8 blocks in AVX registers
+//! where the AVX2 or AVX-512 path is in force, anything else element by element), they are packed
+//! by whole vectors: the qwen3-small f32 step (T = 2048, chunk 128, `--op-times`, four alternated
+//! runs on the Zen 4) took 0.979-1.054 s against 1.087-1.193 s, its forward 0.150-0.169 against
+//! 0.176-0.201 s, with the same loss and peak to the bit there (gemm's kernel adds the same terms
+//! in the same order, and the copy takes the place of gemm's own packing buffer). Elsewhere a slab
+//! may round differently: one of at most 64 columns can take gemm's small-size blocking of the
+//! inner dimension, and one of a single column its matrix-vector kernel.
 //!
 //! The copy is made per call and in slabs of columns ([`slab_columns`]), so that it holds about as
 //! much as gemm's packing would, and is freed when the call returns.
 
-use crate::simd::{self, Isa};
-
 /// Elements a slab holds at most, unless [`MIN_SLAB_COLUMNS`] columns need more; its columns are a
-/// multiple of 16.
+/// multiple of [`COLUMNS_MULTIPLE`] (or all of `b`'s, if fewer).
 const SLAB_ELEMENTS: usize = 128 * 1024;
+
+/// A slab's columns are a multiple of this (whole vectors of gemm's widest f32 kernel), so that gemm
+/// packs no slab but the last, and none of a product whose columns are a multiple of it too.
+pub const COLUMNS_MULTIPLE: usize = 16;
 
 /// The fewest columns a slab takes (gemm's AVX-512 register tile is 64 rows of its transposed
 /// problem: narrower slabs leave it part empty).
@@ -36,8 +41,11 @@ pub fn slab_columns(
 ) -> Option<usize> {
     let transposed_view = b_row_stride == 1 && b_col_stride != 1;
     let packs = m > 1 && n > 1 && k > 2 && m * n > DOT_PRODUCT_OUTPUTS;
-    // Whole vectors of gemm's widest kernel (16 f32), so that it packs no slab but the last.
-    (transposed_view && packs).then(|| (SLAB_ELEMENTS / k / 16 * 16).max(MIN_SLAB_COLUMNS).min(n))
+    (transposed_view && packs).then(|| {
+        (SLAB_ELEMENTS / k / COLUMNS_MULTIPLE * COLUMNS_MULTIPLE)
+            .max(MIN_SLAB_COLUMNS)
+            .min(n)
+    })
 }
 
 /// `c` columns of a `k`-row operand, column `j` starting at `src + j·ld` with its `k` elements
@@ -54,12 +62,8 @@ pub(crate) unsafe fn columns_into_rows<T: Copy + 'static>(
     dst.clear();
     dst.reserve(k * c);
     let out = dst.as_mut_ptr();
-    let mut done = (0, 0);
-    #[cfg(target_arch = "x86_64")]
-    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() && simd::isa() >= Isa::Avx2 {
-        // SAFETY: T is f32; the caller's contract for `src`, and `out` has room for `k × c`.
-        done = unsafe { blocks_f32(out.cast(), src.cast(), (k, c), ld) };
-    }
+    // SAFETY: the caller's contract for `src`, and `out` has room for `k × c`.
+    let done = unsafe { vector_blocks(out, src, (k, c), ld) };
     // The edges the blocks left (or everything): rows `done.0..`, then columns `done.1..`.
     let at = |i: usize, j: usize| {
         // SAFETY: the caller's contract for `src`; `out` has room for `k × c`.
@@ -74,6 +78,29 @@ pub(crate) unsafe fn columns_into_rows<T: Copy + 'static>(
     }
     // SAFETY: every element of `[k, c]` was written above or by the blocks.
     unsafe { dst.set_len(k * c) };
+}
+
+/// The whole 8 × 8 blocks of [`columns_into_rows`] in AVX registers, for f32 where the AVX2 or
+/// AVX-512 path is in force; returns how many rows and columns of the output they covered (none
+/// for anything else).
+///
+/// # Safety
+/// As [`columns_into_rows`], with `out` writable for `k × c`.
+unsafe fn vector_blocks<T: 'static>(
+    out: *mut T,
+    src: *const T,
+    (k, c): (usize, usize),
+    ld: usize,
+) -> (usize, usize) {
+    #[cfg(target_arch = "x86_64")]
+    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
+        && crate::simd::isa() >= crate::simd::Isa::Avx2
+    {
+        // SAFETY: T is f32, the CPU has AVX (the path in force says so), and the caller's contract.
+        return unsafe { blocks_f32(out.cast(), src.cast(), (k, c), ld) };
+    }
+    let _ = (out, src, k, c, ld);
+    (0, 0)
 }
 
 /// The whole 8 × 8 blocks of [`columns_into_rows`] for f32, in AVX registers; returns how many rows
@@ -181,7 +208,7 @@ mod tests {
         }
         check(|i| i as f32);
         check(|i| i as f64);
-        println!("f32 path: {}", simd::isa().name());
+        println!("f32 path: {}", crate::simd::isa().name());
     }
 
     #[test]

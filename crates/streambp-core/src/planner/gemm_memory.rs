@@ -52,6 +52,8 @@ pub struct Product {
     k: usize,
     a_rows_contiguous: bool,
     b_rows_contiguous: bool,
+    /// Whether calls narrower than `n`, of any width, run too ([`Product::with_narrower_calls`]).
+    narrower: bool,
 }
 
 impl Product {
@@ -63,6 +65,7 @@ impl Product {
             k: inner,
             a_rows_contiguous: true,
             b_rows_contiguous: false,
+            narrower: false,
         }
     }
 
@@ -74,6 +77,7 @@ impl Product {
             k: out,
             a_rows_contiguous: true,
             b_rows_contiguous: true,
+            narrower: false,
         }
     }
 
@@ -85,6 +89,16 @@ impl Product {
             k: rows,
             a_rows_contiguous: false,
             b_rows_contiguous: true,
+            narrower: false,
+        }
+    }
+
+    /// The same product, and calls like it narrower than `n` of any width (the attention's last
+    /// block of keys, as wide as the chunks leave it), which can take more workspace than it.
+    pub fn with_narrower_calls(self) -> Self {
+        Self {
+            narrower: true,
+            ..self
         }
     }
 
@@ -121,9 +135,9 @@ impl Product {
 /// Bytes a host product allocates while it runs, for elements of `elem` bytes: split into output
 /// tiles that the threads take one each (`tiled`: the models' `cpu::product_into`, which every f32
 /// and f64 product of a layer and of the LM head takes), or one single-threaded gemm call (the
-/// attention kernel's, inside tasks that are themselves the parallelism). A tiled product holds one
-/// tile's workspace per thread at once (at most: short tiles often do not overlap), and the list of
-/// its tiles; a few rows by `Wᵀ` take the models' `skinny` kernel, which allocates nothing.
+/// attention kernel's, inside tasks that are themselves the parallelism). A tiled product holds
+/// one tile's workspace per thread at once (at most: short tiles often do not overlap), and the
+/// list of its tiles; a few rows by `Wᵀ` take the models' `skinny` kernel, which allocates nothing.
 pub fn workspace(p: Product, elem: usize, tiled: bool) -> u64 {
     if !tiled {
         return call_workspace(p, elem);
@@ -133,27 +147,35 @@ pub fn workspace(p: Product, elem: usize, tiled: bool) -> u64 {
     }
     let (tm, tn) = streambp_models::cpu::tile_sizes(p.m, p.n);
     let tiles = p.m.div_ceil(tm) * p.n.div_ceil(tn);
-    let tile = Product {
-        m: tm.min(p.m),
-        n: tn.min(p.n),
-        ..p
+    // A full tile, and the last column's tiles where the columns do not divide into whole ones.
+    let tile = |n: usize| {
+        let tile = Product {
+            m: tm.min(p.m),
+            n,
+            ..p
+        };
+        call_workspace(tile, elem)
+    };
+    let edge = match p.n % tn {
+        0 => 0,
+        cols => tile(cols),
     };
     let tile_list = (tiles * std::mem::size_of::<(usize, usize)>()) as u64;
-    rayon::current_num_threads().min(tiles) as u64 * call_workspace(tile, elem) + tile_list
+    rayon::current_num_threads().min(tiles) as u64 * tile(tn.min(p.n)).max(edge) + tile_list
 }
 
-/// Bytes one single-threaded product allocates while it runs, for elements of `elem` bytes: where
-/// `B` is a transposed view, the copy of a slab of its columns into rows (kept across the slabs,
-/// the first the widest) beside the gemm call on each (`streambp_models::transpose`; the last
-/// slab's columns may not fill gemm's vectors, so that it packs them), else the call's own.
+/// Bytes one single-threaded product allocates while it runs, for elements of `elem` bytes (and of
+/// any narrower one, [`Product::with_narrower_calls`]): where `B` is a transposed view, the copy
+/// of a slab of its columns into rows (kept across the slabs, the first the widest) beside the
+/// gemm call on each (`streambp_models::transpose`), else the call's own.
+///
+/// gemm packs a slab only where its columns do not fill its vectors, as a full slab's do but the
+/// last slab's may not; for a narrower call, at most one column short of a slab, under either of
+/// gemm's blockings (its small-size one up to 64 columns).
 fn call_workspace(p: Product, elem: usize) -> u64 {
     let b_strides = (p.b_row_stride(), p.b_col_stride());
     let Some(slab) = streambp_models::transpose::slab_columns((p.m, p.n, p.k), b_strides) else {
         return gemm_call_workspace(p, elem);
-    };
-    let last = match p.n % slab {
-        0 => slab,
-        rest => rest,
     };
     let on_rows = |n: usize| {
         let slab = Product {
@@ -163,7 +185,12 @@ fn call_workspace(p: Product, elem: usize) -> u64 {
         };
         gemm_call_workspace(slab, elem)
     };
-    (p.k * slab * elem) as u64 + on_rows(slab).max(on_rows(last))
+    let mut widths = vec![slab, p.n % slab];
+    if p.narrower {
+        widths.extend([slab - 1, (slab - 1).min(63)]);
+    }
+    let packing = widths.into_iter().filter(|&n| n > 0).map(on_rows).max();
+    (p.k * slab * elem) as u64 + packing.unwrap_or(0)
 }
 
 /// Bytes one single-threaded gemm call allocates while it runs, for elements of `elem` bytes.

@@ -448,11 +448,19 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
             key_block.min(t) as usize,
             cfg.head_dim,
         );
+        // The last block of keys is as wide as the chunks leave it: whole vectors (of the copy of a
+        // transposed view, `streambp_models::transpose`) where the chunk and `T` are, any width else.
+        let whole = streambp_models::transpose::COLUMNS_MULTIPLE as u64;
+        let aligned = c % whole == 0 && t % whole == 0;
         let task_products = [
             Product::by_transposed(rows, n, hd),
             Product::transposed_by(n, hd, rows),
             Product::by_plain(rows, n, hd),
-        ];
+        ]
+        .map(|p| match aligned {
+            true => p,
+            false => p.with_narrower_calls(),
+        });
         let task = 2 * group * score_area(t, c, key_block) * act + workspace(&task_products, false);
         // ... and the share of dQ of each block of a wave (as many blocks as keep the threads busy)
         // until the wave is summed.
