@@ -32,6 +32,15 @@ unpack() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/card.csv"
 }
 
+# The peer's Python: the lent machines' torch install, else this machine's python3.
+peer_python() {
+    if [ -x /opt/torch/.venv/bin/python ]; then
+        echo /opt/torch/.venv/bin/python
+    else
+        echo python3
+    fi
+}
+
 # The seconds a run may take: `$1`, or less where a session's DEADLINE (epoch seconds) comes
 # sooner, so that no run outlives the session that started it.
 limit() {
@@ -159,8 +168,7 @@ cpu)
     # Issue 25 on this host's CPU: the qwen3-small step beside transformers, both sides on the same
     # two cores (CORES), f32 then bf16; the bench writes the tables with the CPU's name and flags.
     unpack
-    py=/opt/torch/.venv/bin/python
-    [ -x "$py" ] || py=python3
+    py=$(peer_python)
     for dtype in f32 bf16; do
         timeout "$(limit "${LIMIT:-240}")" taskset -c "${CORES:-0,1}" "$bench" \
             --config benches/configs/qwen3-small.json --dtype "$dtype" --seq-lens 2048,4096 \
@@ -272,8 +280,7 @@ cpu-profile)
     # The peer's step by operator (torch's profiler: its products, attention, element-wise work),
     # f32 and bf16 with checkpointing, to set beside the phases' times above (our f32 step at
     # T = 2048 was 1.18x the peer's here on 2026-11-27).
-    py=/opt/torch/.venv/bin/python
-    [ -x "$py" ] || py=python3
+    py=$(peer_python)
     for dtype in f32 bf16; do
         timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" "$py" scripts/peer_bench.py \
             --config benches/configs/qwen3-small.json --dtype "$dtype" --seqs 2048 --modes gc \
