@@ -63,13 +63,12 @@ pub(crate) unsafe fn columns_into_rows<T: Copy + 'static>(
     dst.reserve(k * c);
     let out = dst.as_mut_ptr();
     // SAFETY: the caller's contract for `src`, and `out` has room for `k × c`.
-    let done = unsafe { vector_blocks(out, src, (k, c), ld) };
-    // The edges the blocks left (or everything): rows `done.0..`, then columns `done.1..`.
+    let (full_rows, full_cols) = unsafe { vector_blocks(out, src, (k, c), ld) };
+    // The edges the blocks left (or everything): rows `full_rows..`, then columns `full_cols..`.
     let at = |i: usize, j: usize| {
         // SAFETY: the caller's contract for `src`; `out` has room for `k × c`.
         unsafe { out.add(i * c + j).write(*src.add(j * ld + i)) }
     };
-    let (full_rows, full_cols) = done;
     for j in 0..c {
         (full_rows..k).for_each(|i| at(i, j));
     }
