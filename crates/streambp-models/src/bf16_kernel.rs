@@ -121,11 +121,17 @@ pub(crate) fn pack<E: Element>(
     let end = len.min(k0 + 2 * pairs);
     let pair = |lo: bf16, hi: bf16| lo.to_bits() as u32 | (hi.to_bits() as u32) << 16;
     if x.col_stride == 1 {
-        // Each row's inner run is contiguous: its pairs are adjacent elements.
+        // Each row's inner run is contiguous: its pairs are adjacent elements. Whole blocks of 8
+        // rows by 8 pairs in registers where they can be; the rest one pair at a time.
+        let (block_rows, block_pairs) = pair_blocks(x, &rows, (k0, end), lanes, buf);
         for (ii, i) in rows.enumerate() {
             let start = i * x.row_stride;
-            let run = &x.data[start + k0..start + end];
-            let block = &mut buf[(ii / lanes) * pairs * lanes + ii % lanes..];
+            let done = if ii < block_rows { block_pairs } else { 0 };
+            let run = &x.data[start + k0 + 2 * done..start + end];
+            if run.is_empty() {
+                continue;
+            }
+            let block = &mut buf[(ii / lanes) * pairs * lanes + done * lanes + ii % lanes..];
             let (whole, odd) = (run.chunks_exact(2), run.len() % 2 == 1);
             for (y, two) in block.iter_mut().step_by(lanes).zip(whole) {
                 *y = pair(two[0].to_bf16(), two[1].to_bf16());
@@ -136,20 +142,38 @@ pub(crate) fn pack<E: Element>(
                 block[(run.len() / 2) * lanes] = pair(last, bf16::ZERO);
             }
         }
-    } else {
-        // Each inner index's run of rows is contiguous where `x.row_stride` is 1 (else gathered):
-        // a pair's two runs are copied out and interleaved, loops the compiler vectorizes.
-        let run = |first: usize, k: usize, into: &mut [bf16]| match (k < end, x.row_stride) {
-            (false, _) => into.fill(bf16::ZERO),
-            (true, 1) => {
-                let at = first + k * x.col_stride;
-                let run = &x.data[at..at + into.len()];
-                into.iter_mut().zip(run).for_each(|(y, v)| *y = v.to_bf16());
-            }
-            (true, rs) => {
-                for (l, y) in into.iter_mut().enumerate() {
-                    *y = x.data[(first + l) * rs + k * x.col_stride].to_bf16();
+    } else if x.row_stride == 1 {
+        // Each inner index's run of rows is contiguous: a pair's two runs are interleaved straight
+        // into the block's lanes, a loop the compiler vectorizes (the lanes past the runs' end,
+        // and a pair's high half past `end`, stay zero).
+        let bits = |v: &E| v.to_bf16().to_bits() as u32;
+        for (b, block) in buf.chunks_exact_mut(pairs * lanes).enumerate() {
+            let first = rows.start + b * lanes;
+            let count = lanes.min(rows.end - first);
+            for (p, lane) in block.chunks_exact_mut(lanes).enumerate() {
+                let (lo, hi) = (k0 + 2 * p, k0 + 2 * p + 1);
+                if lo >= end {
+                    break;
                 }
+                let run = |k: usize| &x.data[first + k * x.col_stride..][..count];
+                if hi < end {
+                    for ((y, l), h) in lane.iter_mut().zip(run(lo)).zip(run(hi)) {
+                        *y = bits(l) | bits(h) << 16;
+                    }
+                } else {
+                    lane.iter_mut().zip(run(lo)).for_each(|(y, l)| *y = bits(l));
+                }
+            }
+        }
+    } else {
+        // Neither stride is 1: each pair's two runs of rows are gathered, then interleaved.
+        let run = |first: usize, k: usize, into: &mut [bf16]| {
+            if k >= end {
+                into.fill(bf16::ZERO);
+                return;
+            }
+            for (l, y) in into.iter_mut().enumerate() {
+                *y = x.data[(first + l) * x.row_stride + k * x.col_stride].to_bf16();
             }
         };
         let (mut lo, mut hi) = ([bf16::ZERO; NR], [bf16::ZERO; NR]);
@@ -165,6 +189,59 @@ pub(crate) fn pack<E: Element>(
             }
         }
     }
+}
+
+/// The whole blocks of 8 rows by 8 pairs of [`pack`]'s contiguous rows, written into `buf` as
+/// [`pack`] lays them out, where the elements are bf16, the rows start an even number of elements
+/// apart and the AVX2 or AVX-512 path is in force: a pair is then 32 bits in place, and a block is
+/// a transpose of 8 × 8 such words, made in AVX registers as f32 bits
+/// ([`crate::transpose::block_8x8`]; one pair at a time, a row's pairs land `lanes` words apart,
+/// each store on its own cache line). Returns how many rows (from the first) and pairs (from
+/// `k0`'s) it covered: multiples of 8, none where it does not apply.
+fn pair_blocks<E: Element>(
+    x: &Operand<E>,
+    rows: &Range<usize>,
+    (k0, end): (usize, usize),
+    lanes: usize,
+    buf: &mut [u32],
+) -> (usize, usize) {
+    #[cfg(target_arch = "x86_64")]
+    if std::any::TypeId::of::<E>() == std::any::TypeId::of::<bf16>()
+        && x.row_stride.is_multiple_of(2)
+        && k0.is_multiple_of(2)
+        && lanes.is_multiple_of(8)
+        && crate::simd::isa() >= crate::simd::Isa::Avx2
+    {
+        let (block_rows, block_pairs) = (rows.len() / 8 * 8, (end - k0) / 2 / 8 * 8);
+        let pairs = buf.len() / (rows.len().div_ceil(lanes) * lanes);
+        assert!(block_pairs <= pairs, "bf16 kernel: pack too small");
+        let (data, out) = (
+            x.data.as_ptr().cast::<f32>(),
+            buf.as_mut_ptr().cast::<f32>(),
+        );
+        for g in (0..block_rows).step_by(8) {
+            // The group's first row, in f32 words from the data's first (row stride and `k0` even).
+            let first = ((rows.start + g) * x.row_stride + k0) / 2;
+            let into = (g / lanes) * pairs * lanes + g % lanes;
+            for p in (0..block_pairs).step_by(8) {
+                // SAFETY: the path in force means the CPU has AVX. Each of the group's 8 rows has
+                // its pairs p..p + 8 (16 bf16) within its run of `end - k0` elements, at word
+                // stride `row_stride / 2` (x's rows lie within its data); the 8 × 8 words written
+                // lie within the block's `pairs × lanes` (rows g..g + 8 are lanes of one block).
+                unsafe {
+                    crate::transpose::block_8x8(
+                        out.add(into + p * lanes),
+                        lanes,
+                        data.add(first + p),
+                        x.row_stride / 2,
+                    )
+                };
+            }
+        }
+        return (block_rows, block_pairs);
+    }
+    let _ = (x, rows, k0, end, lanes, buf);
+    (0, 0)
 }
 
 /// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major).

@@ -134,7 +134,7 @@ unsafe fn blocks_f32(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
 #[inline]
-unsafe fn block_8x8(out: *mut f32, out_stride: usize, src: *const f32, ld: usize) {
+pub(crate) unsafe fn block_8x8(out: *mut f32, out_stride: usize, src: *const f32, ld: usize) {
     use std::arch::x86_64::*;
     // SAFETY: the caller's contract: 8 runs of 8 readable elements, 8 rows of 8 writable ones.
     unsafe {
