@@ -10,18 +10,20 @@
 #
 # then carry `gpu` and run one step per device call (each stays under the 10-minute limit), from the
 # repository root: `scripts/gpu_sweep.sh parity|train|time|maxt|long|peer|disk|profile|cpu`, or, for
-# the host CPU alone, `pack-cpu` here and `cpu-profile` there (carry gpu-cpu). Results go to $OUT (or
+# the host CPU alone, `pack-cpu` here and `cpu-profile` there (carry gpu-cpu), or `pack-cpu` and
+# `pack-suite` here and `host-session` there (the whole test suite too). Results go to $OUT (or
 # gpu-out), JSON lines written as each point finishes, so a step cut off by the time limit keeps what
 # it measured.
 set -euo pipefail
 
-step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile|cpu|pack-cpu|cpu-profile|session}
+step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile|cpu|pack-cpu|cpu-profile|pack-suite|suite|session|host-session}
 out=${OUT:-gpu-out}
 config=benches/configs/qwen3-8b.json
-bench=gpu/streambp-bench
+bench=${BENCH:-gpu/streambp-bench}
 
 unpack() {
     for f in gpu/*.xz; do
+        [ -e "$f" ] || continue
         [ -e "${f%.xz}" ] || xz -dk "$f"
     done
     # Each binary only where it was carried (the working tree that travels is limited in size).
@@ -29,7 +31,7 @@ unpack() {
         [ ! -e "$f" ] || chmod +x "$f"
     done
     mkdir -p "$out"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/card.csv"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/card.csv" || true
 }
 
 # The peer's Python: the lent machines' torch install, else this machine's python3.
@@ -51,6 +53,37 @@ limit() {
     fi
     [ "$seconds" -ge 1 ] || seconds=1
     echo "$seconds"
+}
+
+# `pack-suite`'s archive, unpacked once: the tests find their fixtures and the binaries they start at
+# the paths they were built at (`$built`), linked to this folder where they do not exist; the kit's
+# names for what `cpu-profile` runs point into it.
+unpack_suite() {
+    built=$(cat gpu-cpu/suite-root)
+    [ -e target/release/streambp-train ] || tar xJf gpu-cpu/suite.tar.xz
+    if [ "$built" != "$PWD" ] && [ ! -e "$built" ]; then
+        mkdir -p "$(dirname "$built")" && ln -s "$PWD" "$built"
+    fi
+    ln -sf "$PWD/target/release/streambp-bench" gpu-cpu/streambp-bench
+    ln -sf "$PWD/target/release/examples/op_timings" gpu-cpu/op_timings
+    for name in planner:planner streambp_models:models_lib half_layers:half_layers \
+        bf16_kernel_choice:bf16_kernel_choice; do
+        ln -sf "$PWD/$(awk -v n="${name%%:*}" '$3 == n {print $1}' gpu-cpu/suite.txt)" \
+            "gpu-cpu/${name##*:}"
+    done
+}
+
+# What a session's steps wrote under $out, as one results.tgz (a call brings back at most 8 files).
+bundle() {
+    cd "$out" || return
+    # Exit status 1: a file changed while it was read (a run cut off at the deadline).
+    local status=0
+    tar czf /tmp/results.tgz --warning=no-file-changed . || status=$?
+    if [ "$status" -le 1 ]; then
+        find . -type f -delete
+        mv /tmp/results.tgz .
+    fi
+    ls -la
 }
 
 case "$step" in
@@ -220,8 +253,12 @@ cpu-profile)
         [ -e "$f" ] || xz -dk "$f.xz"
         chmod +x "$f"
     done
-    rm -rf /tmp/perf && tar xJf "$kit/perf.tar.xz" -C /tmp
-    perf=(/tmp/perf/lib/ld-linux-x86-64.so.2 --library-path /tmp/perf/lib /tmp/perf/perf)
+    # perf where the kit carries it (`pack-cpu`); without it, no profiles.
+    perf=()
+    if [ -e "$kit/perf.tar.xz" ]; then
+        rm -rf /tmp/perf && tar xJf "$kit/perf.tar.xz" -C /tmp
+        perf=(/tmp/perf/lib/ld-linux-x86-64.so.2 --library-path /tmp/perf/lib /tmp/perf/perf)
+    fi
     mkdir -p "$out"
     cores=${CORES:-0,1}
     report=$out/cpu-profile.md
@@ -255,6 +292,7 @@ cpu-profile)
         rm -f /tmp/phases.jsonl
     done
     for dtype in f32 bf16; do
+        [ "${#perf[@]}" -gt 0 ] || break
         echo "== $dtype: perf stat, 4 steps" >> "$report"
         timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" "${perf[@]}" stat \
             -e task-clock,page-faults,context-switches,cpu-migrations -- "$kit/streambp-bench" \
@@ -271,21 +309,110 @@ cpu-profile)
                 --percent-limit 1 --stdio 2>&1 | grep -v '^#' | grep -v '^$' | head -150 || true
         } > "$out/profile-$dtype.txt"
     done
-    RAYON_NUM_THREADS=2 timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" "${perf[@]}" record -q \
-        -e cpu-clock -F 1000 -o /tmp/perf-ops.data -- "$kit/op_timings" > "$out/op_timings.txt" 2>&1 || true
-    "${perf[@]}" report -i /tmp/perf-ops.data --no-children --sort sym -g none --percent-limit 0.5 --stdio \
-        2>&1 | grep -v '^#' | grep -v '^$' | head -60 >> "$out/op_timings.txt" || true
-    timeout "$(limit "${LIMIT:-240}")" taskset -c "$cores" "$kit/planner" --nocapture \
-        > "$out/planner.txt" 2>&1 || true
+    if [ "${#perf[@]}" -gt 0 ]; then
+        RAYON_NUM_THREADS=2 timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" "${perf[@]}" record \
+            -q -e cpu-clock -F 1000 -o /tmp/perf-ops.data -- "$kit/op_timings" > "$out/op_timings.txt" \
+            2>&1 || true
+        "${perf[@]}" report -i /tmp/perf-ops.data --no-children --sort sym -g none --percent-limit 0.5 \
+            --stdio 2>&1 | grep -v '^#' | grep -v '^$' | head -60 >> "$out/op_timings.txt" || true
+    else
+        RAYON_NUM_THREADS=2 timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" "$kit/op_timings" \
+            > "$out/op_timings.txt" 2>&1 || true
+    fi
+    # (PLANNER=0 leaves it to `suite`, which runs it among the rest.)
+    if [ "${PLANNER:-1}" != 0 ]; then
+        timeout "$(limit "${LIMIT:-240}")" taskset -c "$cores" "$kit/planner" --nocapture \
+            > "$out/planner.txt" 2>&1 || true
+    fi
     # The peer's step by operator (torch's profiler: its products, attention, element-wise work),
     # f32 and bf16 with checkpointing, to set beside the phases' times above (our f32 step at
     # T = 2048 was 1.18x the peer's here on 2026-11-27).
+    # (PEER_PROFILE=0 leaves it out.)
     py=$(peer_python)
     for dtype in f32 bf16; do
+        [ "${PEER_PROFILE:-1}" != 0 ] || break
         timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" "$py" scripts/peer_bench.py \
             --config benches/configs/qwen3-small.json --dtype "$dtype" --seqs 2048 --modes gc \
             --repeats 2 --profile >> "$out/peer-profile.txt" 2>&1 || true
     done
+    ;;
+pack-suite)
+    # The workspace's test binaries (`cargo test --release --workspace --no-run` first; `pack-cpu`
+    # before this where perf should travel too), for `suite` on a machine without Rust, with the
+    # binaries the command-line tests start and those `cpu-profile` runs, in one archive (19 MB for
+    # 290 MB) whose single large dictionary finds the code they share. What travels is limited to 64 MiB with the working tree, so the tests are stripped
+    # of symbols (the bench and op_timings keep theirs, for perf), those that need a card or MPI are
+    # left out, and so are the chat template's and the datasets' (text and files, the same on every
+    # CPU); the kit's own copies of what the archive holds are removed. Each line of suite.txt names
+    # a test binary, the folder cargo runs it in, and its target's name.
+    mkdir -p gpu-cpu
+    cargo test --release --workspace --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, os, sys
+root = os.getcwd()
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(os.path.relpath(m["executable"], root),
+              os.path.relpath(os.path.dirname(m["manifest_path"]), root), m["target"]["name"])
+' | grep -v -E ' (cuda_parity|distributed|world|chat_template|datasets)$' > gpu-cpu/suite.txt
+    pwd > gpu-cpu/suite-root
+    rm -rf /tmp/suite-stage
+    for f in $(cut -d' ' -f1 gpu-cpu/suite.txt) target/release/streambp-train; do
+        mkdir -p "/tmp/suite-stage/$(dirname "$f")"
+        strip -o "/tmp/suite-stage/$f" "$f"
+    done
+    for f in target/release/streambp-bench target/release/examples/op_timings; do
+        mkdir -p "/tmp/suite-stage/$(dirname "$f")"
+        cp "$f" "/tmp/suite-stage/$f"
+    done
+    (cd /tmp/suite-stage && tar cf - target) | xz -T1 --lzma2=preset=6,dict=512MiB > gpu-cpu/suite.tar.xz
+    rm -rf /tmp/suite-stage
+    for f in streambp-bench op_timings planner models_lib half_layers bf16_kernel_choice; do
+        rm -f "gpu-cpu/$f.xz"
+    done
+    du -sh gpu-cpu
+    ;;
+suite)
+    # The whole test suite on this machine's CPU, with its own choices in force (SIMD path, bf16
+    # kernel: AMX's where it has AMX), from `pack-suite`'s binaries, each in the folder cargo runs it
+    # in. One summary line per binary in suite.txt, each binary's output under suite/.
+    unpack_suite
+    mkdir -p "$out/suite"
+    grep -m1 'model name' /proc/cpuinfo > "$out/suite.txt" || true
+    while read -r binary folder name; do
+        status=0
+        log=$out/suite/$(basename "$folder")-$name.txt
+        (cd "$built/$folder" && timeout "$(limit "${LIMIT:-240}")" "$built/$binary") \
+            > "$log" 2>&1 < /dev/null || status=$?
+        echo "$folder $name: exit $status; $(grep -h '^test result' "$log" | tail -1)" >> "$out/suite.txt"
+    done < gpu-cpu/suite.txt
+    ;;
+host-session)
+    # One device call for issue 25's runs on the host CPU alone, the card idle: the whole test suite
+    # (`suite`, SUITE_CORES 8-15, the planner's test among it), `cpu-profile` without the planner's
+    # test (PROFILE_CORES 2,3) and the peer tables (`cpu`, PEER_CORES 0,1) at once, then, once the
+    # other two are done, the peer tables again on a quiet machine (cpu-quiet/; QUIET=0 leaves them
+    # out). Carry gpu-cpu (`pack-cpu` for perf, then `pack-suite`). Every run ends by SESSION_LIMIT
+    # seconds; $OUT gets results.tgz. Ran whole on an H100 machine's host in 288 s (2026-11-27).
+    unpack_suite
+    mkdir -p "$out"
+    {
+        grep -m1 'model name' /proc/cpuinfo || true
+        nproc
+        free -g | head -2
+    } > "$out/host.txt"
+    DEADLINE=$(($(date +%s) + ${SESSION_LIMIT:-450}))
+    export DEADLINE BENCH=gpu-cpu/streambp-bench
+    trap bundle EXIT
+    taskset -c "${SUITE_CORES:-8-15}" "$0" suite > "$out/suite.log" 2>&1 &
+    suite=$!
+    PLANNER=0 CORES=${PROFILE_CORES:-2,3} "$0" cpu-profile > "$out/cpu-profile.log" 2>&1 &
+    profile=$!
+    CORES=${PEER_CORES:-0,1} "$0" cpu > "$out/cpu-step.log" 2>&1 || true
+    wait "$suite" "$profile" || true
+    [ "${QUIET:-1}" != 0 ] || exit 0
+    mkdir -p "$out/cpu-quiet"
+    OUT=$out/cpu-quiet CORES=${PEER_CORES:-0,1} "$0" cpu > "$out/cpu-quiet/cpu-step.log" 2>&1 || true
     ;;
 session)
     # One device call for the runs still owed: `parity`, `profile` and `time` at T = 16,384 (stream
@@ -307,17 +434,6 @@ session)
     } > "$out/host.txt"
     DEADLINE=$(($(date +%s) + ${SESSION_LIMIT:-450}))
     export DEADLINE
-    bundle() {
-        cd "$out" || return
-        # Exit status 1: a file changed while it was read (a run cut off at the deadline).
-        local status=0
-        tar czf /tmp/results.tgz --warning=no-file-changed . || status=$?
-        if [ "$status" -le 1 ]; then
-            find . -type f -delete
-            mv /tmp/results.tgz .
-        fi
-        ls -la
-    }
     trap bundle EXIT
     (
         card_cores=${CARD_CORES:-4-15}
