@@ -468,6 +468,45 @@ mod tests {
     /// The packing, the blocks and the edges (rows and columns short of a block, an odd inner
     /// slice, several slices), on the model of the unit with either operand's layout: the exact
     /// sums. Where the CPU has AMX, its tiles give the same bits.
+    /// Every pair of `a`'s pack where the layout puts it (row by row) and zeros everywhere else,
+    /// on every path (contiguous rows, strided ones), nothing written past it.
+    #[test]
+    fn row_packs_hold_each_pair_where_the_layout_puts_it() {
+        use crate::bf16_kernel::tests::{each_packed_layout, PackOperand};
+        for len in [530, 531] {
+            each_packed_layout((45, len), |bits, x| {
+                for rows in [0..45, 3..40, 5..6] {
+                    for (k0, pairs) in [(0, 128), (256, 144), (512, 16)] {
+                        let need = rows.len().next_multiple_of(MR) * pairs;
+                        let mut want = vec![0u32; need + 64];
+                        for (ii, i) in rows.clone().enumerate() {
+                            let half = |k: usize| if k < len { bits(i, k) as u32 } else { 0 };
+                            for p in 0..pairs {
+                                want[ii * pairs + p] =
+                                    half(k0 + 2 * p) | half(k0 + 2 * p + 1) << 16;
+                            }
+                        }
+                        let mut got = vec![0u32; need + 64];
+                        let strides = match &x {
+                            PackOperand::Bf16(x) => {
+                                pack_rows(x, rows.clone(), (k0, pairs, len), &mut got);
+                                (x.row_stride, x.col_stride, "bf16")
+                            }
+                            PackOperand::F32(x) => {
+                                pack_rows(x, rows.clone(), (k0, pairs, len), &mut got);
+                                (x.row_stride, x.col_stride, "f32")
+                            }
+                        };
+                        assert!(
+                            got == want,
+                            "{strides:?}, len {len}, rows {rows:?}, k0 {k0}"
+                        );
+                    }
+                }
+            });
+        }
+    }
+
     #[test]
     fn tiles_give_exact_sums_in_every_layout() {
         let amx = Amx::new();

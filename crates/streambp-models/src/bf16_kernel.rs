@@ -339,8 +339,96 @@ unsafe fn micro(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// Operands for the packs' layout tests: `rows` rows of `len` elements at each layout the
+    /// products take (row-major at an even and an odd row stride, transposed, every second
+    /// element), as bf16 and as f32 whose low bits the narrowing drops; `each` gets the operand
+    /// and the element at (row, inner index)'s bf16 bits.
+    pub(crate) fn each_packed_layout(
+        (rows, len): (usize, usize),
+        mut each: impl FnMut(&dyn Fn(usize, usize) -> u16, PackOperand),
+    ) {
+        let values: Vec<bf16> = (0..2 * rows * (len + 1))
+            .map(|i| bf16::from_bits(0x3c00 + (i % 4093) as u16))
+            .collect();
+        let wide: Vec<f32> = values
+            .iter()
+            .map(|v| f32::from_bits((v.to_bits() as u32) << 16 | 0x1234))
+            .collect();
+        for (row_stride, col_stride) in [(len, 1), (len + 1, 1), (1, rows), (2 * len, 2)] {
+            let at = |i: usize, k: usize| i * row_stride + k * col_stride;
+            let bits = |i: usize, k: usize| values[at(i, k)].to_bits();
+            let (data, row_stride, col_stride) = (&values[..], row_stride, col_stride);
+            each(
+                &bits,
+                PackOperand::Bf16(Operand {
+                    data,
+                    row_stride,
+                    col_stride,
+                }),
+            );
+            let data = &wide[..];
+            each(
+                &bits,
+                PackOperand::F32(Operand {
+                    data,
+                    row_stride,
+                    col_stride,
+                }),
+            );
+        }
+    }
+
+    /// An operand of either element type.
+    pub(crate) enum PackOperand<'a> {
+        Bf16(Operand<'a, bf16>),
+        F32(Operand<'a, f32>),
+    }
+
+    /// Every pair of a pack where the layout puts it and zeros everywhere else, whichever path
+    /// packed it (whole 8 × 8 blocks, rows one by one, interleaved runs, gathered), and nothing
+    /// written past it: the products' exact-sum tests cannot see a wrong value that meets a zero.
+    #[test]
+    fn packs_hold_each_pair_where_the_layout_puts_it() {
+        for len in [530, 531] {
+            each_packed_layout((45, len), |bits, x| {
+                for lanes in [8, 16, 32] {
+                    for rows in [0..45, 3..40, 5..6] {
+                        // Whole slices, the last one (odd where `len` is), one padded past `len`.
+                        for (k0, pairs) in [(0, 128), (256, 137), (512, 16)] {
+                            let need = rows.len().div_ceil(lanes) * pairs * lanes;
+                            let mut want = vec![0u32; need + 64];
+                            for (ii, i) in rows.clone().enumerate() {
+                                let half = |k: usize| if k < len { bits(i, k) as u32 } else { 0 };
+                                for p in 0..pairs {
+                                    want[((ii / lanes) * pairs + p) * lanes + ii % lanes] =
+                                        half(k0 + 2 * p) | half(k0 + 2 * p + 1) << 16;
+                                }
+                            }
+                            let mut buf = Vec::new();
+                            let got = zeroed_on_line(&mut buf, need + 64);
+                            let strides = match &x {
+                                PackOperand::Bf16(x) => {
+                                    pack(x, rows.clone(), (k0, pairs, len), lanes, got);
+                                    (x.row_stride, x.col_stride, "bf16")
+                                }
+                                PackOperand::F32(x) => {
+                                    pack(x, rows.clone(), (k0, pairs, len), lanes, got);
+                                    (x.row_stride, x.col_stride, "f32")
+                                }
+                            };
+                            assert!(
+                                got == &want[..],
+                                "{strides:?}, len {len}, lanes {lanes}, rows {rows:?}, k0 {k0}"
+                            );
+                        }
+                    }
+                }
+            });
+        }
+    }
 
     /// Each pack starts on a cache line, holds zeros only, and is as long as asked, whatever the
     /// buffer held before and wherever the allocator put it.
