@@ -60,7 +60,13 @@ limit() {
 # names for what `cpu-profile` runs point into it.
 unpack_suite() {
     built=$(cat gpu-cpu/suite-root)
-    [ -e target/release/streambp-train ] || tar xJf gpu-cpu/suite.tar.xz
+    # Again wherever the archive is not the one unpacked last (a warm machine keeps target/).
+    local stamp
+    stamp=$(cksum < gpu-cpu/suite.tar.xz)
+    if [ "$(cat target/.suite-stamp 2>/dev/null)" != "$stamp" ]; then
+        tar xJf gpu-cpu/suite.tar.xz
+        echo "$stamp" > target/.suite-stamp
+    fi
     if [ "$built" != "$PWD" ] && [ ! -e "$built" ]; then
         mkdir -p "$(dirname "$built")" && ln -s "$PWD" "$built"
     fi
@@ -248,6 +254,8 @@ cpu-profile)
     # peaks on this CPU), and the peer's step by operator. Carry gpu-cpu (`pack-cpu`); results in
     # $OUT, seven text files.
     kit=gpu-cpu
+    # After `pack-suite` the kit's binaries are in its archive.
+    [ ! -e "$kit/suite-root" ] || unpack_suite
     for f in "$kit"/streambp-bench "$kit"/op_timings "$kit"/planner "$kit"/models_lib \
         "$kit"/half_layers "$kit"/bf16_kernel_choice; do
         [ -e "$f" ] || xz -dk "$f.xz"
@@ -275,8 +283,8 @@ cpu-profile)
     # run there only under its own unit tests): every kernel against exact sums, AMX's tiles against
     # a model of them, the models' unit tests, the bf16 layers' bits, the kernel choice.
     for test in models_lib half_layers bf16_kernel_choice; do
-        STREAMBP_FIXTURES=tests/fixtures timeout "$(limit "${LIMIT:-120}")" "$kit/$test" --nocapture \
-            >> "$out/kernels.txt" 2>&1 || echo "$test: exit $?" >> "$out/kernels.txt"
+        STREAMBP_FIXTURES=tests/fixtures timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" \
+            "$kit/$test" --nocapture >> "$out/kernels.txt" 2>&1 || echo "$test: exit $?" >> "$out/kernels.txt"
     done
     step_args=(--config benches/configs/qwen3-small.json --seq-lens 2048 --modes stream --chunk 128)
     # dtype, SIMD path, bf16 kernel (`-`: the CPU's own choice).
@@ -340,13 +348,15 @@ pack-suite)
     # The workspace's test binaries (`cargo test --release --workspace --no-run` first; `pack-cpu`
     # before this where perf should travel too), for `suite` on a machine without Rust, with the
     # binaries the command-line tests start and those `cpu-profile` runs, in one archive (19 MB for
-    # 290 MB) whose single large dictionary finds the code they share. What travels is limited to 64 MiB with the working tree, so the tests are stripped
-    # of symbols (the bench and op_timings keep theirs, for perf), those that need a card or MPI are
-    # left out, and so are the chat template's and the datasets' (text and files, the same on every
-    # CPU); the kit's own copies of what the archive holds are removed. Each line of suite.txt names
-    # a test binary, the folder cargo runs it in, and its target's name.
+    # 290 MB) whose single large dictionary finds the code they share. What travels is limited to
+    # 64 MiB with the working tree, so the tests are stripped of symbols (the bench and op_timings
+    # keep theirs, for perf), those that need a card or MPI are left out, and so are the chat
+    # template's and the datasets' (text and files, the same on every CPU); the kit's own copies
+    # of what the archive holds are removed. Each line of suite.txt names a test binary, the
+    # folder cargo runs it in, and its target's name.
     mkdir -p gpu-cpu
-    cargo test --release --workspace --no-run --message-format=json 2>/dev/null | python3 -c '
+    cargo test --release --workspace --no-run --message-format=json 2>/tmp/pack-suite-build.log \
+        | python3 -c '
 import json, os, sys
 root = os.getcwd()
 for line in sys.stdin:
@@ -354,7 +364,8 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
         print(os.path.relpath(m["executable"], root),
               os.path.relpath(os.path.dirname(m["manifest_path"]), root), m["target"]["name"])
-' | grep -v -E ' (cuda_parity|distributed|world|chat_template|datasets)$' > gpu-cpu/suite.txt
+' | grep -v -E ' (cuda_parity|distributed|world|chat_template|datasets)$' > gpu-cpu/suite.txt \
+        || { echo "pack-suite: the build failed (/tmp/pack-suite-build.log)" >&2; exit 1; }
     pwd > gpu-cpu/suite-root
     rm -rf /tmp/suite-stage
     for f in $(cut -d' ' -f1 gpu-cpu/suite.txt) target/release/streambp-train; do
@@ -375,7 +386,10 @@ for line in sys.stdin:
 suite)
     # The whole test suite on this machine's CPU, with its own choices in force (SIMD path, bf16
     # kernel: AMX's where it has AMX), from `pack-suite`'s binaries, each in the folder cargo runs it
-    # in. One summary line per binary in suite.txt, each binary's output under suite/.
+    # in, within SESSION_LIMIT seconds in all. One summary line per binary in suite.txt, each
+    # binary's output under suite/.
+    DEADLINE=${DEADLINE:-$(($(date +%s) + ${SESSION_LIMIT:-450}))}
+    export DEADLINE
     unpack_suite
     mkdir -p "$out/suite"
     grep -m1 'model name' /proc/cpuinfo > "$out/suite.txt" || true

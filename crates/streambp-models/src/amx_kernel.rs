@@ -465,9 +465,6 @@ mod tests {
             .collect()
     }
 
-    /// The packing, the blocks and the edges (rows and columns short of a block, an odd inner
-    /// slice, several slices), on the model of the unit with either operand's layout: the exact
-    /// sums. Where the CPU has AMX, its tiles give the same bits.
     /// Every pair of `a`'s pack where the layout puts it (row by row) and zeros everywhere else,
     /// on every path (contiguous rows, strided ones), nothing written past it.
     #[test]
@@ -507,6 +504,9 @@ mod tests {
         }
     }
 
+    /// The packing, the blocks and the edges (rows and columns short of a block, an odd inner
+    /// slice, several slices), on the model of the unit with either operand's layout: the exact
+    /// sums. Where the CPU has AMX, its tiles give the same bits.
     #[test]
     fn tiles_give_exact_sums_in_every_layout() {
         let amx = Amx::new();

@@ -123,7 +123,7 @@ pub(crate) fn pack<E: Element>(
     if x.col_stride == 1 {
         // Each row's inner run is contiguous: its pairs are adjacent elements. Whole blocks of 8
         // rows by 8 pairs in registers where they can be; the rest one pair at a time.
-        let (block_rows, block_pairs) = pair_blocks(x, &rows, (k0, end), lanes, buf);
+        let (block_rows, block_pairs) = pair_blocks(x, &rows, (k0, pairs, end), lanes, buf);
         for (ii, i) in rows.enumerate() {
             let start = i * x.row_stride;
             let done = if ii < block_rows { block_pairs } else { 0 };
@@ -201,7 +201,7 @@ pub(crate) fn pack<E: Element>(
 fn pair_blocks<E: Element>(
     x: &Operand<E>,
     rows: &Range<usize>,
-    (k0, end): (usize, usize),
+    (k0, pairs, end): (usize, usize, usize),
     lanes: usize,
     buf: &mut [u32],
 ) -> (usize, usize) {
@@ -213,8 +213,15 @@ fn pair_blocks<E: Element>(
         && crate::simd::isa() >= crate::simd::Isa::Avx2
     {
         let (block_rows, block_pairs) = (rows.len() / 8 * 8, (end - k0) / 2 / 8 * 8);
-        let pairs = buf.len() / (rows.len().div_ceil(lanes) * lanes);
-        assert!(block_pairs <= pairs, "bf16 kernel: pack too small");
+        // The reads and writes below are raw: their bounds checked once here.
+        assert!(
+            block_pairs <= pairs && buf.len() >= rows.len().div_ceil(lanes) * pairs * lanes,
+            "bf16 kernel: pack too small"
+        );
+        assert!(
+            rows.is_empty() || (rows.end - 1) * x.row_stride + end <= x.data.len(),
+            "bf16 kernel: operand out of range"
+        );
         let (data, out) = (
             x.data.as_ptr().cast::<f32>(),
             buf.as_mut_ptr().cast::<f32>(),
@@ -226,8 +233,9 @@ fn pair_blocks<E: Element>(
             for p in (0..block_pairs).step_by(8) {
                 // SAFETY: the path in force means the CPU has AVX. Each of the group's 8 rows has
                 // its pairs p..p + 8 (16 bf16) within its run of `end - k0` elements, at word
-                // stride `row_stride / 2` (x's rows lie within its data); the 8 × 8 words written
-                // lie within the block's `pairs × lanes` (rows g..g + 8 are lanes of one block).
+                // stride `row_stride / 2` (the runs lie within the data, as asserted above); the
+                // 8 × 8 words written lie within the block's `pairs × lanes` (rows g..g + 8 are
+                // lanes of one block, and `buf` holds every block, as asserted).
                 unsafe {
                     crate::transpose::block_8x8(
                         out.add(into + p * lanes),
@@ -240,7 +248,7 @@ fn pair_blocks<E: Element>(
         }
         return (block_rows, block_pairs);
     }
-    let _ = (x, rows, k0, end, lanes, buf);
+    let _ = (x, rows, k0, pairs, end, lanes, buf);
     (0, 0)
 }
 
