@@ -19,6 +19,7 @@ use std::ops::Range;
 use half::bf16;
 
 use crate::half_product::{Element, Operand, Tile};
+use crate::transpose;
 
 /// Rows of the micro-kernel's block.
 const MR: usize = 8;
@@ -121,12 +122,11 @@ pub(crate) fn pack<E: Element>(
     let end = len.min(k0 + 2 * pairs);
     let pair = |lo: bf16, hi: bf16| lo.to_bits() as u32 | (hi.to_bits() as u32) << 16;
     if x.col_stride == 1 {
-        // Each row's inner run is contiguous: its pairs are adjacent elements. Whole blocks of 8
-        // rows by 8 pairs in registers where they can be; the rest one pair at a time.
-        let (block_rows, block_pairs) = pair_blocks(x, &rows, (k0, pairs, end), lanes, buf);
+        // Each row's inner run is contiguous: its pairs are adjacent elements. Whole pairs of bf16
+        // as the words they are where they can be; the rest one pair at a time.
+        let done = pair_words(x, &rows, (k0, pairs, end), lanes, buf);
         for (ii, i) in rows.enumerate() {
             let start = i * x.row_stride;
-            let done = if ii < block_rows { block_pairs } else { 0 };
             let run = &x.data[start + k0 + 2 * done..start + end];
             if run.is_empty() {
                 continue;
@@ -191,65 +191,54 @@ pub(crate) fn pack<E: Element>(
     }
 }
 
-/// The whole blocks of 8 rows by 8 pairs of [`pack`]'s contiguous rows, written into `buf` as
-/// [`pack`] lays them out, where the elements are bf16, the rows start an even number of elements
-/// apart and the AVX2 or AVX-512 path is in force: a pair is then 32 bits in place, and a block is
-/// a transpose of 8 × 8 such words, made in AVX registers as f32 bits
-/// ([`crate::transpose::block_8x8`]; one pair at a time, a row's pairs land `lanes` words apart,
-/// each store on its own cache line). Returns how many rows (from the first) and pairs (from
-/// `k0`'s) it covered: multiples of 8, none where it does not apply.
-fn pair_blocks<E: Element>(
+/// The whole pairs of [`pack`]'s contiguous rows, written into `buf` as [`pack`] lays them out,
+/// where the elements are bf16 at an even row stride (and `k0` even) on a little-endian machine:
+/// a pair is then the 32-bit word it is packed as, in place, and a block's pairs are the transpose
+/// of its rows' words ([`transpose::columns_into_rows_at`], by 8 × 8 blocks in AVX registers where
+/// the path in force has them; one pair at a time, a row's pairs land `lanes` words apart, each
+/// store on its own cache line). Returns how many pairs of every row (from `k0`'s) it wrote: none
+/// where it does not apply.
+fn pair_words<E: Element>(
     x: &Operand<E>,
     rows: &Range<usize>,
     (k0, pairs, end): (usize, usize, usize),
     lanes: usize,
     buf: &mut [u32],
-) -> (usize, usize) {
-    #[cfg(target_arch = "x86_64")]
-    if std::any::TypeId::of::<E>() == std::any::TypeId::of::<bf16>()
+) -> usize {
+    let words = std::any::TypeId::of::<E>() == std::any::TypeId::of::<bf16>()
+        && cfg!(target_endian = "little")
         && x.row_stride.is_multiple_of(2)
-        && k0.is_multiple_of(2)
-        && lanes.is_multiple_of(8)
-        && crate::simd::isa() >= crate::simd::Isa::Avx2
-    {
-        let (block_rows, block_pairs) = (rows.len() / 8 * 8, (end - k0) / 2 / 8 * 8);
-        // The reads and writes below are raw: their bounds checked once here.
-        assert!(
-            block_pairs <= pairs && buf.len() >= rows.len().div_ceil(lanes) * pairs * lanes,
-            "bf16 kernel: pack too small"
-        );
-        assert!(
-            rows.is_empty() || (rows.end - 1) * x.row_stride + end <= x.data.len(),
-            "bf16 kernel: operand out of range"
-        );
-        let (data, out) = (
-            x.data.as_ptr().cast::<f32>(),
-            buf.as_mut_ptr().cast::<f32>(),
-        );
-        for g in (0..block_rows).step_by(8) {
-            // The group's first row, in f32 words from the data's first (row stride and `k0` even).
-            let first = ((rows.start + g) * x.row_stride + k0) / 2;
-            let into = (g / lanes) * pairs * lanes + g % lanes;
-            for p in (0..block_pairs).step_by(8) {
-                // SAFETY: the path in force means the CPU has AVX. Each of the group's 8 rows has
-                // its pairs p..p + 8 (16 bf16) within its run of `end - k0` elements, at word
-                // stride `row_stride / 2` (the runs lie within the data, as asserted above); the
-                // 8 × 8 words written lie within the block's `pairs × lanes` (rows g..g + 8 are
-                // lanes of one block, and `buf` holds every block, as asserted).
-                unsafe {
-                    crate::transpose::block_8x8(
-                        out.add(into + p * lanes),
-                        lanes,
-                        data.add(first + p),
-                        x.row_stride / 2,
-                    )
-                };
-            }
-        }
-        return (block_rows, block_pairs);
+        && k0.is_multiple_of(2);
+    if !words || rows.is_empty() {
+        return 0;
     }
-    let _ = (x, rows, k0, pairs, end, lanes, buf);
-    (0, 0)
+    let whole = (end - k0) / 2;
+    // The reads and writes below are raw: their bounds checked once here.
+    assert!(
+        whole <= pairs && buf.len() >= rows.len().div_ceil(lanes) * pairs * lanes,
+        "bf16 kernel: pack too small"
+    );
+    assert!(
+        (rows.end - 1) * x.row_stride + end <= x.data.len(),
+        "bf16 kernel: operand out of range"
+    );
+    let data = x.data.as_ptr().cast::<u32>();
+    for (b, first) in rows.clone().step_by(lanes).enumerate() {
+        // SAFETY: the block's rows (at most `lanes`, from `first`) each have `whole` pairs (2 ·
+        // `whole` bf16, the word at `(row · row_stride + k0) / 2` on, all even) within their run
+        // `k0..end`, which lies within the data (asserted above); the block's `whole × lanes`
+        // words at row stride `lanes` lie within its `pairs × lanes` in `buf` (asserted).
+        unsafe {
+            transpose::columns_into_rows_at(
+                buf.as_mut_ptr().add(b * pairs * lanes),
+                lanes,
+                data.add((first * x.row_stride + k0) / 2),
+                (whole, lanes.min(rows.end - first)),
+                x.row_stride / 2,
+            )
+        };
+    }
+    whole
 }
 
 /// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major).

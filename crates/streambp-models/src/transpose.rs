@@ -61,13 +61,35 @@ pub(crate) unsafe fn columns_into_rows<T: Copy + 'static>(
 ) {
     dst.clear();
     dst.reserve(k * c);
-    let out = dst.as_mut_ptr();
-    // SAFETY: the caller's contract for `src`, and `out` has room for `k × c`.
-    let (full_rows, full_cols) = unsafe { vector_blocks(out, src, (k, c), ld) };
+    // SAFETY: the caller's contract for `src`, and `dst` has room for `k × c`.
+    unsafe {
+        columns_into_rows_at(dst.as_mut_ptr(), c, src, (k, c), ld);
+        // Every element of `[k, c]` was written.
+        dst.set_len(k * c);
+    }
+}
+
+/// [`columns_into_rows`] into `out` at row stride `out_stride`, the source's elements read where
+/// they lie, aligned for `T` or not (the bf16 packs read pairs of bf16 as 32-bit words).
+///
+/// # Safety
+/// As [`columns_into_rows`], with `out + i·out_stride + j` writable for every `i < k`, `j < c`.
+pub(crate) unsafe fn columns_into_rows_at<T: Copy + 'static>(
+    out: *mut T,
+    out_stride: usize,
+    src: *const T,
+    (k, c): (usize, usize),
+    ld: usize,
+) {
+    // SAFETY: the caller's contract.
+    let (full_rows, full_cols) = unsafe { vector_blocks(out, out_stride, src, (k, c), ld) };
     // The edges the blocks left (or everything): rows `full_rows..`, then columns `full_cols..`.
     let at = |i: usize, j: usize| {
-        // SAFETY: the caller's contract for `src`; `out` has room for `k × c`.
-        unsafe { out.add(i * c + j).write(*src.add(j * ld + i)) }
+        // SAFETY: the caller's contract.
+        unsafe {
+            out.add(i * out_stride + j)
+                .write(src.add(j * ld + i).read_unaligned())
+        }
     };
     for j in 0..c {
         (full_rows..k).for_each(|i| at(i, j));
@@ -75,42 +97,44 @@ pub(crate) unsafe fn columns_into_rows<T: Copy + 'static>(
     for i in 0..full_rows {
         (full_cols..c).for_each(|j| at(i, j));
     }
-    // SAFETY: every element of `[k, c]` was written above or by the blocks.
-    unsafe { dst.set_len(k * c) };
 }
 
-/// The whole 8 × 8 blocks of [`columns_into_rows`] in AVX registers, for f32 where the AVX2 or
-/// AVX-512 path is in force; returns how many rows and columns of the output they covered (none
-/// for anything else).
+/// The whole 8 × 8 blocks of [`columns_into_rows_at`] in AVX registers, for 32-bit elements (f32,
+/// or any bits as u32) where the AVX2 or AVX-512 path is in force; returns how many rows and
+/// columns of the output they covered (none for anything else).
 ///
 /// # Safety
-/// As [`columns_into_rows`], with `out` writable for `k × c`.
+/// As [`columns_into_rows_at`].
 unsafe fn vector_blocks<T: 'static>(
     out: *mut T,
+    out_stride: usize,
     src: *const T,
     (k, c): (usize, usize),
     ld: usize,
 ) -> (usize, usize) {
     #[cfg(target_arch = "x86_64")]
-    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
+    if [std::any::TypeId::of::<f32>(), std::any::TypeId::of::<u32>()]
+        .contains(&std::any::TypeId::of::<T>())
         && crate::simd::isa() >= crate::simd::Isa::Avx2
     {
-        // SAFETY: T is f32, the CPU has AVX (the path in force says so), and the caller's contract.
-        return unsafe { blocks_f32(out.cast(), src.cast(), (k, c), ld) };
+        // SAFETY: T's elements are 32 bits, which the blocks move as f32 bits (unaligned loads and
+        // stores); the CPU has AVX (the path in force says so); and the caller's contract.
+        return unsafe { blocks_f32(out.cast(), out_stride, src.cast(), (k, c), ld) };
     }
-    let _ = (out, src, k, c, ld);
+    let _ = (out, out_stride, src, k, c, ld);
     (0, 0)
 }
 
-/// The whole 8 × 8 blocks of [`columns_into_rows`] for f32, in AVX registers; returns how many rows
-/// and columns of the output they covered (multiples of 8).
+/// The whole 8 × 8 blocks of [`columns_into_rows_at`] for f32, in AVX registers; returns how many
+/// rows and columns of the output they covered (multiples of 8).
 ///
 /// # Safety
-/// As [`columns_into_rows`], with `out` writable for `k × c`; the CPU must have AVX.
+/// As [`columns_into_rows_at`]; the CPU must have AVX.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
 unsafe fn blocks_f32(
     out: *mut f32,
+    out_stride: usize,
     src: *const f32,
     (k, c): (usize, usize),
     ld: usize,
@@ -122,7 +146,14 @@ unsafe fn blocks_f32(
             for i in (i0..(i0 + 64).min(rows)).step_by(8) {
                 // SAFETY: rows i..i + 8 and columns j..j + 8 lie within `k × c` (and the source's
                 // columns within the caller's contract).
-                unsafe { block_8x8(out.add(i * c + j), c, src.add(j * ld + i), ld) };
+                unsafe {
+                    block_8x8(
+                        out.add(i * out_stride + j),
+                        out_stride,
+                        src.add(j * ld + i),
+                        ld,
+                    )
+                };
             }
         }
     }
@@ -134,7 +165,7 @@ unsafe fn blocks_f32(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
 #[inline]
-pub(crate) unsafe fn block_8x8(out: *mut f32, out_stride: usize, src: *const f32, ld: usize) {
+unsafe fn block_8x8(out: *mut f32, out_stride: usize, src: *const f32, ld: usize) {
     use std::arch::x86_64::*;
     // SAFETY: the caller's contract: 8 runs of 8 readable elements, 8 rows of 8 writable ones.
     unsafe {
@@ -178,8 +209,8 @@ pub(crate) unsafe fn block_8x8(out: *mut f32, out_stride: usize, src: *const f32
 mod tests {
     use super::*;
 
-    /// Every shape around the blocks' edges, f32 (the AVX blocks where the path in force has
-    /// them) and f64 (element by element), against the definition.
+    /// Every shape around the blocks' edges, f32 and u32 (the AVX blocks where the path in force
+    /// has them) and f64 (element by element), against the definition.
     #[test]
     fn columns_become_rows() {
         fn check<T: Copy + PartialEq + std::fmt::Debug + 'static>(from: impl Fn(usize) -> T) {
@@ -206,6 +237,7 @@ mod tests {
             }
         }
         check(|i| i as f32);
+        check(|i| i as u32);
         check(|i| i as f64);
         println!("f32 path: {}", crate::simd::isa().name());
     }
