@@ -79,6 +79,18 @@ unpack_suite() {
     done
 }
 
+# A session's start: the host's CPU, cores and memory in host.txt, and its DEADLINE, SESSION_LIMIT
+# seconds on, for every run it starts.
+start_session() {
+    {
+        grep -m1 'model name' /proc/cpuinfo || true
+        nproc
+        free -g | head -2
+    } > "$out/host.txt"
+    DEADLINE=$(($(date +%s) + ${SESSION_LIMIT:-450}))
+    export DEADLINE
+}
+
 # What a session's steps wrote under $out, as one results.tgz (a call brings back at most 8 files).
 bundle() {
     cd "$out" || return
@@ -410,13 +422,8 @@ host-session)
     # seconds; $OUT gets results.tgz. Ran whole on an H100 machine's host in 288 s (2026-11-27).
     unpack_suite
     mkdir -p "$out"
-    {
-        grep -m1 'model name' /proc/cpuinfo || true
-        nproc
-        free -g | head -2
-    } > "$out/host.txt"
-    DEADLINE=$(($(date +%s) + ${SESSION_LIMIT:-450}))
-    export DEADLINE BENCH=gpu-cpu/streambp-bench
+    start_session
+    export BENCH=gpu-cpu/streambp-bench
     trap bundle EXIT
     taskset -c "${SUITE_CORES:-8-15}" "$0" suite > "$out/suite.log" 2>&1 &
     suite=$!
@@ -441,13 +448,7 @@ session)
     unpack
     mkdir -p gpu-cpu
     [ -e gpu-cpu/streambp-bench ] || cp gpu/streambp-bench gpu-cpu/streambp-bench
-    {
-        grep -m1 'model name' /proc/cpuinfo || true
-        nproc
-        free -g | head -2
-    } > "$out/host.txt"
-    DEADLINE=$(($(date +%s) + ${SESSION_LIMIT:-450}))
-    export DEADLINE
+    start_session
     trap bundle EXIT
     (
         card_cores=${CARD_CORES:-4-15}
