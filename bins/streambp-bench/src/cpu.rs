@@ -2,7 +2,9 @@
 //! name, the instruction-set flags that decide which kernels run (gemm's and ours), the cache
 //! sizes gemm blocks its products for, the path our own passes run on (`STREAMBP_SIMD`) and the
 //! bf16 products' kernel (`STREAMBP_BF16_KERNEL`). Machines with the same model name differ in
-//! these (a virtual "AMD EPYC" may be a Zen 3 or a Zen 4).
+//! these (a virtual "AMD EPYC" may be a Zen 3, a Zen 4 or a Zen 5), so the name carries the
+//! family and model numbers too: a Zen 4 and a Zen 5 have the same flags of these, and differ in
+//! speed and in the bf16 kernel they take.
 
 /// Flags that change which code runs: vector width, FMA, and bf16 arithmetic.
 const KERNEL_FLAGS: [&str; 11] = [
@@ -23,6 +25,8 @@ const KERNEL_FLAGS: [&str; 11] = [
 pub struct Cpu {
     /// `model name` of the first processor.
     pub model: String,
+    /// Its `cpu family` and `model` numbers, where `/proc/cpuinfo` gives them.
+    pub family_model: Option<(String, String)>,
     /// Which of [`KERNEL_FLAGS`] it has, in that order.
     pub flags: Vec<&'static str>,
 }
@@ -45,10 +49,20 @@ impl Cpu {
         let have: Vec<&str> = have.split_whitespace().collect();
         Self {
             model: field("model name").unwrap_or_else(|| "unknown CPU".into()),
+            family_model: field("cpu family").zip(field("model")),
             flags: KERNEL_FLAGS
                 .into_iter()
                 .filter(|f| have.contains(f))
                 .collect(),
+        }
+    }
+
+    /// The model name with the family and model numbers (`AMD EPYC, family 26 model 2`): what
+    /// tells two CPUs apart in the docs' tables.
+    pub fn name(&self) -> String {
+        match &self.family_model {
+            Some((family, model)) => format!("{}, family {family} model {model}", self.model),
+            None => self.model.clone(),
         }
     }
 
@@ -67,7 +81,7 @@ impl std::fmt::Display for Cpu {
             f,
             "{} ({}; L2 {} KiB, L3 {} KiB as gemm reads them; {} cores, {} worker threads; our passes \
              on {}, bf16 products on the {} kernel)",
-            self.model,
+            self.name(),
             self.flags.join(" "),
             cache[1].cache_bytes >> 10,
             cache[2].cache_bytes >> 10,
@@ -85,14 +99,16 @@ mod tests {
 
     #[test]
     fn model_and_kernel_flags_from_cpuinfo() {
-        let info = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 fma avx512f \
-                    avx512_bf16 sha_ni\n\nprocessor\t: 1\nmodel name\t: AMD EPYC\n";
+        let info = "processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n\
+                    flags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 sha_ni\n\nprocessor\t: 1\n\
+                    model name\t: AMD EPYC\n";
         let cpu = Cpu::parse(info);
         assert_eq!(cpu.model, "AMD EPYC");
+        assert_eq!(cpu.name(), "AMD EPYC, family 26 model 2");
         assert_eq!(cpu.flags, ["avx2", "fma", "avx512f", "avx512_bf16"]);
         assert!(cpu.has_bf16_arithmetic());
         let none = Cpu::parse("");
-        assert_eq!(none.model, "unknown CPU");
+        assert_eq!(none.name(), "unknown CPU");
         assert!(none.flags.is_empty() && !none.has_bf16_arithmetic());
     }
 }

@@ -629,7 +629,7 @@ fn compare_with_peer(args: &Args, model: &Model, python: &std::path::Path) -> an
     println!();
     print!("{heading}{table}");
     if let Some(doc) = &args.peer_doc {
-        let key = format!("{} ({}), {}", cpu.model, cpu.flags.join(" "), args.dtype);
+        let key = format!("{} ({}), {}", cpu.name(), cpu.flags.join(" "), args.dtype);
         peer::write_into(doc, &key, &format!("{heading}{table}"))?;
     }
     Ok(())
