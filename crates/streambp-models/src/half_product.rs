@@ -590,6 +590,27 @@ pub fn matmul_of_bf16_values(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     rounded_product((da, la), (db, lb), a.device())
 }
 
+/// `a·b` for 2-D bf16 host tensors (any strides) by [`product`], as f32 with the sums unrounded:
+/// the products of a bf16 layer's backward, which goes on in f32. Like [`matmul`], it records no
+/// backward.
+pub fn matmul_unrounded(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    let ((sa, la), (sb, lb)) = (a.storage_and_layout(), b.storage_and_layout());
+    let (Storage::Cpu(CpuStorage::BF16(da)), Storage::Cpu(CpuStorage::BF16(db))) = (&*sa, &*sb)
+    else {
+        candle_core::bail!("bf16 product: operands not in bf16 host storage");
+    };
+    if a.rank() != 2 || b.rank() != 2 {
+        candle_core::bail!("bf16 product: {:?} by {:?}", a.dims(), b.dims());
+    }
+    let ((oa, m, k), (ob, k2, n)) = (operand(da, la)?, operand(db, lb)?);
+    if k != k2 {
+        candle_core::bail!("bf16 product: [{m}, {k}] by [{k2}, {n}]");
+    }
+    let mut out = vec![0f32; m * n];
+    product(Destination::F32(&mut out), (m, n, k), oa, ob);
+    Tensor::from_vec(out, (m, n), a.device())
+}
+
 /// `a·b` by [`product`] for 2-D operands `a` (bf16 values) and `b` (bf16) in host data, rounded
 /// to a new bf16 tensor on `device`.
 fn rounded_product<A: Element>(
@@ -665,7 +686,8 @@ fn with_last_dim(l: &Layout, last: usize) -> candle_core::Shape {
 /// taken by the bf16 kernel in force, its sums unrounded. A bf16 layer computed in f32
 /// ([`crate::layer::DecoderLayer::computed_in_f32`]) multiplies such operands in its forward (its
 /// activations rounded where bf16 rounds, its weights widened from bf16), so they can run on the
-/// CPU's bf16 arithmetic; its gradients' products cannot (the gradients are f32). `None` where
+/// CPU's bf16 arithmetic; its backward's products take the gradient rounded to bf16 (as bf16
+/// autograd holds it) and run there too ([`matmul_unrounded`]). `None` where
 /// f32's product is the faster way (the kernel in force widens, or `x` has too few rows for it:
 /// [`route`]) or where `x` is not contiguous or holds a value bf16 does not.
 pub fn linear_of_bf16_values(

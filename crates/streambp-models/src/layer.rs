@@ -481,8 +481,10 @@ impl DecoderLayer {
     /// output, each residual sum), so the forward is the half-precision model's, while every op runs
     /// its f32 kernel, autograd's nodes are f32 and no cast sits between them. (A bf16 layer's
     /// forward products, whose operands both hold bf16 values, may run on the CPU's bf16
-    /// arithmetic instead, from the bf16 weights: [`Linear::bf16_weight`].) Gradients flow in f32
-    /// (those of trained weights land on f32 stand-ins, [`InF32::parameters`]); the adapters, in f32
+    /// arithmetic instead, from the bf16 weights: [`Linear::bf16_weight`]; so may its backward's
+    /// products, from those weights and the gradient rounded to bf16, as bf16 autograd holds it.)
+    /// Gradients flow in f32 (those of trained weights land on f32 stand-ins,
+    /// [`InF32::parameters`]); the adapters, in f32
     /// already, are shared, and the base output under each is rounded before the adapter's term is
     /// added to it, as PEFT adds it ([`crate::lora::LoraAdapter::round_base_to`]).
     pub fn computed_in_f32(&self) -> Result<Option<InF32>> {

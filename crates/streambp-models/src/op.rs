@@ -60,6 +60,56 @@ fn constant_linear(x: &Tensor, weight: Weight) -> CResult<Tensor> {
     half_product::matmul(x, &weight.tensor.detach().t()?)
 }
 
+/// In a bf16 layer computed in f32 (a bf16 weight at hand, the gradient `g` f32 on the host), `g`
+/// rounded to bf16 and that weight: the backward's products then take the gradient as bf16
+/// autograd holds it (PyTorch's bf16 backward multiplies bf16 gradients) on the bf16 kernel in
+/// force, their sums unrounded and the gradient flowing on in f32. `None` elsewhere.
+///
+/// The rounding costs no accuracy that shows: the bf16 gradients' distance from exact arithmetic
+/// (`tests/half_accuracy.rs`) stays 1.08e-1, set by the forward's roundings; the products run on
+/// the CPU's bf16 arithmetic (AMX's tiles, AVX512-BF16's dot products) rather than f32's.
+fn rounded_gradient<'w>(
+    grad: &Tensor,
+    bf16: Option<&'w Tensor>,
+) -> CResult<Option<(Tensor, &'w Tensor)>> {
+    let Some(w16) = bf16.filter(|w| w.dtype() == candle_core::DType::BF16) else {
+        return Ok(None);
+    };
+    if !(grad.device().is_cpu() && grad.dtype() == candle_core::DType::F32) {
+        return Ok(None);
+    }
+    Ok(Some((
+        crate::cpu::cast(grad, candle_core::DType::BF16)?,
+        w16,
+    )))
+}
+
+/// `g W` for a projection's `weight` (`[out, in]`, and its bf16 copy where the layer keeps one):
+/// from the rounded gradient where [`rounded_gradient`] gives it, else in the gradient's dtype.
+fn input_gradient(grad: &Tensor, weight: &Tensor, bf16: Option<&Tensor>) -> CResult<Tensor> {
+    match rounded_gradient(grad, bf16)? {
+        Some((g16, w16)) => half_product::matmul_unrounded(&g16, w16),
+        None => half_product::matmul(grad, weight),
+    }
+}
+
+/// `x` (f32 on the host) narrowed to a bf16 tensor where every value is one bf16 holds.
+fn narrowed_exactly(x: &Tensor) -> CResult<Option<Tensor>> {
+    let x = x.contiguous()?;
+    let (storage, layout) = x.storage_and_layout();
+    let Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
+        return Ok(None);
+    };
+    let start = layout.start_offset();
+    match data
+        .get(start..start + x.elem_count())
+        .and_then(crate::cpu::narrowed_exactly)
+    {
+        Some(narrowed) => Tensor::from_vec(narrowed, x.shape(), x.device()).map(Some),
+        None => Ok(None),
+    }
+}
+
 /// A forward result waiting to be handed to the op that records it (once).
 #[derive(Debug)]
 pub(crate) struct Precomputed(Mutex<Option<Tensor>>);
@@ -104,6 +154,8 @@ impl Precomputed {
 /// matmul and buffer per call even when the weight is a constant: the cost LoRA must not pay.)
 struct FrozenLinear {
     weight: Tensor,
+    /// The weight in bf16, where the layer keeps it ([`Weight::bf16`]).
+    bf16_weight: Option<Tensor>,
     out: Precomputed,
 }
 
@@ -126,7 +178,8 @@ impl candle_core::CustomOp1 for FrozenLinear {
     }
 
     fn bwd(&self, _x: &Tensor, _out: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
-        Ok(Some(half_product::matmul(grad, &self.weight)?))
+        let bf16 = self.bf16_weight.as_ref();
+        Ok(Some(input_gradient(grad, &self.weight, bf16)?))
     }
 }
 
@@ -147,6 +200,7 @@ pub(crate) fn frozen_linear(x: &Tensor, weight: Weight, bias: Option<&Tensor>) -
     let out = plain(&x.detach())?;
     x.apply_op1(FrozenLinear {
         weight: weight.tensor.detach(),
+        bf16_weight: weight.bf16.map(Tensor::detach),
         out: Precomputed::new(out),
     })
 }
@@ -226,11 +280,33 @@ impl candle_core::CustomOp2 for TrainedLinear {
             t.reshape((t.elem_count() / inner.max(1), inner))
         };
         let (grad2, x2) = (rows(grad)?, rows(&x.detach())?);
-        let grad_x = half_product::matmul(&grad2, &weight.detach())?.reshape(x.shape())?;
-        let grad_t = grad2.t()?;
-        let grad_w = match &self.grad_into {
-            Some(acc) if accumulate::add_product(acc, &grad_t, &x2)? => None,
-            _ => Some(half_product::matmul(&grad_t, &x2)?),
+        let Some((g16, w16)) = rounded_gradient(&grad2, self.bf16_weight.as_ref())? else {
+            let grad_x = half_product::matmul(&grad2, &weight.detach())?.reshape(x.shape())?;
+            let grad_t = grad2.t()?;
+            let grad_w = match &self.grad_into {
+                Some(acc) if accumulate::add_product(acc, &grad_t, &x2)? => None,
+                _ => Some(half_product::matmul(&grad_t, &x2)?),
+            };
+            return Ok((Some(grad_x), grad_w));
+        };
+        // A bf16 layer computed in f32: both products from the rounded gradient, `gᵀ x` on the
+        // bf16 kernel where `x` holds bf16 values (as such a layer's inputs do), else in f32.
+        let grad_x = half_product::matmul_unrounded(&g16, w16)?.reshape(x.shape())?;
+        let grad_w = match narrowed_exactly(&x2)? {
+            Some(x16) => {
+                let g16_t = g16.t()?;
+                match &self.grad_into {
+                    Some(acc) if accumulate::add_product(acc, &g16_t, &x16)? => None,
+                    _ => Some(half_product::matmul_unrounded(&g16_t, &x16)?),
+                }
+            }
+            None => {
+                let g_t = crate::cpu::cast(&g16, candle_core::DType::F32)?.t()?;
+                match &self.grad_into {
+                    Some(acc) if accumulate::add_product(acc, &g_t, &x2)? => None,
+                    _ => Some(half_product::matmul(&g_t, &x2)?),
+                }
+            }
         };
         Ok((Some(grad_x), grad_w))
     }
@@ -340,6 +416,8 @@ pub(crate) fn trained_linear(
 /// `[n, out]` adapter term, its scaled copy and the sum that composing it would keep).
 struct LoraLinear {
     weight: Tensor,
+    /// The weight in bf16, where the layer keeps it ([`Weight::bf16`]).
+    bf16_weight: Option<Tensor>,
     scale: f64,
     out: Precomputed,
 }
@@ -383,7 +461,7 @@ impl candle_core::CustomOp3 for LoraLinear {
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let scaled = (grad * self.scale)?;
-        let grad_x = half_product::matmul(grad, &self.weight)?;
+        let grad_x = input_gradient(grad, &self.weight, self.bf16_weight.as_ref())?;
         let grad_u = half_product::matmul(&scaled, &b.detach())?;
         let grad_b = half_product::matmul(&scaled.t()?, &u.detach())?;
         Ok((Some(grad_x), Some(grad_u), Some(grad_b)))
@@ -420,6 +498,7 @@ pub(crate) fn lora_linear(
         lora_b,
         LoraLinear {
             weight: weight.tensor.detach(),
+            bf16_weight: weight.bf16.map(Tensor::detach),
             scale,
             out: Precomputed::new(out),
         },

@@ -207,12 +207,12 @@ fn gradients_land_on_the_stand_ins() {
 }
 
 /// A bf16 layer computed in f32 multiplies in its forward from each projection's bf16 weight
-/// where the kernel in force packs bf16 pairs, and only there, and differentiates with the f32
-/// stand-ins: with the down projection's bf16 weight zeroed the layer's output changes on such a
-/// CPU (and not elsewhere), while every stand-in's gradient of the output's sum stays the same bits
-/// (the backward reads the forward's activations before that product and the f32 weights).
+/// where the kernel in force packs bf16 pairs, and only there, and in its backward from the bf16
+/// weights on every kernel: with the down projection's bf16 weight zeroed the layer's output
+/// changes on such a CPU (and not elsewhere), and the stand-ins' gradients of the output's sum
+/// change everywhere, though they still land on the f32 stand-ins.
 #[test]
-fn the_forward_reads_the_bf16_weights_the_backward_the_f32_ones() {
+fn the_forward_and_the_backward_read_the_bf16_weights() {
     let family = "qwen3";
     let model = load_model(&fixture_dir(family), DType::BF16, &Device::Cpu).unwrap();
     let params = model.layer_parameters(0);
@@ -242,12 +242,103 @@ fn the_forward_reads_the_bf16_weights_the_backward_the_f32_ones() {
     let packs = streambp_models::half_product::Kernel::detect()
         != streambp_models::half_product::Kernel::Widened;
     assert_eq!(y != y_zeroed, packs, "the bf16 weight read: {packs}");
-    for (((name, _), g), g_zeroed) in stand_ins.iter().zip(&grads).zip(&grads_zeroed) {
-        let same = g
+    // The gate and up projections' gradients come through the down projection's input gradient.
+    let changed: Vec<&str> = stand_ins
+        .iter()
+        .zip(grads.iter().zip(&grads_zeroed))
+        .filter(|(_, (g, z))| g.iter().zip(*z).any(|(a, b)| a.to_bits() != b.to_bits()))
+        .map(|((name, _), _)| name.as_str())
+        .collect();
+    assert!(
+        changed.iter().any(|n| n.contains("gate_proj")),
+        "the backward did not read the bf16 weight: changed {changed:?}"
+    );
+}
+
+/// `a·b` (`[rows, inner]·[inner, cols]`, read through `a`, `b`) in f64, with the bound on an f32
+/// sum's rounding of each element: `inner · 2⁻²⁴ · Σ |terms|`.
+fn exact_product(
+    a: impl Fn(usize, usize) -> f64,
+    b: impl Fn(usize, usize) -> f64,
+    (rows, cols, inner): (usize, usize, usize),
+) -> Vec<(f64, f64)> {
+    (0..rows * cols)
+        .map(|ij| {
+            let (i, j) = (ij / cols, ij % cols);
+            let terms = (0..inner).map(|p| a(i, p) * b(p, j));
+            let magnitude: f64 = terms.clone().map(f64::abs).sum();
+            (terms.sum(), magnitude * inner as f64 * 2f64.powi(-24))
+        })
+        .collect()
+}
+
+/// A projection of a bf16 layer computed in f32 multiplies the gradient rounded to bf16, as bf16
+/// autograd holds it, in both of its backward's products, the sums unrounded: `g W` and `gᵀ x`
+/// from `bf16(g)` to within an f32 sum's rounding of the exact products, and most elements farther
+/// than that from the products of `g` itself.
+#[test]
+fn a_projection_multiplies_the_gradient_rounded_to_bf16() {
+    let (n, inputs, outputs) = (37, 48, 40);
+    let values = |len: usize, seed: f32| -> Vec<f32> {
+        (0..len)
+            .map(|i| (i as f32 * 0.61 + seed).sin() * 1.7)
+            .collect()
+    };
+    let rounded = |v: &[f32]| -> Vec<f32> {
+        v.iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect()
+    };
+    let cpu = Device::Cpu;
+    let w = rounded(&values(outputs * inputs, 0.3));
+    let x = rounded(&values(n * inputs, 1.1));
+    // The gradient of `(y ⊙ c).sum()`: `c`, most of whose values bf16 does not hold.
+    let c = values(n * outputs, 2.9);
+    let weight = Var::from_vec(w.clone(), (outputs, inputs), &cpu).unwrap();
+    let mut linear = streambp_models::linear::Linear::new(weight.as_tensor().clone(), None);
+    linear.bf16_weight = Some(weight.as_tensor().to_dtype(DType::BF16).unwrap());
+    let x_var = Var::from_vec(x.clone(), (n, inputs), &cpu).unwrap();
+    let y = linear.forward(x_var.as_tensor()).unwrap();
+    let c_t = Tensor::from_vec(c.clone(), (n, outputs), &cpu).unwrap();
+    let store = (y * &c_t).unwrap().sum_all().unwrap().backward().unwrap();
+    let grad = |v: &Var| -> Vec<f32> {
+        let g = store.get(v.as_tensor()).expect("a gradient");
+        g.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    let c16 = rounded(&c);
+    for (name, got, products) in [
+        (
+            "g W",
+            grad(&x_var),
+            [&c16, &c].map(|g| {
+                let at = |i: usize, p: usize| g[i * outputs + p] as f64;
+                exact_product(at, |p, j| w[p * inputs + j] as f64, (n, inputs, outputs))
+            }),
+        ),
+        (
+            "gᵀ x",
+            grad(&weight),
+            [&c16, &c].map(|g| {
+                let at = |i: usize, p: usize| g[p * outputs + i] as f64;
+                exact_product(at, |p, j| x[p * inputs + j] as f64, (outputs, inputs, n))
+            }),
+        ),
+    ] {
+        let [of_rounded, of_unrounded] = products;
+        let within = |(v, (exact, bound)): (&f32, &(f64, f64))| (*v as f64 - exact).abs() <= *bound;
+        for (k, pair) in got.iter().zip(&of_rounded).enumerate() {
+            assert!(within(pair), "{name}[{k}]: {} against {:?}", pair.0, pair.1);
+        }
+        let apart = got
             .iter()
-            .zip(g_zeroed)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "{name}: the gradient read the bf16 weight");
+            .zip(&of_unrounded)
+            .filter(|&p| !within(p))
+            .count();
+        assert!(
+            apart > got.len() / 2,
+            "{name}: {apart} of {} away from the unrounded gradient's products",
+            got.len()
+        );
     }
 }
 
