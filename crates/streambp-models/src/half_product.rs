@@ -570,7 +570,7 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     else {
         candle_core::bail!("bf16 product: operands not in bf16 host storage");
     };
-    rounded_product((da, la), (db, lb), a.device())
+    product_tensor((da, la), (db, lb), a.device(), |d| Destination::Bf16(d))
 }
 
 /// `a·b` for 2-D host tensors (any strides): `a` f32 holding bf16 values ([`Element`]), `b` bf16,
@@ -587,7 +587,7 @@ pub fn matmul_of_bf16_values(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     if a.rank() != 2 || b.rank() != 2 {
         candle_core::bail!("bf16 product: {:?} by {:?}", a.dims(), b.dims());
     }
-    rounded_product((da, la), (db, lb), a.device())
+    product_tensor((da, la), (db, lb), a.device(), |d| Destination::Bf16(d))
 }
 
 /// `a·b` for 2-D bf16 host tensors (any strides) by [`product`], as f32 with the sums unrounded:
@@ -602,28 +602,23 @@ pub fn matmul_unrounded(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     if a.rank() != 2 || b.rank() != 2 {
         candle_core::bail!("bf16 product: {:?} by {:?}", a.dims(), b.dims());
     }
-    let ((oa, m, k), (ob, k2, n)) = (operand(da, la)?, operand(db, lb)?);
-    if k != k2 {
-        candle_core::bail!("bf16 product: [{m}, {k}] by [{k2}, {n}]");
-    }
-    let mut out = vec![0f32; m * n];
-    product(Destination::F32(&mut out), (m, n, k), oa, ob);
-    Tensor::from_vec(out, (m, n), a.device())
+    product_tensor((da, la), (db, lb), a.device(), |d| Destination::F32(d))
 }
 
-/// `a·b` by [`product`] for 2-D operands `a` (bf16 values) and `b` (bf16) in host data, rounded
-/// to a new bf16 tensor on `device`.
-fn rounded_product<A: Element>(
+/// `a·b` by [`product`] for 2-D operands `a` (bf16 values) and `b` (bf16) in host data, into a new
+/// tensor of `T` on `device`, written as `destination` says (rounded to bf16, or f32 unrounded).
+fn product_tensor<A: Element, T: candle_core::WithDType>(
     (a, la): (&[A], &Layout),
     (b, lb): (&[bf16], &Layout),
     device: &candle_core::Device,
+    destination: impl FnOnce(&mut [T]) -> Destination<'_>,
 ) -> CResult<Tensor> {
     let ((oa, m, k), (ob, k2, n)) = (operand(a, la)?, operand(b, lb)?);
     if k != k2 {
         candle_core::bail!("bf16 product: [{m}, {k}] by [{k2}, {n}]");
     }
-    let mut out = vec![bf16::ZERO; m * n];
-    product(Destination::Bf16(&mut out), (m, n, k), oa, ob);
+    let mut out = vec![T::zero(); m * n];
+    product(destination(&mut out), (m, n, k), oa, ob);
     Tensor::from_vec(out, (m, n), device)
 }
 
