@@ -280,35 +280,32 @@ impl candle_core::CustomOp2 for TrainedLinear {
             t.reshape((t.elem_count() / inner.max(1), inner))
         };
         let (grad2, x2) = (rows(grad)?, rows(&x.detach())?);
-        let Some((g16, w16)) = rounded_gradient(&grad2, self.bf16_weight.as_ref())? else {
-            let grad_x = half_product::matmul(&grad2, &weight.detach())?.reshape(x.shape())?;
-            let grad_t = grad2.t()?;
-            let grad_w = match &self.grad_into {
-                Some(acc) if accumulate::add_product(acc, &grad_t, &x2)? => None,
-                _ => Some(half_product::matmul(&grad_t, &x2)?),
+        // `g W`, and `gᵀ` and `x` for `gᵀ x` with the product that takes them; in a bf16 layer
+        // computed in f32 from the rounded gradient, `gᵀ x` on the bf16 kernel where `x` holds
+        // bf16 values (as such a layer's inputs do), else in f32.
+        type Product = fn(&Tensor, &Tensor) -> CResult<Tensor>;
+        let (grad_x, grad_t, x2, product): (_, _, _, Product) =
+            match rounded_gradient(&grad2, self.bf16_weight.as_ref())? {
+                None => {
+                    let grad_x = half_product::matmul(&grad2, &weight.detach())?;
+                    (grad_x, grad2.t()?, x2, half_product::matmul)
+                }
+                Some((g16, w16)) => {
+                    let grad_x = half_product::matmul_unrounded(&g16, w16)?;
+                    match narrowed_exactly(&x2)? {
+                        Some(x16) => (grad_x, g16.t()?, x16, half_product::matmul_unrounded),
+                        None => {
+                            let g = crate::cpu::cast(&g16, candle_core::DType::F32)?;
+                            (grad_x, g.t()?, x2, half_product::matmul)
+                        }
+                    }
+                }
             };
-            return Ok((Some(grad_x), grad_w));
+        let grad_w = match &self.grad_into {
+            Some(acc) if accumulate::add_product(acc, &grad_t, &x2)? => None,
+            _ => Some(product(&grad_t, &x2)?),
         };
-        // A bf16 layer computed in f32: both products from the rounded gradient, `gᵀ x` on the
-        // bf16 kernel where `x` holds bf16 values (as such a layer's inputs do), else in f32.
-        let grad_x = half_product::matmul_unrounded(&g16, w16)?.reshape(x.shape())?;
-        let grad_w = match narrowed_exactly(&x2)? {
-            Some(x16) => {
-                let g16_t = g16.t()?;
-                match &self.grad_into {
-                    Some(acc) if accumulate::add_product(acc, &g16_t, &x16)? => None,
-                    _ => Some(half_product::matmul_unrounded(&g16_t, &x16)?),
-                }
-            }
-            None => {
-                let g_t = crate::cpu::cast(&g16, candle_core::DType::F32)?.t()?;
-                match &self.grad_into {
-                    Some(acc) if accumulate::add_product(acc, &g_t, &x2)? => None,
-                    _ => Some(half_product::matmul(&g_t, &x2)?),
-                }
-            }
-        };
-        Ok((Some(grad_x), grad_w))
+        Ok((Some(grad_x.reshape(x.shape())?), grad_w))
     }
 }
 

@@ -117,12 +117,17 @@ pub(crate) struct Blocks<'f, T> {
     pub fetch: &'f (dyn Fn(usize) -> CResult<KeyBlock<T>> + Sync),
 }
 
+/// Tasks of each of `items` items that keep every thread busy: at least one.
+fn tasks_per_item(items: usize) -> usize {
+    rayon::current_num_threads().div_ceil(items.max(1)).max(1)
+}
+
 impl<T> Blocks<'_, T> {
     /// The blocks in waves of as many as keep the threads busy given `items` tasks per block (one
     /// block where there are as many items as threads), so that only a wave's masks (`c × key
     /// block` each) and, in the backward, its `dQ` shares exist at once.
     fn waves(&self, items: usize) -> impl Iterator<Item = CResult<Vec<KeyBlock<T>>>> + '_ {
-        let wave = rayon::current_num_threads().div_ceil(items.max(1)).max(1);
+        let wave = tasks_per_item(items);
         (0..self.count).step_by(wave).map(move |first| {
             (first..(first + wave).min(self.count))
                 .map(self.fetch)
@@ -204,11 +209,8 @@ const MAX_ROW_TILE: usize = 256;
 /// 0.269-0.276 s in tiles of 128 (qwen3-small, T = 4096, AMD EPYC Zen 5), while at 16 threads
 /// tiles of 128 rows would give those heads 4 tasks.
 fn row_tile(rows: usize, items: usize) -> usize {
-    let threads = rayon::current_num_threads();
-    let tiles = rows
-        .div_ceil(MAX_ROW_TILE)
-        .max(threads.div_ceil(items.max(1)));
-    rows.div_ceil(tiles.max(1)).max(1)
+    let tiles = rows.div_ceil(MAX_ROW_TILE).max(tasks_per_item(items));
+    rows.div_ceil(tiles).max(1)
 }
 
 /// The online softmax over the key blocks, per tile of query rows: for each block the scores, each
