@@ -20,6 +20,9 @@ step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile
 out=${OUT:-gpu-out}
 config=benches/configs/qwen3-8b.json
 bench=${BENCH:-gpu/streambp-bench}
+# What `cpu-profile` runs from its kit (gpu-cpu/): each as `NAME.xz` (`pack-cpu`), or a link into
+# `pack-suite`'s archive.
+kit_tools=(streambp-bench op_timings planner models_lib half_layers bf16_kernel_choice)
 
 unpack() {
     for f in gpu/*.xz; do
@@ -268,8 +271,7 @@ cpu-profile)
     kit=gpu-cpu
     # After `pack-suite` the kit's binaries are in its archive.
     [ ! -e "$kit/suite-root" ] || unpack_suite
-    for f in "$kit"/streambp-bench "$kit"/op_timings "$kit"/planner "$kit"/models_lib \
-        "$kit"/half_layers "$kit"/bf16_kernel_choice; do
+    for f in "${kit_tools[@]/#/$kit/}"; do
         [ -e "$f" ] || xz -dk "$f.xz"
         chmod +x "$f"
     done
@@ -390,7 +392,7 @@ for line in sys.stdin:
     done
     (cd /tmp/suite-stage && tar cf - target) | xz -T1 --lzma2=preset=6,dict=512MiB > gpu-cpu/suite.tar.xz
     rm -rf /tmp/suite-stage
-    for f in streambp-bench op_timings planner models_lib half_layers bf16_kernel_choice; do
+    for f in "${kit_tools[@]}"; do
         rm -f "gpu-cpu/$f.xz"
     done
     du -sh gpu-cpu
@@ -429,11 +431,13 @@ host-session)
     suite=$!
     PLANNER=0 CORES=${PROFILE_CORES:-2,3} "$0" cpu-profile > "$out/cpu-profile.log" 2>&1 &
     profile=$!
-    CORES=${PEER_CORES:-0,1} "$0" cpu > "$out/cpu-step.log" 2>&1 || true
+    # (`cpu` writes its bench's output to cpu.log itself; the step's own errors go to cpu-step.log.)
+    CORES=${PEER_CORES:-0,1} "$0" cpu > /dev/null 2> "$out/cpu-step.log" || true
     wait "$suite" "$profile" || true
     [ "${QUIET:-1}" != 0 ] || exit 0
     mkdir -p "$out/cpu-quiet"
-    OUT=$out/cpu-quiet CORES=${PEER_CORES:-0,1} "$0" cpu > "$out/cpu-quiet/cpu-step.log" 2>&1 || true
+    OUT=$out/cpu-quiet CORES=${PEER_CORES:-0,1} "$0" cpu > /dev/null 2> "$out/cpu-quiet/cpu-step.log" \
+        || true
     ;;
 session)
     # One device call for the runs still owed: `parity`, `profile` and `time` at T = 16,384 (stream
@@ -457,7 +461,7 @@ session)
         SEQS=16384 MODES=stream,checkpoint taskset -c "$card_cores" "$0" time > "$out/time.log" 2>&1 \
             || true
     ) &
-    CORES=${PEER_CORES:-0,1} "$0" cpu > "$out/cpu-step.log" 2>&1 &
+    CORES=${PEER_CORES:-0,1} "$0" cpu > /dev/null 2> "$out/cpu-step.log" &
     if [ -e gpu-cpu/perf.tar.xz ]; then
         CORES=${PROFILE_CORES:-2,3} "$0" cpu-profile > "$out/cpu-profile.log" 2>&1 &
     fi
