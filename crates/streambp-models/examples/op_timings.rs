@@ -104,11 +104,11 @@ fn main() -> Result<()> {
     let chosen = half_product::Kernel::detect();
     let names: Vec<String> = kernels.iter().map(|k| format!("bf16 {k:?} (ms)")).collect();
     println!(
-        "bf16 kernels {kernels:?}, {} chosen\n\n| product | m × n × k | {} | f32 (ms) |",
+        "bf16 kernels {kernels:?}, {} chosen\n\n| product | m × n × k | {} | f32, ours in tiles (ms) | f32, candle's (ms) |",
         chosen.label(),
         names.join(" | ")
     );
-    println!("|---|---|{}---|", "---|".repeat(kernels.len()));
+    println!("|---|---|{}---|---|", "---|".repeat(kernels.len()));
     for (name, (ar, ac), (br, bc), ta, tb) in products {
         let matrix = |rows, cols, transpose| -> Result<(Tensor, Vec<bf16>)> {
             let t = random(rows, cols, DType::F32)?;
@@ -133,11 +133,17 @@ fn main() -> Result<()> {
             })?;
             row += &format!(" {:.3} |", s * 1e3);
         }
-        let s = median_seconds(repeats, || {
+        // The step's own f32 products (`cpu::tiled_matmul`: tiles over rayon's threads), then
+        // candle's (gemm splitting one call over the threads).
+        let tiled = median_seconds(repeats, || {
+            std::hint::black_box(cpu::tiled_matmul(&a, &b)?);
+            Ok(())
+        })?;
+        let candle = median_seconds(repeats, || {
             std::hint::black_box(a.matmul(&b)?);
             Ok(())
         })?;
-        println!("{row} {:.3} |", s * 1e3);
+        println!("{row} {:.3} | {:.3} |", tiled * 1e3, candle * 1e3);
     }
     let elements = 2048 * mlp;
     let wide = random(2048, mlp, DType::F32)?;

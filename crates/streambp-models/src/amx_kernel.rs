@@ -391,6 +391,11 @@ pub fn emulated() -> bool {
 /// dispatches on [`available`]) and if `out` is too small; the operands' ranges are the caller's
 /// to check.
 pub fn tile<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: &mut [f32]) {
+    tile_into(tile, packs, (out, true));
+}
+
+/// [`tile`], adding into `out` or (`false`) writing it.
+pub(crate) fn tile_into<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: (&mut [f32], bool)) {
     #[cfg(target_arch = "x86_64")]
     if let Some(unit) = Amx::new() {
         return tile_with(&unit, tile, packs, out);
@@ -399,12 +404,12 @@ pub fn tile<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: &mut [f32]) {
     tile_with(&Emulated, tile, packs, out)
 }
 
-/// [`tile`] on any [`TileUnit`].
+/// [`tile_into`] on any [`TileUnit`].
 pub(crate) fn tile_with<A: Element>(
     unit: &dyn TileUnit,
     tile: &Tile<A>,
     packs: &mut Packs,
-    out: &mut [f32],
+    (out, accumulate): (&mut [f32], bool),
 ) {
     let Tile { a, b, k, .. } = *tile;
     let (rows, cols) = (tile.rows.clone(), tile.cols.clone());
@@ -429,8 +434,10 @@ pub(crate) fn tile_with<A: Element>(
                 let (block_rows, block_cols) = (MR.min(r - rb * MR), NR.min(c - cb * NR));
                 for (i, sums) in sums.chunks_exact(NR).take(block_rows).enumerate() {
                     let at = (rb * MR + i) * c + cb * NR;
-                    for (y, &s) in out[at..at + block_cols].iter_mut().zip(sums) {
-                        *y += s;
+                    let row = out[at..at + block_cols].iter_mut().zip(sums);
+                    match accumulate || k0 > 0 {
+                        true => row.for_each(|(y, &s)| *y += s),
+                        false => row.for_each(|(y, &s)| *y = s),
                     }
                 }
             }
@@ -537,12 +544,12 @@ mod tests {
                 );
                 let mut packs = Packs::default();
                 let mut got = start.clone();
-                tile_with(&Emulated, &tile, &mut packs, &mut got);
+                tile_with(&Emulated, &tile, &mut packs, (&mut got, true));
                 assert_eq!(got, want, "model {layouts}");
                 #[cfg(target_arch = "x86_64")]
                 if let Some(amx) = &amx {
                     let mut got = start.clone();
-                    tile_with(amx, &tile, &mut packs, &mut got);
+                    tile_with(amx, &tile, &mut packs, (&mut got, true));
                     assert_eq!(got, want, "AMX {layouts}");
                 }
             });
@@ -577,7 +584,7 @@ mod tests {
                 k,
             };
             let (mut model, mut dot) = (vec![0.5f32; m * n], vec![0.5f32; m * n]);
-            tile_with(&Emulated, &tile, &mut Packs::default(), &mut model);
+            tile_with(&Emulated, &tile, &mut Packs::default(), (&mut model, true));
             crate::bf16_kernel::tile(&tile, &mut Default::default(), &mut dot);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(
@@ -628,7 +635,7 @@ mod tests {
         }
         for (name, unit) in units {
             let mut got = vec![0f32; rows.len() * cols.len()];
-            tile_with(unit, &tile, &mut Packs::default(), &mut got);
+            tile_with(unit, &tile, &mut Packs::default(), (&mut got, true));
             for (t, i) in rows.clone().enumerate() {
                 assert_eq!(
                     got[t * cols.len()..(t + 1) * cols.len()],

@@ -246,6 +246,15 @@ fn pair_words<E: Element>(
 /// Panics unless [`available`] (the caller dispatches on it) and if `out` is too small; the operands'
 /// ranges are the caller's to check ([`Operand`]s that fit `rows × k` and `k × cols`).
 pub fn tile<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: &mut [f32]) {
+    tile_into(tile, packs, (out, true));
+}
+
+/// [`tile`], adding into `out` or (`false`) writing it.
+pub(crate) fn tile_into<A: Element>(
+    tile: &Tile<A>,
+    packs: &mut Packs,
+    (out, accumulate): (&mut [f32], bool),
+) {
     assert!(available(), "bf16 kernel: the CPU has no AVX512-BF16");
     let Tile { a, b, k, .. } = *tile;
     let (rows, cols) = (tile.rows.clone(), tile.cols.clone());
@@ -276,8 +285,7 @@ pub fn tile<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: &mut [f32]) {
                         a_block,
                         b_panel,
                         pairs,
-                        &mut out[at..],
-                        c,
+                        (&mut out[at..], c, accumulate || k0 > 0),
                         (block_rows, block_cols),
                     );
                 }
@@ -286,7 +294,8 @@ pub fn tile<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: &mut [f32]) {
     }
 }
 
-/// `out[..rows, ..cols] += a_block · b_panel` over `pairs` packed pairs, `out` at row stride `ldo`.
+/// `out[..rows, ..cols] += a_block · b_panel` (or `=`, `add` false) over `pairs` packed pairs,
+/// `out` at row stride `ldo`.
 ///
 /// # Safety
 /// The CPU must have AVX-512F and AVX512-BF16; `a_block` and `b_panel` must hold `pairs · MR` and
@@ -297,8 +306,7 @@ unsafe fn micro(
     a_block: &[u32],
     b_panel: &[u32],
     pairs: usize,
-    out: &mut [f32],
-    ldo: usize,
+    (out, ldo, add): (&mut [f32], usize, bool),
     (rows, cols): (usize, usize),
 ) {
     let as_pairs = |v: std::arch::x86_64::__m512i| -> __m512bh {
@@ -329,9 +337,10 @@ unsafe fn micro(
             _mm512_storeu_ps(lanes.as_mut_ptr(), sum[0]);
             _mm512_storeu_ps(lanes[16..].as_mut_ptr(), sum[1]);
         }
-        let row = &mut out[i * ldo..i * ldo + cols];
-        for (y, &s) in row.iter_mut().zip(&lanes) {
-            *y += s;
+        let row = out[i * ldo..i * ldo + cols].iter_mut().zip(&lanes);
+        match add {
+            true => row.for_each(|(y, &s)| *y += s),
+            false => row.for_each(|(y, &s)| *y = s),
         }
     }
 }

@@ -439,6 +439,59 @@ impl Sink {
     }
 }
 
+/// `dst (=|+=) a·b` (`[m, n]` row-major, the f32 sums unrounded) on the calling thread by
+/// `kernel`, a packing kernel only from [`MIN_DOT_ROWS`] rows on (as [`product`] routes): for
+/// tasks that are themselves the parallelism (the attention kernel's bf16 products), with their
+/// buffers in `scratch` from one call to the next.
+pub(crate) fn product_here(
+    kernel: Kernel,
+    (dst, accumulate): (&mut [f32], bool),
+    (m, n, k): (usize, usize, usize),
+    a: Operand,
+    b: Operand,
+    scratch: &mut Scratch,
+) {
+    assert!(
+        a.fits(m, k) && b.fits(k, n),
+        "bf16 product: operand out of range"
+    );
+    assert!(dst.len() >= m * n, "bf16 product: destination too small");
+    let dst = &mut dst[..m * n];
+    if k == 0 {
+        // No kernel sums anything.
+        if !accumulate {
+            dst.fill(0.0);
+        }
+        return;
+    }
+    if m * n == 0 {
+        return;
+    }
+    let tile = Tile {
+        a: &a,
+        rows: 0..m,
+        b: &b,
+        cols: 0..n,
+        k,
+    };
+    match kernel {
+        Kernel::Bf16Dot if m >= MIN_DOT_ROWS => {
+            crate::bf16_kernel::tile_into(&tile, &mut scratch.packs.dot, (dst, accumulate))
+        }
+        Kernel::Amx if m >= MIN_DOT_ROWS => {
+            crate::amx_kernel::tile_into(&tile, &mut scratch.packs.amx, (dst, accumulate))
+        }
+        _ => widened_tile(&tile, (dst.as_mut_ptr(), n, accumulate), &mut scratch.bufs),
+    }
+}
+
+/// [`product_here`]'s buffers, a task's own.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    bufs: Buffers,
+    packs: Packs,
+}
+
 /// A task's packing buffers for the kernels that pack bf16 pairs.
 #[derive(Default)]
 struct Packs {

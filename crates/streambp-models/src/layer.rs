@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 
-use crate::attention::{attention_over_heads, Blocking, EarlierKeys, KeyMask, KEY_BLOCK};
+use crate::attention::{attention_over_heads, Blocking, EarlierKeys, KeyMask, Products, KEY_BLOCK};
 use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::cpu::{cast, through_f32};
 use crate::error::Result;
@@ -288,8 +288,25 @@ impl DecoderLayer {
     /// Half precision on the host runs the f32 kernel: bf16 q, k and v are widened and the result
     /// rounded back once; a layer computed in f32 ([`DecoderLayer::computed_in_f32`]) passes them in
     /// f32 already, and earlier keys, if any, in f32 too (the layer's dtype: the engine keeps them in
-    /// it).
+    /// it). Either way a bf16 layer's products take bf16 operands, as PyTorch's bf16 attention
+    /// ([`Products::Bf16`]).
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, keys: KeyBlock) -> Result<Tensor> {
+        let products = match (q.dtype(), self.round_to) {
+            (DType::BF16, _) | (_, Some(DType::BF16)) => Products::Bf16,
+            _ => Products::Compute,
+        };
+        self.attend_with(q, k, v, keys, products)
+    }
+
+    /// [`DecoderLayer::attend`] with its products' precision.
+    fn attend_with(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        keys: KeyBlock,
+        products: Products,
+    ) -> Result<Tensor> {
         let earlier_f32 = keys.earlier.is_none_or(|e| {
             [&e.keys, &e.values, &e.grad_keys, &e.grad_values]
                 .iter()
@@ -299,13 +316,13 @@ impl DecoderLayer {
         if keys.earlier.is_none() && bf16_keys {
             // The kernel reads bf16 keys and values as they are (a decoding step's whole cache
             // would otherwise be widened at every step): only the queries go to f32.
-            let in_f32 = |[q]: [Tensor; 1]| self.attend(&q, k, v, keys);
+            let in_f32 = |[q]: [Tensor; 1]| self.attend_with(&q, k, v, keys, products);
             if let Some(out) = through_f32([q], in_f32)? {
                 return Ok(out);
             }
         }
         if earlier_f32 {
-            let in_f32 = |[q, k, v]: [Tensor; 3]| self.attend(&q, &k, &v, keys);
+            let in_f32 = |[q, k, v]: [Tensor; 3]| self.attend_with(&q, &k, &v, keys, products);
             if let Some(out) = through_f32([q, k, v], in_f32)? {
                 return Ok(out);
             }
@@ -334,6 +351,7 @@ impl DecoderLayer {
             Blocking {
                 compute,
                 key_block: KEY_BLOCK,
+                products,
             },
             self.shape.scale,
         )?;

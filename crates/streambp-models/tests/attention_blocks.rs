@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use streambp_models::attention::{
-    attention, with_composed_path, with_fused_softmax_blocks, Blocking, EarlierKeys,
+    attention, with_composed_path, with_fused_softmax_blocks, Blocking, EarlierKeys, Products,
 };
 use streambp_testkit::rel_err;
 
@@ -99,6 +99,7 @@ fn the_kernel_agrees_in_f32() {
             Blocking {
                 compute: DType::F32,
                 key_block: 256,
+                products: Products::Compute,
             },
         )
         .unwrap();
@@ -142,6 +143,7 @@ fn check_against_composed_softmax((b, kv_heads, group, c, t, hd): Shape) {
             Blocking {
                 compute: DType::F64,
                 key_block,
+                products: Products::Compute,
             },
         )
         .unwrap();
@@ -190,6 +192,7 @@ fn check_against_composed_softmax((b, kv_heads, group, c, t, hd): Shape) {
             Blocking {
                 compute: DType::F64,
                 key_block,
+                products: Products::Compute,
             },
         )
         .unwrap();
@@ -257,6 +260,7 @@ fn bf16_keys_give_the_bits_of_their_f32_values() {
         let blocking = Blocking {
             compute: DType::F32,
             key_block: 128,
+            products: Products::Compute,
         };
         let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
         let out = attention(qt, kt, vt, None, bias.clone(), group, blocking).unwrap();

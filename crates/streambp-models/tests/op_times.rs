@@ -6,7 +6,7 @@
 use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor, Var};
-use streambp_models::attention::{attention, with_composed_path, Blocking};
+use streambp_models::attention::{attention, with_composed_path, Blocking, Products};
 use streambp_models::op_times;
 
 /// One forward and backward of a causal attention op of 20 queries and keys in blocks of 8 (three
@@ -25,6 +25,7 @@ fn forward_and_backward() {
     let blocking = Blocking {
         compute: DType::F32,
         key_block: 8,
+        products: Products::Compute,
     };
     let out = attention(
         q.as_tensor(),

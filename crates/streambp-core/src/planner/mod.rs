@@ -461,7 +461,11 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
             true => p,
             false => p.with_narrower_calls(),
         });
-        let task = 2 * group * score_area(t, c, key_block) * act + workspace(&task_products, false);
+        let area = group * score_area(t, c, key_block);
+        let task = 2 * area * act + workspace(&task_products, false);
+        // (A bf16 layer's products, `Products::Bf16`, hold bf16 copies of their operands and the
+        // kernel's packs of them in the place of a score-sized f32 buffer: the task orders them
+        // so.)
         // ... and the share of dQ of each block of a wave (as many blocks as keep the threads busy)
         // until the wave is summed.
         let wave = threads.div_ceil(items.max(1)).clamp(1, blocks);

@@ -20,8 +20,10 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 use crate::cpu::{gemm_into, row_max, BulkExp, Threads};
+use crate::half_product::{self, Kernel, Operand};
 use crate::vectorized;
 use candle_core::WithDType;
+use half::bf16;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -86,6 +88,157 @@ pub(crate) struct Inputs<'a, T, K = T> {
     pub own: KeysValues<'a, K>,
     /// Keys and values before the op's own, if any.
     pub earlier: Option<KeysValues<'a, K>>,
+    /// How the products multiply.
+    pub multiply: Multiply,
+}
+
+/// How the kernel multiplies matrices.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Multiply {
+    /// In `T`, by gemm; q comes scaled.
+    Exact,
+    /// As PyTorch's bf16 attention on the CPU: each operand rounded to bf16 (q, the keys and the
+    /// values hold bf16 values already; the exponentials, the output gradient and `dS` are rounded
+    /// here), multiplied by `kernel`, summed in f32; q comes unscaled, and the sums of the
+    /// products it is a factor of (`Q·Kᵀ`, `dS·K`, `dSᵀ·Q`) are multiplied by `scale`.
+    Bf16 { kernel: Kernel, scale: f32 },
+}
+
+/// The kernel's element types: f32 and f64.
+pub(crate) trait KernelFloat: WithDType + BulkExp + Bf16Operand {}
+
+impl<T: WithDType + BulkExp + Bf16Operand> KernelFloat for T {}
+
+/// What [`Multiply::Bf16`] needs of the kernel's element type (f32 in the model; f64 for tests).
+pub(crate) trait Bf16Operand: Copy {
+    /// The elements rounded to the nearest bf16, into `out` (cleared first).
+    fn rounded_into(xs: &[Self], out: &mut Vec<bf16>);
+    /// The value of the nearest bf16.
+    fn bf16_value(self) -> Self;
+    /// An f32 sum as `Self`.
+    fn from_sum(x: f32) -> Self;
+    /// The elements as f32, where they are: the products then write their sums in place.
+    fn as_sums(xs: &mut [Self]) -> Option<&mut [f32]>;
+}
+
+impl Bf16Operand for f32 {
+    fn rounded_into(xs: &[f32], out: &mut Vec<bf16>) {
+        out.clear();
+        vectorized!(|_| out.extend(xs.iter().map(|&x| bf16::from_f32(x))));
+    }
+    fn bf16_value(self) -> f32 {
+        crate::cpu::bf16_value(self)
+    }
+    fn from_sum(x: f32) -> f32 {
+        x
+    }
+    fn as_sums(xs: &mut [f32]) -> Option<&mut [f32]> {
+        Some(xs)
+    }
+}
+
+impl Bf16Operand for f64 {
+    fn rounded_into(xs: &[f64], out: &mut Vec<bf16>) {
+        out.clear();
+        out.extend(xs.iter().map(|&x| bf16::from_f64(x)));
+    }
+    fn bf16_value(self) -> f64 {
+        bf16::from_f64(self).to_f64()
+    }
+    fn from_sum(x: f32) -> f64 {
+        f64::from(x)
+    }
+    fn as_sums(_: &mut [f64]) -> Option<&mut [f32]> {
+        None
+    }
+}
+
+/// The elements a `rows × cols` operand at strides `(row, column)` spans from its first.
+fn extent(rows: usize, cols: usize, (rs, cs): (usize, usize)) -> usize {
+    match rows * cols {
+        0 => 0,
+        _ => (rows - 1) * rs + (cols - 1) * cs + 1,
+    }
+}
+
+/// A product's operand: its data from its first element, its row and column strides.
+type Matrix<'a, T> = (&'a [T], usize, usize);
+
+/// A task's products, as [`Multiply`] says, with the buffers they reuse.
+struct Products {
+    multiply: Multiply,
+    a: Vec<bf16>,
+    b: Vec<bf16>,
+    sums: Vec<f32>,
+    scratch: half_product::Scratch,
+}
+
+impl Products {
+    fn new(multiply: Multiply) -> Self {
+        Self {
+            multiply,
+            a: Vec::new(),
+            b: Vec::new(),
+            sums: Vec::new(),
+            scratch: half_product::Scratch::default(),
+        }
+    }
+
+    /// Frees the buffers (the next product makes them again, as large as it needs).
+    fn release(&mut self) {
+        *self = Self::new(self.multiply);
+    }
+
+    /// `dst (=|+=) a·b` on this thread, each operand as `(data from its first element, row stride,
+    /// column stride)`; `with_q`: q is a factor of the product, or of the gradient it is a share of
+    /// (bf16 products then scale their sums).
+    fn product<T: WithDType + Bf16Operand>(
+        &mut self,
+        dst: &mut [T],
+        (m, n, k): (usize, usize, usize),
+        accumulate: bool,
+        (a, b): (Matrix<T>, Matrix<T>),
+        with_q: bool,
+    ) {
+        let Multiply::Bf16 { kernel, scale } = self.multiply else {
+            return gemm_into(dst, (m, n, k), accumulate, a, b, Threads::One);
+        };
+        let Self {
+            a: a16,
+            b: b16,
+            sums,
+            scratch,
+            ..
+        } = self;
+        T::rounded_into(&a.0[..extent(m, k, (a.1, a.2))], a16);
+        T::rounded_into(&b.0[..extent(k, n, (b.1, b.2))], b16);
+        let operand = |data, (row_stride, col_stride)| Operand {
+            data,
+            row_stride,
+            col_stride,
+        };
+        let (a, b) = (operand(a16, (a.1, a.2)), operand(b16, (b.1, b.2)));
+        let factor = if with_q { scale } else { 1.0 };
+        let dst = &mut dst[..m * n];
+        // f32 takes the sums in place, scaled after, unless they are scaled and added.
+        if !accumulate || factor == 1.0 {
+            if let Some(out) = T::as_sums(dst) {
+                half_product::product_here(kernel, (out, accumulate), (m, n, k), a, b, scratch);
+                if factor != 1.0 {
+                    vectorized!(|_| out.iter_mut().for_each(|y| *y *= factor));
+                }
+                return;
+            }
+        }
+        sums.resize(m * n, 0.0);
+        half_product::product_here(kernel, (sums, false), (m, n, k), a, b, scratch);
+        vectorized!(|_| {
+            for (d, &s) in dst.iter_mut().zip(sums.iter()) {
+                let s = T::from_sum(factor * s);
+                *d = if accumulate { *d + s } else { s };
+            }
+        });
+    }
 }
 
 /// An element keys and values are stored in, for a kernel computing in `T`: `T` itself, read in
@@ -136,7 +289,7 @@ impl<T> Blocks<'_, T> {
     }
 }
 
-impl<T: WithDType + BulkExp, K> Inputs<'_, T, K> {
+impl<T: KernelFloat, K> Inputs<'_, T, K> {
     /// Item `i`'s keys and values of block `blk` (`[n, hd]` each).
     fn keys_values(&self, i: usize, blk: &KeyBlock<T>) -> (&[K], &[K]) {
         let src = match (&self.earlier, blk.earlier) {
@@ -159,20 +312,19 @@ impl<T: WithDType + BulkExp, K> Inputs<'_, T, K> {
 
     /// Scores of item `i`'s query rows `first..first + s.len() / n` against block `blk`, mask
     /// added, into `s` (`[rows, n]`).
-    fn masked_scores(&self, i: usize, first: usize, blk: &KeyBlock<T>, keys: &[T], s: &mut [T]) {
+    fn masked_scores(
+        &self,
+        (i, first): (usize, usize),
+        (blk, keys): (&KeyBlock<T>, &[T]),
+        s: &mut [T],
+        products: &mut Products,
+    ) {
         let Dims { hd, c, .. } = self.dims;
         let n = blk.n;
         let rows = s.len() / n;
         let q = &self.queries(i)[first * hd..(first + rows) * hd];
         // S = Q·Kᵀ: Kᵀ read through K's strides.
-        gemm_into(
-            s,
-            (rows, n, hd),
-            false,
-            (q, hd, 1),
-            (keys, 1, hd),
-            Threads::One,
-        );
+        products.product(s, (rows, n, hd), false, ((q, hd, 1), (keys, 1, hd)), true);
         if let Some((mask, per_batch)) = &blk.mask {
             let base = if *per_batch {
                 (i / self.dims.kv_heads) * c * n
@@ -216,7 +368,7 @@ fn row_tile(rows: usize, items: usize) -> usize {
 /// The online softmax over the key blocks, per tile of query rows: for each block the scores, each
 /// row's new maximum, its exponentials and their sum, the running sum and output rescaled, then
 /// `out += P·V`; the output divided by the sums at the end.
-pub(crate) fn forward<T: WithDType + BulkExp, K: Stored<T>>(
+pub(crate) fn forward<T: KernelFloat, K: Stored<T>>(
     inp: &Inputs<'_, T, K>,
     blocks: Blocks<'_, T>,
 ) -> CResult<Forward<T>> {
@@ -252,7 +404,7 @@ pub(crate) fn forward<T: WithDType + BulkExp, K: Stored<T>>(
 
 /// [`forward`]'s running softmax for item `i`'s query rows from `first` (as many as `max` has)
 /// through the key blocks `wave`.
-fn forward_tile<T: WithDType + BulkExp, K: Stored<T>>(
+fn forward_tile<T: KernelFloat, K: Stored<T>>(
     inp: &Inputs<'_, T, K>,
     (i, first): (usize, usize),
     wave: &[KeyBlock<T>],
@@ -264,13 +416,14 @@ fn forward_tile<T: WithDType + BulkExp, K: Stored<T>>(
     let widest = wave.iter().map(|b| b.n).max().unwrap_or(0);
     let mut scores = vec![T::zero(); rows * widest];
     let (mut key_buffer, mut value_buffer) = (Vec::new(), Vec::new());
+    let mut products = Products::new(inp.multiply);
     for blk in wave {
         let n = blk.n;
         let (keys, values) = inp.keys_values(i, blk);
         let keys = K::in_compute_type(keys, &mut key_buffer);
         let values = K::in_compute_type(values, &mut value_buffer);
         let s = &mut scores[..rows * n];
-        inp.masked_scores(i, first, blk, keys, s);
+        inp.masked_scores((i, first), (blk, keys), s, &mut products);
         vectorized!(|_| {
             for (j, row) in s.chunks_exact_mut(n).enumerate() {
                 let before = max[j];
@@ -285,13 +438,12 @@ fn forward_tile<T: WithDType + BulkExp, K: Stored<T>>(
                 max[j] = m;
             }
         });
-        gemm_into(
+        products.product(
             out,
             (rows, hd, n),
             true,
-            (s, n, 1),
-            (values, hd, 1),
-            Threads::One,
+            ((s, n, 1), (values, hd, 1)),
+            false,
         );
     }
 }
@@ -374,7 +526,7 @@ impl<T> SharedGrads<T> {
 /// `dS = P ⊙ (dP − Σ g ⊙ out)`, `dV = Pᵀ·g` and `dK = dSᵀ·Q` added into the block's rows (which no
 /// other task touches), and the block's share `dS·K` of `dQ`, added into `dQ` in block order once a
 /// wave's tasks are done.
-pub(crate) fn backward<T: WithDType + BulkExp>(
+pub(crate) fn backward<T: KernelFloat>(
     inp: &Inputs<'_, T>,
     blocks: Blocks<'_, T>,
     fwd: (&[T], &[T], &[T]),
@@ -392,11 +544,20 @@ pub(crate) fn backward<T: WithDType + BulkExp>(
     } = grads;
     let own = SharedGrads::new(&mut own);
     let earlier = earlier.as_mut().map(SharedGrads::new);
-    // Σ g ⊙ out per query row.
+    // Σ g ⊙ out per query row (of their bf16 values for bf16 products, as PyTorch's bf16 output
+    // and gradient).
+    let value = |x: T| match inp.multiply {
+        Multiply::Exact => x,
+        Multiply::Bf16 { .. } => x.bf16_value(),
+    };
     let dot: Vec<T> = grad
         .par_chunks_exact(hd)
         .zip(out.par_chunks_exact(hd))
-        .map(|(g, o)| g.iter().zip(o).fold(T::zero(), |acc, (&g, &o)| acc + g * o))
+        .map(|(g, o)| {
+            g.iter()
+                .zip(o)
+                .fold(T::zero(), |acc, (&g, &o)| acc + value(g) * value(o))
+        })
         .collect();
     for wave in blocks.waves(items) {
         let wave = wave?;
@@ -433,7 +594,7 @@ pub(crate) fn backward<T: WithDType + BulkExp>(
 /// One item's backward through one key block: adds the block's `dK` and `dV` into `dk`, `dv` and
 /// returns its share of `dQ` (`[rows, hd]`). `per_row`: each query row's maximum, log-sum and
 /// `Σ g ⊙ out`; `g`: the item's output gradient.
-fn block_backward<T: WithDType + BulkExp>(
+fn block_backward<T: KernelFloat>(
     inp: &Inputs<'_, T>,
     (i, blk): (usize, &KeyBlock<T>),
     (max, log_sum, dot): (&[T], &[T], &[T]),
@@ -443,22 +604,27 @@ fn block_backward<T: WithDType + BulkExp>(
     let Dims { rows, hd, .. } = inp.dims;
     let n = blk.n;
     let (keys, values) = inp.keys_values(i, blk);
+    let mut products = Products::new(inp.multiply);
     let mut p = vec![T::zero(); rows * n];
-    inp.masked_scores(i, 0, blk, keys, &mut p);
+    inp.masked_scores((i, 0), (blk, keys), &mut p, &mut products);
     vectorized!(|_| {
         for ((row, &m), &l) in p.chunks_exact_mut(n).zip(max).zip(log_sum) {
             row.iter_mut().for_each(|x| *x = (*x - m) - l);
             T::exp_in_place(row);
         }
     });
+    // `dV` first, while `P` is the only score-sized buffer: a bf16 product's copy of it and its
+    // pack then take the place `dS` takes after (so that a task holds two f32 score-sized
+    // buffers' worth at most, as with f32 products).
+    products.product(dv, (n, hd, rows), true, ((&p, 1, n), (g, hd, 1)), false);
+    products.release();
     let mut ds = vec![T::zero(); rows * n];
-    gemm_into(
+    products.product(
         &mut ds,
         (rows, n, hd),
         false,
-        (g, hd, 1),
-        (values, 1, hd),
-        Threads::One,
+        ((g, hd, 1), (values, 1, hd)),
+        false,
     );
     vectorized!(|_| {
         for ((ds, p), &d) in ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).zip(dot) {
@@ -467,31 +633,16 @@ fn block_backward<T: WithDType + BulkExp>(
                 .for_each(|(x, &prob)| *x = prob * (*x - d));
         }
     });
-    gemm_into(
-        dv,
-        (n, hd, rows),
-        true,
-        (&p, 1, n),
-        (g, hd, 1),
-        Threads::One,
-    );
     drop(p);
-    gemm_into(
-        dk,
-        (n, hd, rows),
-        true,
-        (&ds, 1, n),
-        (inp.queries(i), hd, 1),
-        Threads::One,
-    );
+    let q = inp.queries(i);
+    products.product(dk, (n, hd, rows), true, ((&ds, 1, n), (q, hd, 1)), true);
     let mut dq = vec![T::zero(); rows * hd];
-    gemm_into(
+    products.product(
         &mut dq,
         (rows, hd, n),
         false,
-        (&ds, n, 1),
-        (keys, hd, 1),
-        Threads::One,
+        ((&ds, n, 1), (keys, hd, 1)),
+        true,
     );
     dq
 }

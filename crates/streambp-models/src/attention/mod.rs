@@ -20,10 +20,12 @@ mod softmax_block;
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType, D};
 
-use crate::cpu::{cast, fusable, host_slice, storage_id, with_data_mut, BulkExp};
+use crate::cpu::{cast, fusable, host_slice, storage_id, with_data_mut};
 use crate::error::Result;
+use crate::half_product::Kernel;
 use crate::op::Precomputed;
 use crate::op_times;
+use kernel::{KernelFloat, Multiply};
 
 /// Which way the attention ops of a thread run (tests choose; [`with_composed_path`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,6 +132,9 @@ struct Blocks {
     /// The softmax's dtype: f32 (f64 for f64 models), like transformers' eager attention.
     compute: DType,
     key_block: usize,
+    products: Products,
+    /// The factor on `q·kᵀ`: the op's q comes unscaled.
+    scale: f64,
 }
 
 impl Blocks {
@@ -138,7 +143,12 @@ impl Blocks {
         mask: impl KeyMask + 'static,
         earlier: Option<EarlierKeys>,
         group: usize,
-        Blocking { compute, key_block }: Blocking,
+        Blocking {
+            compute,
+            key_block,
+            products,
+        }: Blocking,
+        scale: f64,
     ) -> Self {
         let earlier = earlier.map(|e| EarlierKeys {
             keys: e.keys.detach(),
@@ -151,7 +161,29 @@ impl Blocks {
             group,
             compute,
             key_block: key_block.max(1),
+            products,
+            scale,
         }
+    }
+
+    /// `x · scale` (q before the products, or the gradient of the scaled q): `x` itself at 1.
+    fn scaled(&self, x: &Tensor) -> CResult<Tensor> {
+        match self.scale {
+            1.0 => Ok(x.clone()),
+            scale => x.affine(scale, 0.0),
+        }
+    }
+
+    /// How the kernel multiplies where it takes bf16 products ([`Products::Bf16`]): f32 queries
+    /// and the kernel running (see [`Blocks::kernel_applies`]); `None` elsewhere.
+    fn bf16_products(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<Option<Multiply>> {
+        let applies = self.products == Products::Bf16
+            && q.dtype() == DType::F32
+            && self.kernel_applies(q, k, v)?;
+        Ok(applies.then(|| Multiply::Bf16 {
+            kernel: Kernel::detect(),
+            scale: self.scale as f32,
+        }))
     }
 
     /// The key blocks, in order: the earlier keys', then the op's own `own` keys'.
@@ -215,22 +247,36 @@ impl Blocks {
             .reshape((b, kv_heads, self.group, rows / self.group, hd))
     }
 
-    /// Output (like q) and each query's softmax normalizer, with a running maximum so that no block's
-    /// exponentials overflow.
+    /// Output (like q) and each query's softmax normalizer, for q unscaled ([`Blocks::scale`]).
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Normalizer)> {
+        if let Some(multiply) = self.bf16_products(q, k, v)? {
+            return op_times::timed("attention.forward.kernel", q.device(), || match k.dtype() {
+                DType::BF16 => self.kernel_forward::<f32, half::bf16>(q, k, v, multiply),
+                _ => self.kernel_forward::<f32, f32>(q, k, v, multiply),
+            });
+        }
+        self.forward_scaled(&self.scaled(q)?, k, v)
+    }
+
+    /// [`Blocks::forward`] for q scaled, with a running maximum so that no block's exponentials
+    /// overflow.
+    fn forward_scaled(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Normalizer)> {
         let device = q.device();
+        let exact = Multiply::Exact;
         if self.kernel_applies(q, k, v)? {
             return op_times::timed("attention.forward.kernel", device, || {
                 match (q.dtype(), k.dtype()) {
-                    (DType::F32, DType::BF16) => self.kernel_forward::<f32, half::bf16>(q, k, v),
-                    (DType::F32, _) => self.kernel_forward::<f32, f32>(q, k, v),
-                    _ => self.kernel_forward::<f64, f64>(q, k, v),
+                    (DType::F32, DType::BF16) => {
+                        self.kernel_forward::<f32, half::bf16>(q, k, v, exact)
+                    }
+                    (DType::F32, _) => self.kernel_forward::<f32, f32>(q, k, v, exact),
+                    _ => self.kernel_forward::<f64, f64>(q, k, v, exact),
                 }
             });
         }
         if k.dtype() != q.dtype() {
             let (k, v) = (cast(k, q.dtype())?, cast(v, q.dtype())?);
-            return self.forward(q, &k, &v);
+            return self.forward_scaled(q, &k, &v);
         }
         let dtype = q.dtype();
         // (running max, running sum of exponentials, running weighted sum of values)
@@ -383,17 +429,18 @@ impl Blocks {
     }
 
     /// [`Blocks::forward`] by the CPU kernel.
-    fn kernel_forward<T: WithDType + BulkExp, K: WithDType + kernel::Stored<T>>(
+    fn kernel_forward<T: KernelFloat, K: WithDType + kernel::Stored<T>>(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
+        multiply: Multiply,
     ) -> CResult<(Tensor, Normalizer)> {
         let dims = self.kernel_dims(q)?;
         let ranges = self.ranges(k.dim(2)?)?;
         let fetch = |b: usize| self.kernel_block::<T>(dims, ranges[b]);
         let data = HostKeys::new(q, k, v, self.earlier.as_ref())?;
-        let fwd = data.read::<T, K, _>(dims, |inputs| {
+        let fwd = data.read::<T, K, _>((dims, multiply), |inputs| {
             let blocks = kernel::Blocks {
                 count: ranges.len(),
                 fetch: &fetch,
@@ -414,11 +461,12 @@ impl Blocks {
 
     /// The op's backward by the CPU kernel: the gradients of q and of the op's own keys and values;
     /// the earlier keys' are added into their buffers.
-    fn kernel_backward<T: WithDType + BulkExp>(
+    fn kernel_backward<T: KernelFloat>(
         &self,
         (q, k, v): (&Tensor, &Tensor, &Tensor),
         (out, normalizer): (&Tensor, &Normalizer),
         grad: &Tensor,
+        multiply: Multiply,
     ) -> CResult<(Tensor, Tensor, Tensor)> {
         let dims = self.kernel_dims(q)?;
         let t = k.dim(2)?;
@@ -437,7 +485,7 @@ impl Blocks {
             vec![T::zero(); dims.items * t * dims.hd],
         );
         let mut run = |earlier: Option<kernel::KeyGrads<'_, T>>| {
-            data.read::<T, T, _>(dims, |inputs| {
+            data.read::<T, T, _>((dims, multiply), |inputs| {
                 let blocks = kernel::Blocks {
                     count: ranges.len(),
                     fetch: &fetch,
@@ -538,9 +586,9 @@ impl HostKeys {
     }
 
     /// Runs `f` on the kernel's inputs, the storages read-locked meanwhile.
-    fn read<T: WithDType + BulkExp, K: WithDType, R>(
+    fn read<T: KernelFloat, K: WithDType, R>(
         &self,
-        dims: kernel::Dims,
+        (dims, multiply): (kernel::Dims, Multiply),
         f: impl FnOnce(&kernel::Inputs<'_, T, K>) -> CResult<R>,
     ) -> CResult<R> {
         let q = self.q.storage_and_layout();
@@ -567,6 +615,7 @@ impl HostKeys {
                 values: head_rows::<K>(&v.0, v.1)?,
             },
             earlier,
+            multiply,
         };
         f(&inputs)
     }
@@ -595,18 +644,16 @@ struct Attention {
 /// formed inside the op, so none of its reshapes, transposes and the scaling is a graph node (each
 /// would be a zero-filled buffer and a sum in candle's backward).
 struct HeadsLayout {
-    scale: f64,
     /// The forward's output in the inner layout, for the backward.
     inner_out: Tensor,
 }
 
 impl HeadsLayout {
-    /// q `[b, heads, c, hd]` as the inner layout's scaled `[b, kv_heads, group·c, hd]`.
-    fn inner_q(q: &Tensor, kv_heads: usize, scale: f64) -> CResult<Tensor> {
+    /// q `[b, heads, c, hd]` as the inner layout's `[b, kv_heads, group·c, hd]`.
+    fn inner_q(q: &Tensor, kv_heads: usize) -> CResult<Tensor> {
         let (b, heads, c, hd) = q.dims4()?;
         q.contiguous()?
-            .reshape((b, kv_heads, heads / kv_heads.max(1) * c, hd))?
-            .affine(scale, 0.0)
+            .reshape((b, kv_heads, heads / kv_heads.max(1) * c, hd))
     }
 
     /// An output or its gradient `[b, kv_heads, group·c, hd]` as `[b, c, heads·hd]`.
@@ -675,11 +722,10 @@ impl CustomOp3 for Attention {
             None => self.inner_bwd(&q.detach(), &k, &v, &out.detach(), &grad.detach())?,
             Some(h) => {
                 let (kv_heads, hd) = (k.dim(1)?, k.dim(3)?);
-                let inner_q = HeadsLayout::inner_q(&q.detach(), kv_heads, h.scale)?;
+                let inner_q = HeadsLayout::inner_q(&q.detach(), kv_heads)?;
                 let inner_grad = HeadsLayout::inner_grad(&grad.detach(), kv_heads, hd)?;
                 let (dq, dk, dv) = self.inner_bwd(&inner_q, &k, &v, &h.inner_out, &inner_grad)?;
-                let dq = dq.reshape(q.dims())?.affine(h.scale, 0.0)?;
-                (dq, dk, dv)
+                (dq.reshape(q.dims())?, dk, dv)
             }
         };
         Ok((Some(dq), Some(dk), Some(dv)))
@@ -687,7 +733,8 @@ impl CustomOp3 for Attention {
 }
 
 impl Attention {
-    /// The backward in the inner layout (see [`HeadsLayout`]): the gradients of q, k and v.
+    /// The backward in the inner layout (see [`HeadsLayout`]), q unscaled ([`Blocks::scale`]): the
+    /// gradients of q, k and v.
     fn inner_bwd(
         &self,
         q: &Tensor,
@@ -703,12 +750,34 @@ impl Attention {
             let (dq, dk, dv) = self.inner_bwd(q, &wide_k, &wide_v, out, grad)?;
             return Ok((dq, cast(&dk, k.dtype())?, cast(&dv, v.dtype())?));
         }
+        if let Some(multiply) = b.bf16_products(q, k, v)? {
+            let parts = ((q, k, v), (out, &self.normalizer), grad);
+            return op_times::timed("attention.backward.kernel", q.device(), || {
+                b.kernel_backward::<f32>(parts.0, parts.1, parts.2, multiply)
+            });
+        }
+        let (dq, dk, dv) = self.scaled_bwd(&b.scaled(q)?, k, v, out, grad)?;
+        Ok((b.scaled(&dq)?, dk, dv))
+    }
+
+    /// [`Attention::inner_bwd`] for q scaled (the gradient of q is the scaled q's), keys and values
+    /// in q's dtype.
+    fn scaled_bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Tensor, Tensor, Tensor)> {
+        let b = &self.blocks;
         let device = q.device();
+        let exact = Multiply::Exact;
         if b.kernel_applies(q, k, v)? {
             let parts = ((q, k, v), (out, &self.normalizer), grad);
             return op_times::timed("attention.backward.kernel", device, || match q.dtype() {
-                DType::F32 => b.kernel_backward::<f32>(parts.0, parts.1, parts.2),
-                _ => b.kernel_backward::<f64>(parts.0, parts.1, parts.2),
+                DType::F32 => b.kernel_backward::<f32>(parts.0, parts.1, parts.2, exact),
+                _ => b.kernel_backward::<f64>(parts.0, parts.1, parts.2, exact),
             });
         }
         let dtype = q.dtype();
@@ -812,6 +881,24 @@ pub struct Blocking {
     pub compute: DType,
     /// Keys per block.
     pub key_block: usize,
+    /// How the products multiply.
+    pub products: Products,
+}
+
+/// How the op's matrix products multiply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Products {
+    /// In the compute dtype.
+    #[default]
+    Compute,
+    /// For f32 inputs holding bf16 values (a bf16 layer computed in f32), on the CPU kernel: as
+    /// PyTorch's bf16 attention on the CPU (its `cpu_flash_attention` and backward), each product's
+    /// operands in bf16 and its sums in f32, on the bf16 kernel in force
+    /// ([`crate::half_product::Kernel::detect`]). So the forward's exponentials, and the backward's
+    /// probabilities, output gradient and `dS`, are rounded to bf16 for their products, and `q·kᵀ`
+    /// is of the unscaled q, its f32 sums scaled (as are `dS·K` and `dSᵀ·Q`). Elsewhere (the
+    /// composed path CUDA runs, f64) the products are [`Products::Compute`]'s.
+    Bf16,
 }
 
 /// `softmax(q kᵀ + bias) v` per key/value head, differentiable in q, k and v (see the module doc for
@@ -825,7 +912,7 @@ pub fn attention(
     group: usize,
     blocking: Blocking,
 ) -> Result<Tensor> {
-    let blocks = Blocks::new(mask, earlier, group, blocking);
+    let blocks = Blocks::new(mask, earlier, group, blocking, 1.0);
     let (out, normalizer) = blocks.forward(&q.detach(), &k.detach(), &v.detach())?;
     let op = Attention {
         blocks,
@@ -854,14 +941,14 @@ pub fn attention_over_heads(
             "attention: {heads} query heads over {kv_heads} key/value heads"
         )));
     }
-    let blocks = Blocks::new(mask, earlier, heads / kv_heads, blocking);
-    let inner_q = HeadsLayout::inner_q(&q.detach(), kv_heads, scale)?;
+    let blocks = Blocks::new(mask, earlier, heads / kv_heads, blocking, scale);
+    let inner_q = HeadsLayout::inner_q(&q.detach(), kv_heads)?;
     let (inner_out, normalizer) = blocks.forward(&inner_q, &k.detach(), &v.detach())?;
     let op = Attention {
         blocks,
         normalizer,
         out: Precomputed::new(HeadsLayout::outer(&inner_out, heads)?),
-        heads: Some(HeadsLayout { scale, inner_out }),
+        heads: Some(HeadsLayout { inner_out }),
     };
     Ok(q.apply_op3(k, v, op)?)
 }
