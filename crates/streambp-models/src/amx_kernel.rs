@@ -169,16 +169,24 @@ fn pack_rows<E: Element>(
 /// What computes one [`MR`] × [`NR`] block of sums from packed operands: AMX's tiles ([`Amx`]), or
 /// a model of them ([`Emulated`]).
 pub(crate) trait TileUnit {
+    /// Readies the unit for [`TileUnit::block`]s (AMX: configures the tiles, once per product
+    /// rather than per block: `ldtilecfg` and `tilerelease` took about as long as a block's
+    /// multiplications at a head width of 64).
+    fn begin(&self) {}
+    /// After the last block of a [`TileUnit::begin`] (AMX: releases the tiles).
+    fn end(&self) {}
     /// `sums = a_block · panels` over `pairs` pairs (a whole number of [`TILE`]s): `a_block` holds
     /// [`MR`] packed rows of `pairs` pairs ([`pack_rows`]), `panels` two panels of 16 columns,
-    /// `pairs · 16` pairs each; `sums` is row-major, [`NR`] to a row.
-    fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: &mut [f32; MR * NR]);
+    /// `pairs · 16` pairs each; `sums` from its first element, `row` elements from one row to the
+    /// next (a block of the product's own output, or a buffer of [`NR`] to a row), at least
+    /// `(MR − 1) · row + NR` long.
+    fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: (&mut [f32], usize));
 }
 
 /// Where a block's tiles start in its operands and sums, in elements, and their rows' strides: the
 /// addresses [`Amx::block`]'s loads and stores take, and [`Emulated`]'s.
 mod addresses {
-    use super::{NR, TILE};
+    use super::TILE;
 
     /// The second `a` tile (rows 16..32) and the second `b` tile (the second panel), from the
     /// first: the same distance, 16 rows of `pairs` pairs.
@@ -191,15 +199,17 @@ mod addresses {
     pub const A_STEP: usize = TILE;
     pub const B_STEP: usize = TILE * TILE;
 
-    /// Rows' strides: `a`'s packed rows, `b`'s pair-rows, the sums' rows.
+    /// Rows' strides: `a`'s packed rows, `b`'s pair-rows.
     pub fn a_row(pairs: usize) -> usize {
         pairs
     }
     pub const B_ROW: usize = TILE;
-    pub const SUMS_ROW: usize = NR;
 
-    /// The sums' quarters that tiles 0-3 hold (`a` tile · `b` tile: 0·0, 0·1, 1·0, 1·1).
-    pub const SUMS: [usize; 4] = [0, TILE, TILE * NR, TILE * NR + TILE];
+    /// The sums' quarters that tiles 0-3 hold (`a` tile · `b` tile: 0·0, 0·1, 1·0, 1·1), for sums
+    /// `row` elements to a row.
+    pub fn quarters(row: usize) -> [usize; 4] {
+        [0, TILE, TILE * row, TILE * row + TILE]
+    }
 }
 
 /// AMX's tile unit: only made where [`available`] (only x86-64 runs it: its `TileUnit`).
@@ -236,29 +246,58 @@ static CONFIG: TileConfig = TileConfig {
 
 #[cfg(target_arch = "x86_64")]
 impl TileUnit for Amx {
-    /// One assembly block from configuring the tiles to releasing them: the tiles' contents and
-    /// configuration live only inside it (Rust promises nothing about registers between blocks,
-    /// and the calling convention does not keep the configuration across calls).
-    fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: &mut [f32; MR * NR]) {
+    fn begin(&self) {
+        // SAFETY: an `Amx` exists only where the CPU has AMX-TILE with this palette, the OS keeps
+        // the tile state and the process was granted it; `CONFIG` is a valid 64-byte configuration.
+        // The configuration is state no compiled code touches: only this module's assembly uses
+        // the tiles, and the blocks between this and `end` run on this thread.
+        unsafe {
+            std::arch::asm!("ldtilecfg [{config}]", config = in(reg) &CONFIG, options(nostack));
+        }
+    }
+
+    fn end(&self) {
+        // SAFETY: as in `begin`; releasing tiles that are configured (or not) is always valid.
+        unsafe {
+            std::arch::asm!("tilerelease", options(nostack, nomem));
+        }
+    }
+
+    /// One assembly block from zeroing the sums to storing them (the tiles' contents live only
+    /// inside it: Rust promises nothing about registers between blocks); the configuration is
+    /// [`TileUnit::begin`]'s.
+    fn block(
+        &self,
+        a_block: &[u32],
+        panels: &[u32],
+        pairs: usize,
+        (sums, row): (&mut [f32], usize),
+    ) {
         use addresses::*;
         assert!(
             pairs > 0 && pairs.is_multiple_of(TILE),
             "AMX kernel: {pairs} pairs"
         );
         assert!(a_block.len() >= MR * pairs && panels.len() >= 2 * TILE * pairs);
+        assert!(
+            row >= NR && sums.len() >= (MR - 1) * row + NR,
+            "AMX kernel: sums too small"
+        );
         let (a0, b0) = (a_block.as_ptr(), panels.as_ptr());
         // SAFETY: within the slices, whose lengths were checked.
         let (a1, b1) = unsafe { (a0.add(second_tile(pairs)), b0.add(second_tile(pairs))) };
-        let c = sums.as_mut_ptr();
-        // SAFETY: an `Amx` exists only where the CPU has AMX-TILE and AMX-BF16 with this palette,
-        // the OS keeps the tile state and the process was granted it. Each load reads 16 rows of
-        // 64 bytes: `a`'s from pair `16·step` of rows `pairs · 4` bytes apart (within the block's
-        // `MR · pairs` pairs), `b`'s from pair-row `16·step` of a panel, 64 bytes apart (within
-        // `2 · 16 · pairs`); `pairs / 16` steps (at least one). Each store writes 16 rows of 64
-        // bytes, `NR · 4` bytes apart, into its quarter of `sums` (`MR × NR` f32).
+        let quarter = addresses::quarters(row);
+        // SAFETY: each quarter's first element lies within `sums` (checked above).
+        let c = quarter.map(|q| unsafe { sums.as_mut_ptr().add(q) });
+        // SAFETY: the tiles were configured (`begin`, this thread) on a CPU with AMX-BF16 (an
+        // `Amx` exists only there). Each load reads 16 rows of 64 bytes: `a`'s from pair
+        // `16·step` of rows `pairs · 4` bytes apart (within the block's `MR · pairs` pairs),
+        // `b`'s from pair-row `16·step` of a panel, 64 bytes apart (within `2 · 16 · pairs`);
+        // `pairs / 16` steps (at least one). Each store writes 16 rows of 64 bytes, `row · 4`
+        // bytes apart, from its quarter's first element: within `sums`, whose last row ends
+        // `(MR − 1) · row + NR` elements from its first (checked above).
         unsafe {
             std::arch::asm!(
-                "ldtilecfg [{config}]",
                 "tilezero tmm0",
                 "tilezero tmm1",
                 "tilezero tmm2",
@@ -278,32 +317,24 @@ impl TileUnit for Amx {
                 "add {b1}, {b_step}",
                 "dec {steps}",
                 "jnz 2b",
-                "mov {row}, {sums_row}",
-                "lea {a0}, [{c} + {c0}]",
-                "tilestored [{a0} + {row}*1], tmm0",
-                "lea {a0}, [{c} + {c1}]",
-                "tilestored [{a0} + {row}*1], tmm1",
-                "lea {a0}, [{c} + {c2}]",
-                "tilestored [{a0} + {row}*1], tmm2",
-                "lea {a0}, [{c} + {c3}]",
-                "tilestored [{a0} + {row}*1], tmm3",
-                "tilerelease",
-                config = in(reg) &CONFIG,
+                "tilestored [{c0} + {sums_row}*1], tmm0",
+                "tilestored [{c1} + {sums_row}*1], tmm1",
+                "tilestored [{c2} + {sums_row}*1], tmm2",
+                "tilestored [{c3} + {sums_row}*1], tmm3",
                 a0 = inout(reg) a0 => _,
                 a1 = inout(reg) a1 => _,
                 b0 = inout(reg) b0 => _,
                 b1 = inout(reg) b1 => _,
                 a_row = in(reg) a_row(pairs) * 4,
-                row = inout(reg) B_ROW * 4 => _,
+                row = in(reg) B_ROW * 4,
                 steps = inout(reg) pairs / TILE => _,
-                c = in(reg) c,
+                sums_row = in(reg) row * 4,
+                c0 = in(reg) c[0],
+                c1 = in(reg) c[1],
+                c2 = in(reg) c[2],
+                c3 = in(reg) c[3],
                 a_step = const A_STEP * 4,
                 b_step = const B_STEP * 4,
-                sums_row = const SUMS_ROW * 4,
-                c0 = const SUMS[0] * 4,
-                c1 = const SUMS[1] * 4,
-                c2 = const SUMS[2] * 4,
-                c3 = const SUMS[3] * 4,
                 out("tmm0") _,
                 out("tmm1") _,
                 out("tmm2") _,
@@ -353,7 +384,13 @@ fn tdpbf16ps(c: &mut [[f32; TILE]; TILE], a: &TileRows, b: &TileRows) {
 }
 
 impl TileUnit for Emulated {
-    fn block(&self, a_block: &[u32], panels: &[u32], pairs: usize, sums: &mut [f32; MR * NR]) {
+    fn block(
+        &self,
+        a_block: &[u32],
+        panels: &[u32],
+        pairs: usize,
+        (sums, row): (&mut [f32], usize),
+    ) {
         use addresses::*;
         let mut c = [[[0f32; TILE]; TILE]; 4];
         for step in 0..pairs / TILE {
@@ -364,9 +401,9 @@ impl TileUnit for Emulated {
             tdpbf16ps(&mut c[2], &a[1], &b[0]);
             tdpbf16ps(&mut c[3], &a[1], &b[1]);
         }
-        for (tile, &base) in c.iter().zip(&SUMS) {
-            for (m, row) in tile.iter().enumerate() {
-                sums[base + m * SUMS_ROW..][..TILE].copy_from_slice(row);
+        for (tile, base) in c.iter().zip(addresses::quarters(row)) {
+            for (m, tile_row) in tile.iter().enumerate() {
+                sums[base + m * row..][..TILE].copy_from_slice(tile_row);
             }
         }
     }
@@ -417,6 +454,7 @@ pub(crate) fn tile_with<A: Element>(
     assert!(out.len() >= r * c, "AMX kernel: tile buffer too small");
     let (row_blocks, col_blocks) = (r.div_ceil(MR), c.div_ceil(NR));
     let mut sums = [0f32; MR * NR];
+    unit.begin();
     for k0 in (0..k).step_by(KC) {
         let pairs = KC.min(k - k0).div_ceil(2).next_multiple_of(TILE);
         // Each pack starts on a cache line, and so does each tile row in it (16 pairs, 64 bytes).
@@ -430,10 +468,16 @@ pub(crate) fn tile_with<A: Element>(
             let panels = &b_pack[cb * 2 * TILE * pairs..(cb + 1) * 2 * TILE * pairs];
             for rb in 0..row_blocks {
                 let a_block = &a_pack[rb * MR * pairs..(rb + 1) * MR * pairs];
-                unit.block(a_block, panels, pairs, &mut sums);
                 let (block_rows, block_cols) = (MR.min(r - rb * MR), NR.min(c - cb * NR));
+                let first = rb * MR * c + cb * NR;
+                if !(accumulate || k0 > 0) && (block_rows, block_cols) == (MR, NR) {
+                    // A whole block written, not added: its sums go straight into `out`.
+                    unit.block(a_block, panels, pairs, (&mut out[first..], c));
+                    continue;
+                }
+                unit.block(a_block, panels, pairs, (&mut sums, NR));
                 for (i, sums) in sums.chunks_exact(NR).take(block_rows).enumerate() {
-                    let at = (rb * MR + i) * c + cb * NR;
+                    let at = first + i * c;
                     let row = out[at..at + block_cols].iter_mut().zip(sums);
                     match accumulate || k0 > 0 {
                         true => row.for_each(|(y, &s)| *y += s),
@@ -443,6 +487,7 @@ pub(crate) fn tile_with<A: Element>(
             }
         }
     }
+    unit.end();
 }
 
 #[cfg(test)]
@@ -512,8 +557,9 @@ mod tests {
     }
 
     /// The packing, the blocks and the edges (rows and columns short of a block, an odd inner
-    /// slice, several slices), on the model of the unit with either operand's layout: the exact
-    /// sums. Where the CPU has AMX, its tiles give the same bits.
+    /// slice, several slices), on the model of the unit with either operand's layout, added into
+    /// the output and written into it: the exact sums. Where the CPU has AMX, its tiles give the
+    /// same bits.
     #[test]
     fn tiles_give_exact_sums_in_every_layout() {
         let amx = Amx::new();
@@ -546,11 +592,20 @@ mod tests {
                 let mut got = start.clone();
                 tile_with(&Emulated, &tile, &mut packs, (&mut got, true));
                 assert_eq!(got, want, "model {layouts}");
+                // Written rather than added (whole blocks stored straight into the output): every
+                // element, none left as it was.
+                let written: Vec<f32> = want.iter().zip(&start).map(|(w, s)| w - s).collect();
+                let mut got = vec![f32::NAN; m * n];
+                tile_with(&Emulated, &tile, &mut packs, (&mut got, false));
+                assert_eq!(got, written, "model, written, {layouts}");
                 #[cfg(target_arch = "x86_64")]
                 if let Some(amx) = &amx {
                     let mut got = start.clone();
                     tile_with(amx, &tile, &mut packs, (&mut got, true));
                     assert_eq!(got, want, "AMX {layouts}");
+                    let mut got = vec![f32::NAN; m * n];
+                    tile_with(amx, &tile, &mut packs, (&mut got, false));
+                    assert_eq!(got, written, "AMX, written, {layouts}");
                 }
             });
         }

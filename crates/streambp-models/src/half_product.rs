@@ -443,11 +443,11 @@ impl Sink {
 /// `kernel`, a packing kernel only from [`MIN_DOT_ROWS`] rows on (as [`product`] routes): for
 /// tasks that are themselves the parallelism (the attention kernel's bf16 products), with their
 /// buffers in `scratch` from one call to the next.
-pub(crate) fn product_here(
+pub(crate) fn product_here<A: Element>(
     kernel: Kernel,
     (dst, accumulate): (&mut [f32], bool),
     (m, n, k): (usize, usize, usize),
-    a: Operand,
+    a: Operand<A>,
     b: Operand,
     scratch: &mut Scratch,
 ) {
@@ -810,8 +810,9 @@ mod tests {
     }
 
     /// Every layout of either operand (row-major, column-major, a strided view), sizes that do and
-    /// do not fill whole tiles (inner dimension across slices, k = 0 included), both destinations:
-    /// within f32's rounding of f64's sums, the bf16 result rounded once from them.
+    /// do not fill whole tiles (inner dimension across slices, k = 0 included), every destination,
+    /// in tiles over the threads and on the calling thread ([`product_here`], written into NaNs
+    /// and added): within f32's rounding of f64's sums, the bf16 result rounded once from them.
     #[test]
     fn products_match_f64_in_every_layout() {
         // Every kernel this CPU runs: the widened one always, AVX512-BF16's where it has it.
@@ -850,6 +851,23 @@ mod tests {
                             err <= tol(w, abs),
                             "{kernel:?} {m}x{n}x{k} f32: {got} vs {w}"
                         );
+                    }
+                    // On the calling thread (the whole product one tile), written and added.
+                    let mut scratch = Scratch::default();
+                    let mut here = vec![f32::NAN; m * n];
+                    product_here(kernel, (&mut here, false), (m, n, k), a, b, &mut scratch);
+                    let start = |i: usize| i as f32;
+                    let mut added: Vec<f32> = (0..m * n).map(start).collect();
+                    product_here(kernel, (&mut added, true), (m, n, k), a, b, &mut scratch);
+                    for (i, &(w, abs)) in want.iter().enumerate() {
+                        let tol = tol(w, abs);
+                        let (wrote, add) = (here[i] as f64, added[i] as f64 - i as f64);
+                        assert!(
+                            (wrote - w).abs() <= tol,
+                            "{kernel:?} {m}x{n}x{k} here: {wrote}"
+                        );
+                        let tol = tol + 8.0 * eps * i as f64;
+                        assert!((add - w).abs() <= tol, "{kernel:?} {m}x{n}x{k} here, added");
                     }
                     let mut out = vec![bf16::ZERO; m * n];
                     product_by(kernel, Destination::Bf16(&mut out), (m, n, k), a, b);

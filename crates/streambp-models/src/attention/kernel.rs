@@ -210,15 +210,41 @@ impl Products {
             scratch,
             ..
         } = self;
-        T::rounded_into(&a.0[..extent(m, k, (a.1, a.2))], a16);
         T::rounded_into(&b.0[..extent(k, n, (b.1, b.2))], b16);
-        let operand = |data, (row_stride, col_stride)| Operand {
-            data,
-            row_stride,
-            col_stride,
+        let b = Operand {
+            data: &b16[..],
+            row_stride: b.1,
+            col_stride: b.2,
         };
-        let (a, b) = (operand(a16, (a.1, a.2)), operand(b16, (b.1, b.2)));
         let factor = if with_q { scale } else { 1.0 };
+        // Rounded into a copy by a vectorized pass, then packed (rounding as it packs ran on
+        // the packs' plain loops and took longer: AMD EPYC Zen 5).
+        T::rounded_into(&a.0[..extent(m, k, (a.1, a.2))], a16);
+        let a = Operand {
+            data: &a16[..],
+            row_stride: a.1,
+            col_stride: a.2,
+        };
+        Self::finish(
+            dst,
+            (m, n, k),
+            accumulate,
+            factor,
+            (a, b),
+            (kernel, sums, scratch),
+        );
+    }
+
+    /// [`Products::product`]'s product of operands ready for `kernel`, its sums times `factor`
+    /// written or added into `dst`.
+    fn finish<T: WithDType + Bf16Operand, A: half_product::Element>(
+        dst: &mut [T],
+        (m, n, k): (usize, usize, usize),
+        accumulate: bool,
+        factor: f32,
+        (a, b): (Operand<A>, Operand),
+        (kernel, sums, scratch): (Kernel, &mut Vec<f32>, &mut half_product::Scratch),
+    ) {
         let dst = &mut dst[..m * n];
         // f32 takes the sums in place, scaled after, unless they are scaled and added.
         if !accumulate || factor == 1.0 {
