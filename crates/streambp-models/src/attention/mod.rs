@@ -250,29 +250,34 @@ impl Blocks {
     /// Output (like q) and each query's softmax normalizer, for q unscaled ([`Blocks::scale`]).
     fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Normalizer)> {
         if let Some(multiply) = self.bf16_products(q, k, v)? {
-            return op_times::timed("attention.forward.kernel", q.device(), || match k.dtype() {
-                DType::BF16 => self.kernel_forward::<f32, half::bf16>(q, k, v, multiply),
-                _ => self.kernel_forward::<f32, f32>(q, k, v, multiply),
-            });
+            return self.timed_kernel_forward((q, k, v), multiply);
         }
         self.forward_scaled(&self.scaled(q)?, k, v)
+    }
+
+    /// [`Blocks::kernel_forward`] for the dtypes of q and the keys, timed.
+    fn timed_kernel_forward(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        multiply: Multiply,
+    ) -> CResult<(Tensor, Normalizer)> {
+        op_times::timed("attention.forward.kernel", q.device(), || {
+            match (q.dtype(), k.dtype()) {
+                (DType::F32, DType::BF16) => {
+                    self.kernel_forward::<f32, half::bf16>(q, k, v, multiply)
+                }
+                (DType::F32, _) => self.kernel_forward::<f32, f32>(q, k, v, multiply),
+                _ => self.kernel_forward::<f64, f64>(q, k, v, multiply),
+            }
+        })
     }
 
     /// [`Blocks::forward`] for q scaled, with a running maximum so that no block's exponentials
     /// overflow.
     fn forward_scaled(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Normalizer)> {
         let device = q.device();
-        let exact = Multiply::Exact;
         if self.kernel_applies(q, k, v)? {
-            return op_times::timed("attention.forward.kernel", device, || {
-                match (q.dtype(), k.dtype()) {
-                    (DType::F32, DType::BF16) => {
-                        self.kernel_forward::<f32, half::bf16>(q, k, v, exact)
-                    }
-                    (DType::F32, _) => self.kernel_forward::<f32, f32>(q, k, v, exact),
-                    _ => self.kernel_forward::<f64, f64>(q, k, v, exact),
-                }
-            });
+            return self.timed_kernel_forward((q, k, v), Multiply::Exact);
         }
         if k.dtype() != q.dtype() {
             let (k, v) = (cast(k, q.dtype())?, cast(v, q.dtype())?);
@@ -751,13 +756,26 @@ impl Attention {
             return Ok((dq, cast(&dk, k.dtype())?, cast(&dv, v.dtype())?));
         }
         if let Some(multiply) = b.bf16_products(q, k, v)? {
-            let parts = ((q, k, v), (out, &self.normalizer), grad);
-            return op_times::timed("attention.backward.kernel", q.device(), || {
-                b.kernel_backward::<f32>(parts.0, parts.1, parts.2, multiply)
-            });
+            return self.timed_kernel_bwd((q, k, v), (out, grad), multiply);
         }
         let (dq, dk, dv) = self.scaled_bwd(&b.scaled(q)?, k, v, out, grad)?;
         Ok((b.scaled(&dq)?, dk, dv))
+    }
+
+    /// [`Blocks::kernel_backward`] for q's dtype, timed.
+    fn timed_kernel_bwd(
+        &self,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        (out, grad): (&Tensor, &Tensor),
+        multiply: Multiply,
+    ) -> CResult<(Tensor, Tensor, Tensor)> {
+        let (b, fwd) = (&self.blocks, (out, &self.normalizer));
+        op_times::timed("attention.backward.kernel", q.device(), || {
+            match q.dtype() {
+                DType::F32 => b.kernel_backward::<f32>((q, k, v), fwd, grad, multiply),
+                _ => b.kernel_backward::<f64>((q, k, v), fwd, grad, multiply),
+            }
+        })
     }
 
     /// [`Attention::inner_bwd`] for q scaled (the gradient of q is the scaled q's), keys and values
@@ -772,13 +790,8 @@ impl Attention {
     ) -> CResult<(Tensor, Tensor, Tensor)> {
         let b = &self.blocks;
         let device = q.device();
-        let exact = Multiply::Exact;
         if b.kernel_applies(q, k, v)? {
-            let parts = ((q, k, v), (out, &self.normalizer), grad);
-            return op_times::timed("attention.backward.kernel", device, || match q.dtype() {
-                DType::F32 => b.kernel_backward::<f32>(parts.0, parts.1, parts.2, exact),
-                _ => b.kernel_backward::<f64>(parts.0, parts.1, parts.2, exact),
-            });
+            return self.timed_kernel_bwd((q, k, v), (out, grad), Multiply::Exact);
         }
         let dtype = q.dtype();
         let dot = (b.grouped(grad)? * b.grouped(out)?)?.sum_keepdim(D::Minus1)?;
