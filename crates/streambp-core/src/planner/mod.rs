@@ -381,9 +381,27 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // A chunk's projections run in the forward and in the layers' backward.
     let projection_workspace = workspace(&projections(b * c), true);
 
+    // A bf16 layer's attention forward on the host multiplies bf16 copies (`Products::Bf16`): each
+    // running task rounds its block's exponentials (a tile of at most `MAX_ROW_TILE` query rows by
+    // a key block) into a copy, which its kernel packs (the widened kernel: widens a slice of it).
+    let bf16_forward = match (p.dtype, p.host) {
+        (DType::BF16, true) => {
+            use streambp_models::attention::{KEY_BLOCK, MAX_ROW_TILE};
+            let group = heads / (cfg.num_kv_heads as u64).max(1);
+            let rows = (group * c).min(MAX_ROW_TILE as u64);
+            let running = (b * cfg.num_kv_heads as u64).min(rayon::current_num_threads() as u64);
+            running * rows * (KEY_BLOCK as u64).min(t) * (2 + 2)
+        }
+        _ => 0,
+    };
+
     // The forward: the checkpoints, one layer's keys and values and a chunk's activations.
-    let forward_phase =
-        forward_checkpoints + keys_values + forward_acts + projection_workspace + widened_layer;
+    let forward_phase = forward_checkpoints
+        + keys_values
+        + forward_acts
+        + projection_workspace
+        + widened_layer
+        + bf16_forward;
 
     // The head, per logits chunk of `b · lc` rows. The scores in the compute dtype, their softmax,
     // its VJP and the target scatter; on the host the scores alone, which their softmax and its VJP

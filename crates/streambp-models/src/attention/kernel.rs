@@ -377,7 +377,7 @@ pub(crate) struct Forward<T> {
 
 /// Query rows per task of the forward at most: a tile's scores against a key block (256 × 512 in
 /// f32: 512 KiB) stay in the core's cache between the product, the softmax and the next product.
-const MAX_ROW_TILE: usize = 256;
+pub const MAX_ROW_TILE: usize = 256;
 
 /// Query rows per task of the forward for `items` items of `rows` rows: as many as leave every
 /// thread a task (a tile of each item per thread where there are fewer items than threads), at

@@ -75,6 +75,9 @@ pub fn with_fused_softmax_blocks<R>(f: impl FnOnce() -> R) -> R {
 /// 256 and 5% faster than 2048 at T = 4096 (docs/benchmarks.md); larger blocks only add memory.
 pub const KEY_BLOCK: usize = 512;
 
+/// Query rows of a task of the CPU kernel's forward at most (the planner sizes its buffers by it).
+pub use kernel::MAX_ROW_TILE;
+
 type CResult<T> = candle_core::Result<T>;
 
 fn to_candle(e: crate::error::ModelError) -> candle_core::Error {
