@@ -8,9 +8,10 @@
 //! while it is in cache, and `out += P·V` adds straight into the output. The backward's task is one
 //! head's queries against one key block: it adds the block's `dK`, `dV` into their rows (no other task
 //! touches them) and returns its share of `dQ`, summed over the blocks in order afterwards. Every
-//! product is one single-threaded gemm call (the kernel candle's products run): the tasks are the
-//! parallelism. The arithmetic is the composed path's (`attention.rs`), step for step; only sums round
-//! apart, and none depends on the thread count.
+//! product is one single-threaded call (the tasks are the parallelism): gemm's (the kernel candle's
+//! products run), or for a bf16 layer the bf16 kernel in force on operands rounded as PyTorch's bf16
+//! attention rounds them ([`Multiply::Bf16`]). The arithmetic is the composed path's
+//! (`attention.rs`), step for step; only sums round apart, and none depends on the thread count.
 //!
 //! Shapes as in [`crate::attention`]: q `[b, kv_heads, rows, hd]` with `rows = group·c` (query heads of a
 //! group one after the other, `c` queries each); keys and values `[b, kv_heads, t, hd]`; each block's
@@ -225,26 +226,6 @@ impl Products {
             row_stride: a.1,
             col_stride: a.2,
         };
-        Self::finish(
-            dst,
-            (m, n, k),
-            accumulate,
-            factor,
-            (a, b),
-            (kernel, sums, scratch),
-        );
-    }
-
-    /// [`Products::product`]'s product of operands ready for `kernel`, its sums times `factor`
-    /// written or added into `dst`.
-    fn finish<T: WithDType + Bf16Operand, A: half_product::Element>(
-        dst: &mut [T],
-        (m, n, k): (usize, usize, usize),
-        accumulate: bool,
-        factor: f32,
-        (a, b): (Operand<A>, Operand),
-        (kernel, sums, scratch): (Kernel, &mut Vec<f32>, &mut half_product::Scratch),
-    ) {
         let dst = &mut dst[..m * n];
         // f32 takes the sums in place, scaled after, unless they are scaled and added.
         if !accumulate || factor == 1.0 {
