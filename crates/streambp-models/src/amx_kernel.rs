@@ -423,16 +423,11 @@ pub fn emulated() -> bool {
     })
 }
 
-/// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major) on
-/// AMX's tiles, or on [`Emulated`] where asked for ([`emulated`]). Panics if neither (the caller
-/// dispatches on [`available`]) and if `out` is too small; the operands' ranges are the caller's
-/// to check.
-pub fn tile<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: &mut [f32]) {
-    tile_into(tile, packs, (out, true));
-}
-
-/// [`tile`], adding into `out` or (`false`) writing it.
-pub(crate) fn tile_into<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: (&mut [f32], bool)) {
+/// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major), or
+/// `out =` it (`accumulate` false), on AMX's tiles, or on [`Emulated`] where asked for
+/// ([`emulated`]). Panics if neither (the caller dispatches on [`available`]) and if `out` is too
+/// small; the operands' ranges are the caller's to check.
+pub fn tile<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: (&mut [f32], bool)) {
     #[cfg(target_arch = "x86_64")]
     if let Some(unit) = Amx::new() {
         return tile_with(&unit, tile, packs, out);
@@ -441,7 +436,7 @@ pub(crate) fn tile_into<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: (&mu
     tile_with(&Emulated, tile, packs, out)
 }
 
-/// [`tile_into`] on any [`TileUnit`].
+/// [`tile`] on any [`TileUnit`].
 pub(crate) fn tile_with<A: Element>(
     unit: &dyn TileUnit,
     tile: &Tile<A>,
@@ -640,7 +635,7 @@ mod tests {
             };
             let (mut model, mut dot) = (vec![0.5f32; m * n], vec![0.5f32; m * n]);
             tile_with(&Emulated, &tile, &mut Packs::default(), (&mut model, true));
-            crate::bf16_kernel::tile(&tile, &mut Default::default(), &mut dot);
+            crate::bf16_kernel::tile(&tile, &mut Default::default(), (&mut dot, true));
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(
                 bits(&model),

@@ -242,19 +242,11 @@ fn pair_words<E: Element>(
     whole
 }
 
-/// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major).
+/// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major), or
+/// `out =` it (`accumulate` false: the first inner slice writes, so `out` needs no zeros first).
 /// Panics unless [`available`] (the caller dispatches on it) and if `out` is too small; the operands'
 /// ranges are the caller's to check ([`Operand`]s that fit `rows × k` and `k × cols`).
-pub fn tile<A: Element>(tile: &Tile<A>, packs: &mut Packs, out: &mut [f32]) {
-    tile_into(tile, packs, (out, true));
-}
-
-/// [`tile`], adding into `out` or (`false`) writing it.
-pub(crate) fn tile_into<A: Element>(
-    tile: &Tile<A>,
-    packs: &mut Packs,
-    (out, accumulate): (&mut [f32], bool),
-) {
+pub fn tile<A: Element>(tile: &Tile<A>, packs: &mut Packs, (out, accumulate): (&mut [f32], bool)) {
     assert!(available(), "bf16 kernel: the CPU has no AVX512-BF16");
     let Tile { a, b, k, .. } = *tile;
     let (rows, cols) = (tile.rows.clone(), tile.cols.clone());

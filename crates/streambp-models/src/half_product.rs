@@ -378,16 +378,21 @@ pub fn product_by<A: Element>(
                 return widened_tile(&tile, (dst, n, add), bufs);
             }
             // Otherwise the sums go into `sums`, then are written or added into an f32
-            // destination or rounded into a bf16 one.
-            bufs.sums.clear();
+            // destination or rounded into a bf16 one. The kernels write them (not add into
+            // zeros: a tile's memset was a pass over its sums per product), so only an empty
+            // inner dimension, which writes nothing, needs them zeroed.
             bufs.sums.resize(r * c, 0.0f32);
+            if k == 0 {
+                bufs.sums.fill(0.0);
+            }
+            let sums = (&mut bufs.sums[..], false);
             match kernel {
                 Kernel::Widened => {
                     let dst = (bufs.sums.as_mut_ptr(), c, false);
                     widened_tile(&tile, dst, bufs);
                 }
-                Kernel::Bf16Dot => crate::bf16_kernel::tile(&tile, &mut packs.dot, &mut bufs.sums),
-                Kernel::Amx => crate::amx_kernel::tile(&tile, &mut packs.amx, &mut bufs.sums),
+                Kernel::Bf16Dot => crate::bf16_kernel::tile(&tile, &mut packs.dot, sums),
+                Kernel::Amx => crate::amx_kernel::tile(&tile, &mut packs.amx, sums),
             }
             for (t, sums) in bufs.sums.chunks_exact(c).enumerate() {
                 // SAFETY: row `i0 + t` of tile (i0, j0) is this task's alone, within `m × n`.
@@ -476,10 +481,10 @@ pub(crate) fn product_here<A: Element>(
     };
     match kernel {
         Kernel::Bf16Dot if m >= MIN_DOT_ROWS => {
-            crate::bf16_kernel::tile_into(&tile, &mut scratch.packs.dot, (dst, accumulate))
+            crate::bf16_kernel::tile(&tile, &mut scratch.packs.dot, (dst, accumulate))
         }
         Kernel::Amx if m >= MIN_DOT_ROWS => {
-            crate::amx_kernel::tile_into(&tile, &mut scratch.packs.amx, (dst, accumulate))
+            crate::amx_kernel::tile(&tile, &mut scratch.packs.amx, (dst, accumulate))
         }
         _ => widened_tile(&tile, (dst.as_mut_ptr(), n, accumulate), &mut scratch.bufs),
     }
