@@ -642,9 +642,6 @@ pub fn matmul_of_bf16_values(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     else {
         candle_core::bail!("bf16 product: operands not f32 and bf16 in host storage");
     };
-    if a.rank() != 2 || b.rank() != 2 {
-        candle_core::bail!("bf16 product: {:?} by {:?}", a.dims(), b.dims());
-    }
     product_tensor((da, la), (db, lb), a.device(), |d| Destination::Bf16(d))
 }
 
@@ -657,20 +654,21 @@ pub fn matmul_unrounded(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     else {
         candle_core::bail!("bf16 product: operands not in bf16 host storage");
     };
-    if a.rank() != 2 || b.rank() != 2 {
-        candle_core::bail!("bf16 product: {:?} by {:?}", a.dims(), b.dims());
-    }
     product_tensor((da, la), (db, lb), a.device(), |d| Destination::F32(d))
 }
 
-/// `a·b` by [`product`] for 2-D operands `a` (bf16 values) and `b` (bf16) in host data, into a new
-/// tensor of `T` on `device`, written as `destination` says (rounded to bf16, or f32 unrounded).
+/// `a·b` by [`product`] for 2-D operands `a` (bf16 values) and `b` (bf16) in host data (any other
+/// rank an error), into a new tensor of `T` on `device`, written as `destination` says (rounded to
+/// bf16, or f32 unrounded).
 fn product_tensor<A: Element, T: candle_core::WithDType>(
     (a, la): (&[A], &Layout),
     (b, lb): (&[bf16], &Layout),
     device: &candle_core::Device,
     destination: impl FnOnce(&mut [T]) -> Destination<'_>,
 ) -> CResult<Tensor> {
+    if la.dims().len() != 2 || lb.dims().len() != 2 {
+        candle_core::bail!("bf16 product: {:?} by {:?}", la.dims(), lb.dims());
+    }
     let ((oa, m, k), (ob, k2, n)) = (operand(a, la)?, operand(b, lb)?);
     if k != k2 {
         candle_core::bail!("bf16 product: [{m}, {k}] by [{k2}, {n}]");

@@ -260,6 +260,14 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let kv = (cfg.num_kv_heads * cfg.head_dim) as u64;
     let ffn = cfg.intermediate_size as u64;
     let heads = cfg.num_heads as u64;
+    // The attention op: query heads per key/value head, keys per block, and its kernel's tasks on
+    // the host (a key/value head of a row each, over rayon's threads).
+    let group = heads / (cfg.num_kv_heads as u64).max(1);
+    let key_block = streambp_models::attention::KEY_BLOCK as u64;
+    let (items, threads) = (
+        b * cfg.num_kv_heads as u64,
+        rayon::current_num_threads() as u64,
+    );
     let vocab = cfg.vocab_size as u64;
     let layers = cfg.num_layers() as u64;
     // Gradient accumulators are f32 for half-precision models, rounded to the model dtype once a
@@ -386,11 +394,8 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // a key block) into a copy, which its kernel packs (the widened kernel: widens a slice of it).
     let bf16_forward = match (p.dtype, p.host) {
         (DType::BF16, true) => {
-            use streambp_models::attention::{KEY_BLOCK, MAX_ROW_TILE};
-            let group = heads / (cfg.num_kv_heads as u64).max(1);
-            let rows = (group * c).min(MAX_ROW_TILE as u64);
-            let running = (b * cfg.num_kv_heads as u64).min(rayon::current_num_threads() as u64);
-            running * rows * (KEY_BLOCK as u64).min(t) * (2 + 2)
+            let rows = (group * c).min(streambp_models::attention::MAX_ROW_TILE as u64);
+            items.min(threads) * rows * key_block.min(t) * (2 + 2)
         }
         _ => 0,
     };
@@ -445,8 +450,6 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
         + head_share
         + workspace(&head_products, true);
 
-    // The attention op scores a chunk against one block of keys at a time.
-    let key_block = streambp_models::attention::KEY_BLOCK as u64;
     // K, V and their pending gradients, and (fitted, seen at T = 64K) one more `[T, kv]` state.
     let kv_state = 5 * keys_values / 2;
     let grads_io = 2 * hidden;
@@ -457,10 +460,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // workspace...
     let scores = if p.host {
         let blocks = t.div_ceil(key_block) + 1;
-        let items = b * cfg.num_kv_heads as u64;
-        let threads = rayon::current_num_threads() as u64;
         let running = (items * blocks).min(threads);
-        let group = heads / (cfg.num_kv_heads as u64).max(1);
         let (rows, n, hd) = (
             (group * c) as usize,
             key_block.min(t) as usize,

@@ -110,7 +110,8 @@ pub(crate) trait KernelFloat: WithDType + BulkExp + Bf16Operand {}
 
 impl<T: WithDType + BulkExp + Bf16Operand> KernelFloat for T {}
 
-/// What [`Multiply::Bf16`] needs of the kernel's element type (f32 in the model; f64 for tests).
+/// What [`Multiply::Bf16`] needs of the kernel's element type: f32's, which it runs on (f64's
+/// exist for the generic kernel; `Blocks::bf16_products` never chooses them for f64).
 pub(crate) trait Bf16Operand: Copy {
     /// The elements rounded to the nearest bf16, into `out` (cleared first).
     fn rounded_into(xs: &[Self], out: &mut Vec<bf16>);
