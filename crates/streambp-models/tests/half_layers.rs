@@ -206,11 +206,12 @@ fn gradients_land_on_the_stand_ins() {
     }
 }
 
-/// A bf16 layer computed in f32 multiplies in its forward from each projection's bf16 weight
-/// where the kernel in force packs bf16 pairs, and only there, and in its backward from the bf16
-/// weights on every kernel: with the down projection's bf16 weight zeroed the layer's output
-/// changes on such a CPU (and not elsewhere), and the stand-ins' gradients of the output's sum
-/// change everywhere, though they still land on the f32 stand-ins.
+/// A bf16 layer computed in f32 multiplies from each projection's bf16 weight where the kernel in
+/// force packs bf16 pairs, and only there (the widened kernel's products of bf16 values are f32's
+/// of the f32 stand-ins, which hold the same values), in its forward and its backward: with the
+/// down projection's bf16 weight zeroed the layer's output and the stand-ins' gradients of the
+/// output's sum change on such a CPU (and not elsewhere), though the gradients still land on the
+/// f32 stand-ins.
 #[test]
 fn the_forward_and_the_backward_read_the_bf16_weights() {
     let family = "qwen3";
@@ -249,9 +250,10 @@ fn the_forward_and_the_backward_read_the_bf16_weights() {
         .filter(|(_, (g, z))| g.iter().zip(*z).any(|(a, b)| a.to_bits() != b.to_bits()))
         .map(|((name, _), _)| name.as_str())
         .collect();
-    assert!(
+    assert_eq!(
         changed.iter().any(|n| n.contains("gate_proj")),
-        "the backward did not read the bf16 weight: changed {changed:?}"
+        packs,
+        "the backward's bf16 weight read: {packs}; changed {changed:?}"
     );
 }
 

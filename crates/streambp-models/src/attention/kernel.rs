@@ -121,6 +121,8 @@ pub(crate) trait Bf16Operand: Copy {
     fn from_sum(x: f32) -> Self;
     /// The elements as f32, where they are: the products then write their sums in place.
     fn as_sums(xs: &mut [Self]) -> Option<&mut [f32]>;
+    /// The elements as f32, where they are: the widened kernel's products then read them in place.
+    fn as_f32(xs: &[Self]) -> Option<&[f32]>;
 }
 
 impl Bf16Operand for f32 {
@@ -135,6 +137,9 @@ impl Bf16Operand for f32 {
         x
     }
     fn as_sums(xs: &mut [f32]) -> Option<&mut [f32]> {
+        Some(xs)
+    }
+    fn as_f32(xs: &[f32]) -> Option<&[f32]> {
         Some(xs)
     }
 }
@@ -153,6 +158,9 @@ impl Bf16Operand for f64 {
     fn as_sums(_: &mut [f64]) -> Option<&mut [f32]> {
         None
     }
+    fn as_f32(_: &[f64]) -> Option<&[f32]> {
+        None
+    }
 }
 
 /// The elements a `rows × cols` operand at strides `(row, column)` spans from its first.
@@ -166,11 +174,25 @@ fn extent(rows: usize, cols: usize, (rs, cs): (usize, usize)) -> usize {
 /// A product's operand: its data from its first element, its row and column strides.
 type Matrix<'a, T> = (&'a [T], usize, usize);
 
+/// A bf16 product's operand's values: bf16 values already (q, the keys and values, `dS` rounded
+/// where it is made, the widened kernel's forward exponentials), or values the product rounds
+/// (the exponentials otherwise, and the output gradient).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Values {
+    Bf16,
+    Rounded,
+}
+
+/// Both operands hold bf16 values.
+const BF16_VALUES: (Values, Values) = (Values::Bf16, Values::Bf16);
+
 /// A task's products, as [`Multiply`] says, with the buffers they reuse.
 struct Products {
     multiply: Multiply,
     a: Vec<bf16>,
     b: Vec<bf16>,
+    a32: Vec<f32>,
+    b32: Vec<f32>,
     sums: Vec<f32>,
     scratch: half_product::Scratch,
 }
@@ -181,6 +203,8 @@ impl Products {
             multiply,
             a: Vec::new(),
             b: Vec::new(),
+            a32: Vec::new(),
+            b32: Vec::new(),
             sums: Vec::new(),
             scratch: half_product::Scratch::default(),
         }
@@ -192,46 +216,61 @@ impl Products {
     }
 
     /// `dst (=|+=) a·b` on this thread, each operand as `(data from its first element, row stride,
-    /// column stride)`; `with_q`: q is a factor of the product, or of the gradient it is a share of
-    /// (bf16 products then scale their sums).
+    /// column stride)` and, for bf16 products, whether its values are rounded first; `with_q`: q
+    /// is a factor of the product, or of the gradient it is a share of (bf16 products then scale
+    /// their sums).
     fn product<T: WithDType + Bf16Operand>(
         &mut self,
         dst: &mut [T],
         (m, n, k): (usize, usize, usize),
         accumulate: bool,
         (a, b): (Matrix<T>, Matrix<T>),
+        values: (Values, Values),
         with_q: bool,
     ) {
         let Multiply::Bf16 { kernel, scale } = self.multiply else {
             return gemm_into(dst, (m, n, k), accumulate, a, b, Threads::One);
         };
+        let factor = if with_q { scale } else { 1.0 };
         let Self {
             a: a16,
             b: b16,
+            a32,
+            b32,
             sums,
             scratch,
             ..
         } = self;
-        T::rounded_into(&b.0[..extent(k, n, (b.1, b.2))], b16);
-        let b = Operand {
-            data: &b16[..],
-            row_stride: b.1,
-            col_stride: b.2,
-        };
-        let factor = if with_q { scale } else { 1.0 };
-        // Rounded into a copy by a vectorized pass, then packed (rounding as it packs ran on
-        // the packs' plain loops and took longer: AMD EPYC Zen 5).
-        T::rounded_into(&a.0[..extent(m, k, (a.1, a.2))], a16);
-        let a = Operand {
-            data: &a16[..],
-            row_stride: a.1,
-            col_stride: a.2,
+        // `out (=|+=) a·b` in f32 sums.
+        let mut multiply = |out: &mut [f32], add: bool| {
+            let operands = (T::as_f32(a.0), T::as_f32(b.0));
+            if let (Kernel::Widened, (Some(a_data), Some(b_data))) = (kernel, operands) {
+                // Products of bf16 values in f32 are exact: the widened kernel's products are
+                // f32's of the rounded values, which gemm reads in place or from f32 copies
+                // (widening bf16 copies instead took a pass more: AMD EPYC Zen 5, AVX2 path).
+                let a_data = values_for_f32(a_data, extent(m, k, (a.1, a.2)), values.0, a32);
+                let b_data = values_for_f32(b_data, extent(k, n, (b.1, b.2)), values.1, b32);
+                return gemm_into(
+                    out,
+                    (m, n, k),
+                    add,
+                    (a_data, a.1, a.2),
+                    (b_data, b.1, b.2),
+                    Threads::One,
+                );
+            }
+            // Rounded into a copy by a vectorized pass, then packed (rounding as it packs ran on
+            // the packs' plain loops and took longer: AMD EPYC Zen 5).
+            T::rounded_into(&a.0[..extent(m, k, (a.1, a.2))], a16);
+            T::rounded_into(&b.0[..extent(k, n, (b.1, b.2))], b16);
+            let (a, b) = (operand(a16, (a.1, a.2)), operand(b16, (b.1, b.2)));
+            half_product::product_here(kernel, (out, add), (m, n, k), a, b, scratch);
         };
         let dst = &mut dst[..m * n];
         // f32 takes the sums in place, scaled after, unless they are scaled and added.
         if !accumulate || factor == 1.0 {
             if let Some(out) = T::as_sums(dst) {
-                half_product::product_here(kernel, (out, accumulate), (m, n, k), a, b, scratch);
+                multiply(out, accumulate);
                 if factor != 1.0 {
                     vectorized!(|_| out.iter_mut().for_each(|y| *y *= factor));
                 }
@@ -239,13 +278,41 @@ impl Products {
             }
         }
         sums.resize(m * n, 0.0);
-        half_product::product_here(kernel, (sums, false), (m, n, k), a, b, scratch);
+        multiply(sums, false);
         vectorized!(|_| {
             for (d, &s) in dst.iter_mut().zip(sums.iter()) {
                 let s = T::from_sum(factor * s);
                 *d = if accumulate { *d + s } else { s };
             }
         });
+    }
+}
+
+/// A bf16 operand from its data and its row and column strides.
+fn operand(data: &[bf16], (row_stride, col_stride): (usize, usize)) -> Operand<'_> {
+    Operand {
+        data,
+        row_stride,
+        col_stride,
+    }
+}
+
+/// The first `len` elements of an f32 operand as bf16 values: in place where they are, else
+/// rounded into `copy`.
+fn values_for_f32<'a>(
+    data: &'a [f32],
+    len: usize,
+    values: Values,
+    copy: &'a mut Vec<f32>,
+) -> &'a [f32] {
+    let data = &data[..len];
+    match values {
+        Values::Bf16 => data,
+        Values::Rounded => {
+            copy.clear();
+            vectorized!(|_| copy.extend(data.iter().map(|&x| crate::cpu::bf16_value(x))));
+            copy
+        }
     }
 }
 
@@ -332,7 +399,8 @@ impl<T: KernelFloat, K> Inputs<'_, T, K> {
         let rows = s.len() / n;
         let q = &self.queries(i)[first * hd..(first + rows) * hd];
         // S = Q·Kᵀ: Kᵀ read through K's strides.
-        products.product(s, (rows, n, hd), false, ((q, hd, 1), (keys, 1, hd)), true);
+        let (q, keys) = ((q, hd, 1), (keys, 1, hd));
+        products.product(s, (rows, n, hd), false, (q, keys), BF16_VALUES, true);
         if let Some((mask, per_batch)) = &blk.mask {
             let base = if *per_batch {
                 (i / self.dims.kv_heads) * c * n
@@ -425,6 +493,20 @@ fn forward_tile<T: KernelFloat, K: Stored<T>>(
     let mut scores = vec![T::zero(); rows * widest];
     let (mut key_buffer, mut value_buffer) = (Vec::new(), Vec::new());
     let mut products = Products::new(inp.multiply);
+    // bf16 products take the exponentials rounded, their sum taken first: in place where the
+    // product then reads them in place (the widened kernel; an extra pass for the packing kernels,
+    // which round while copying them: 3% of the forward's kernel, AMD EPYC Zen 5).
+    let in_place = matches!(
+        inp.multiply,
+        Multiply::Bf16 {
+            kernel: Kernel::Widened,
+            ..
+        }
+    );
+    let exponentials = match in_place {
+        true => Values::Bf16,
+        false => Values::Rounded,
+    };
     for blk in wave {
         let n = blk.n;
         let (keys, values) = inp.keys_values(i, blk);
@@ -437,6 +519,9 @@ fn forward_tile<T: KernelFloat, K: Stored<T>>(
                 let before = max[j];
                 let m = row_max(row, before);
                 let total = T::exp_shifted_sum(row, m);
+                if in_place {
+                    row.iter_mut().for_each(|x| *x = x.bf16_value());
+                }
                 // exp(−∞) = 0 at the first block: nothing before to rescale.
                 let rescale = (before - m).exp();
                 sum[j] = sum[j] * rescale + total;
@@ -446,13 +531,9 @@ fn forward_tile<T: KernelFloat, K: Stored<T>>(
                 max[j] = m;
             }
         });
-        products.product(
-            out,
-            (rows, hd, n),
-            true,
-            ((s, n, 1), (values, hd, 1)),
-            false,
-        );
+        let (p, values) = ((&s[..], n, 1), (values, hd, 1));
+        let rounds = (exponentials, Values::Bf16);
+        products.product(out, (rows, hd, n), true, (p, values), rounds, false);
     }
 }
 
@@ -624,32 +705,49 @@ fn block_backward<T: KernelFloat>(
     // `dV` first, while `P` is the only score-sized buffer: a bf16 product's copy of it and its
     // pack then take the place `dS` takes after (so that a task holds two f32 score-sized
     // buffers' worth at most, as with f32 products).
-    products.product(dv, (n, hd, rows), true, ((&p, 1, n), (g, hd, 1)), false);
+    let (rounded, bf16) = (Values::Rounded, Values::Bf16);
+    let (pt, g_rows) = ((&p[..], 1, n), (g, hd, 1));
+    products.product(
+        dv,
+        (n, hd, rows),
+        true,
+        (pt, g_rows),
+        (rounded, rounded),
+        false,
+    );
     products.release();
     let mut ds = vec![T::zero(); rows * n];
+    let values_t = (values, 1, hd);
     products.product(
         &mut ds,
         (rows, n, hd),
         false,
-        ((g, hd, 1), (values, 1, hd)),
+        (g_rows, values_t),
+        (rounded, bf16),
         false,
     );
+    // dS = P ⊙ (dP − Σ g ⊙ out), rounded here for bf16 products (both of its products take it so).
+    let round = matches!(inp.multiply, Multiply::Bf16 { .. });
     vectorized!(|_| {
         for ((ds, p), &d) in ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).zip(dot) {
-            ds.iter_mut()
-                .zip(p)
-                .for_each(|(x, &prob)| *x = prob * (*x - d));
+            let terms = ds.iter_mut().zip(p);
+            match round {
+                true => terms.for_each(|(x, &prob)| *x = (prob * (*x - d)).bf16_value()),
+                false => terms.for_each(|(x, &prob)| *x = prob * (*x - d)),
+            }
         }
     });
     drop(p);
-    let q = inp.queries(i);
-    products.product(dk, (n, hd, rows), true, ((&ds, 1, n), (q, hd, 1)), true);
+    let q = (inp.queries(i), hd, 1);
+    products.product(dk, (n, hd, rows), true, ((&ds, 1, n), q), BF16_VALUES, true);
     let mut dq = vec![T::zero(); rows * hd];
+    let keys = (keys, hd, 1);
     products.product(
         &mut dq,
         (rows, hd, n),
         false,
-        ((&ds, n, 1), (keys, hd, 1)),
+        ((&ds, n, 1), keys),
+        BF16_VALUES,
         true,
     );
     dq
