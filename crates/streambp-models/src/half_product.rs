@@ -298,9 +298,15 @@ fn route(kernel: Kernel, rows: usize, (a_col_stride, b_row_stride): (usize, usiz
     if crate::skinny::applies(rows, a_col_stride, b_row_stride) {
         return Route::Skinny;
     }
+    Route::Tiles(tile_kernel(kernel, rows))
+}
+
+/// The kernel that takes a tile of `rows` rows with `kernel` in force: a packing kernel from
+/// [`MIN_DOT_ROWS`] rows on, the widened one below.
+fn tile_kernel(kernel: Kernel, rows: usize) -> Kernel {
     match kernel {
-        Kernel::Bf16Dot | Kernel::Amx if rows < MIN_DOT_ROWS => Route::Tiles(Kernel::Widened),
-        kernel => Route::Tiles(kernel),
+        Kernel::Bf16Dot | Kernel::Amx if rows < MIN_DOT_ROWS => Kernel::Widened,
+        kernel => kernel,
     }
 }
 
@@ -361,8 +367,8 @@ pub fn product_by<A: Element>(
         Destination::Bf16Values(d) => Sink::Bf16Values(SharedDst(d.as_mut_ptr())),
     };
     tiles.par_iter().for_each_init(
-        || (Buffers::default(), Packs::default()),
-        |(bufs, packs), &(i0, j0)| {
+        || (Scratch::default(), Vec::new()),
+        |(scratch, sums), &(i0, j0)| {
             let tile = Tile {
                 a: &a,
                 rows: i0..(i0 + tm).min(m),
@@ -375,26 +381,14 @@ pub fn product_by<A: Element>(
                 // gemm writes (or adds) the tile's sums into the f32 destination itself.
                 // SAFETY: tile (i0, j0) is this task's alone; its elements lie within `m × n`.
                 let dst = unsafe { d.0.add(i0 * n + j0) };
-                return widened_tile(&tile, (dst, n, add), bufs);
+                return widened_tile(&tile, (dst, n, add), &mut scratch.bufs);
             }
             // Otherwise the sums go into `sums`, then are written or added into an f32
             // destination or rounded into a bf16 one. The kernels write them (not add into
-            // zeros: a tile's memset was a pass over its sums per product), so only an empty
-            // inner dimension, which writes nothing, needs them zeroed.
-            bufs.sums.resize(r * c, 0.0f32);
-            if k == 0 {
-                bufs.sums.fill(0.0);
-            }
-            let sums = (&mut bufs.sums[..], false);
-            match kernel {
-                Kernel::Widened => {
-                    let dst = (bufs.sums.as_mut_ptr(), c, false);
-                    widened_tile(&tile, dst, bufs);
-                }
-                Kernel::Bf16Dot => crate::bf16_kernel::tile(&tile, &mut packs.dot, sums),
-                Kernel::Amx => crate::amx_kernel::tile(&tile, &mut packs.amx, sums),
-            }
-            for (t, sums) in bufs.sums.chunks_exact(c).enumerate() {
+            // zeros: a tile's memset was a pass over its sums per product).
+            sums.resize(r * c, 0.0f32);
+            sum_tile(kernel, &tile, (sums, false), scratch);
+            for (t, sums) in sums.chunks_exact(c).enumerate() {
                 // SAFETY: row `i0 + t` of tile (i0, j0) is this task's alone, within `m × n`.
                 unsafe { sink.write_row((i0 + t) * n + j0, sums) };
             }
@@ -461,14 +455,6 @@ pub(crate) fn product_here<A: Element>(
         "bf16 product: operand out of range"
     );
     assert!(dst.len() >= m * n, "bf16 product: destination too small");
-    let dst = &mut dst[..m * n];
-    if k == 0 {
-        // No kernel sums anything.
-        if !accumulate {
-            dst.fill(0.0);
-        }
-        return;
-    }
     if m * n == 0 {
         return;
     }
@@ -479,18 +465,44 @@ pub(crate) fn product_here<A: Element>(
         cols: 0..n,
         k,
     };
+    sum_tile(
+        tile_kernel(kernel, m),
+        &tile,
+        (&mut dst[..m * n], accumulate),
+        scratch,
+    );
+}
+
+/// `out (=|+=)` `tile`'s sums by `kernel` (`out` row-major, the tile's columns to a row): the one
+/// dispatch of [`product_by`]'s tasks and [`product_here`]. An empty inner dimension, which no
+/// kernel sums, writes zeros (or adds nothing).
+fn sum_tile<A: Element>(
+    kernel: Kernel,
+    tile: &Tile<A>,
+    (out, accumulate): (&mut [f32], bool),
+    scratch: &mut Scratch,
+) {
+    let cells = tile.rows.len() * tile.cols.len();
+    assert!(out.len() >= cells, "bf16 product: tile buffer too small");
+    if tile.k == 0 {
+        if !accumulate {
+            out[..cells].fill(0.0);
+        }
+        return;
+    }
     match kernel {
-        Kernel::Bf16Dot if m >= MIN_DOT_ROWS => {
-            crate::bf16_kernel::tile(&tile, &mut scratch.packs.dot, (dst, accumulate))
+        Kernel::Widened => {
+            let dst = (out.as_mut_ptr(), tile.cols.len(), accumulate);
+            widened_tile(tile, dst, &mut scratch.bufs)
         }
-        Kernel::Amx if m >= MIN_DOT_ROWS => {
-            crate::amx_kernel::tile(&tile, &mut scratch.packs.amx, (dst, accumulate))
+        Kernel::Bf16Dot => {
+            crate::bf16_kernel::tile(tile, &mut scratch.packs.dot, (out, accumulate))
         }
-        _ => widened_tile(&tile, (dst.as_mut_ptr(), n, accumulate), &mut scratch.bufs),
+        Kernel::Amx => crate::amx_kernel::tile(tile, &mut scratch.packs.amx, (out, accumulate)),
     }
 }
 
-/// [`product_here`]'s buffers, a task's own.
+/// A task's buffers for [`product_here`] and [`product_by`], from one tile to the next.
 #[derive(Default)]
 pub(crate) struct Scratch {
     bufs: Buffers,
@@ -504,12 +516,11 @@ struct Packs {
     amx: crate::amx_kernel::Packs,
 }
 
-/// A task's buffers: the widened slices and the tile's f32 sums.
+/// A task's widened slices.
 #[derive(Default)]
 struct Buffers {
     a: Vec<f32>,
     b: Vec<f32>,
-    sums: Vec<f32>,
 }
 
 /// `dst (=|+=) a[rows, ..k]·b[..k, cols]` for `tile` by gemm's f32 kernel on slices of [`INNER`]
