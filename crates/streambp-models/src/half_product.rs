@@ -282,6 +282,22 @@ pub fn product<A: Element>(
     }
 }
 
+/// Whether a product of `a` (`m × k`) by `b` (`k × n`) into a destination of `dst_len` elements
+/// has any output; panics if an operand's strides reach past its data or the destination is
+/// smaller than `m × n`.
+fn has_output<A: Element>(
+    (m, n, k): (usize, usize, usize),
+    (a, b): (&Operand<A>, &Operand),
+    dst_len: usize,
+) -> bool {
+    assert!(
+        a.fits(m, k) && b.fits(k, n),
+        "bf16 product: operand out of range"
+    );
+    assert!(dst_len >= m * n, "bf16 product: destination too small");
+    m * n > 0
+}
+
 /// How [`product`] takes a product.
 #[derive(Debug, PartialEq, Eq)]
 enum Route {
@@ -344,12 +360,7 @@ pub fn product_by<A: Element>(
     a: Operand<A>,
     b: Operand,
 ) {
-    assert!(
-        a.fits(m, k) && b.fits(k, n),
-        "bf16 product: operand out of range"
-    );
-    assert!(dst.len() >= m * n, "bf16 product: destination too small");
-    if m * n == 0 {
+    if !has_output((m, n, k), (&a, &b), dst.len()) {
         return;
     }
     if let (Destination::F32(d) | Destination::Bf16Values(d), 0) = (&mut dst, k) {
@@ -450,12 +461,7 @@ pub(crate) fn product_here<A: Element>(
     b: Operand,
     scratch: &mut Scratch,
 ) {
-    assert!(
-        a.fits(m, k) && b.fits(k, n),
-        "bf16 product: operand out of range"
-    );
-    assert!(dst.len() >= m * n, "bf16 product: destination too small");
-    if m * n == 0 {
+    if !has_output((m, n, k), (&a, &b), dst.len()) {
         return;
     }
     let tile = Tile {
