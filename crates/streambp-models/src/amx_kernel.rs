@@ -20,7 +20,7 @@
 use std::ops::Range;
 
 use crate::bf16_kernel::zeroed_on_line;
-use crate::half_product::{Element, Operand, Tile};
+use crate::half_product::{put_sums, Element, Operand, Tile};
 
 /// Rows of a block of sums: two tiles of 16.
 const MR: usize = 32;
@@ -473,11 +473,7 @@ pub(crate) fn tile_with<A: Element>(
                 unit.block(a_block, panels, pairs, (&mut sums, NR));
                 for (i, sums) in sums.chunks_exact(NR).take(block_rows).enumerate() {
                     let at = first + i * c;
-                    let row = out[at..at + block_cols].iter_mut().zip(sums);
-                    match accumulate || k0 > 0 {
-                        true => row.for_each(|(y, &s)| *y += s),
-                        false => row.for_each(|(y, &s)| *y = s),
-                    }
+                    put_sums(&mut out[at..at + block_cols], sums, accumulate || k0 > 0);
                 }
             }
         }

@@ -18,7 +18,7 @@ use std::ops::Range;
 
 use half::bf16;
 
-use crate::half_product::{Element, Operand, Tile};
+use crate::half_product::{put_sums, Element, Operand, Tile};
 use crate::transpose;
 
 /// Rows of the micro-kernel's block.
@@ -329,11 +329,7 @@ unsafe fn micro(
             _mm512_storeu_ps(lanes.as_mut_ptr(), sum[0]);
             _mm512_storeu_ps(lanes[16..].as_mut_ptr(), sum[1]);
         }
-        let row = out[i * ldo..i * ldo + cols].iter_mut().zip(&lanes);
-        match add {
-            true => row.for_each(|(y, &s)| *y += s),
-            false => row.for_each(|(y, &s)| *y = s),
-        }
+        put_sums(&mut out[i * ldo..i * ldo + cols], &lanes, add);
     }
 }
 

@@ -407,6 +407,17 @@ pub fn product_by<A: Element>(
     );
 }
 
+/// `dst = sums`, or `dst += sums` (`add`), over `dst`'s elements: how the kernels put a row of
+/// f32 sums into their output.
+#[inline]
+pub(crate) fn put_sums(dst: &mut [f32], sums: &[f32], add: bool) {
+    let pairs = dst.iter_mut().zip(sums);
+    match add {
+        true => pairs.for_each(|(y, &s)| *y += s),
+        false => pairs.for_each(|(y, &s)| *y = s),
+    }
+}
+
 /// Where [`product_by`]'s tasks put their sums: a [`Destination`]'s data, shared.
 #[derive(Clone, Copy)]
 enum Sink {
@@ -429,10 +440,7 @@ impl Sink {
             unsafe { std::slice::from_raw_parts_mut(d.0.add(at), sums.len()) }
         };
         match self {
-            Sink::F32(d, true) => {
-                crate::vectorized!(|_| row(d).iter_mut().zip(sums).for_each(|(y, &s)| *y += s))
-            }
-            Sink::F32(d, false) => row(d).copy_from_slice(sums),
+            Sink::F32(d, add) => crate::vectorized!(|_| put_sums(row(d), sums, add)),
             Sink::Bf16Values(d) => crate::vectorized!(|_| row(d)
                 .iter_mut()
                 .zip(sums)
