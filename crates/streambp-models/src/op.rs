@@ -60,47 +60,48 @@ fn constant_linear(x: &Tensor, weight: Weight) -> CResult<Tensor> {
     half_product::matmul(x, &weight.tensor.detach().t()?)
 }
 
-/// The gradient a bf16 layer's backward multiplies by (see [`rounded_gradient`]).
-enum Rounded<'w> {
+/// The gradient a projection's backward products take ([`product_gradient`]).
+enum Gradient<'w> {
     /// In bf16, with the bf16 weight: for the kernels that pack bf16 operands.
     Bf16(Tensor, &'w Tensor),
-    /// As f32 holding the rounded values: on the widened kernel a product of bf16 values is f32's
-    /// product of them, so f32's products (of the f32 weight) take it, with nothing widened (as
-    /// the forward's products there: [`half_product::linear_of_bf16_values`]).
-    Values(Tensor),
+    /// In the gradient's own dtype, with the weight itself: the gradient as it is, or on the
+    /// widened kernel its values rounded to bf16 (a product of bf16 values is f32's product of
+    /// them, so f32's products of the f32 weight take it, with nothing widened, as the forward's
+    /// products there: [`half_product::linear_of_bf16_values`]).
+    InDtype(Tensor),
 }
 
-/// In a bf16 layer computed in f32 (a bf16 weight at hand, the gradient `g` f32 on the host), `g`
-/// rounded to bf16, for the backward's products: they then take the gradient as bf16 autograd
-/// holds it (PyTorch's bf16 backward multiplies bf16 gradients), on the bf16 kernel in force,
-/// their sums unrounded and the gradient flowing on in f32. `None` elsewhere.
+/// The gradient `g` the backward's products take. In a bf16 layer computed in f32 (a bf16 weight
+/// at hand, `g` f32 on the host), `g` rounded to bf16: the products then take the gradient as bf16
+/// autograd holds it (PyTorch's bf16 backward multiplies bf16 gradients), on the bf16 kernel in
+/// force, their sums unrounded and the gradient flowing on in f32. Elsewhere `g` itself.
 ///
 /// The rounding costs no accuracy that shows: the bf16 gradients' distance from exact arithmetic
 /// (`tests/half_accuracy.rs`) stays 1.08e-1, set by the forward's roundings; the products run on
 /// the CPU's bf16 arithmetic (AMX's tiles, AVX512-BF16's dot products) rather than f32's.
-fn rounded_gradient<'w>(grad: &Tensor, bf16: Option<&'w Tensor>) -> CResult<Option<Rounded<'w>>> {
+fn product_gradient<'w>(grad: &Tensor, bf16: Option<&'w Tensor>) -> CResult<Gradient<'w>> {
+    let as_is = || Ok(Gradient::InDtype(grad.clone()));
     let Some(w16) = bf16.filter(|w| w.dtype() == candle_core::DType::BF16) else {
-        return Ok(None);
+        return as_is();
     };
     if !(grad.device().is_cpu() && grad.dtype() == candle_core::DType::F32) {
-        return Ok(None);
+        return as_is();
     }
     if half_product::Kernel::detect() == half_product::Kernel::Widened {
         let values = grad.contiguous()?.copy()?;
         crate::cpu::round_in_place(&values, candle_core::DType::BF16)?;
-        return Ok(Some(Rounded::Values(values)));
+        return Ok(Gradient::InDtype(values));
     }
     let g16 = crate::cpu::cast(grad, candle_core::DType::BF16)?;
-    Ok(Some(Rounded::Bf16(g16, w16)))
+    Ok(Gradient::Bf16(g16, w16))
 }
 
-/// `g W` for a projection's `weight` (`[out, in]`, and its bf16 copy where the layer keeps one):
-/// from the rounded gradient where [`rounded_gradient`] gives it, else in the gradient's dtype.
+/// `g W` for a projection's `weight` (`[out, in]`, and its bf16 copy where the layer keeps one),
+/// from the gradient [`product_gradient`] gives.
 fn input_gradient(grad: &Tensor, weight: &Tensor, bf16: Option<&Tensor>) -> CResult<Tensor> {
-    match rounded_gradient(grad, bf16)? {
-        Some(Rounded::Bf16(g16, w16)) => half_product::matmul_unrounded(&g16, w16),
-        Some(Rounded::Values(g)) => half_product::matmul(&g, weight),
-        None => half_product::matmul(grad, weight),
+    match product_gradient(grad, bf16)? {
+        Gradient::Bf16(g16, w16) => half_product::matmul_unrounded(&g16, w16),
+        Gradient::InDtype(g) => half_product::matmul(&g, weight),
     }
 }
 
@@ -296,16 +297,12 @@ impl candle_core::CustomOp2 for TrainedLinear {
         // bf16 values (as such a layer's inputs do), else in f32.
         type Product = fn(&Tensor, &Tensor) -> CResult<Tensor>;
         let (grad_x, grad_t, x2, product): (_, _, _, Product) =
-            match rounded_gradient(&grad2, self.bf16_weight.as_ref())? {
-                None => {
-                    let grad_x = half_product::matmul(&grad2, &weight.detach())?;
-                    (grad_x, grad2.t()?, x2, half_product::matmul)
-                }
-                Some(Rounded::Values(g)) => {
+            match product_gradient(&grad2, self.bf16_weight.as_ref())? {
+                Gradient::InDtype(g) => {
                     let grad_x = half_product::matmul(&g, &weight.detach())?;
                     (grad_x, g.t()?, x2, half_product::matmul)
                 }
-                Some(Rounded::Bf16(g16, w16)) => {
+                Gradient::Bf16(g16, w16) => {
                     let grad_x = half_product::matmul_unrounded(&g16, w16)?;
                     match narrowed_exactly(&x2)? {
                         Some(x16) => (grad_x, g16.t()?, x16, half_product::matmul_unrounded),
