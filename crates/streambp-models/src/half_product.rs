@@ -17,6 +17,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use crate::cpu::{bf16_value, tile_sizes, tiles, widen, SharedDst};
+use crate::transpose;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -127,6 +128,37 @@ impl<'a, E: Element> Operand<'a, E> {
             }
             (c, 1)
         }
+    }
+}
+
+impl Operand<'_> {
+    /// Widens rows `rows` × columns `cols` of a transposed view (each column's run of rows
+    /// contiguous: a table's rows as the logits' columns) into `buf` row by row, in one pass
+    /// ([`transpose::columns_into_rows`]): gemm then reads the rows as they are, where from the
+    /// columns [`widen`](Operand::widen) lays out its caller would copy them into rows again
+    /// ([`crate::cpu::gemm_call`]). Returns the buffer's (row, column) strides.
+    fn widen_into_rows(
+        &self,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        buf: &mut Vec<f32>,
+    ) -> (usize, usize) {
+        assert!(
+            self.row_stride == 1 && self.fits(rows.end, cols.end),
+            "bf16 product: not a transposed view, or out of range"
+        );
+        let first = rows.start + cols.start * self.col_stride;
+        // SAFETY: column `j` of the slice is `rows.len()` adjacent elements from `first + j ·
+        // col_stride`, within the data (the operand fits `rows.end × cols.end`, asserted).
+        unsafe {
+            transpose::columns_into_rows(
+                buf,
+                self.data.as_ptr().wrapping_add(first),
+                (rows.len(), cols.len()),
+                self.col_stride,
+            )
+        };
+        (cols.len(), 1)
     }
 }
 
@@ -563,7 +595,16 @@ fn widened_tile<A: Element>(
                 (bufs.a.as_ptr(), ars, acs)
             }
         };
-        let (brs, bcs) = b.widen(inner.clone(), cols.clone(), &mut bufs.b);
+        // A transposed view that gemm's caller would copy into rows (one slab: the same gemm
+        // call) is widened into rows at once.
+        let into_rows = matches!(
+            transpose::slab_columns((r, c, inner.len()), (b.row_stride, b.col_stride)),
+            Some(slab) if slab >= c
+        );
+        let (brs, bcs) = match into_rows {
+            true => b.widen_into_rows(inner.clone(), cols.clone(), &mut bufs.b),
+            false => b.widen(inner.clone(), cols.clone(), &mut bufs.b),
+        };
         // SAFETY: `a_slice` addresses `r × inner` elements at its strides (the operand's, which
         // fit it, or those `widen` returned), `bufs.b` holds `inner × c` at the strides `widen`
         // returned; the caller's `dst` has room for `r × c` at row stride `dst_rs`, its alone.

@@ -48,14 +48,37 @@ pub fn slab_columns(
     })
 }
 
+/// What a copy into rows reads and writes: an element as it is, or a bf16 widened to f32 (the widened
+/// bf16 kernel's transposed operand: a table's rows, the logits' columns, widened and copied into
+/// rows in one pass where widening and then copying took two).
+pub(crate) trait IntoRow<D>: Copy + 'static {
+    /// The element as the copy writes it.
+    fn into_row(self) -> D;
+}
+
+impl<T: Copy + 'static> IntoRow<T> for T {
+    #[inline(always)]
+    fn into_row(self) -> T {
+        self
+    }
+}
+
+impl IntoRow<f32> for half::bf16 {
+    #[inline(always)]
+    fn into_row(self) -> f32 {
+        crate::cpu::widen(self)
+    }
+}
+
 /// `c` columns of a `k`-row operand, column `j` starting at `src + j·ld` with its `k` elements
-/// adjacent, into `dst` as a row-major `[k, c]` (cleared first).
+/// adjacent, into `dst` as a row-major `[k, c]` (cleared first), each element as [`IntoRow`] writes
+/// it.
 ///
 /// # Safety
 /// `src + j·ld + i` must be readable for every `j < c`, `i < k`.
-pub(crate) unsafe fn columns_into_rows<T: Copy + 'static>(
-    dst: &mut Vec<T>,
-    src: *const T,
+pub(crate) unsafe fn columns_into_rows<S: IntoRow<D>, D: Copy + 'static>(
+    dst: &mut Vec<D>,
+    src: *const S,
     (k, c): (usize, usize),
     ld: usize,
 ) {
@@ -70,14 +93,14 @@ pub(crate) unsafe fn columns_into_rows<T: Copy + 'static>(
 }
 
 /// [`columns_into_rows`] into `out` at row stride `out_stride`, the source's elements read where
-/// they lie, aligned for `T` or not (the bf16 packs read pairs of bf16 as 32-bit words).
+/// they lie, aligned for `S` or not (the bf16 packs read pairs of bf16 as 32-bit words).
 ///
 /// # Safety
 /// As [`columns_into_rows`], with `out + i·out_stride + j` writable for every `i < k`, `j < c`.
-pub(crate) unsafe fn columns_into_rows_at<T: Copy + 'static>(
-    out: *mut T,
+pub(crate) unsafe fn columns_into_rows_at<S: IntoRow<D>, D: Copy + 'static>(
+    out: *mut D,
     out_stride: usize,
-    src: *const T,
+    src: *const S,
     (k, c): (usize, usize),
     ld: usize,
 ) {
@@ -88,7 +111,7 @@ pub(crate) unsafe fn columns_into_rows_at<T: Copy + 'static>(
         // SAFETY: the caller's contract.
         unsafe {
             out.add(i * out_stride + j)
-                .write(src.add(j * ld + i).read_unaligned())
+                .write(src.add(j * ld + i).read_unaligned().into_row())
         }
     };
     for j in 0..c {
@@ -100,26 +123,32 @@ pub(crate) unsafe fn columns_into_rows_at<T: Copy + 'static>(
 }
 
 /// The whole 8 × 8 blocks of [`columns_into_rows_at`] in AVX registers, for 32-bit elements (f32,
-/// or any bits as u32) where the AVX2 or AVX-512 path is in force; returns how many rows and
-/// columns of the output they covered (none for anything else).
+/// or any bits as u32) and bf16 widened to f32, where the AVX2 or AVX-512 path is in force; returns
+/// how many rows and columns of the output they covered (none for anything else).
 ///
 /// # Safety
 /// As [`columns_into_rows_at`].
-unsafe fn vector_blocks<T: 'static>(
-    out: *mut T,
+unsafe fn vector_blocks<S: 'static, D: 'static>(
+    out: *mut D,
     out_stride: usize,
-    src: *const T,
+    src: *const S,
     (k, c): (usize, usize),
     ld: usize,
 ) -> (usize, usize) {
     #[cfg(target_arch = "x86_64")]
-    if [std::any::TypeId::of::<f32>(), std::any::TypeId::of::<u32>()]
-        .contains(&std::any::TypeId::of::<T>())
-        && crate::simd::isa() >= crate::simd::Isa::Avx2
-    {
-        // SAFETY: T's elements are 32 bits, which the blocks move as f32 bits (unaligned loads and
-        // stores); the CPU has AVX (the path in force says so); and the caller's contract.
-        return unsafe { blocks_f32(out.cast(), out_stride, src.cast(), (k, c), ld) };
+    if crate::simd::isa() >= crate::simd::Isa::Avx2 {
+        use std::any::TypeId;
+        let (s, d) = (TypeId::of::<S>(), TypeId::of::<D>());
+        let words = [TypeId::of::<f32>(), TypeId::of::<u32>()];
+        if s == d && words.contains(&s) {
+            // SAFETY: the elements are 32 bits, which the blocks move as f32 bits (unaligned loads
+            // and stores); the CPU has AVX2 (the path in force says so); and the caller's contract.
+            return unsafe { blocks_f32(out.cast(), out_stride, src.cast(), (k, c), ld) };
+        }
+        if s == TypeId::of::<half::bf16>() && d == TypeId::of::<f32>() {
+            // SAFETY: as above, the source's elements bf16.
+            return unsafe { blocks_widened(out.cast(), out_stride, src.cast(), (k, c), ld) };
+        }
     }
     let _ = (out, out_stride, src, k, c, ld);
     (0, 0)
@@ -139,6 +168,51 @@ unsafe fn blocks_f32(
     (k, c): (usize, usize),
     ld: usize,
 ) -> (usize, usize) {
+    use std::arch::x86_64::_mm256_loadu_ps;
+    // SAFETY: the caller's contract; each load reads 8 elements of a source column in range.
+    unsafe { blocks(out, out_stride, src, (k, c), ld, |p| _mm256_loadu_ps(p)) }
+}
+
+/// [`blocks_f32`] for bf16 columns, each run of 8 widened to f32 as it is loaded.
+///
+/// # Safety
+/// As [`columns_into_rows_at`]; the CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn blocks_widened(
+    out: *mut f32,
+    out_stride: usize,
+    src: *const half::bf16,
+    (k, c): (usize, usize),
+    ld: usize,
+) -> (usize, usize) {
+    use std::arch::x86_64::*;
+    // A bf16 is the upper half of its f32: each 16-bit element zero-extended, shifted up.
+    let load = |p: *const half::bf16| {
+        // SAFETY: the caller's contract; 8 bf16 of a source column in range.
+        let bits = unsafe { _mm_loadu_si128(p.cast()) };
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits)))
+    };
+    // SAFETY: the caller's contract.
+    unsafe { blocks(out, out_stride, src, (k, c), ld, load) }
+}
+
+/// The whole 8 × 8 blocks of a copy into rows, each column's run of 8 brought into a register by
+/// `load`: the loop of [`blocks_f32`] and [`blocks_widened`].
+///
+/// # Safety
+/// As [`columns_into_rows_at`]; the CPU must have AVX, and `load` read 8 elements from where it is
+/// given.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn blocks<S>(
+    out: *mut f32,
+    out_stride: usize,
+    src: *const S,
+    (k, c): (usize, usize),
+    ld: usize,
+    load: impl Fn(*const S) -> std::arch::x86_64::__m256,
+) -> (usize, usize) {
     let (rows, cols) = (k / 8 * 8, c / 8 * 8);
     // Panels of 64 rows, so that the source's lines a panel reads stay in L1 across its columns.
     for i0 in (0..rows).step_by(64) {
@@ -147,12 +221,9 @@ unsafe fn blocks_f32(
                 // SAFETY: rows i..i + 8 and columns j..j + 8 lie within `k × c` (and the source's
                 // columns within the caller's contract).
                 unsafe {
-                    block_8x8(
-                        out.add(i * out_stride + j),
-                        out_stride,
-                        src.add(j * ld + i),
-                        ld,
-                    )
+                    let first = src.add(j * ld + i);
+                    let r: [_; 8] = std::array::from_fn(|s| load(first.add(s * ld)));
+                    store_transposed(out.add(i * out_stride + j), out_stride, r)
                 };
             }
         }
@@ -160,48 +231,45 @@ unsafe fn blocks_f32(
     (rows, cols)
 }
 
-/// `out[r][s] = src[s][r]` for an 8 × 8 block: `src`'s 8 runs at stride `ld`, `out`'s rows at
-/// stride `out_stride`.
+/// `out[r][s] = r[s][r]` for an 8 × 8 block held in 8 registers, `out`'s rows at stride
+/// `out_stride`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
 #[inline]
-unsafe fn block_8x8(out: *mut f32, out_stride: usize, src: *const f32, ld: usize) {
+unsafe fn store_transposed(out: *mut f32, out_stride: usize, r: [std::arch::x86_64::__m256; 8]) {
     use std::arch::x86_64::*;
-    // SAFETY: the caller's contract: 8 runs of 8 readable elements, 8 rows of 8 writable ones.
-    unsafe {
-        let r: [__m256; 8] = std::array::from_fn(|s| _mm256_loadu_ps(src.add(s * ld)));
-        // Pairs, then quads interleaved within each 128-bit half, then the halves exchanged.
-        let lo01 = _mm256_unpacklo_ps(r[0], r[1]);
-        let hi01 = _mm256_unpackhi_ps(r[0], r[1]);
-        let lo23 = _mm256_unpacklo_ps(r[2], r[3]);
-        let hi23 = _mm256_unpackhi_ps(r[2], r[3]);
-        let lo45 = _mm256_unpacklo_ps(r[4], r[5]);
-        let hi45 = _mm256_unpackhi_ps(r[4], r[5]);
-        let lo67 = _mm256_unpacklo_ps(r[6], r[7]);
-        let hi67 = _mm256_unpackhi_ps(r[6], r[7]);
-        let q = [
-            _mm256_shuffle_ps::<0x44>(lo01, lo23),
-            _mm256_shuffle_ps::<0xEE>(lo01, lo23),
-            _mm256_shuffle_ps::<0x44>(hi01, hi23),
-            _mm256_shuffle_ps::<0xEE>(hi01, hi23),
-            _mm256_shuffle_ps::<0x44>(lo45, lo67),
-            _mm256_shuffle_ps::<0xEE>(lo45, lo67),
-            _mm256_shuffle_ps::<0x44>(hi45, hi67),
-            _mm256_shuffle_ps::<0xEE>(hi45, hi67),
-        ];
-        let rows = [
-            _mm256_permute2f128_ps::<0x20>(q[0], q[4]),
-            _mm256_permute2f128_ps::<0x20>(q[1], q[5]),
-            _mm256_permute2f128_ps::<0x20>(q[2], q[6]),
-            _mm256_permute2f128_ps::<0x20>(q[3], q[7]),
-            _mm256_permute2f128_ps::<0x31>(q[0], q[4]),
-            _mm256_permute2f128_ps::<0x31>(q[1], q[5]),
-            _mm256_permute2f128_ps::<0x31>(q[2], q[6]),
-            _mm256_permute2f128_ps::<0x31>(q[3], q[7]),
-        ];
-        for (r, row) in rows.into_iter().enumerate() {
-            _mm256_storeu_ps(out.add(r * out_stride), row);
-        }
+    // Pairs, then quads interleaved within each 128-bit half, then the halves exchanged.
+    let lo01 = _mm256_unpacklo_ps(r[0], r[1]);
+    let hi01 = _mm256_unpackhi_ps(r[0], r[1]);
+    let lo23 = _mm256_unpacklo_ps(r[2], r[3]);
+    let hi23 = _mm256_unpackhi_ps(r[2], r[3]);
+    let lo45 = _mm256_unpacklo_ps(r[4], r[5]);
+    let hi45 = _mm256_unpackhi_ps(r[4], r[5]);
+    let lo67 = _mm256_unpacklo_ps(r[6], r[7]);
+    let hi67 = _mm256_unpackhi_ps(r[6], r[7]);
+    let q = [
+        _mm256_shuffle_ps::<0x44>(lo01, lo23),
+        _mm256_shuffle_ps::<0xEE>(lo01, lo23),
+        _mm256_shuffle_ps::<0x44>(hi01, hi23),
+        _mm256_shuffle_ps::<0xEE>(hi01, hi23),
+        _mm256_shuffle_ps::<0x44>(lo45, lo67),
+        _mm256_shuffle_ps::<0xEE>(lo45, lo67),
+        _mm256_shuffle_ps::<0x44>(hi45, hi67),
+        _mm256_shuffle_ps::<0xEE>(hi45, hi67),
+    ];
+    let rows = [
+        _mm256_permute2f128_ps::<0x20>(q[0], q[4]),
+        _mm256_permute2f128_ps::<0x20>(q[1], q[5]),
+        _mm256_permute2f128_ps::<0x20>(q[2], q[6]),
+        _mm256_permute2f128_ps::<0x20>(q[3], q[7]),
+        _mm256_permute2f128_ps::<0x31>(q[0], q[4]),
+        _mm256_permute2f128_ps::<0x31>(q[1], q[5]),
+        _mm256_permute2f128_ps::<0x31>(q[2], q[6]),
+        _mm256_permute2f128_ps::<0x31>(q[3], q[7]),
+    ];
+    for (i, row) in rows.into_iter().enumerate() {
+        // SAFETY: the caller's: 8 rows of 8 writable elements.
+        unsafe { _mm256_storeu_ps(out.add(i * out_stride), row) };
     }
 }
 
@@ -210,10 +278,13 @@ mod tests {
     use super::*;
 
     /// Every shape around the blocks' edges, f32 and u32 (the AVX blocks where the path in force
-    /// has them) and f64 (element by element), against the definition.
+    /// has them), f64 (element by element) and bf16 widened to f32 (AVX2 blocks there), against
+    /// the definition.
     #[test]
     fn columns_become_rows() {
-        fn check<T: Copy + PartialEq + std::fmt::Debug + 'static>(from: impl Fn(usize) -> T) {
+        fn check<S: IntoRow<D>, D: Copy + PartialEq + std::fmt::Debug + 'static>(
+            from: impl Fn(usize) -> S,
+        ) {
             for (k, c) in [
                 (1, 1),
                 (8, 8),
@@ -224,21 +295,24 @@ mod tests {
                 (3, 64),
             ] {
                 let ld = k + 5;
-                let src: Vec<T> = (0..c * ld).map(&from).collect();
-                let mut dst = vec![from(0); 3];
+                let src: Vec<S> = (0..c * ld).map(&from).collect();
+                let mut dst = vec![from(0).into_row(); 3];
                 // SAFETY: column j's k elements start at j·ld, within `src`.
                 unsafe { columns_into_rows(&mut dst, src.as_ptr(), (k, c), ld) };
                 assert_eq!(dst.len(), k * c);
                 for i in 0..k {
                     for j in 0..c {
-                        assert_eq!(dst[i * c + j], src[j * ld + i], "[{k}, {c}] at ({i}, {j})");
+                        let want = src[j * ld + i].into_row();
+                        assert_eq!(dst[i * c + j], want, "[{k}, {c}] at ({i}, {j})");
                     }
                 }
             }
         }
-        check(|i| i as f32);
-        check(|i| i as u32);
-        check(|i| i as f64);
+        check::<f32, f32>(|i| i as f32);
+        check::<u32, u32>(|i| i as u32);
+        check::<f64, f64>(|i| i as f64);
+        // Distinct values, negatives among them.
+        check::<half::bf16, f32>(|i| half::bf16::from_f32((i as f32 - 300.0) * 1.37));
         println!("f32 path: {}", crate::simd::isa().name());
     }
 
