@@ -15,6 +15,9 @@
 //!
 //! The copy is made per call and in slabs of columns ([`slab_columns`]), so that it holds about as
 //! much as gemm's packing would, and is freed when the call returns.
+//!
+//! The widened bf16 kernel (`half_product`) copies its transposed bf16 operand the same way,
+//! widening each element to f32 as it goes ([`IntoRow`]), so that it makes one pass over it.
 
 /// Elements a slab holds at most, unless [`MIN_SLAB_COLUMNS`] columns need more; its columns are a
 /// multiple of [`COLUMNS_MULTIPLE`] (or all of `b`'s, if fewer).
