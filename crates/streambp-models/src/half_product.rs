@@ -606,8 +606,9 @@ fn widened_tile<A: Element>(
             false => b.widen(inner.clone(), cols.clone(), &mut bufs.b),
         };
         // SAFETY: `a_slice` addresses `r × inner` elements at its strides (the operand's, which
-        // fit it, or those `widen` returned), `bufs.b` holds `inner × c` at the strides `widen`
-        // returned; the caller's `dst` has room for `r × c` at row stride `dst_rs`, its alone.
+        // fit it, or those `widen` returned), `bufs.b` holds `inner × c` at the strides its
+        // widening returned; the caller's `dst` has room for `r × c` at row stride `dst_rs`, its
+        // alone.
         unsafe {
             crate::cpu::gemm_call(
                 dst,
