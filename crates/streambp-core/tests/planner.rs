@@ -217,6 +217,13 @@ fn cost_model_tracks_measured_peaks_and_planned_chunks_fit_their_budget() {
 
 fn cost_model_and_budgets() {
     let floor = current_bytes().unwrap();
+    // Every worker's gemm slab, as a run's first products make them, whichever cases run (a subset
+    // may multiply nothing on some thread before it measures: bf16 products on AMX's kernel).
+    {
+        let a = Tensor::ones((8, 2048), DType::F32, &Device::Cpu).unwrap();
+        let b = Tensor::ones((2048, 64), DType::F32, &Device::Cpu).unwrap();
+        rayon::broadcast(|_| streambp_models::cpu::tiled_matmul(&a, &b).unwrap());
+    }
     println!(
         "gemm on this CPU: L2 {} KiB, L3 {} KiB; {} threads",
         gemm_common::cache::CACHE_INFO[1].cache_bytes >> 10,
