@@ -22,7 +22,7 @@ config=benches/configs/qwen3-8b.json
 bench=${BENCH:-gpu/streambp-bench}
 # What `cpu-profile` runs from its kit (gpu-cpu/): each as `NAME.xz` (`pack-cpu`), or a link into
 # `pack-suite`'s archive.
-kit_tools=(streambp-bench op_timings planner models_lib half_layers bf16_kernel_choice)
+kit_tools=(streambp-bench op_timings planner kernels_lib half_layers bf16_kernel_choice)
 
 unpack() {
     for f in gpu/*.xz; do
@@ -75,7 +75,7 @@ unpack_suite() {
     fi
     ln -sf "$PWD/target/release/streambp-bench" gpu-cpu/streambp-bench
     ln -sf "$PWD/target/release/examples/op_timings" gpu-cpu/op_timings
-    for name in planner:planner streambp_models:models_lib half_layers:half_layers \
+    for name in planner:planner streambp_kernels:kernels_lib half_layers:half_layers \
         bf16_kernel_choice:bf16_kernel_choice; do
         ln -sf "$PWD/$(awk -v n="${name%%:*}" '$3 == n {print $1}' gpu-cpu/suite.txt)" \
             "gpu-cpu/${name##*:}"
@@ -235,17 +235,18 @@ pack-cpu)
     # and this machine's perf with every library it links, run through the loader carried with them
     # (the lent machines have no perf), and the planner's test. Build first:
     #   cargo build --release -p streambp-bench
-    #   cargo build --release -p streambp-models --example op_timings
+    #   cargo build --release -p streambp-kernels --example op_timings
     #   cargo test --release -p streambp-core --test planner --no-run
-    #   cargo test --release -p streambp-models --lib --test half_layers --test bf16_kernel_choice --no-run
+    #   cargo test --release -p streambp-kernels --lib --no-run
+    #   cargo test --release -p streambp-models --test half_layers --test bf16_kernel_choice --no-run
     rm -rf gpu-cpu /tmp/perf-kit && mkdir -p gpu-cpu /tmp/perf-kit/perf/lib
     xz -T2 -6 -c target/release/streambp-bench > gpu-cpu/streambp-bench.xz
     xz -T2 -6 -c target/release/examples/op_timings > gpu-cpu/op_timings.xz
     test_bin=$(ls -t target/release/deps/planner-* | grep -v '\.d$' | head -1)
     xz -T2 -6 -c "$test_bin" > gpu-cpu/planner.xz
-    # The models' unit tests and the bf16 layers' and kernel choice's tests: the bf16 kernels (AMX's
+    # The kernels' unit tests and the bf16 layers' and kernel choice's tests: the bf16 kernels (AMX's
     # among them) against exact sums, and the layers with the kernel that CPU chooses in force.
-    for test in streambp_models:models_lib half_layers:half_layers bf16_kernel_choice:bf16_kernel_choice; do
+    for test in streambp_kernels:kernels_lib half_layers:half_layers bf16_kernel_choice:bf16_kernel_choice; do
         test_bin=$(ls -t target/release/deps/"${test%%:*}"-* | grep -v '\.d$' | head -1)
         xz -T2 -6 -c "$test_bin" > gpu-cpu/"${test##*:}".xz
     done
@@ -295,8 +296,8 @@ cpu-profile)
     } > "$report" 2>&1
     # The tests first, with the bf16 kernel this CPU chooses in force (AMX's, where it has AMX, has
     # run there only under its own unit tests): every kernel against exact sums, AMX's tiles against
-    # a model of them, the models' unit tests, the bf16 layers' bits, the kernel choice.
-    for test in models_lib half_layers bf16_kernel_choice; do
+    # a model of them, the kernels' unit tests, the bf16 layers' bits, the kernel choice.
+    for test in kernels_lib half_layers bf16_kernel_choice; do
         STREAMBP_FIXTURES=tests/fixtures timeout "$(limit "${LIMIT:-120}")" taskset -c "$cores" \
             "$kit/$test" --nocapture >> "$out/kernels.txt" 2>&1 || echo "$test: exit $?" >> "$out/kernels.txt"
     done

@@ -40,7 +40,6 @@
 
 pub mod engine;
 pub mod error;
-mod head_softmax;
 pub mod memory;
 pub mod planner;
 mod seed;

@@ -11,7 +11,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use streambp_core::memory::{current_bytes, peak_bytes, reset_peak, CountingAllocator};
-use streambp_core::planner::gemm_memory::{workspace, Product};
+use streambp_kernels::host::gemm_memory::{workspace, Product};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -66,7 +66,7 @@ fn workspace_model_covers_what_the_products_allocate() {
     // thread that asks for it runs.
     let a = Tensor::ones((8, 2048), DType::F32, &Device::Cpu).unwrap();
     let b = Tensor::ones((2048, 64), DType::F32, &Device::Cpu).unwrap();
-    rayon::broadcast(|_| streambp_models::cpu::tiled_matmul(&a, &b).unwrap());
+    rayon::broadcast(|_| streambp_kernels::host::cpu::tiled_matmul(&a, &b).unwrap());
 
     let mut shapes = Vec::new();
     for dtype in [DType::F32, DType::F64] {
@@ -93,7 +93,9 @@ fn check((label, product, a, b): Case) -> Option<String> {
     let output = a.dim(0).unwrap() * b.dim(1).unwrap() * dtype.size_in_bytes();
     let before = current_bytes().unwrap();
     reset_peak();
-    let c = streambp_models::cpu::tiled_matmul(&a, &b).unwrap().unwrap();
+    let c = streambp_kernels::host::cpu::tiled_matmul(&a, &b)
+        .unwrap()
+        .unwrap();
     let measured = (peak_bytes().unwrap() - before).saturating_sub(output) as i64;
     drop(c);
     let model = workspace(product, dtype.size_in_bytes(), true) as i64;

@@ -3,8 +3,8 @@
 //!
 //! `examples/generate.rs` loads a model and decodes greedily with the KV cache ([`decode`]);
 //! `examples/merge_adapter.rs` puts a PEFT adapter on its base and merges it:
-//! `cargo run --release -p streambp-models --example generate`. `examples/decode_speed.rs`,
-//! `examples/skinny_products.rs` and `examples/op_timings.rs` time decoding and the host's products.
+//! `cargo run --release -p streambp-models --example generate`. `examples/decode_speed.rs` times
+//! decoding.
 //!
 //! One set of blocks serves all four families; their differences are data in [`ModelConfig`].
 //! Every op records a correct backward: candle's own for composed tensor ops, a written one for the
@@ -22,17 +22,12 @@
 
 #![warn(missing_docs)]
 
-pub mod accumulate;
 pub mod adapter;
-mod amx_kernel;
 pub mod attention;
-mod bf16_kernel;
 pub mod config;
-pub mod cpu;
 pub mod decode;
 pub mod device;
 pub mod error;
-pub mod half_product;
 pub mod hub;
 pub mod init;
 pub mod layer;
@@ -45,12 +40,7 @@ pub mod norm;
 mod op;
 pub mod op_times;
 pub mod rope;
-pub mod simd;
-pub mod skinny;
 mod swiglu;
-#[cfg(test)]
-mod testing;
-pub mod transpose;
 pub mod weights;
 
 pub use config::{

@@ -28,7 +28,7 @@ pub struct Linear {
     /// In a bf16 layer computed in f32 ([`crate::layer::DecoderLayer::computed_in_f32`]), the bf16
     /// weight `weight` was widened from: the forward's product, whose input holds bf16 values too,
     /// runs from it on the CPU's bf16 arithmetic where that is faster
-    /// ([`crate::half_product::linear_of_bf16_values`]), and the backward's products from it and the
+    /// ([`streambp_kernels::host::half_product::linear_of_bf16_values`]), and the backward's products from it and the
     /// gradient rounded to bf16. Gradients still land on `weight`. It is
     /// the model's own weight, which an optimizer step changes in place while `weight` is a copy:
     /// such a layer is made for one phase of one step, and must not outlive it.

@@ -332,7 +332,7 @@ pub fn dropout_mask(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::max_diff;
+    use streambp_testkit::max_diff;
 
     /// The mask of a chunk is the same as that chunk of the whole sequence's mask, and drops about p.
     #[test]

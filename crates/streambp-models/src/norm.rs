@@ -13,10 +13,10 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 use crate::config::NormStyle;
-use crate::cpu::{fusable, input_data, tensor_from, through_f32, with_data};
 use crate::error::Result;
-use crate::vectorized;
 use crate::weights::MapWeights;
+use streambp_kernels::host::cpu::{fusable, input_data, tensor_from, through_f32, with_data};
+use streambp_kernels::vectorized;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -250,8 +250,8 @@ impl CustomOp2 for FusedRmsNorm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{grads, max_diff};
     use candle_core::{Device, Var};
+    use streambp_testkit::{grads, max_diff};
 
     /// The fused op and the composed ops: equal outputs and gradients (x and weight) in f64, for
     /// both weight styles, several row counts and a strided input.

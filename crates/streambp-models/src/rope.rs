@@ -15,9 +15,9 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 use crate::config::{RopeConfig, RopeScaling};
-use crate::cpu::{fusable, input_data, tensor_from, through_f32, with_data};
 use crate::error::Result;
-use crate::vectorized;
+use streambp_kernels::host::cpu::{fusable, input_data, tensor_from, through_f32, with_data};
+use streambp_kernels::vectorized;
 
 /// Rows (one head of one token each) per rayon task of the rotation.
 const ROWS_PER_TASK: usize = 16;
@@ -265,8 +265,8 @@ impl CustomOp1 for FusedRope {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{grads, max_diff};
     use candle_core::Var;
+    use streambp_testkit::{grads, max_diff};
 
     /// Tables in each dtype hold the f64 tables' values rounded as candle casts them (through f32
     /// for half precision), bit for bit, at positions up to 70K and out of order (packing).

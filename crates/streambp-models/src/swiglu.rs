@@ -2,7 +2,7 @@
 //! `d up = g ⊙ silu(gate)` and `d gate = g ⊙ up ⊙ silu'(gate)` with
 //! `silu'(x) = σ(x)·(1 − silu(x)) + silu(x)` (candle's own form). Composed, the activation and the
 //! product are two ops with a buffer each and autograd's backward makes about seven passes; here each
-//! is one pass. bf16 on the CPU runs it in f32 ([`crate::cpu::through_f32`]); elsewhere (CUDA)
+//! is one pass. bf16 on the CPU runs it in f32 ([`streambp_kernels::host::cpu::through_f32`]); elsewhere (CUDA)
 //! [`swiglu`] composes the same tensor ops as before.
 
 use candle_core::backend::BackendStorage;
@@ -10,9 +10,11 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, WithDType
 use num_traits::Float;
 use rayon::prelude::*;
 
-use crate::cpu::{fusable, input_data, tensor_from, through_f32, with_data, BulkExp};
 use crate::error::Result;
-use crate::vectorized;
+use streambp_kernels::host::cpu::{
+    fusable, input_data, tensor_from, through_f32, with_data, BulkExp,
+};
+use streambp_kernels::vectorized;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -159,8 +161,8 @@ impl CustomOp2 for FusedSwiglu {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{grads, max_diff};
     use candle_core::{Device, Var};
+    use streambp_testkit::{grads, max_diff};
 
     /// The fused op and the composed ops: equal outputs and gradients, in f64 to 1e-12 and in f32
     /// (the fused op's vectorized exponential against the library's) to 1e-5, on a strided gate and

@@ -9,8 +9,8 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use half::bf16;
+use streambp_kernels::host::half_product::Kernel;
 use streambp_models::attention::{attention_over_heads, Blocking, Products};
-use streambp_models::half_product::Kernel;
 
 /// `(b, kv_heads, group, c, t, hd, key_block)`.
 type Shape = (usize, usize, usize, usize, usize, usize, usize);

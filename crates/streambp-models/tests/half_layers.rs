@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use common::*;
-use streambp_models::cpu::round_in_place;
+use streambp_kernels::host::cpu::round_in_place;
 use streambp_models::{load_model, Layout, LoraConfig, Model, Projection};
 
 /// Values around every case a rounding can get wrong: ties to even, the largest values that round
@@ -80,7 +80,7 @@ fn layer_input(model: &Model, family: &str, repeats: usize) -> Tensor {
 /// output's largest value, 27% and 78% of the elements bit-equal.
 ///
 /// The fixture's 33 rows, and those rows four times over: past
-/// [`streambp_models::skinny::MAX_ROWS`] the forward's products run from the bf16 weights on the
+/// [`streambp_kernels::host::skinny::MAX_ROWS`] the forward's products run from the bf16 weights on the
 /// packing kernel where one is in force (`Linear::bf16_weight`), as the bf16 layer's own products
 /// do (that they run there, [`the_forward_reads_the_bf16_weights_the_backward_the_f32_ones`]).
 #[test]
@@ -240,8 +240,8 @@ fn the_forward_and_the_backward_read_the_bf16_weights() {
         (y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), grads)
     };
     let ((y, grads), (y_zeroed, grads_zeroed)) = (run(&wide.layer), run(&zeroed));
-    let packs = streambp_models::half_product::Kernel::detect()
-        != streambp_models::half_product::Kernel::Widened;
+    let packs = streambp_kernels::host::half_product::Kernel::detect()
+        != streambp_kernels::host::half_product::Kernel::Widened;
     assert_eq!(y != y_zeroed, packs, "the bf16 weight read: {packs}");
     // The gate and up projections' gradients come through the down projection's input gradient.
     let changed: Vec<&str> = stand_ins

@@ -1,9 +1,9 @@
 //! The hand-written CPU passes give the same values on every instruction set this CPU can run
-//! (`streambp_models::simd`): the test runs itself again in child processes, one per path
+//! (`streambp_kernels::host::simd`): the test runs itself again in child processes, one per path
 //! (`STREAMBP_SIMD`), each computing a Qwen3 and a Gemma3 forward and backward (norms, rope,
 //! SwiGLU, the attention kernel, softmax exponentials) in f64 and f32, plus the bf16 casts, the
 //! in-place sums, bf16 products by the widened kernel and products of a few rows
-//! (`streambp_models::skinny`), and the parent compares them. gemm picks its kernels by itself, the
+//! (`streambp_kernels::host::skinny`), and the parent compares them. gemm picks its kernels by itself, the
 //! same in every child, so any difference is the passes'.
 //!
 //! - f64, the casts, the sums and the products: the same bits on every path, the baseline (SSE2)
@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use streambp_models::simd::{self, Isa, SIMD_ENV};
+use streambp_kernels::host::simd::{self, Isa, SIMD_ENV};
 use streambp_models::{Model, ModelConfig};
 
 /// Where a child writes its values (set only in children).
@@ -114,13 +114,13 @@ fn compute() -> Values {
         .map(|i| (i as f32 * 0.37).sin() * 30.0)
         .collect();
     let x = Tensor::from_vec(x, 70_000, &device).unwrap();
-    let narrow = streambp_models::cpu::cast(&x, DType::BF16).unwrap();
-    let wide = streambp_models::cpu::cast(&narrow, DType::F32).unwrap();
+    let narrow = streambp_kernels::host::cpu::cast(&x, DType::BF16).unwrap();
+    let wide = streambp_kernels::host::cpu::cast(&narrow, DType::F32).unwrap();
     values.insert("casts".into(), flat(&wide));
     for dtype in [DType::F64, DType::F32] {
         let acc = x.to_dtype(dtype).unwrap();
         let step = (x.to_dtype(dtype).unwrap() * 0.5).unwrap();
-        assert!(streambp_models::accumulate::add(&acc, &step).unwrap());
+        assert!(streambp_kernels::ops::accumulate::add(&acc, &step).unwrap());
         values.insert(format!("add {}", dtype.as_str()), flat(&acc));
     }
     values.extend(widened_products());
@@ -133,7 +133,7 @@ fn compute() -> Values {
 /// and along columns, at sizes no vector width divides (several tiles and inner slices).
 fn widened_products() -> Values {
     use half::bf16;
-    use streambp_models::half_product::{product_by, Destination, Kernel, Operand};
+    use streambp_kernels::host::half_product::{product_by, Destination, Kernel, Operand};
     let (m, n, k) = (37, 301, 290);
     let data = |len: usize, seed: f32| -> Vec<bf16> {
         (0..len)
@@ -176,13 +176,13 @@ fn widened_products() -> Values {
     values
 }
 
-/// Products of a few rows by a weight stored row by row (`streambp_models::skinny`, a decoding
+/// Products of a few rows by a weight stored row by row (`streambp_kernels::host::skinny`, a decoding
 /// step's projections) in f64, f32 and with bf16 weights (rounded to bf16 and added into f32),
 /// rows padded past their length, an inner length no vector width divides; five rows by an odd
 /// number of `W`'s, so that the AVX-512 path forms blocks of four by two and single rows alike.
 fn skinny_products() -> Values {
     use half::bf16;
-    use streambp_models::skinny::product;
+    use streambp_kernels::host::skinny::product;
     let (m, n, k, stride) = (5, 301, 290, 293);
     let x: Vec<f64> = (0..m * stride).map(|i| (i as f64 * 0.37).sin()).collect();
     let w: Vec<f64> = (0..n * stride).map(|i| (i as f64 * 0.11).cos()).collect();

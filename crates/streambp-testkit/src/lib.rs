@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 
 /// The fixture families, one tiny random model each.
 pub const FAMILIES: [&str; 4] = ["qwen2", "qwen3", "llama3", "gemma3"];
@@ -47,6 +47,26 @@ pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
     let b = b.to_dtype(DType::F64).unwrap();
     let diff = (a - &b).unwrap().abs().unwrap();
     max_of(diff) / max_of(b.abs().unwrap()).max(f64::MIN_POSITIVE)
+}
+
+/// The largest absolute element-wise difference of `a` and `b` (any float dtype), as f64.
+pub fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    max_of(
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap(),
+    )
+}
+
+/// The gradients of `Σ y ⊙ g` with respect to each of `wrt`, in order.
+pub fn grads(y: &Tensor, g: &Tensor, wrt: &[&Var]) -> Vec<Tensor> {
+    let store = (y * g).unwrap().sum_all().unwrap().backward().unwrap();
+    wrt.iter()
+        .map(|v| store.get(v.as_tensor()).unwrap().clone())
+        .collect()
 }
 
 /// [`rel_err`] over the positions where `mask` (`[b, t]`) is 1; `a`, `b` are `[b, t, v]`.

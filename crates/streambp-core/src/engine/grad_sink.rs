@@ -5,8 +5,9 @@ use std::collections::{HashMap, HashSet};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
+use streambp_kernels::host::half_product;
+use streambp_kernels::ops::accumulate;
 use streambp_models::Model;
-use streambp_models::{accumulate, half_product};
 
 use crate::error::{EngineError, Result};
 
@@ -24,7 +25,7 @@ fn accumulator_dtype(dtype: DType) -> DType {
 pub(super) struct GradSink {
     acc: HashMap<String, Tensor>,
     /// Accumulators made by the sink's own arithmetic, whose storage nothing else holds: these are
-    /// added into in place ([`streambp_models::accumulate`]).
+    /// added into in place ([`streambp_kernels::ops::accumulate`]).
     owned: HashSet<String>,
     /// Parameters whose finished gradients were handed on ([`super::FinishedGradients`]).
     taken: HashSet<String>,
@@ -153,9 +154,9 @@ impl GradSink {
     ) -> Result<()> {
         let on_host = table.device().is_cpu() && rows.dtype() == table.dtype();
         let half = accumulator_dtype(table.dtype()) != table.dtype();
-        if on_host && (streambp_models::cpu::fusable(table) || half) {
+        if on_host && (streambp_kernels::host::cpu::fusable(table) || half) {
             if let Some(acc) = self.accumulator(name, table)? {
-                let rows = streambp_models::cpu::cast(rows, acc.dtype())?;
+                let rows = streambp_kernels::host::cpu::cast(rows, acc.dtype())?;
                 if accumulate::add_rows(&acc, ids, &rows)? {
                     return Ok(());
                 }

@@ -4,8 +4,9 @@
 use std::ops::Range;
 
 use candle_core::{DType, Tensor, Var, D};
-use streambp_models::cpu::{cast, round_in_place};
-use streambp_models::{half_product, op_times, Model};
+use streambp_kernels::host::cpu::{cast, round_in_place};
+use streambp_kernels::host::half_product;
+use streambp_models::{op_times, Model};
 use streambp_objectives::Objective;
 
 use crate::error::Result;
@@ -39,7 +40,7 @@ pub(super) fn head_logprobs(
 }
 
 /// [`head_outputs`] of one chunk of normed rows `normed` (`[b, c, d]`), without a graph: on the
-/// host the softmax's passes in the logits' one buffer ([`crate::head_softmax`]), as the head's
+/// host the softmax's passes in the logits' one buffer ([`streambp_kernels::ops::head_softmax`]), as the head's
 /// backward takes them, so this pass (the loss of an objective that reads every position first,
 /// a frozen model's log-probs) holds no more than the backward does; the composed ops elsewhere.
 fn chunk_logprobs(
@@ -55,10 +56,12 @@ fn chunk_logprobs(
     let (z, _) = chunk_logits(detached, &normed.reshape((b * c, d))?)?;
     let z = tempered(z, temperature)?;
     let idx = targets.reshape((b * c, 1))?.contiguous()?;
-    Ok(match crate::head_softmax::log_softmax_rows(&z, &idx)? {
-        Some(rows) => rows.logp.reshape((b, c))?,
-        None => target_logprobs(&z.reshape((b, c, ()))?, targets)?,
-    })
+    Ok(
+        match streambp_kernels::ops::head_softmax::log_softmax_rows(&z, &idx)? {
+            Some(rows) => rows.logp.reshape((b, c))?,
+            None => target_logprobs(&z.reshape((b, c, ()))?, targets)?,
+        },
+    )
 }
 
 /// The logits of normed rows `h2` (`[n, d]`) in the compute dtype, for the softmax: on the host a
@@ -271,29 +274,31 @@ fn head_chunk(
     // Before the softmax, which on the host writes its exponentials over `z`.
     let slope = detached.soft_cap_slope(&z)?;
     let z = tempered(z, temperature)?;
-    // On the CPU two passes per row in `z`'s buffer (crate::head_softmax); elsewhere the same with
+    // On the CPU two passes per row in `z`'s buffer (streambp_kernels::ops::head_softmax); elsewhere the same with
     // tensor ops.
     // Timed with the objective's loss and gradient of the chunk, which `grad_of` computes.
     let (logp, mut dz) = op_times::timed("head.softmax", device, || {
-        Ok::<_, crate::EngineError>(match crate::head_softmax::log_softmax_rows(&z, &idx)? {
-            Some(rows) => {
-                let logp = rows.logp.reshape((b, c))?;
-                let g = grad_of(&logp)?.to_dtype(compute)?;
-                let dz = rows.logit_grad(&g)?;
-                (logp, dz)
-            }
-            None => {
-                let lse = z.log_sum_exp(D::Minus1)?;
-                let logp =
-                    (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
-                let g = grad_of(&logp)?.to_dtype(compute)?.reshape((n, 1))?;
-                let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
-                let dz = p
-                    .broadcast_mul(&g.neg()?)?
-                    .scatter_add(&idx, &g, D::Minus1)?;
-                (logp, dz)
-            }
-        })
+        Ok::<_, crate::EngineError>(
+            match streambp_kernels::ops::head_softmax::log_softmax_rows(&z, &idx)? {
+                Some(rows) => {
+                    let logp = rows.logp.reshape((b, c))?;
+                    let g = grad_of(&logp)?.to_dtype(compute)?;
+                    let dz = rows.logit_grad(&g)?;
+                    (logp, dz)
+                }
+                None => {
+                    let lse = z.log_sum_exp(D::Minus1)?;
+                    let logp =
+                        (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
+                    let g = grad_of(&logp)?.to_dtype(compute)?.reshape((n, 1))?;
+                    let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
+                    let dz = p
+                        .broadcast_mul(&g.neg()?)?
+                        .scatter_add(&idx, &g, D::Minus1)?;
+                    (logp, dz)
+                }
+            },
+        )
     })?;
     if let Some(slope) = slope {
         dz = (dz * slope)?;

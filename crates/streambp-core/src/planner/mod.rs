@@ -23,7 +23,7 @@
 //! - in the embedding's backward: the incoming `[b, T, d]` gradient (and its f32 copy in half
 //!   precision on the host), and off the host copies of the table's gradient;
 //! - on the host, the largest packing workspace of the phase's matrix products, from the blocking
-//!   gemm derives on the running CPU (`gemm_memory.rs`): this, and the slabs, are what differ
+//!   gemm derives on the running CPU ([`gemm_memory`]): this, and the slabs, are what differ
 //!   between CPUs (tens of MiB on a CPU with a large L3 cache, for products with a wide operand).
 //!
 //! The copy counts are fitted to peaks measured exactly with the counting allocator (CPU, candle 0.11)
@@ -35,11 +35,8 @@
 //! every measured stream peak, and `--predict` prints its estimate for shapes too large to run here.
 
 use candle_core::DType;
+use streambp_kernels::host::gemm_memory::{self, Product};
 use streambp_models::{LoraConfig, ModelConfig, Projection};
-
-pub mod gemm_memory;
-
-use gemm_memory::Product;
 
 use crate::engine::Chunks;
 use crate::error::{EngineError, Result};
@@ -467,8 +464,8 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
             cfg.head_dim,
         );
         // The last block of keys is as wide as the chunks leave it: whole vectors (of the copy of a
-        // transposed view, `streambp_models::transpose`) where the chunk and `T` are, any width else.
-        let whole = streambp_models::transpose::COLUMNS_MULTIPLE as u64;
+        // transposed view, `streambp_kernels::host::transpose`) where the chunk and `T` are, any width else.
+        let whole = streambp_kernels::host::transpose::COLUMNS_MULTIPLE as u64;
         let aligned = c % whole == 0 && t % whole == 0;
         let task_products = [
             Product::by_transposed(rows, n, hd),

@@ -39,7 +39,9 @@ pub fn available() -> bool {
     {
         static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *AVAILABLE.get_or_init(|| {
-            crate::host::simd::isa() == crate::host::simd::Isa::Avx512 && cpu_has_amx() && granted_tile_state()
+            crate::host::simd::isa() == crate::host::simd::Isa::Avx512
+                && cpu_has_amx()
+                && granted_tile_state()
         })
     }
     #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]

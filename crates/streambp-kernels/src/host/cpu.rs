@@ -270,7 +270,7 @@ pub(crate) fn gemm_into<T: WithDType>(
 /// `dst (=|+=) a·b` over the threads, as [`gemm_into`] in tiles, except for a few rows of `a` by
 /// `b = Wᵀ` with each row of `W` contiguous (a projection of a decoding step), which takes
 /// [`skinny::product`]: gemm would pack all of `W` for them.
-pub(crate) fn product_into<T: WithDType + SumType>(
+pub fn product_into<T: WithDType + SumType>(
     dst: &mut [T],
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
@@ -595,7 +595,7 @@ fn widened_bf16(x: &[half::bf16]) -> Vec<f32> {
 
 /// `x` narrowed to bf16 where every value is one bf16 holds (the low 16 bits of each zero, so the
 /// narrowing is exact), `None` where one is not; split over rayon's threads as the casts are.
-pub(crate) fn narrowed_exactly(x: &[f32]) -> Option<Vec<half::bf16>> {
+pub fn narrowed_exactly(x: &[f32]) -> Option<Vec<half::bf16>> {
     use rayon::prelude::*;
     let mut y = vec![half::bf16::ZERO; x.len()];
     let exact = y

@@ -544,7 +544,9 @@ fn sum_tile<A: Element>(
         Kernel::Bf16Dot => {
             crate::host::bf16_kernel::tile(tile, &mut scratch.packs.dot, (out, accumulate))
         }
-        Kernel::Amx => crate::host::amx_kernel::tile(tile, &mut scratch.packs.amx, (out, accumulate)),
+        Kernel::Amx => {
+            crate::host::amx_kernel::tile(tile, &mut scratch.packs.amx, (out, accumulate))
+        }
     }
 }
 

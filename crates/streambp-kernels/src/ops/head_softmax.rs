@@ -14,11 +14,11 @@
 //! only, f32 and f64; elsewhere [`log_softmax_rows`] answers `None` and the head keeps its composed
 //! path (which CUDA runs).
 
+use crate::host::cpu::{fusable, row_max, with_data_mut, BulkExp};
+use crate::vectorized;
 use candle_core::{Device, Tensor, WithDType};
 use num_traits::Float;
 use rayon::prelude::*;
-use crate::host::cpu::{fusable, row_max, with_data_mut, BulkExp};
-use crate::vectorized;
 
 type CResult<T> = candle_core::Result<T>;
 

@@ -15,17 +15,16 @@
 //! each query may read comes from a [`KeyMask`] one key block at a time, so not even the mask is ever
 //! `c × t`.
 
-mod kernel;
-mod softmax_block;
+use streambp_kernels::ops::attention::{kernel, softmax_block};
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType, D};
 
-use crate::cpu::{cast, fusable, host_slice, storage_id, with_data_mut};
 use crate::error::Result;
-use crate::half_product::Kernel;
 use crate::op::Precomputed;
 use crate::op_times;
 use kernel::{KernelFloat, Multiply};
+use streambp_kernels::host::cpu::{cast, fusable, host_slice, storage_id, with_data_mut};
+use streambp_kernels::host::half_product::Kernel;
 
 /// Which way the attention ops of a thread run (tests choose; [`with_composed_path`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -910,7 +909,7 @@ pub enum Products {
     /// For f32 inputs holding bf16 values (a bf16 layer computed in f32), on the CPU kernel: as
     /// PyTorch's bf16 attention on the CPU (its `cpu_flash_attention` and backward), each product's
     /// operands in bf16 and its sums in f32, on the bf16 kernel in force
-    /// ([`crate::half_product::Kernel::detect`]). So the forward's exponentials, and the backward's
+    /// ([`streambp_kernels::host::half_product::Kernel::detect`]). So the forward's exponentials, and the backward's
     /// probabilities, output gradient and `dS`, are rounded to bf16 for their products, and `q·kᵀ`
     /// is of the unscaled q, its f32 sums scaled (as are `dS·K` and `dSᵀ·Q`). Elsewhere (the
     /// composed path CUDA runs, f64) the products are [`Products::Compute`]'s.

@@ -58,7 +58,9 @@ pub struct KeyBlock<T> {
 /// Keys and values `[b, kv_heads, len, hd]`, each head's rows contiguous.
 #[derive(Clone, Copy)]
 pub struct KeysValues<'a, T> {
+    /// The keys.
     pub keys: HeadRows<'a, T>,
+    /// The values, laid out as the keys.
     pub values: HeadRows<'a, T>,
 }
 
@@ -66,8 +68,11 @@ pub struct KeysValues<'a, T> {
 /// heads: a view narrowed along the sequence (a chunk's keys) is read in place, not copied.
 #[derive(Clone, Copy)]
 pub struct HeadRows<'a, T> {
+    /// The elements, from the first row of the first batch row's first head.
     pub data: &'a [T],
+    /// Elements from one batch row to the next.
     pub batch_stride: usize,
+    /// Elements from one head to the next.
     pub head_stride: usize,
 }
 
@@ -82,6 +87,7 @@ impl<T> HeadRows<'_, T> {
 /// What the forward and the backward read: queries in the compute type `T`, keys and values in `K`
 /// (`T` itself, or bf16 for an f32 forward: see [`Stored`]).
 pub struct Inputs<'a, T, K = T> {
+    /// The shapes.
     pub dims: Dims,
     /// `[items, rows, hd]`, scaled.
     pub q: &'a [T],
@@ -102,7 +108,12 @@ pub enum Multiply {
     /// values hold bf16 values already; the exponentials, the output gradient and `dS` are rounded
     /// here), multiplied by `kernel`, summed in f32; q comes unscaled, and the sums of the
     /// products it is a factor of (`Q·Kᵀ`, `dS·K`, `dSᵀ·Q`) are multiplied by `scale`.
-    Bf16 { kernel: Kernel, scale: f32 },
+    Bf16 {
+        /// The bf16 products' kernel.
+        kernel: Kernel,
+        /// The softmax's scale, applied to the sums.
+        scale: f32,
+    },
 }
 
 /// The kernel's element types: f32 and f64.
@@ -341,7 +352,9 @@ impl Stored<f32> for half::bf16 {
 /// The key blocks, made (their masks built) a wave at a time: `count` of them, block `k` from
 /// `fetch(k)`.
 pub struct Blocks<'f, T> {
+    /// How many blocks there are.
     pub count: usize,
+    /// Block `k`, made when its wave is.
     pub fetch: &'f (dyn Fn(usize) -> CResult<KeyBlock<T>> + Sync),
 }
 
@@ -420,8 +433,11 @@ impl<T: KernelFloat, K> Inputs<'_, T, K> {
 /// What the forward returns: the output (`[items, rows, hd]`) and each row's softmax maximum and
 /// log-sum (`[items, rows]`).
 pub struct Forward<T> {
+    /// The attention's output.
     pub out: Vec<T>,
+    /// Each row's largest score.
     pub max: Vec<T>,
+    /// Each row's `log Σ exp(score − max)`.
     pub log_sum: Vec<T>,
 }
 
@@ -540,17 +556,24 @@ fn forward_tile<T: KernelFloat, K: Stored<T>>(
 /// Where the backward adds each key block's gradients: `[items, len, hd]` buffers, the earlier keys'
 /// from index `offset`.
 pub struct KeyGrads<'a, T> {
+    /// The keys' gradient.
     pub keys: &'a mut [T],
+    /// The values' gradient.
     pub values: &'a mut [T],
+    /// Keys per item in these buffers.
     pub len: usize,
+    /// The buffers' first key in the earlier keys' numbering.
     pub offset: usize,
 }
 
 /// The gradients the backward adds into (each zero or holding what came before): `dq`
 /// (`[items, rows, hd]`), the op's own keys' and values', and the earlier keys' (when there are any).
 pub struct Grads<'a, T> {
+    /// The queries' gradient.
     pub dq: &'a mut [T],
+    /// The op's own keys' and values'.
     pub own: KeyGrads<'a, T>,
+    /// The earlier keys' and values', where there are any.
     pub earlier: Option<KeyGrads<'a, T>>,
 }
 

@@ -1,16 +1,16 @@
 //! Times products of a few rows by a weight stored row by row (`x Wᵀ`, a decoding step's
-//! projections and LM head) by `streambp_models::skinny` and by the kernels they took before:
+//! projections and LM head) by `streambp_kernels::host::skinny` and by the kernels they took before:
 //! gemm in tiles of 256 columns for f32, the widened tiles for bf16. The shapes are Qwen3-0.6B's
 //! MLP up and down projections and its LM head; threads are rayon's; medians of 5 after a warm-up.
 //!
-//! `cargo run --release -p streambp-models --example skinny_products [rows,rows,...]`
+//! `cargo run --release -p streambp-kernels --example skinny_products [rows,rows,...]`
 
 use std::time::Instant;
 
 use half::bf16;
 use rayon::prelude::*;
-use streambp_models::half_product::{product_by, Destination, Kernel, Operand};
-use streambp_models::skinny;
+use streambp_kernels::host::half_product::{product_by, Destination, Kernel, Operand};
+use streambp_kernels::host::skinny;
 
 /// Median seconds of `f` over 5 runs after one.
 fn median_seconds(mut f: impl FnMut()) -> f64 {
@@ -86,7 +86,7 @@ fn main() {
     println!(
         "{cpu}, {} threads, SIMD path {}; milliseconds (weight read per second)",
         rayon::current_num_threads(),
-        streambp_models::simd::isa().name()
+        streambp_kernels::host::simd::isa().name()
     );
     println!("| rows | W [n, k] | f32 gemm | f32 skinny | bf16 widened | bf16 skinny |");
     println!("|---|---|---|---|---|---|");

@@ -3,13 +3,13 @@
 //! 100): to find which of them makes one CPU slower than another where a whole step only says
 //! that it is. Medians of `REPEATS` (default 30) after one warm-up; threads are rayon's.
 //!
-//! `cargo run --release -p streambp-models --example op_timings [hidden mlp vocab rows]`
+//! `cargo run --release -p streambp-kernels --example op_timings [hidden mlp vocab rows]`
 
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
-use streambp_models::{cpu, half_product};
+use streambp_kernels::host::{cpu, half_product};
 
 type Result<T> = candle_core::Result<T>;
 
@@ -59,7 +59,7 @@ fn main() -> Result<()> {
     println!(
         "threads {}, SIMD {}, hidden {hidden}, mlp {mlp}, vocab {vocab}, rows {rows}",
         rayon::current_num_threads(),
-        streambp_models::simd::isa().name()
+        streambp_kernels::host::simd::isa().name()
     );
     // (name, a's rows × cols, b's rows × cols, transpose a, transpose b): a·b after the transposes.
     let products = [

@@ -1,0 +1,11 @@
+//! The host's compute library: what the CPU kernels of [`crate::ops`] and the models' fused ops are
+//! built from.
+
+mod amx_kernel;
+mod bf16_kernel;
+pub mod cpu;
+pub mod gemm_memory;
+pub mod half_product;
+pub mod simd;
+pub mod skinny;
+pub mod transpose;

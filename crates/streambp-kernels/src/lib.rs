@@ -1,0 +1,21 @@
+//! The fused ops of streambp's layers and LM head, and the host's compute library they run on.
+//!
+//! - [`host`]: the CPU's compute library: access to tensors' host memory, exponentials, reductions and
+//!   casts ([`host::cpu`]); the SIMD layer that compiles a pass per instruction set and picks one at
+//!   run time ([`host::simd`], [`vectorized!`]); matrix products tiled over the threads
+//!   ([`host::cpu`]), of a few rows ([`host::skinny`]) and of bf16 operands ([`host::half_product`],
+//!   on the widened, dot-product or AMX kernel).
+//! - [`ops`]: the kernels of the ops the engine fuses: the attention's forward and backward
+//!   ([`ops::attention`]), the LM head's softmax and log-probs ([`ops::head_softmax`]) and gradients
+//!   added into their accumulators in place ([`ops::accumulate`]).
+//!
+//! A kernel answers `None` (or `false`) where it does not apply (another device or dtype), and its
+//! caller keeps the composed tensor ops: the path of every other device, and the reference the tests
+//! hold each kernel to.
+
+#![warn(missing_docs)]
+
+pub mod host;
+pub mod ops;
+#[cfg(test)]
+mod testing;

@@ -1,0 +1,5 @@
+//! The kernels of the ops the engine fuses, each beside the composed tensor ops it replaces.
+
+pub mod accumulate;
+pub mod attention;
+pub mod head_softmax;
