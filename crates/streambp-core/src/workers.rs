@@ -44,9 +44,9 @@ pub fn settle_thread_settings() {
 /// The worker threads for the host's kernels: candle's count (the machine's physical cores, from
 /// `/proc/cpuinfo`) capped by the cores this process may run on (its affinity mask and cgroup
 /// quota: `taskset`, a container's `--cpuset-cpus`, a batch scheduler's allocation). Candle's
-/// count alone ignores the mask: on a 16-core machine under `taskset -c 0,1` it gave 16 rayon
-/// workers and 15 spinning element-wise workers to two cores (927,843 context switches in 8 s of
-/// a bench run, docs/benchmarks.md).
+/// count alone ignores the mask: on a 16-core machine under `taskset -c 0,1` it would give 16
+/// rayon workers and 15 spinning element-wise workers to two cores, which then mostly switch
+/// between each other (docs/benchmarks.md, "16 worker threads on 2 cores").
 pub fn host_threads() -> usize {
     let allowed = std::thread::available_parallelism().map_or(usize::MAX, |n| n.get());
     candle_core::utils::get_num_threads().min(allowed).max(1)

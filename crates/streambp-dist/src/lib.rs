@@ -234,7 +234,7 @@ pub fn launched_ranks() -> Option<usize> {
 /// How many compute threads each rank should use when the launcher put several ranks on this node
 /// and `RAYON_NUM_THREADS` is not set: the node's cores over its ranks. Candle's kernels and rayon
 /// otherwise each take every core in every rank, and the oversubscribed ranks run several times
-/// slower (2 CPU ranks on 2 cores: 8.1 s a step instead of 2.0 s).
+/// slower (docs/distributed.md).
 pub fn threads_per_rank() -> Option<usize> {
     if std::env::var_os("RAYON_NUM_THREADS").is_some() {
         return None;

@@ -3,7 +3,7 @@
 //! schedule, TensorBoard scalars and an HF checkpoint, then the trained model answering a prompt.
 //!
 //! With no arguments it trains a tiny Qwen3-shaped model from scratch on the arithmetic task the repo
-//! ships (`assets/arithmetic`) for 600 steps (about 20 s on a 2-core CPU):
+//! ships (`assets/arithmetic`) for 600 steps (seconds on a CPU):
 //!
 //! ```sh
 //! cargo run --release -p streambp-train --example custom_loop [-- OUTPUT_DIR]

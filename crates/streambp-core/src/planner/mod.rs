@@ -29,9 +29,8 @@
 //! The copy counts are fitted to peaks measured exactly with the counting allocator (CPU, candle 0.11)
 //! over the shapes of `tests/planner.rs` — vocabularies 16 to 256K, hidden sizes 64 to 8192, one of
 //! `d`, `q`, `kv` or `ffn` far wider than the others, T up to 64K, batch 2 and 3, LoRA, f32, f64 and
-//! bf16 — on an AMD EPYC (Zen 4, AVX-512, 1 MiB L2 and 32 MiB L3 per
-//! core complex), with gemm's workspace derived, not fitted, so that they hold where gemm blocks
-//! differently. The test checks the model against measured peaks; the bench prints its error next to
+//! bf16 — on one CPU (docs/benchmarks.md, "The planner's cost model"), with gemm's workspace
+//! derived, not fitted, so that they hold where gemm blocks differently. The test checks the model against measured peaks; the bench prints its error next to
 //! every measured stream peak, and `--predict` prints its estimate for shapes too large to run here.
 
 use candle_core::DType;
@@ -508,8 +507,8 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // make a table-sized sum in the model dtype (`index_add` onto zeros), copied to f32 in half
     // precision. Not tied, that sum (or its copy) becomes the table's accumulator, already counted
     // in `grads_after_layers`: one more model-dtype table comes on top, the zeros beside the sum or
-    // the sum beside its copy (measured on an H100: Qwen3-8B's first 4 layers, bf16, T = 32,768,
-    // 6.81 GB above the weights). Tied, the accumulator holds the head's share already, and the
+    // the sum beside its copy (as a card measured: docs/benchmarks.md, "Checkpoint tiers on the
+    // card"). Tied, the accumulator holds the head's share already, and the
     // scaled rows and the sum (with its f32 copy) are added to it out of place, a new sum beside it
     // (not yet measured on a card). Under LoRA the gradient arrives and nothing is done with it.
     // Gemma's embedding scale and a padding id each make one more copy of the rows (not under LoRA).
@@ -754,8 +753,8 @@ mod tests {
         assert_eq!(cpu.place, Some(CheckpointPlace::Disk));
     }
 
-    /// Off the host, the estimate against what an H100 measured (2026-11-27, docs/benchmarks.md,
-    /// "Checkpoint tiers on the card"): Qwen3-8B's first 4 layers in bf16, T = 32,768, chunk 2048,
+    /// Off the host, the estimate against what a card measured (docs/benchmarks.md, "Checkpoint
+    /// tiers on the card"): Qwen3-8B's first 4 layers in bf16, T = 32,768, chunk 2048,
     /// logits chunk 1024, one stream backward; the phases' peaks above the weights, in bytes. The
     /// embedding phase (an untied table: its rows' sum becomes the accumulator) to 1%; the head's,
     /// the peak there, not under by more than the 7% a budget keeps.

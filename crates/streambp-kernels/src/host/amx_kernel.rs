@@ -1,5 +1,4 @@
-//! One output tile of a bf16 product on AMX, the tile unit of Intel's Xeons from Sapphire Rapids
-//! on: `tdpbf16ps` multiplies a 16 × 32 bf16 tile by a 32 × 16 one into a 16 × 16 tile of f32
+//! One output tile of a bf16 product on AMX, the tile unit of Intel's server CPUs: `tdpbf16ps` multiplies a 16 × 32 bf16 tile by a 32 × 16 one into a 16 × 16 tile of f32
 //! sums, 8,192 multiply-adds an instruction, which is what PyTorch's bf16 products run on there.
 //! The products of two bf16 are exact in f32 and the sums are f32's, as on the other kernels
 //! (the unit treats bf16 denormals as zero, as AVX512-BF16 does).
@@ -358,12 +357,10 @@ impl TileUnit for Amx {
 /// every CPU; [`EMULATED`] runs every bf16 product on it where the CPU has no AMX, so that the whole
 /// test suite can run with the tiles' order of sums on any CPU (slowly).
 ///
-/// The order is the one nearest the hardware's: a qwen3-small bf16 step (T = 2048, chunk 128) gave
-/// the loss 9.752959042787552 on an Emerald Rapids Xeon's tiles and 9.752959281206131 on this model
-/// (the AVX512-BF16 kernel's bits, to the last: it adds in the same order), against
-/// 9.752923622727394 adding the low halves first, as Intel's pseudo-code for `tdpbf16ps` reads, and
-/// 9.75296293 for each pair summed before it is added: orders of summation alone move this loss
-/// by about 1e-5 (the rounding of bf16 activations amplifies them).
+/// The order is the one nearest the hardware's, of those compared on a step's loss against AMX's
+/// own tiles (docs/benchmarks.md, "The tiles in software, for every CI machine"): high halves
+/// first, as the AVX512-BF16 kernel adds; orders of summation alone move a bf16 step's loss by
+/// about 1e-5 (the rounding of bf16 activations amplifies them).
 pub(crate) struct Emulated;
 
 /// Sixteen rows of sixteen packed pairs: one tile.

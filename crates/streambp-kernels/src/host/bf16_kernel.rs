@@ -43,16 +43,13 @@ pub fn available() -> bool {
     false
 }
 
-/// Whether this kernel beats the widened f32 one on the running CPU: on AMD's, measured
-/// (`examples/op_timings`, the qwen3-small step's products, 2 threads), and not on Intel's. On an
-/// AMD EPYC Zen 4 (family 25), whose 512-bit operations run on 256-bit units, the dot products took
-/// 0.55-0.9x the widened kernel's time (an f32 multiply-add vector takes two passes there, a dot
-/// product of bf16 pairs does twice the multiply-adds in the same two); on an AMD EPYC Zen 5
-/// (family 26, full-width units) 0.39-0.65x, and the step (T = 2048 and 4096) 10-13% less. Intel's
-/// AVX-512 cores multiply-add f32 at full width on two ports, as fast as their one bf16 dot-product
-/// port, so the pairs' packing is pure cost there: on an Intel Xeon (Emerald Rapids, model 207)
-/// 1.6-3.7x (it takes AMX's tiles where it has them). So AMD CPUs from family 25 on (every AMD CPU
-/// with AVX512-BF16) take this kernel and every other CPU the widened products; `Kernel::available`
+/// Whether this kernel beats the widened f32 one on the running CPU, as measured on both vendors'
+/// CPUs (docs/benchmarks.md, the sections of each CPU beside the peer): on AMD's, a dot product of
+/// bf16 pairs does twice an f32 multiply-add's work in the same time, so it pays; Intel's AVX-512
+/// cores multiply-add f32 at full width on two ports, as fast as their one bf16 dot-product port,
+/// so the pairs' packing is pure cost there (and AMX's tiles take the products where they exist).
+/// So AMD CPUs from family 25 on (every AMD CPU with AVX512-BF16) take this kernel and every other
+/// CPU the widened products; `Kernel::available`
 /// still lists it wherever the instructions exist, so tests check it on every such CPU. Read once,
 /// by [`crate::host::half_product::Kernel::detect`], which keeps the choice.
 pub fn pays() -> bool {

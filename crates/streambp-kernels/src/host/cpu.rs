@@ -213,9 +213,8 @@ pub(crate) enum Threads {
     One,
     /// The output split into tiles ([`tile_sizes`]) that the threads take one each, each tile one
     /// single-threaded gemm call. gemm's own threading shares one call's packed panels between the
-    /// threads, which at a chunk's sizes costs more than it gains: on an AMD EPYC Zen 4 with 2
-    /// threads, `x Wᵀ` of 128 × 256 × 768 took 0.34 ms in tiles and 0.74 ms as one call split by
-    /// gemm; at 2048 rows the two took about the same.
+    /// threads, which at a chunk's sizes costs more than it gains (docs/benchmarks.md, "Products in
+    /// tiles"); at a few thousand rows the two take about the same.
     Tiles,
 }
 

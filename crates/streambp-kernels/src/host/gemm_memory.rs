@@ -9,7 +9,7 @@
 //! - per call, freed when it returns: the right operand packed `kc × nc` when it is read along
 //!   strided rows or is large, and the left one prepacked `kc × m` when it is short. `nc` is bounded
 //!   by the L3 cache (`~(assoc − 1)/assoc` of it), so one call for a whole product with a wide
-//!   operand can take tens of MiB (32 MiB on a Zen 4 EPYC with a 32 MiB L3); the host's products
+//!   operand can take tens of MiB (32 MiB under a 32 MiB L3); the host's products
 //!   call it per output tile of at most 256 × 256 ([`workspace`]), which bounds it by the tile.
 //!
 //! Public so that `tests/gemm_workspace.rs` can hold [`workspace`] against what gemm allocates on

@@ -207,12 +207,9 @@ pub enum Kernel {
     Widened,
     /// AVX512-BF16's dot products of bf16 pairs on the packed slices ([`crate::host::bf16_kernel`]).
     Bf16Dot,
-    /// AMX's tile products on the packed slices ([`crate::host::amx_kernel`]): the choice wherever the CPU
-    /// has AMX. Measured on an Intel Xeon (Emerald Rapids, model 207, 2 threads): the qwen3-small
-    /// bf16 step 1.248 s against 1.42 s widened and 1.61 s dot products; `examples/op_timings`'
-    /// products 0.58-0.88x the widened kernel's time but for the head's input gradient (the
-    /// vocabulary as inner size, 1.17x) and embedding gradient (as rows, 1.14x); its exact-sum
-    /// tests passed there (docs/benchmarks.md).
+    /// AMX's tile products on the packed slices ([`crate::host::amx_kernel`]): the choice wherever the
+    /// CPU has AMX, whose bf16 step it took in the least time of the three (docs/benchmarks.md, the
+    /// AMX sections).
     Amx,
 }
 
@@ -294,9 +291,9 @@ impl Kernel {
 
 /// Rows a product needs for the AVX512-BF16 kernel to pay: its micro-kernel works on blocks of 8
 /// rows and packs `b` once per tile, so a product of a few rows (a short row's chunk, a decoding
-/// step) takes the widened path, whose gemm has kernels for them. At 16 rows the two took the same
-/// time (16 x 128 x 128, AMD EPYC Zen 4); from 64 rows on the dot products took 5-45% less. AMX's
-/// tiles are 16 rows: fewer would multiply padding.
+/// step) takes the widened path, whose gemm has kernels for them: at 16 rows the two take about the
+/// same time, from 64 rows on the dot products less (docs/benchmarks.md, "Figures the kernels'
+/// comments held"). AMX's tiles are 16 rows: fewer would multiply padding.
 const MIN_DOT_ROWS: usize = 16;
 
 /// `dst (=|+=) a·b` for `a` `[m, k]` and `b` `[k, n]` in bf16, summed in f32 (see the module doc),

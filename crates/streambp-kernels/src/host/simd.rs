@@ -114,7 +114,7 @@ pub fn isa() -> Isa {
 ///
 /// A macro rather than a function so that the closure is always `#[inline(always)]`: a closure
 /// the compiler leaves out of line is compiled for the baseline only, and its `f32::mul_add` and
-/// `floor` become library calls (2.5x slower steps, measured).
+/// `floor` become library calls, which slow a step several times over.
 #[macro_export]
 macro_rules! vectorized {
     (|$isa:pat_param| $body:expr) => {

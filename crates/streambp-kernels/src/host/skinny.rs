@@ -23,10 +23,10 @@ use rayon::prelude::*;
 use crate::host::cpu::{fits, SharedDst};
 use crate::host::simd::Isa;
 
-/// The most rows of `x` a product may have to take this kernel. On the AVX2 path (one row of `W`
-/// at a time) at 24 rows it still took half gemm's time, at 32 about the same, bf16 longer than
-/// the widened tiles; the AVX-512 path's blocks were still 2-3x faster than gemm at 32 rows, but a
-/// limit that depended on the path would give the paths different bits.
+/// The most rows of `x` a product may have to take this kernel: where the AVX2 path (one row of `W`
+/// at a time) stops beating gemm (docs/benchmarks.md, "Decoding a few rows"). The AVX-512 path's
+/// blocks would pay further, but a limit that depended on the path would give the paths different
+/// bits.
 pub const MAX_ROWS: usize = 24;
 
 /// Interleaved partial sums per dot product: two AVX-512 vectors of f32 (four of AVX2), two
@@ -116,15 +116,8 @@ pub fn applies(m: usize, a_col_stride: usize, b_row_stride: usize) -> bool {
 /// `W`'s rows. `x` and `w` are `(data from the first element, row stride)` with contiguous rows;
 /// `dst` is `[m, n]` at row stride `dst_rs`, and with `accumulate` each sum is added to it.
 ///
-/// Measured (`examples/skinny_products`, AMD EPYC Zen 4, 2 threads, AVX-512, four runs) against
-/// the kernels these products took before, at Qwen3-0.6B's shapes: 8 rows by its `[3072, 1024]`
-/// projection took 0.38-0.54 ms against gemm's 4.7-5.5 (f32) and 0.45-0.60 against the widened
-/// tiles' 1.7-2.2 (bf16); by its `[151936, 1024]` head 43-56 ms against 231-279 (f32) and 35-45
-/// against 99-122 (bf16); at 24 rows 2.5-4.5x faster, at 1 row as fast as gemm's own one-row path
-/// or faster. The blocks of two rows of `W` by four of `x` took the 8-row projection from
-/// 0.85-1.25 ms to the figures above (bf16 from 0.70-0.92) and the head at 24 rows from 125-144 to
-/// 76-89 ms (bf16 104-113 to 79-98); the head's 8-row bf16 product, bound by reading the weight,
-/// stayed where it was.
+/// A decoding step's products take a fraction of gemm's and the widened tiles' time here
+/// (`examples/skinny_products`; docs/benchmarks.md, "Decoding a few rows").
 ///
 /// Panics if an operand's rows reach past its data or `dst` is too small.
 pub fn product<W: Element, D: Store<W::Sum>>(
@@ -165,8 +158,8 @@ pub fn product<W: Element, D: Store<W::Sum>>(
         let cols = b * band..((b + 1) * band).min(n);
         crate::vectorized!(|isa| {
             // Two rows of `W` by four of `x` need sixteen vector accumulators: AVX-512 has 32
-            // registers, AVX2 16 (there the blocks spilled and bf16 products took 1.3-1.4x as
-            // long as one row at a time).
+            // registers, AVX2 16 (there the blocks would spill, which costs more than they
+            // save).
             let blocked = isa == Isa::Avx512;
             for part in cols.clone().step_by(PART) {
                 let part = part..(part + PART).min(cols.end);

@@ -3,13 +3,12 @@
 //!
 //! gemm computes a row-major product as its transpose and packs the right operand's columns into
 //! its left panels. When those columns are strided (a row of `W` is a column of `Wᵀ`), its packing
-//! gathers them one element at a time (`pack_lhs`: 15.6% of an f32 step's samples on an AMD EPYC
-//! Zen 4, 14.0% on an Intel Xeon). Copied into rows first (f32 by 8 × 8 blocks in AVX registers
-//! where the AVX2 or AVX-512 path is in force, anything else element by element), they are packed
-//! by whole vectors: the qwen3-small f32 step (T = 2048, chunk 128, `--op-times`, four alternated
-//! runs on the Zen 4) took 0.979-1.054 s against 1.087-1.193 s, its forward 0.150-0.169 against
-//! 0.176-0.201 s, with the same loss and peak to the bit there (gemm's kernel adds the same terms
-//! in the same order, and the copy takes the place of gemm's own packing buffer). Elsewhere a slab
+//! gathers them one element at a time (`pack_lhs`, a seventh of an f32 step's time). Copied into
+//! rows first (f32 by 8 × 8 blocks in AVX registers where the AVX2 or AVX-512 path is in force,
+//! anything else element by element), they are packed by whole vectors, in less time than gemm's
+//! gathering (docs/benchmarks.md, "Packing a transposed view"), with the same loss and peak to the bit
+//! (gemm's kernel adds the same terms in the same order, and the copy takes the place of gemm's
+//! own packing buffer). Elsewhere a slab
 //! may round differently: one of at most 64 columns can take gemm's small-size blocking of the
 //! inner dimension, and one of a single column its matrix-vector kernel.
 //!

@@ -71,7 +71,8 @@ pub fn with_fused_softmax_blocks<R>(f: impl FnOnce() -> R) -> R {
 
 /// Keys per block: the score tensors of a query chunk are at most `heads × c × KEY_BLOCK`. 512 keeps
 /// a streamed chunk's block passes near the cache (4 × 128 × 512 f32 scores are 1 MiB) and is as fast as
-/// 256 and 5% faster than 2048 at T = 4096 (docs/benchmarks.md); larger blocks only add memory.
+/// the smaller and larger blocks measured (docs/benchmarks.md, "Figures the kernels' comments
+/// held"); larger blocks only add memory.
 pub const KEY_BLOCK: usize = 512;
 
 /// Query rows of a task of the CPU kernel's forward at most (the planner sizes its buffers by it).

@@ -2,7 +2,7 @@
 //!
 //! Built from tensor ops, each key block of the op is a dozen ops: two or five products, each split
 //! over every core, and the online softmax's rescaling as whole-tensor passes with a fork and a join
-//! each, on buffers allocated and freed per block (the op took 30% of a streamed step at T = 2048).
+//! each, on buffers allocated and freed per block.
 //! Here the forward's task is a tile of one key/value head's query rows, from the first key block to
 //! the last: its scores for a block land in a buffer the task reuses, the softmax runs on each row
 //! while it is in cache, and `out += P·V` adds straight into the output. The backward's task is one
@@ -258,7 +258,7 @@ impl Products {
             if let (Kernel::Widened, (Some(a_data), Some(b_data))) = (kernel, operands) {
                 // Products of bf16 values in f32 are exact: the widened kernel's products are
                 // f32's of the rounded values, which gemm reads in place or from f32 copies
-                // (widening bf16 copies instead took a pass more: AMD EPYC Zen 5, AVX2 path).
+                // (widening bf16 copies instead would take a pass more).
                 let a_data = values_for_f32(a_data, extent(m, k, (a.1, a.2)), values.0, a32);
                 let b_data = values_for_f32(b_data, extent(k, n, (b.1, b.2)), values.1, b32);
                 return gemm_into(
@@ -270,8 +270,8 @@ impl Products {
                     Threads::One,
                 );
             }
-            // Rounded into a copy by a vectorized pass, then packed (rounding as it packs ran on
-            // the packs' plain loops and took longer: AMD EPYC Zen 5).
+            // Rounded into a copy by a vectorized pass, then packed (rounding as it packs would run
+            // on the packs' plain loops, which are slower).
             T::rounded_into(&a.0[..extent(m, k, (a.1, a.2))], a16);
             T::rounded_into(&b.0[..extent(k, n, (b.1, b.2))], b16);
             let (a, b) = (operand(a16, (a.1, a.2)), operand(b16, (b.1, b.2)));
@@ -448,10 +448,8 @@ pub const MAX_ROW_TILE: usize = 256;
 /// Query rows per task of the forward for `items` items of `rows` rows: as many as leave every
 /// thread a task (a tile of each item per thread where there are fewer items than threads), at
 /// most [`MAX_ROW_TILE`]. Each task copies each key block it reads into rows for its product
-/// (`crate::host::transpose`), so fewer, taller tiles copy less: with two threads and two key/value
-/// heads a whole head's rows (256 at chunk 128) took the forward's kernel 0.239-0.255 s against
-/// 0.269-0.276 s in tiles of 128 (qwen3-small, T = 4096, AMD EPYC Zen 5), while at 16 threads
-/// tiles of 128 rows would give those heads 4 tasks.
+/// (`crate::host::transpose`), so fewer, taller tiles copy less, as long as every thread still has a
+/// task (docs/benchmarks.md, "Figures the kernels' comments held").
 fn row_tile(rows: usize, items: usize) -> usize {
     let tiles = rows.div_ceil(MAX_ROW_TILE).max(tasks_per_item(items));
     rows.div_ceil(tiles).max(1)
@@ -511,7 +509,7 @@ fn forward_tile<T: KernelFloat, K: Stored<T>>(
     let mut products = Products::new(inp.multiply);
     // bf16 products take the exponentials rounded, their sum taken first: in place where the
     // product then reads them in place (the widened kernel; an extra pass for the packing kernels,
-    // which round while copying them: 3% of the forward's kernel, AMD EPYC Zen 5).
+    // which round while copying them).
     let in_place = matches!(
         inp.multiply,
         Multiply::Bf16 {
