@@ -57,6 +57,18 @@ fn report(recipe: &str, summary: &Summary) {
     println!("checkpoint: {}", summary.output_dir.display());
 }
 
+/// The host kernels the `STREAMBP_SIMD` and `STREAMBP_BF16_KERNEL` switches name, fixed before the
+/// first product (a value the CPU cannot run is reported and left to the CPU).
+fn choose_host_kernels() {
+    use streambp_kernels::host::{choices, half_product::KERNEL_ENV, simd::SIMD_ENV};
+    let switch = |name| std::env::var(name).ok();
+    let asked =
+        choices::Choices::from_switches(switch(SIMD_ENV).as_deref(), switch(KERNEL_ENV).as_deref());
+    if let Err(e) = choices::choose(asked) {
+        tracing::warn!("host kernels: {e}");
+    }
+}
+
 fn main() -> std::process::ExitCode {
     // Ranks sharing a node share its cores (set before any thread pool starts).
     if let Some(threads) = streambp_dist::threads_per_rank() {
@@ -175,6 +187,7 @@ fn run() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    choose_host_kernels();
     let args: Vec<String> = std::env::args().collect();
     let flags = flags_of(args.get(1).map_or("", String::as_str));
     let is_switch = |flag: &str| {

@@ -642,6 +642,17 @@ fn main() -> anyhow::Result<()> {
     }
     streambp_core::settle_thread_settings();
     streambp_core::memory::keep_freed_memory();
+    // The host kernels the STREAMBP_SIMD and STREAMBP_BF16_KERNEL switches name (a value the CPU
+    // cannot run is reported and left to the CPU), fixed before the first product.
+    {
+        use streambp_kernels::host::{choices, half_product::KERNEL_ENV, simd::SIMD_ENV};
+        let switch = |name| std::env::var(name).ok();
+        let asked = choices::Choices::from_switches(
+            switch(SIMD_ENV).as_deref(),
+            switch(KERNEL_ENV).as_deref(),
+        );
+        choices::choose(asked)?;
+    }
     let args = Args::parse();
     if let Some(ranks) = args.world {
         if ranks == 0 {

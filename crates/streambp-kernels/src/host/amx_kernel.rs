@@ -31,20 +31,26 @@ const TILE: usize = 16;
 const KC: usize = 256;
 
 /// Whether the running CPU has AMX's tiles and bf16 products, the OS keeps their state, the process
-/// was granted it, and the AVX-512 path is in force (`STREAMBP_SIMD=avx2` turns this kernel off
-/// too); checked, and the state asked for, once.
+/// was granted it, and the AVX-512 path is in force (choosing the AVX2 path turns this kernel off
+/// too).
 pub fn available() -> bool {
+    available_on(crate::host::simd::isa())
+}
+
+/// Whether the tiles are there for the process (checked, and their state asked for, once) and
+/// `isa` is the AVX-512 path.
+pub(crate) fn available_on(isa: crate::host::simd::Isa) -> bool {
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     {
-        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *AVAILABLE.get_or_init(|| {
-            crate::host::simd::isa() == crate::host::simd::Isa::Avx512
-                && cpu_has_amx()
-                && granted_tile_state()
-        })
+        static TILES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        isa == crate::host::simd::Isa::Avx512
+            && *TILES.get_or_init(|| cpu_has_amx() && granted_tile_state())
     }
     #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-    false
+    {
+        let _ = isa;
+        false
+    }
 }
 
 /// CPUID's AMX-BF16 and AMX-TILE bits (leaf 7, EDX 22 and 24), tiles of the shapes used here, and
@@ -408,18 +414,14 @@ impl TileUnit for Emulated {
     }
 }
 
-/// The value of [`crate::host::half_product::KERNEL_ENV`] that runs this kernel on [`Emulated`] where its
-/// tiles are not [`available`] (and on them where they are).
+/// The name of the choice that runs this kernel on [`Emulated`] where its tiles are not
+/// [`available`] (and on them where they are): [`crate::host::choices::Choices::amx_on_model`].
 pub const EMULATED: &str = "amx-emulated";
 
-/// Whether bf16 products on this kernel run on [`Emulated`]: asked for by [`EMULATED`], where the
-/// tiles are not [`available`]. Read once.
+/// Whether bf16 products on this kernel run on [`Emulated`]: chosen
+/// ([`crate::host::choices::Choices::amx_on_model`]), where the tiles are not [`available`].
 pub fn emulated() -> bool {
-    static EMULATING: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *EMULATING.get_or_init(|| {
-        let asked = std::env::var(crate::host::half_product::KERNEL_ENV);
-        !available() && asked.is_ok_and(|v| v.trim() == EMULATED)
-    })
+    crate::host::choices::in_force().amx_on_model
 }
 
 /// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major), or

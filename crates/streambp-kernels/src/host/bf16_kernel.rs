@@ -28,16 +28,17 @@ const NR: usize = 32;
 /// Inner elements per packed slice (128 pairs): a panel of `b` is then 16 KiB, within L1.
 const KC: usize = 256;
 
-/// Whether the running CPU has AVX512-BF16 and the AVX-512 path is in force ([`crate::host::simd::isa`]:
-/// `STREAMBP_SIMD=avx2` turns this kernel off too), checked once.
+/// Whether the running CPU has AVX512-BF16 and the AVX-512 path is in force
+/// ([`crate::host::simd::isa`]: choosing the AVX2 path turns this kernel off too).
 pub fn available() -> bool {
+    available_on(crate::host::simd::isa())
+}
+
+/// Whether the running CPU has AVX512-BF16 and `isa` is the AVX-512 path.
+pub(crate) fn available_on(isa: crate::host::simd::Isa) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *AVAILABLE.get_or_init(|| {
-            crate::host::simd::isa() == crate::host::simd::Isa::Avx512
-                && std::arch::is_x86_feature_detected!("avx512bf16")
-        })
+        isa == crate::host::simd::Isa::Avx512 && std::arch::is_x86_feature_detected!("avx512bf16")
     }
     #[cfg(not(target_arch = "x86_64"))]
     false

@@ -213,10 +213,10 @@ pub enum Kernel {
     Amx,
 }
 
-/// The environment variable that picks the bf16 products' kernel by [`Kernel::name`] (read once):
-/// to compare them on a CPU whose choice was never measured, or to test one; `amx-emulated` runs
-/// AMX's kernel on a software model of its tiles where the CPU has none, to run the tests with
-/// AMX's order of sums on any CPU (slowly).
+/// The switch the binaries read for the bf16 products' kernel, by [`Kernel::name`] (see
+/// [`crate::host::choices`]): to compare them on a CPU whose choice was never measured, or to test
+/// one; `amx-emulated` runs AMX's kernel on a software model of its tiles where the CPU has none,
+/// to run the tests with AMX's order of sums on any CPU (slowly).
 pub const KERNEL_ENV: &str = "STREAMBP_BF16_KERNEL";
 
 impl Kernel {
@@ -230,7 +230,7 @@ impl Kernel {
     }
 
     /// The name reports print for the kernel in force: [`Kernel::name`], or `amx-emulated` where
-    /// AMX's kernel runs on its software model (see [`KERNEL_ENV`]).
+    /// AMX's kernel runs on its software model ([`crate::host::choices::Choices::amx_on_model`]).
     pub fn label(self) -> &'static str {
         match self {
             Kernel::Amx if crate::host::amx_kernel::emulated() => crate::host::amx_kernel::EMULATED,
@@ -238,54 +238,18 @@ impl Kernel {
         }
     }
 
-    /// The kernel in force: [`KERNEL_ENV`]'s if set to one the running CPU can run, else the fastest
-    /// one here: AMX's tiles where the CPU has them, the dot products where it has those and they
-    /// were measured faster ([`crate::host::bf16_kernel::pays`]), the widened f32 products elsewhere. A
-    /// value that cannot be honoured is reported (`tracing`) and ignored.
+    /// The kernel in force: the one chosen ([`crate::host::choices`]), else the fastest the CPU
+    /// has: AMX's tiles where the CPU has them, the dot products where it has those and they were
+    /// measured faster ([`crate::host::bf16_kernel::pays`]), the widened f32 products elsewhere.
     pub fn detect() -> Self {
-        static IN_FORCE: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
-        *IN_FORCE.get_or_init(|| {
-            let measured = if crate::host::amx_kernel::available() {
-                Kernel::Amx
-            } else if crate::host::bf16_kernel::available() && crate::host::bf16_kernel::pays() {
-                Kernel::Bf16Dot
-            } else {
-                Kernel::Widened
-            };
-            let Ok(asked) = std::env::var(KERNEL_ENV) else {
-                return measured;
-            };
-            // AMX's kernel, on its tiles where they are available, else on their model.
-            if asked.trim() == crate::host::amx_kernel::EMULATED {
-                return Kernel::Amx;
-            }
-            let kernels = Kernel::available();
-            match kernels.iter().find(|k| k.name() == asked.trim()) {
-                Some(&kernel) => kernel,
-                None => {
-                    let names: Vec<_> = kernels.iter().map(|k| k.name()).collect();
-                    tracing::warn!(
-                        "{KERNEL_ENV}={asked:?}: not one of this CPU's bf16 kernels ({}); using {}",
-                        names.join(", "),
-                        measured.name()
-                    );
-                    measured
-                }
-            }
-        })
+        crate::host::choices::in_force().bf16_kernel
     }
 
-    /// Every kernel the running CPU can run (for tests that check each), AMX's on its model of the
-    /// tiles included where that is asked for (`amx-emulated`, [`KERNEL_ENV`]).
+    /// Every kernel the running CPU can run on the path in force (for tests that check each), AMX's
+    /// on its model of the tiles included where that is chosen (`amx-emulated`).
     pub fn available() -> Vec<Self> {
-        let mut kernels = vec![Kernel::Widened];
-        if crate::host::bf16_kernel::available() {
-            kernels.push(Kernel::Bf16Dot);
-        }
-        if crate::host::amx_kernel::available() || crate::host::amx_kernel::emulated() {
-            kernels.push(Kernel::Amx);
-        }
-        kernels
+        let in_force = crate::host::choices::in_force();
+        Kernel::on(in_force.simd, in_force.amx_on_model)
     }
 }
 

@@ -3,6 +3,7 @@
 
 mod amx_kernel;
 mod bf16_kernel;
+pub mod choices;
 pub mod cpu;
 pub mod gemm_memory;
 pub mod half_product;

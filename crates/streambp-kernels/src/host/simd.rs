@@ -9,12 +9,11 @@
 //! fuse itself), so the AVX2 and AVX-512 paths give the same bits; only where [`Isa::fma`] picks a
 //! fused formula (the f32 exponential) does the baseline path differ, within its stated error.
 //!
-//! `STREAMBP_SIMD=avx512|avx2|baseline` picks a narrower path than the CPU's best (to compare them,
-//! or to test one); gemm's products dispatch on their own.
+//! A program may choose a narrower path than the CPU's best (to compare them, or to test one:
+//! [`crate::host::choices`]); gemm's products dispatch on their own.
 
-use std::sync::OnceLock;
-
-/// The environment variable that picks the instruction set (read once, at the first pass).
+/// The switch the binaries read for the instruction set (`avx512`, `avx2`, `baseline`; see
+/// [`crate::host::choices`]).
 pub const SIMD_ENV: &str = "STREAMBP_SIMD";
 
 /// An instruction set the passes are compiled for.
@@ -77,34 +76,10 @@ impl Isa {
     }
 }
 
-/// The instruction set in force: `STREAMBP_SIMD`'s if set to one the CPU has, else the widest the
-/// CPU has. Read once; a value that cannot be honoured is reported (`tracing`) and ignored.
+/// The instruction set in force: the one chosen ([`crate::host::choices`]), else the widest the CPU
+/// has.
 pub fn isa() -> Isa {
-    static IN_FORCE: OnceLock<Isa> = OnceLock::new();
-    *IN_FORCE.get_or_init(|| {
-        let detected = Isa::detected();
-        let Ok(asked) = std::env::var(SIMD_ENV) else {
-            return detected;
-        };
-        match Isa::ALL.into_iter().find(|isa| isa.name() == asked.trim()) {
-            Some(isa) if isa.available() => isa,
-            Some(isa) => {
-                tracing::warn!(
-                    "{SIMD_ENV}={}: this CPU cannot run it; using {}",
-                    isa.name(),
-                    detected.name()
-                );
-                detected
-            }
-            None => {
-                tracing::warn!(
-                    "{SIMD_ENV}={asked:?}: not one of avx512, avx2, baseline; using {}",
-                    detected.name()
-                );
-                detected
-            }
-        }
-    })
+    crate::host::choices::in_force().simd
 }
 
 /// `vectorized!(|isa| body)`: runs `body` compiled for the instruction set in force ([`isa`]),
