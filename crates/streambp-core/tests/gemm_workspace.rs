@@ -66,7 +66,7 @@ fn workspace_model_covers_what_the_products_allocate() {
     // thread that asks for it runs.
     let a = Tensor::ones((8, 2048), DType::F32, &Device::Cpu).unwrap();
     let b = Tensor::ones((2048, 64), DType::F32, &Device::Cpu).unwrap();
-    rayon::broadcast(|_| streambp_kernels::host::cpu::tiled_matmul(&a, &b).unwrap());
+    rayon::broadcast(|_| streambp_kernels::host::products::tiled_matmul(&a, &b).unwrap());
 
     let mut shapes = Vec::new();
     for dtype in [DType::F32, DType::F64] {
@@ -93,7 +93,7 @@ fn check((label, product, a, b): Case) -> Option<String> {
     let output = a.dim(0).unwrap() * b.dim(1).unwrap() * dtype.size_in_bytes();
     let before = current_bytes().unwrap();
     reset_peak();
-    let c = streambp_kernels::host::cpu::tiled_matmul(&a, &b)
+    let c = streambp_kernels::host::products::tiled_matmul(&a, &b)
         .unwrap()
         .unwrap();
     let measured = (peak_bytes().unwrap() - before).saturating_sub(output) as i64;

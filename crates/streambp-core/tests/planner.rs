@@ -222,7 +222,7 @@ fn cost_model_and_budgets() {
     {
         let a = Tensor::ones((8, 2048), DType::F32, &Device::Cpu).unwrap();
         let b = Tensor::ones((2048, 64), DType::F32, &Device::Cpu).unwrap();
-        rayon::broadcast(|_| streambp_kernels::host::cpu::tiled_matmul(&a, &b).unwrap());
+        rayon::broadcast(|_| streambp_kernels::host::products::tiled_matmul(&a, &b).unwrap());
     }
     println!(
         "gemm on this CPU: L2 {} KiB, L3 {} KiB; {} threads",

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
-use streambp_kernels::host::{cpu, half_product};
+use streambp_kernels::host::{cast, half_product, products};
 
 type Result<T> = candle_core::Result<T>;
 
@@ -136,7 +136,7 @@ fn main() -> Result<()> {
         // The step's own f32 products (`cpu::tiled_matmul`: tiles over rayon's threads), then
         // candle's (gemm splitting one call over the threads).
         let tiled = median_seconds(repeats, || {
-            std::hint::black_box(cpu::tiled_matmul(&a, &b)?);
+            std::hint::black_box(products::tiled_matmul(&a, &b)?);
             Ok(())
         })?;
         let candle = median_seconds(repeats, || {
@@ -159,7 +159,7 @@ fn main() -> Result<()> {
     for (name, t, dtype, ours) in casts {
         let s = median_seconds(repeats, || {
             let out = if ours {
-                cpu::cast(t, dtype)?
+                cast::cast(t, dtype)?
             } else {
                 t.to_dtype(dtype)?
             };

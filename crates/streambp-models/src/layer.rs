@@ -17,7 +17,7 @@ use crate::norm::RmsNorm;
 use crate::rope::{apply_rope, Rotary};
 use crate::swiglu::swiglu;
 use crate::weights::MapWeights;
-use streambp_kernels::host::cpu::{cast, through_f32};
+use streambp_kernels::host::cast::{cast, through_f32};
 
 /// Queries per attention call when a layer runs over a whole sequence ([`DecoderLayer::forward`]).
 const QUERY_BLOCK: usize = 512;
@@ -218,7 +218,7 @@ impl DecoderLayer {
     /// layer's: the products, norms, rope, SwiGLU, the attention, sums).
     fn rounded(&self, t: Tensor) -> Result<Tensor> {
         if let Some(dtype) = self.round_to {
-            streambp_kernels::host::cpu::round_in_place(&t, dtype)?;
+            streambp_kernels::host::cast::round_in_place(&t, dtype)?;
         }
         Ok(t)
     }
@@ -516,7 +516,7 @@ impl DecoderLayer {
             if t.dtype() != dtype {
                 return Ok(t.clone());
             }
-            let values = streambp_kernels::host::cpu::widened_values(t)?;
+            let values = streambp_kernels::host::cast::widened_values(t)?;
             if !t.is_variable() {
                 return Tensor::from_vec(values, t.shape(), t.device());
             }

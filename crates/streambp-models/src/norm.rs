@@ -15,7 +15,8 @@ use rayon::prelude::*;
 use crate::config::NormStyle;
 use crate::error::Result;
 use crate::weights::MapWeights;
-use streambp_kernels::host::cpu::{fusable, input_data, tensor_from, through_f32, with_data};
+use streambp_kernels::host::cast::through_f32;
+use streambp_kernels::host::storage::{fusable, input_data, tensor_from, with_data};
 use streambp_kernels::vectorized;
 
 type CResult<T> = candle_core::Result<T>;

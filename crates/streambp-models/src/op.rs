@@ -7,8 +7,9 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
-use streambp_kernels::host::cpu::{fusable, product_into};
 use streambp_kernels::host::half_product;
+use streambp_kernels::host::products::product_into;
+use streambp_kernels::host::storage::fusable;
 use streambp_kernels::ops::accumulate;
 
 type CResult<T> = candle_core::Result<T>;
@@ -89,10 +90,10 @@ fn product_gradient<'w>(grad: &Tensor, bf16: Option<&'w Tensor>) -> CResult<Grad
     }
     if half_product::Kernel::detect() == half_product::Kernel::Widened {
         let values = grad.contiguous()?.copy()?;
-        streambp_kernels::host::cpu::round_in_place(&values, candle_core::DType::BF16)?;
+        streambp_kernels::host::cast::round_in_place(&values, candle_core::DType::BF16)?;
         return Ok(Gradient::InDtype(values));
     }
-    let g16 = streambp_kernels::host::cpu::cast(grad, candle_core::DType::BF16)?;
+    let g16 = streambp_kernels::host::cast::cast(grad, candle_core::DType::BF16)?;
     Ok(Gradient::Bf16(g16, w16))
 }
 
@@ -115,7 +116,7 @@ fn narrowed_exactly(x: &Tensor) -> CResult<Option<Tensor>> {
     let start = layout.start_offset();
     match data
         .get(start..start + x.elem_count())
-        .and_then(streambp_kernels::host::cpu::narrowed_exactly)
+        .and_then(streambp_kernels::host::cast::narrowed_exactly)
     {
         Some(narrowed) => Tensor::from_vec(narrowed, x.shape(), x.device()).map(Some),
         None => Ok(None),
@@ -308,7 +309,7 @@ impl candle_core::CustomOp2 for TrainedLinear {
                         Some(x16) => (grad_x, g16.t()?, x16, half_product::matmul_unrounded),
                         None => {
                             let g =
-                                streambp_kernels::host::cpu::cast(&g16, candle_core::DType::F32)?;
+                                streambp_kernels::host::cast::cast(&g16, candle_core::DType::F32)?;
                             (grad_x, g.t()?, x2, half_product::matmul)
                         }
                     }
@@ -496,7 +497,7 @@ pub(crate) fn lora_linear(
         };
         if let Some(dtype) = round_base_to {
             // A fresh product (or sum) that nothing else holds.
-            streambp_kernels::host::cpu::round_in_place(&base, dtype)?;
+            streambp_kernels::host::cast::round_in_place(&base, dtype)?;
         }
         (base + (half_product::matmul(&u.detach(), &lora_b.detach().t()?)? * scale)?)?
     };

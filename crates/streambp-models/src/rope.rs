@@ -16,7 +16,8 @@ use rayon::prelude::*;
 
 use crate::config::{RopeConfig, RopeScaling};
 use crate::error::Result;
-use streambp_kernels::host::cpu::{fusable, input_data, tensor_from, through_f32, with_data};
+use streambp_kernels::host::cast::through_f32;
+use streambp_kernels::host::storage::{fusable, input_data, tensor_from, with_data};
 use streambp_kernels::vectorized;
 
 /// Rows (one head of one token each) per rayon task of the rotation.

@@ -2,7 +2,7 @@
 //! `d up = g ⊙ silu(gate)` and `d gate = g ⊙ up ⊙ silu'(gate)` with
 //! `silu'(x) = σ(x)·(1 − silu(x)) + silu(x)` (candle's own form). Composed, the activation and the
 //! product are two ops with a buffer each and autograd's backward makes about seven passes; here each
-//! is one pass. bf16 on the CPU runs it in f32 ([`streambp_kernels::host::cpu::through_f32`]); elsewhere (CUDA)
+//! is one pass. bf16 on the CPU runs it in f32 ([`streambp_kernels::host::cast::through_f32`]); elsewhere (CUDA)
 //! [`swiglu`] composes the same tensor ops as before.
 
 use candle_core::backend::BackendStorage;
@@ -11,9 +11,9 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 use crate::error::Result;
-use streambp_kernels::host::cpu::{
-    fusable, input_data, tensor_from, through_f32, with_data, BulkExp,
-};
+use streambp_kernels::host::cast::through_f32;
+use streambp_kernels::host::exp::BulkExp;
+use streambp_kernels::host::storage::{fusable, input_data, tensor_from, with_data};
 use streambp_kernels::vectorized;
 
 type CResult<T> = candle_core::Result<T>;

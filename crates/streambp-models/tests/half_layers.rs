@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use common::*;
-use streambp_kernels::host::cpu::round_in_place;
+use streambp_kernels::host::cast::round_in_place;
 use streambp_models::{load_model, Layout, LoraConfig, Model, Projection};
 
 /// Values around every case a rounding can get wrong: ties to even, the largest values that round

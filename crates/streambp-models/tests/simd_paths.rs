@@ -114,8 +114,8 @@ fn compute() -> Values {
         .map(|i| (i as f32 * 0.37).sin() * 30.0)
         .collect();
     let x = Tensor::from_vec(x, 70_000, &device).unwrap();
-    let narrow = streambp_kernels::host::cpu::cast(&x, DType::BF16).unwrap();
-    let wide = streambp_kernels::host::cpu::cast(&narrow, DType::F32).unwrap();
+    let narrow = streambp_kernels::host::cast::cast(&x, DType::BF16).unwrap();
+    let wide = streambp_kernels::host::cast::cast(&narrow, DType::F32).unwrap();
     values.insert("casts".into(), flat(&wide));
     for dtype in [DType::F64, DType::F32] {
         let acc = x.to_dtype(dtype).unwrap();

@@ -2,7 +2,7 @@
 //! gradient clipping, and the warmup + cosine/linear learning-rate schedules of transformers.
 
 use candle_core::{DType, Tensor, Var};
-use streambp_kernels::host::cpu::cast;
+use streambp_kernels::host::cast::cast;
 
 use crate::{Result, TrainError};
 
@@ -223,7 +223,7 @@ impl AdamW {
 pub fn clip_grad_norm(grads: &mut [(String, Tensor)], max_norm: f64) -> Result<f64> {
     let mut sq = 0.0;
     for (_, g) in grads.iter() {
-        sq += match streambp_kernels::host::cpu::sum_of_squares(g)? {
+        sq += match streambp_kernels::host::reduce::sum_of_squares(g)? {
             Some(s) => s,
             None => g
                 .to_dtype(DType::F64)?
@@ -236,7 +236,7 @@ pub fn clip_grad_norm(grads: &mut [(String, Tensor)], max_norm: f64) -> Result<f
     if max_norm > 0.0 && norm > max_norm {
         let scale = max_norm / (norm + 1e-6);
         for (_, g) in grads.iter_mut() {
-            *g = streambp_kernels::host::cpu::scaled(g, scale)?;
+            *g = streambp_kernels::host::reduce::scaled(g, scale)?;
         }
     }
     Ok(norm)

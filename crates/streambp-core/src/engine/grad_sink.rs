@@ -154,9 +154,9 @@ impl GradSink {
     ) -> Result<()> {
         let on_host = table.device().is_cpu() && rows.dtype() == table.dtype();
         let half = accumulator_dtype(table.dtype()) != table.dtype();
-        if on_host && (streambp_kernels::host::cpu::fusable(table) || half) {
+        if on_host && (streambp_kernels::host::storage::fusable(table) || half) {
             if let Some(acc) = self.accumulator(name, table)? {
-                let rows = streambp_kernels::host::cpu::cast(rows, acc.dtype())?;
+                let rows = streambp_kernels::host::cast::cast(rows, acc.dtype())?;
                 if accumulate::add_rows(&acc, ids, &rows)? {
                     return Ok(());
                 }

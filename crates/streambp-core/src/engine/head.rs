@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use candle_core::{DType, Tensor, Var, D};
-use streambp_kernels::host::cpu::{cast, round_in_place};
+use streambp_kernels::host::cast::{cast, round_in_place};
 use streambp_kernels::host::half_product;
 use streambp_models::{op_times, Model};
 use streambp_objectives::Objective;

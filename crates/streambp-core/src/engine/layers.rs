@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use candle_core::{DType, Tensor, Var};
-use streambp_kernels::host::cpu::{cast, widened_values};
+use streambp_kernels::host::cast::{cast, widened_values};
 use streambp_models::attention::EarlierKeys;
 use streambp_models::{op_times, DecoderLayer, KeyBlock, Layout, MapWeights, Model};
 

@@ -34,7 +34,7 @@ use std::ops::Range;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use streambp_dist::Communicator;
-use streambp_kernels::host::cpu::cast;
+use streambp_kernels::host::cast::cast;
 use streambp_models::lora::DropoutKey;
 use streambp_models::{op_times, Layout, Model};
 use streambp_objectives::Objective;

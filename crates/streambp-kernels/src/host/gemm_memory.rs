@@ -145,7 +145,7 @@ pub fn workspace(p: Product, elem: usize, tiled: bool) -> u64 {
     if crate::host::skinny::applies(p.m, p.a_col_stride(), p.b_row_stride()) {
         return 0;
     }
-    let (tm, tn) = crate::host::cpu::tile_sizes(p.m, p.n);
+    let (tm, tn) = crate::host::products::tile_sizes(p.m, p.n);
     let tiles = p.m.div_ceil(tm) * p.n.div_ceil(tn);
     // A full tile, and the last column's tiles where the columns do not divide into whole ones.
     let tile = |n: usize| {

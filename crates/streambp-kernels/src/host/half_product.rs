@@ -16,12 +16,13 @@ use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::host::cpu::{bf16_value, tile_sizes, tiles, widen, SharedDst};
+use crate::host::cast::{bf16_value, widen};
+use crate::host::products::{tile_sizes, tiles, SharedDst};
 use crate::host::transpose;
 
 type CResult<T> = candle_core::Result<T>;
 
-/// The inner slice summed per kernel call, as long as a tile's edge ([`crate::host::cpu::tile_sizes`]).
+/// The inner slice summed per kernel call, as long as a tile's edge ([`crate::host::products::tile_sizes`]).
 const INNER: usize = 256;
 
 /// An element of a product's operand: a bf16, or an f32 holding a bf16's value (a half-precision
@@ -89,7 +90,7 @@ impl<'a, E: Element> Operand<'a, E> {
 
     /// Whether a `rows × cols` matrix with these strides lies within the data.
     fn fits(&self, rows: usize, cols: usize) -> bool {
-        crate::host::cpu::fits(rows, cols, (self.data, self.row_stride, self.col_stride))
+        crate::host::products::fits(rows, cols, (self.data, self.row_stride, self.col_stride))
     }
 
     /// Widens rows `rows` × columns `cols` into `buf`, laid out along whichever of the operand's
@@ -136,7 +137,7 @@ impl Operand<'_> {
     /// contiguous: a table's rows as the logits' columns) into `buf` row by row, in one pass
     /// ([`transpose::columns_into_rows`]): gemm then reads the rows as they are, where from the
     /// columns [`widen`](Operand::widen) lays out its caller would copy them into rows again
-    /// ([`crate::host::cpu::gemm_call`]). Returns the buffer's (row, column) strides.
+    /// ([`crate::host::products::gemm_call`]). Returns the buffer's (row, column) strides.
     fn widen_into_rows(
         &self,
         rows: std::ops::Range<usize>,
@@ -573,7 +574,7 @@ fn widened_tile<A: Element>(
         // widening returned; the caller's `dst` has room for `r × c` at row stride `dst_rs`, its
         // alone.
         unsafe {
-            crate::host::cpu::gemm_call(
+            crate::host::products::gemm_call(
                 dst,
                 dst_rs,
                 (r, c, inner.len()),
@@ -642,13 +643,13 @@ pub(crate) fn each_layout(
 }
 
 /// `a·b`: by [`product`] for 2-D bf16 tensors on the CPU (any strides), by
-/// [`crate::host::cpu::tiled_matmul`] for 2-D f32/f64 ones, by candle's `matmul` for any others. The
+/// [`crate::host::products::tiled_matmul`] for 2-D f32/f64 ones, by candle's `matmul` for any others. The
 /// bf16 result records no backward: for products of constants (a detached forward, a backward's
 /// own products), never for one a graph must differentiate.
 pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
     let on_host = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle_core::DType::BF16;
     if !(on_host(a) && on_host(b) && a.rank() == 2 && b.rank() == 2) {
-        return match crate::host::cpu::tiled_matmul(a, b)? {
+        return match crate::host::products::tiled_matmul(a, b)? {
             Some(product) => Ok(product),
             None => a.matmul(b),
         };
@@ -804,7 +805,7 @@ fn linear_of_bf16_values_by(
     let Some(x) = x.get(xl.start_offset()..xl.start_offset() + n * k) else {
         candle_core::bail!("linear: operand outside its storage");
     };
-    let Some(x) = crate::host::cpu::narrowed_exactly(x) else {
+    let Some(x) = crate::host::cast::narrowed_exactly(x) else {
         return Ok(None);
     };
     let x_op = Operand {

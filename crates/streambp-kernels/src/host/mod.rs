@@ -3,10 +3,14 @@
 
 mod amx_kernel;
 mod bf16_kernel;
+pub mod cast;
 pub mod choices;
-pub mod cpu;
+pub mod exp;
 pub mod gemm_memory;
 pub mod half_product;
+pub mod products;
+pub mod reduce;
 pub mod simd;
 pub mod skinny;
+pub mod storage;
 pub mod transpose;

@@ -20,7 +20,7 @@ use num_traits::Float;
 use num_traits::Zero;
 use rayon::prelude::*;
 
-use crate::host::cpu::{fits, SharedDst};
+use crate::host::products::{fits, SharedDst};
 use crate::host::simd::Isa;
 
 /// The most rows of `x` a product may have to take this kernel: where the AVX2 path (one row of `W`
@@ -75,7 +75,7 @@ impl Element for bf16 {
     type Sum = f32;
     #[inline(always)]
     fn widen(self) -> f32 {
-        crate::host::cpu::widen(self)
+        crate::host::cast::widen(self)
     }
 }
 

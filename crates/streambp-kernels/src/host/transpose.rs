@@ -68,7 +68,7 @@ impl<T: Copy + 'static> IntoRow<T> for T {
 impl IntoRow<f32> for half::bf16 {
     #[inline(always)]
     fn into_row(self) -> f32 {
-        crate::host::cpu::widen(self)
+        crate::host::cast::widen(self)
     }
 }
 

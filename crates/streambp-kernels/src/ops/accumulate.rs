@@ -12,9 +12,10 @@
 //! into the sink's accumulator (`streambp_models`' `Linear::grad_into`). Elsewhere the functions answer
 //! `false` and the caller keeps the tensor-op sum (which CUDA runs).
 
-use crate::host::cpu::{fusable, input_data, product_into, strided};
 use crate::host::half_product::{self, Destination};
+use crate::host::products::{product_into, strided};
 use crate::host::skinny::SumType;
+use crate::host::storage::{fusable, input_data};
 use crate::vectorized;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor, WithDType};
 use rayon::prelude::*;

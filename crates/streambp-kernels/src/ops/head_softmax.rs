@@ -14,7 +14,9 @@
 //! only, f32 and f64; elsewhere [`log_softmax_rows`] answers `None` and the head keeps its composed
 //! path (which CUDA runs).
 
-use crate::host::cpu::{fusable, row_max, with_data_mut, BulkExp};
+use crate::host::exp::BulkExp;
+use crate::host::reduce::row_max;
+use crate::host::storage::{fusable, with_data_mut};
 use crate::vectorized;
 use candle_core::{Device, Tensor, WithDType};
 use num_traits::Float;

@@ -23,8 +23,9 @@ use crate::error::Result;
 use crate::op::Precomputed;
 use crate::op_times;
 use kernel::{KernelFloat, Multiply};
-use streambp_kernels::host::cpu::{cast, fusable, host_slice, storage_id, with_data_mut};
+use streambp_kernels::host::cast::cast;
 use streambp_kernels::host::half_product::Kernel;
+use streambp_kernels::host::storage::{fusable, host_slice, storage_id, with_data_mut};
 
 /// Which way the attention ops of a thread run (tests choose; [`with_composed_path`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

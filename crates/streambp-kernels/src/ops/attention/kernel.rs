@@ -20,8 +20,10 @@
 use num_traits::Float;
 use rayon::prelude::*;
 
-use crate::host::cpu::{gemm_into, row_max, BulkExp, Threads};
+use crate::host::exp::BulkExp;
 use crate::host::half_product::{self, Kernel, Operand};
+use crate::host::products::{gemm_into, Threads};
+use crate::host::reduce::row_max;
 use crate::vectorized;
 use candle_core::WithDType;
 use half::bf16;
@@ -142,7 +144,7 @@ impl Bf16Operand for f32 {
         vectorized!(|_| out.extend(xs.iter().map(|&x| bf16::from_f32(x))));
     }
     fn bf16_value(self) -> f32 {
-        crate::host::cpu::bf16_value(self)
+        crate::host::cast::bf16_value(self)
     }
     fn from_sum(x: f32) -> f32 {
         x
@@ -321,7 +323,7 @@ fn values_for_f32<'a>(
         Values::Bf16 => data,
         Values::Rounded => {
             copy.clear();
-            vectorized!(|_| copy.extend(data.iter().map(|&x| crate::host::cpu::bf16_value(x))));
+            vectorized!(|_| copy.extend(data.iter().map(|&x| crate::host::cast::bf16_value(x))));
             copy
         }
     }
@@ -344,7 +346,7 @@ impl<T: Copy + Send + Sync> Stored<T> for T {
 impl Stored<f32> for half::bf16 {
     fn in_compute_type<'s>(src: &'s [Self], buffer: &'s mut Vec<f32>) -> &'s [f32] {
         buffer.clear();
-        buffer.extend(src.iter().map(|&x| crate::host::cpu::widen(x)));
+        buffer.extend(src.iter().map(|&x| crate::host::cast::widen(x)));
         buffer
     }
 }

@@ -17,7 +17,8 @@ use candle_core::{DType, Tensor, WithDType};
 use num_traits::Float;
 use rayon::prelude::*;
 
-use crate::host::cpu::{fusable, with_data, with_optional, BulkExp};
+use crate::host::exp::BulkExp;
+use crate::host::storage::{fusable, with_data, with_optional};
 use crate::vectorized;
 
 type CResult<T> = candle_core::Result<T>;
