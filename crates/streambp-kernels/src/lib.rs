@@ -18,7 +18,10 @@
 
 #![warn(missing_docs)]
 
+pub mod backend;
 pub mod host;
 pub mod ops;
 #[cfg(test)]
 mod testing;
+
+pub use backend::Backend;

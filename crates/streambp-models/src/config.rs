@@ -115,14 +115,7 @@ impl Family {
     }
 }
 
-/// How an RMSNorm applies its weight, which is where the families differ.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NormStyle {
-    /// Llama/Qwen: normalise in f32, cast back to the input dtype, then multiply by `w`.
-    CastThenScale,
-    /// Gemma: normalise and multiply by `(1 + w)` in f32, then cast back.
-    OnePlusWeightInF32,
-}
+pub use streambp_kernels::ops::rms_norm::NormStyle;
 
 /// The MLP's gate activation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

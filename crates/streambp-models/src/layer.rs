@@ -15,9 +15,9 @@ use crate::linear::Linear;
 use crate::lora::Projection;
 use crate::norm::RmsNorm;
 use crate::rope::{apply_rope, Rotary};
-use crate::swiglu::swiglu;
 use crate::weights::MapWeights;
 use streambp_kernels::host::cast::{cast, through_f32};
+use streambp_kernels::ops::swiglu::swiglu;
 
 /// Queries per attention call when a layer runs over a whole sequence ([`DecoderLayer::forward`]).
 const QUERY_BLOCK: usize = 512;

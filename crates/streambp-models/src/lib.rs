@@ -40,7 +40,6 @@ pub mod norm;
 mod op;
 pub mod op_times;
 pub mod rope;
-mod swiglu;
 pub mod weights;
 
 pub use config::{

@@ -9,8 +9,9 @@ use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 use streambp_kernels::host::half_product;
 use streambp_kernels::host::products::product_into;
-use streambp_kernels::host::storage::fusable;
+use streambp_kernels::host::storage::host_float;
 use streambp_kernels::ops::accumulate;
+use streambp_kernels::Backend;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -331,8 +332,8 @@ fn on_host(x: &Tensor, weight: &Tensor) -> bool {
         (&[_, .., k], &[out, k2]) => k == k2 && x.elem_count() * out > 0,
         _ => false,
     };
-    (fusable(x) || x.dtype() == candle_core::DType::BF16)
-        && x.device().is_cpu()
+    Backend::of(x) == Backend::Cpu
+        && (host_float(x) || x.dtype() == candle_core::DType::BF16)
         && weight.device().is_cpu()
         && weight.dtype() == x.dtype()
         && x.is_contiguous()

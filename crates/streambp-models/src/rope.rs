@@ -4,26 +4,14 @@
 //! Inverse frequencies and angles are computed in f64 and only then cast to the model dtype: the f64
 //! path is then exact, and lower precisions get the correctly rounded table.
 //!
-//! On the CPU in f32/f64 the rotation is one op with its backward written out ([`FusedRope`]: one
-//! pass each way); elsewhere it is composed from differentiable tensor ops (seven, each with a buffer,
-//! and their backward).
+//! The rotation itself is [`streambp_kernels::ops::rope`]'s ([`apply_rope`]).
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, WithDType, D};
+use candle_core::{DType, Device, Tensor, WithDType};
 use half::{bf16, f16};
-use num_traits::Float;
-use rayon::prelude::*;
 
 use crate::config::{RopeConfig, RopeScaling};
 use crate::error::Result;
-use streambp_kernels::host::cast::through_f32;
-use streambp_kernels::host::storage::{fusable, input_data, tensor_from, with_data};
-use streambp_kernels::vectorized;
-
-/// Rows (one head of one token each) per rayon task of the rotation.
-const ROWS_PER_TASK: usize = 16;
-
-type CResult<T> = candle_core::Result<T>;
+pub use streambp_kernels::ops::rope::apply_rope;
 
 /// The inverse frequencies of one rotary table.
 #[derive(Debug, Clone, PartialEq)]
@@ -137,137 +125,9 @@ impl Rotary {
     }
 }
 
-/// Applies rope to `x` of shape `[batch, heads, len, head_dim]` with tables `[len, head_dim]` (or
-/// `[batch, 1, len, head_dim]`, one table per row).
-/// Differentiable in `x` (candle's fused rope records no backward).
-pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (_, heads, len, head_dim) = x.dims4()?;
-    if fusable(x) && head_dim > 0 && cos.dtype() == x.dtype() && sin.dtype() == x.dtype() {
-        let op = FusedRope {
-            head_dim,
-            cos: cos.detach().contiguous()?,
-            sin: sin.detach().contiguous()?,
-            rows_per_batch: heads * len,
-            len,
-            per_batch: cos.rank() == 4,
-        };
-        return Ok(x.contiguous()?.apply_op1(op)?);
-    }
-    let in_f32 = |[x, cos, sin]: [Tensor; 3]| apply_rope(&x, &cos, &sin);
-    if let Some(out) = through_f32([x, &cos.detach(), &sin.detach()], in_f32)? {
-        return Ok(out);
-    }
-    composed_rope(x, cos, sin)
-}
-
-/// [`apply_rope`] from tensor ops (every device and dtype).
-fn composed_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let half = x.dim(D::Minus1)? / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    Ok((x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?)
-}
-
-/// Rope as one CPU op on `x` `[b, heads, len, hd]` (contiguous), with the rotation written out per
-/// row: for halves `x = [x₁, x₂]`, `y = [x₁c₁ − x₂s₁, x₂c₂ + x₁s₂]` (the composed ops' arithmetic,
-/// `x·cos + rotate_half(x)·sin`), and its transpose for the gradient,
-/// `dx = [g₁c₁ + g₂s₂, g₂c₂ − g₁s₁]`.
-struct FusedRope {
-    /// `[len, hd]` or `[b, 1, len, hd]`.
-    cos: Tensor,
-    sin: Tensor,
-    /// `heads × len`: rows of `x` per batch row.
-    rows_per_batch: usize,
-    len: usize,
-    /// Whether the tables hold one table per batch row (packing).
-    per_batch: bool,
-    head_dim: usize,
-}
-
-impl FusedRope {
-    /// The table row of `x`'s row `r`.
-    fn table_row(&self, r: usize) -> usize {
-        let batch = match self.per_batch {
-            true => r / self.rows_per_batch,
-            false => 0,
-        };
-        batch * self.len + r % self.len
-    }
-
-    /// `x` rotated forward (`inverse` false) or by the transpose (the gradient, `inverse` true).
-    fn rotate<T: WithDType + Float>(&self, x: &[T], inverse: bool) -> CResult<Vec<T>> {
-        let rotated = with_data::<T, _>(&self.cos, |cos| {
-            with_data::<T, _>(&self.sin, |sin| {
-                let hd = self.head_dim;
-                let half = hd / 2;
-                let mut y = vec![T::zero(); x.len()];
-                y.par_chunks_mut(hd * ROWS_PER_TASK)
-                    .zip(x.par_chunks(hd * ROWS_PER_TASK))
-                    .enumerate()
-                    .for_each(|(task, (y, x))| {
-                        vectorized!(|_| {
-                            let rows = y.chunks_mut(hd).zip(x.chunks(hd));
-                            for (i, (y, x)) in rows.enumerate() {
-                                let t = self.table_row(task * ROWS_PER_TASK + i) * hd;
-                                let (c, s) = (&cos[t..t + hd], &sin[t..t + hd]);
-                                let (y1, y2) = y.split_at_mut(half);
-                                let (x1, x2) = x.split_at(half);
-                                let (c1, c2) = c.split_at(half);
-                                let (s1, s2) = s.split_at(half);
-                                for i in 0..half {
-                                    let (a, b) = (x1[i], x2[i]);
-                                    if inverse {
-                                        y1[i] = a * c1[i] + b * s2[i];
-                                        y2[i] = b * c2[i] - a * s1[i];
-                                    } else {
-                                        y1[i] = a * c1[i] + (-b) * s1[i];
-                                        y2[i] = b * c2[i] + a * s2[i];
-                                    }
-                                }
-                            }
-                        })
-                    });
-                Ok(y)
-            })
-        })?
-        .flatten();
-        rotated.ok_or_else(|| candle_core::Error::Msg("rope: tables off the CPU".into()))
-    }
-}
-
-impl CustomOp1 for FusedRope {
-    fn name(&self) -> &'static str {
-        "streambp-rope"
-    }
-
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let y = match xs.dtype() {
-            DType::F32 => {
-                f32::to_cpu_storage_owned(self.rotate::<f32>(input_data(xs, xl)?, false)?)
-            }
-            DType::F64 => {
-                f64::to_cpu_storage_owned(self.rotate::<f64>(input_data(xs, xl)?, false)?)
-            }
-            other => candle_core::bail!("rope op: {other:?} is not f32 or f64"),
-        };
-        Ok((y, xl.shape().clone()))
-    }
-
-    fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
-        let dx = match x.dtype() {
-            DType::F32 => with_data::<f32, _>(g, |g| tensor_from(self.rotate(g, true)?, x))?,
-            _ => with_data::<f64, _>(g, |g| tensor_from(self.rotate(g, true)?, x))?,
-        };
-        Ok(dx)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Var;
-    use streambp_testkit::{grads, max_diff};
 
     /// Tables in each dtype hold the f64 tables' values rounded as candle casts them (through f32
     /// for half precision), bit for bit, at positions up to 70K and out of order (packing).
@@ -306,48 +166,5 @@ mod tests {
         }
         let two = (0..2).map(|p| p as f64);
         assert!(rotary.tables(two, 2, DType::U8, &dev).is_err());
-    }
-
-    /// The fused rotation and the composed one: equal outputs and input gradients in f64, with one
-    /// table for all rows and with one table per batch row (packing), on a strided input.
-    #[test]
-    fn the_fused_rope_matches_the_composed_one_in_f64() {
-        let dev = Device::Cpu;
-        let (b, heads, len, hd) = (2, 3, 5, 8);
-        let rotary = Rotary::new(
-            &RopeConfig {
-                theta: 10_000.0,
-                scaling: RopeScaling::None,
-            },
-            hd,
-        );
-        let shared = rotary
-            .tables((0..len).map(|p| p as f64), len, DType::F64, &dev)
-            .unwrap();
-        let positions = (0..b * len).map(|i| ((i * 7) % 11) as f64);
-        let (cos, sin) = rotary.tables(positions, b * len, DType::F64, &dev).unwrap();
-        let per_row = (
-            cos.reshape((b, 1, len, hd)).unwrap(),
-            sin.reshape((b, 1, len, hd)).unwrap(),
-        );
-        for (cos, sin) in [shared, per_row] {
-            let x = Var::from_tensor(
-                &Tensor::randn(0f64, 1.0, (b, len, heads, hd), &dev)
-                    .unwrap()
-                    .transpose(1, 2)
-                    .unwrap(),
-            )
-            .unwrap();
-            let g = Tensor::randn(0f64, 1.0, (b, heads, len, hd), &dev).unwrap();
-            let fused = apply_rope(x.as_tensor(), &cos, &sin).unwrap();
-            let composed = composed_rope(x.as_tensor(), &cos, &sin).unwrap();
-            assert!(max_diff(&fused, &composed) < 1e-12, "rank {}", cos.rank());
-            let (fused_dx, composed_dx) = (grads(&fused, &g, &[&x]), grads(&composed, &g, &[&x]));
-            assert!(
-                max_diff(&fused_dx[0], &composed_dx[0]) < 1e-12,
-                "rank {}",
-                cos.rank()
-            );
-        }
     }
 }

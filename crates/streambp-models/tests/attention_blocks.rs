@@ -4,8 +4,9 @@
 //! (constants whose gradients the op adds into buffers).
 
 use candle_core::{DType, Device, Tensor, Var};
+use streambp_kernels::backend::with_composed;
 use streambp_models::attention::{
-    attention, with_composed_path, with_fused_softmax_blocks, Blocking, EarlierKeys, Products,
+    attention, with_fused_softmax_blocks, Blocking, EarlierKeys, Products,
 };
 use streambp_testkit::rel_err;
 
@@ -58,7 +59,7 @@ fn key_blocks_do_not_change_output_or_gradients() {
 /// blocks (what the CPU runs where its kernel does not apply).
 #[test]
 fn the_tensor_op_path_agrees_too() {
-    with_composed_path(|| SHAPES.into_iter().for_each(check_against_composed_softmax));
+    with_composed(|| SHAPES.into_iter().for_each(check_against_composed_softmax));
     with_fused_softmax_blocks(|| SHAPES.into_iter().for_each(check_against_composed_softmax));
 }
 
@@ -106,7 +107,7 @@ fn the_kernel_agrees_in_f32() {
         with_grads(out, &weights, [&q, &k, &v])
     };
     let kernel = run();
-    let composed = with_composed_path(run);
+    let composed = with_composed(run);
     assert_within(1e-5, "f32", refs(&kernel), refs(&composed));
     let fused_softmax = with_fused_softmax_blocks(run);
     assert_within(1e-5, "f32", refs(&kernel), refs(&fused_softmax));
@@ -269,7 +270,7 @@ fn bf16_keys_give_the_bits_of_their_f32_values() {
     let rounded = |x: &Tensor| x.to_dtype(DType::BF16).unwrap();
     for path in ["kernel", "tensor ops", "fused softmax blocks"] {
         let on_path = |k: &Var, v: &Var| match path {
-            "tensor ops" => with_composed_path(|| run(k, v)),
+            "tensor ops" => with_composed(|| run(k, v)),
             "fused softmax blocks" => with_fused_softmax_blocks(|| run(k, v)),
             _ => run(k, v),
         };

@@ -6,11 +6,12 @@
 use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor, Var};
-use streambp_models::attention::{attention, with_composed_path, Blocking, Products};
+use streambp_kernels::backend::with_composed;
+use streambp_models::attention::{attention, Blocking, Products};
 use streambp_models::op_times;
 
 /// One forward and backward of a causal attention op of 20 queries and keys in blocks of 8 (three
-/// blocks), on the path `with_composed_path` or not says.
+/// blocks), on the path `with_composed` or not says.
 fn forward_and_backward() {
     let dev = Device::Cpu;
     let (kv_heads, group, t, hd) = (2, 2, 20, 4);
@@ -56,11 +57,11 @@ static TURN: Mutex<()> = Mutex::new(());
 fn attention_parts_are_counted_per_key_block_and_only_while_on() {
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
     forward_and_backward();
-    with_composed_path(forward_and_backward);
+    with_composed(forward_and_backward);
     assert_eq!(calls(), []);
 
     op_times::switch(true);
-    with_composed_path(forward_and_backward);
+    with_composed(forward_and_backward);
     let blocks = 3;
     assert_eq!(
         calls(),

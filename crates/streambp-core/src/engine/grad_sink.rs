@@ -153,8 +153,11 @@ impl GradSink {
         rows: &Tensor,
     ) -> Result<()> {
         let on_host = table.device().is_cpu() && rows.dtype() == table.dtype();
-        let half = accumulator_dtype(table.dtype()) != table.dtype();
-        if on_host && (streambp_kernels::host::storage::fusable(table) || half) {
+        let float = matches!(
+            table.dtype(),
+            DType::F32 | DType::F64 | DType::BF16 | DType::F16
+        );
+        if on_host && float {
             if let Some(acc) = self.accumulator(name, table)? {
                 let rows = streambp_kernels::host::cast::cast(rows, acc.dtype())?;
                 if accumulate::add_rows(&acc, ids, &rows)? {

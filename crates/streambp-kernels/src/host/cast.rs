@@ -10,7 +10,7 @@ use crate::vectorized;
 
 type CResult<T> = candle_core::Result<T>;
 
-/// Runs `op`, a pass written for f32/f64 ([`crate::host::storage::fusable`]), on bf16 CPU tensors: their f32 copies in
+/// Runs `op`, a pass written for f32/f64 ([`crate::host::storage::host_float`]), on bf16 CPU tensors: their f32 copies in
 /// (inputs already in f32 as they are), the result rounded back to bf16 once (the casts recorded in
 /// the graph). Composed in bf16 the same computation makes a buffer and a rounding per step, forward
 /// and backward. `None`, with nothing run, unless the first input is bf16 and every input bf16 or

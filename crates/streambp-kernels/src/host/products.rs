@@ -5,7 +5,7 @@
 use candle_core::{DType, Storage, Tensor, WithDType};
 
 use crate::host::skinny::{self, SumType};
-use crate::host::storage::fusable;
+use crate::host::storage::host_float;
 use crate::host::transpose;
 
 type CResult<T> = candle_core::Result<T>;
@@ -77,7 +77,7 @@ pub(crate) fn strided<'a, T>(
 /// `a·b` for 2-D f32/f64 CPU tensors (any strides) by [`gemm_into`] in tiles; `None` for any others.
 /// The result records no backward (for products of constants, as [`crate::host::half_product::matmul`]).
 pub fn tiled_matmul(a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
-    if !(fusable(a) && b.device().is_cpu() && a.dtype() == b.dtype())
+    if !(host_float(a) && b.device().is_cpu() && a.dtype() == b.dtype())
         || a.rank() != 2
         || b.rank() != 2
     {

@@ -1,6 +1,6 @@
 //! Tensors' host memory as slices: the contiguous CPU data of a tensor (or of a custom op's input)
 //! read or written in place, for the passes that make one pass where composed ops make several, and
-//! the test of whether such a pass applies ([`fusable`]).
+//! the test of whether a tensor's data can be read so ([`host_float`]).
 
 use candle_core::{DType, Storage, Tensor, WithDType};
 
@@ -113,8 +113,8 @@ pub fn storage_id(t: &Tensor) -> Option<usize> {
     }
 }
 
-/// Whether a hand-written pass applies to `t`: on the CPU, in f32 or f64.
-pub fn fusable(t: &Tensor) -> bool {
+/// Whether `t`'s data is host memory in f32 or f64, as the host's passes read it.
+pub fn host_float(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 

@@ -15,7 +15,7 @@
 use crate::host::half_product::{self, Destination};
 use crate::host::products::{product_into, strided};
 use crate::host::skinny::SumType;
-use crate::host::storage::{fusable, input_data};
+use crate::host::storage::{host_float, input_data};
 use crate::vectorized;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor, WithDType};
 use rayon::prelude::*;
@@ -27,7 +27,7 @@ const PER_TASK: usize = 1 << 14;
 
 /// Whether `acc` can be added into in place with operands like `operands`.
 fn in_place(acc: &Tensor, operands: &[&Tensor]) -> bool {
-    fusable(acc)
+    host_float(acc)
         && acc.is_contiguous()
         && operands
             .iter()

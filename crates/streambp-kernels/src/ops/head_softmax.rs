@@ -14,9 +14,10 @@
 //! only, f32 and f64; elsewhere [`log_softmax_rows`] answers `None` and the head keeps its composed
 //! path (which CUDA runs).
 
+use crate::backend::Backend;
 use crate::host::exp::BulkExp;
 use crate::host::reduce::row_max;
-use crate::host::storage::{fusable, with_data_mut};
+use crate::host::storage::{host_float, with_data_mut};
 use crate::vectorized;
 use candle_core::{Device, Tensor, WithDType};
 use num_traits::Float;
@@ -40,7 +41,7 @@ pub struct HeadRows {
 /// `exp(z − max)` in `z`'s buffer: the caller hands over a logits chunk nothing else reads. `None`
 /// off the CPU or for other dtypes (`z` untouched).
 pub fn log_softmax_rows(z: &Tensor, targets: &Tensor) -> CResult<Option<HeadRows>> {
-    if !fusable(z) || !z.is_contiguous() {
+    if Backend::of(z) != Backend::Cpu || !host_float(z) || !z.is_contiguous() {
         return Ok(None);
     }
     let targets = targets

@@ -3,3 +3,6 @@
 pub mod accumulate;
 pub mod attention;
 pub mod head_softmax;
+pub mod rms_norm;
+pub mod rope;
+pub mod swiglu;

@@ -25,49 +25,27 @@ use crate::op_times;
 use kernel::{KernelFloat, Multiply};
 use streambp_kernels::host::cast::cast;
 use streambp_kernels::host::half_product::Kernel;
-use streambp_kernels::host::storage::{fusable, host_slice, storage_id, with_data_mut};
-
-/// Which way the attention ops of a thread run (tests choose; [`with_composed_path`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Path {
-    /// The CPU kernel where it applies, else the tensor ops with the host's fused softmax blocks
-    /// where those apply.
-    Fastest,
-    /// The tensor ops, the host's fused softmax blocks included.
-    FusedSoftmax,
-    /// The tensor ops alone: CUDA's path.
-    TensorOps,
-}
+use streambp_kernels::host::storage::{host_float, host_slice, storage_id, with_data_mut};
+use streambp_kernels::Backend;
 
 thread_local! {
-    /// Set by [`with_composed_path`] and [`with_fused_softmax_blocks`].
-    static PATH: std::cell::Cell<Path> = const { std::cell::Cell::new(Path::Fastest) };
-}
-
-/// Runs `f` with the attention ops made on this thread taking `path`, restored however `f` ends
-/// (a failing test's panic included).
-fn with_path<R>(path: Path, f: impl FnOnce() -> R) -> R {
-    struct Restore(Path);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            PATH.with(|c| c.set(self.0));
-        }
-    }
-    let _restore = Restore(PATH.with(|c| c.replace(path)));
-    f()
-}
-
-/// Runs `f` with the attention ops it makes and differentiates on this thread taking their
-/// tensor-op path even where the CPU kernel applies, its softmax blocks tensor ops too: CUDA's
-/// path, for tests that check it on the CPU.
-pub fn with_composed_path<R>(f: impl FnOnce() -> R) -> R {
-    with_path(Path::TensorOps, f)
+    /// Set by [`with_fused_softmax_blocks`].
+    static KERNEL_OFF: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Runs `f` with the attention ops on this thread taking their tensor-op path with the host's fused
-/// softmax blocks (what the CPU runs where its kernel does not apply): for tests of that path.
+/// softmax blocks (what the CPU runs where its kernel does not apply) rather than the CPU kernel,
+/// restored however `f` ends: for tests of that path. (The composed path alone, a card's, is
+/// [`streambp_kernels::backend::with_composed`]'s.)
 pub fn with_fused_softmax_blocks<R>(f: impl FnOnce() -> R) -> R {
-    with_path(Path::FusedSoftmax, f)
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            KERNEL_OFF.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(KERNEL_OFF.with(|c| c.replace(true)));
+    f()
 }
 
 /// Keys per block: the score tensors of a query chunk are at most `heads × c × KEY_BLOCK`. 512 keeps
@@ -296,9 +274,7 @@ impl Blocks {
                 op_times::timed("attention.forward.scores", device, || self.scores(q, &k, r))?;
             let before = state.as_ref().map(|(m, _, _)| m);
             let (p, max, sum) = op_times::timed("attention.forward.softmax", device, || {
-                if let Some(fused) =
-                    fused_softmax(|| softmax_block::forward(&s, mask.as_ref(), before))?
-                {
+                if let Some(fused) = softmax_block::forward(&s, mask.as_ref(), before)? {
                     return Ok(fused);
                 }
                 // The tensor ops of the softmax block, each timed (the suspects on a card).
@@ -346,7 +322,8 @@ impl Blocks {
     /// into (contiguous buffers long enough, sharing no storage with each other or the inputs).
     /// Elsewhere the tensor-op path runs, which reports what does not fit.
     fn kernel_applies(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<bool> {
-        if PATH.with(|c| c.get()) != Path::Fastest || !fusable(q) || self.compute != q.dtype() {
+        let on_cpu = Backend::of(q) == Backend::Cpu && !KERNEL_OFF.with(|c| c.get());
+        if !on_cpu || !host_float(q) || self.compute != q.dtype() {
             return Ok(false);
         }
         let (b, kv_heads, rows, hd) = q.dims4()?;
@@ -814,9 +791,8 @@ impl Attention {
                 })?;
             let normalizer = (&self.normalizer.max, &self.normalizer.log_sum);
             let (p, grad_s) = op_times::timed("attention.backward.softmax", device, || {
-                let fused =
-                    || softmax_block::backward(&s, mask.as_ref(), normalizer, &grad_p, &dot);
-                if let Some(fused) = fused_softmax(fused)? {
+                let fused = softmax_block::backward(&s, mask.as_ref(), normalizer, &grad_p, &dot)?;
+                if let Some(fused) = fused {
                     return Ok(fused);
                 }
                 // The tensor ops of the softmax block, each timed (the suspects on a card).
@@ -862,16 +838,6 @@ impl Attention {
             .ok_or_else(|| candle_core::Error::Msg("no keys".into()))?
             .to_dtype(dtype)?;
         Ok((grad_q, own_grad_k, own_grad_v))
-    }
-}
-
-/// A softmax block's fused host pass (`pass`: [`softmax_block::forward`] or `backward`), unless
-/// [`with_composed_path`] asks for the tensor ops CUDA runs: `None` then, and where the pass does
-/// not apply.
-fn fused_softmax<R>(pass: impl FnOnce() -> CResult<Option<R>>) -> CResult<Option<R>> {
-    match PATH.with(|c| c.get()) {
-        Path::TensorOps => Ok(None),
-        Path::Fastest | Path::FusedSoftmax => pass(),
     }
 }
 

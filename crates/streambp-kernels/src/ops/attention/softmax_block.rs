@@ -17,8 +17,9 @@ use candle_core::{DType, Tensor, WithDType};
 use num_traits::Float;
 use rayon::prelude::*;
 
+use crate::backend::Backend;
 use crate::host::exp::BulkExp;
-use crate::host::storage::{fusable, with_data, with_optional};
+use crate::host::storage::{host_float, with_data, with_optional};
 use crate::vectorized;
 
 type CResult<T> = candle_core::Result<T>;
@@ -82,7 +83,7 @@ pub fn forward(
     mask: Option<&Tensor>,
     prev_max: Option<&Tensor>,
 ) -> CResult<Option<(Tensor, Tensor, Tensor)>> {
-    if !fusable(s) {
+    if Backend::of(s) != Backend::Cpu || !host_float(s) {
         return Ok(None);
     }
     match s.dtype() {
@@ -155,7 +156,7 @@ pub fn backward(
     dp: &Tensor,
     dot: &Tensor,
 ) -> CResult<Option<(Tensor, Tensor)>> {
-    if !fusable(s) {
+    if Backend::of(s) != Backend::Cpu || !host_float(s) {
         return Ok(None);
     }
     match s.dtype() {
