@@ -20,8 +20,9 @@ use streambp_core::{
     backward_with, estimate, Batch, CheckpointEvery, CheckpointPlace, ChunkPolicy, Chunks, Mode,
     Options, Plan, Problem, Tiers,
 };
+use streambp_kernels::op_times;
 use streambp_models::device::{parse_budget, parse_device, parse_dtype};
-use streambp_models::{op_times, LoraConfig, Model, ModelConfig};
+use streambp_models::{LoraConfig, Model, ModelConfig};
 use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
 use streambp_train::config::LoraArgs;
 use streambp_train::optim::{AdamW, AdamWConfig};

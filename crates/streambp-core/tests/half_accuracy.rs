@@ -143,7 +143,7 @@ fn error(grads: &Gradients, exact: &Gradients) -> f64 {
 ///   SwiGLU and attention run in f32, rounded once; the composed bf16 ops before them gave 1.70e-1
 ///   and 2.08e-2. Since the attention's products take bf16 operands where PyTorch's bf16
 ///   attention does (its exponentials, probabilities, output gradient and `dS` rounded:
-///   `streambp_models::attention::Products::Bf16`), 1.13e-1 and 1.66e-2 (AMD EPYC Zen 5). Bounds
+///   `streambp_kernels::ops::attention::Products::Bf16`), 1.13e-1 and 1.66e-2 (AMD EPYC Zen 5). Bounds
 ///   0.135 and 0.02 (about 20% room): a change that rounds more often than now lands above them.
 /// - f32 gradient 6.1e-6, loss 1.0e-6: bounds 8e-6 and 1.5e-6.
 #[test]

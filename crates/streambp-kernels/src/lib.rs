@@ -20,7 +20,9 @@
 
 pub mod backend;
 pub mod host;
+pub mod op_times;
 pub mod ops;
+pub mod precomputed;
 #[cfg(test)]
 mod testing;
 

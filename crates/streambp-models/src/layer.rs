@@ -7,7 +7,6 @@
 
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 
-use crate::attention::{attention_over_heads, Blocking, EarlierKeys, KeyMask, Products, KEY_BLOCK};
 use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::error::Result;
 use crate::layout::Layout;
@@ -17,6 +16,9 @@ use crate::norm::RmsNorm;
 use crate::rope::{apply_rope, Rotary};
 use crate::weights::MapWeights;
 use streambp_kernels::host::cast::{cast, through_f32};
+use streambp_kernels::ops::attention::{
+    attention_over_heads, Blocking, EarlierKeys, KeyMask, Products, KEY_BLOCK,
+};
 use streambp_kernels::ops::swiglu::swiglu;
 
 /// Queries per attention call when a layer runs over a whole sequence ([`DecoderLayer::forward`]).
@@ -172,7 +174,7 @@ impl ChunkMask {
 }
 
 impl KeyMask for ChunkMask {
-    fn bias(&self, start: usize, n: usize, dtype: DType) -> Result<Option<Tensor>> {
+    fn bias(&self, start: usize, n: usize, dtype: DType) -> candle_core::Result<Option<Tensor>> {
         let first = self.k_start + start;
         if self.reads_whole(first, n) {
             return Ok(None);
@@ -183,11 +185,11 @@ impl KeyMask for ChunkMask {
             DType::F64 => f64::MIN,
             _ => f32::MIN as f64,
         };
-        Ok(Some(
-            self.allowed(first, n)?
-                .to_dtype(dtype)?
-                .affine(-floor, floor)?,
-        ))
+        let allowed = self.allowed(first, n).map_err(|e| match e {
+            crate::error::ModelError::Candle(e) => e,
+            other => candle_core::Error::Msg(format!("attention mask: {other}")),
+        })?;
+        Ok(Some(allowed.to_dtype(dtype)?.affine(-floor, floor)?))
     }
 }
 

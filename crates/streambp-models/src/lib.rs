@@ -23,7 +23,6 @@
 #![warn(missing_docs)]
 
 pub mod adapter;
-pub mod attention;
 pub mod config;
 pub mod decode;
 pub mod device;
@@ -38,7 +37,6 @@ pub mod lora;
 pub mod model;
 pub mod norm;
 mod op;
-pub mod op_times;
 pub mod rope;
 pub mod weights;
 

@@ -2,15 +2,13 @@
 //! is written out: the op's own forward only hands the precomputed result over. That way the op runs on
 //! every backend (the forward is candle ops) while autograd records only what its backward needs.
 
-use std::sync::Mutex;
-
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
 use streambp_kernels::host::half_product;
 use streambp_kernels::host::products::product_into;
 use streambp_kernels::host::storage::host_float;
 use streambp_kernels::ops::accumulate;
+use streambp_kernels::precomputed::Precomputed;
 use streambp_kernels::Backend;
 
 type CResult<T> = candle_core::Result<T>;
@@ -121,45 +119,6 @@ fn narrowed_exactly(x: &Tensor) -> CResult<Option<Tensor>> {
     {
         Some(narrowed) => Tensor::from_vec(narrowed, x.shape(), x.device()).map(Some),
         None => Ok(None),
-    }
-}
-
-/// A forward result waiting to be handed to the op that records it (once).
-#[derive(Debug)]
-pub(crate) struct Precomputed(Mutex<Option<Tensor>>);
-
-impl Precomputed {
-    pub(crate) fn new(out: Tensor) -> Self {
-        Self(Mutex::new(Some(out)))
-    }
-
-    fn take(&self) -> CResult<Tensor> {
-        self.0
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("precomputed op: poisoned lock".into()))?
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("precomputed op: forward run twice".into()))
-    }
-
-    /// The result's CPU storage (a copy: the op's output must own its storage).
-    pub(crate) fn cpu(&self) -> CResult<(CpuStorage, Shape)> {
-        let out = self.take()?;
-        let (storage, layout) = out.storage_and_layout();
-        match &*storage {
-            Storage::Cpu(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
-            _ => candle_core::bail!("precomputed op: output on another device than its inputs"),
-        }
-    }
-
-    /// The result's CUDA storage (a copy, as on the CPU).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn cuda(&self) -> CResult<(candle_core::CudaStorage, Shape)> {
-        let out = self.take()?;
-        let (storage, layout) = out.storage_and_layout();
-        match &*storage {
-            Storage::Cuda(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
-            _ => candle_core::bail!("precomputed op: output on another device than its inputs"),
-        }
     }
 }
 

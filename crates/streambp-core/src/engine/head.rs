@@ -6,7 +6,8 @@ use std::ops::Range;
 use candle_core::{DType, Tensor, Var, D};
 use streambp_kernels::host::cast::{cast, round_in_place};
 use streambp_kernels::host::half_product;
-use streambp_models::{op_times, Model};
+use streambp_kernels::op_times;
+use streambp_models::Model;
 use streambp_objectives::Objective;
 
 use crate::error::Result;

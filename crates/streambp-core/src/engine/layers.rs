@@ -6,8 +6,9 @@ use std::ops::Range;
 
 use candle_core::{DType, Tensor, Var};
 use streambp_kernels::host::cast::{cast, widened_values};
-use streambp_models::attention::EarlierKeys;
-use streambp_models::{op_times, DecoderLayer, KeyBlock, Layout, MapWeights, Model};
+use streambp_kernels::op_times;
+use streambp_kernels::ops::attention::EarlierKeys;
+use streambp_models::{DecoderLayer, KeyBlock, Layout, MapWeights, Model};
 
 use crate::error::Result;
 use crate::seed::seed;
@@ -145,7 +146,7 @@ pub(super) fn layer_backward_streamed(
     // The gradients of the layer's keys and values, filled from the last chunk backwards. Two writers:
     // each chunk's graph pushes its queries' gradient into the keys/values of *earlier* chunks through
     // the attention op's backward, which adds it in place into these buffers
-    // (`streambp_models::attention`: `EarlierKeys::grad_keys` / `grad_values`, its `add_at`); a
+    // (`streambp_kernels::ops::attention`: `EarlierKeys::grad_keys` / `grad_values`, its `add_at`); a
     // chunk's *own* keys/values get theirs from its graph, and the buffers' `[s, e)` part, complete by
     // then, is fed into that graph by the surrogate below.
     let grad_keys = keys.zeros_like()?;

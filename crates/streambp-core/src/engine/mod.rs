@@ -35,8 +35,9 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use streambp_dist::Communicator;
 use streambp_kernels::host::cast::cast;
+use streambp_kernels::op_times;
 use streambp_models::lora::DropoutKey;
-use streambp_models::{op_times, Layout, Model};
+use streambp_models::{Layout, Model};
 use streambp_objectives::Objective;
 
 use crate::error::{EngineError, Result};

@@ -259,7 +259,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // The attention op: query heads per key/value head, keys per block, and its kernel's tasks on
     // the host (a key/value head of a row each, over rayon's threads).
     let group = heads / (cfg.num_kv_heads as u64).max(1);
-    let key_block = streambp_models::attention::KEY_BLOCK as u64;
+    let key_block = streambp_kernels::ops::attention::KEY_BLOCK as u64;
     let (items, threads) = (
         b * cfg.num_kv_heads as u64,
         rayon::current_num_threads() as u64,
@@ -390,7 +390,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // a key block) into a copy, which its kernel packs (the widened kernel: widens a slice of it).
     let bf16_forward = match (p.dtype, p.host) {
         (DType::BF16, true) => {
-            let rows = (group * c).min(streambp_models::attention::MAX_ROW_TILE as u64);
+            let rows = (group * c).min(streambp_kernels::ops::attention::MAX_ROW_TILE as u64);
             items.min(threads) * rows * key_block.min(t) * (2 + 2)
         }
         _ => 0,

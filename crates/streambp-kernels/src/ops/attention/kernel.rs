@@ -13,7 +13,7 @@
 //! attention rounds them ([`Multiply::Bf16`]). The arithmetic is the composed path's
 //! (`attention.rs`), step for step; only sums round apart, and none depends on the thread count.
 //!
-//! Shapes as in `streambp_models::attention`: q `[b, kv_heads, rows, hd]` with `rows = group·c` (query heads of a
+//! Shapes as in [`super`]: q `[b, kv_heads, rows, hd]` with `rows = group·c` (query heads of a
 //! group one after the other, `c` queries each); keys and values `[b, kv_heads, t, hd]`; each block's
 //! mask `[1 | b, 1, 1, c, n]`.
 

@@ -10,7 +10,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 use half::bf16;
 use streambp_kernels::host::half_product::Kernel;
-use streambp_models::attention::{attention_over_heads, Blocking, Products};
+use streambp_kernels::ops::attention::{attention_over_heads, Blocking, Products};
 
 /// `(b, kv_heads, group, c, t, hd, key_block)`.
 type Shape = (usize, usize, usize, usize, usize, usize, usize);

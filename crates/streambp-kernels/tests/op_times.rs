@@ -7,8 +7,8 @@ use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor, Var};
 use streambp_kernels::backend::with_composed;
-use streambp_models::attention::{attention, Blocking, Products};
-use streambp_models::op_times;
+use streambp_kernels::op_times;
+use streambp_kernels::ops::attention::{attention, Blocking, Products};
 
 /// One forward and backward of a causal attention op of 20 queries and keys in blocks of 8 (three
 /// blocks), on the path `with_composed` or not says.

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use streambp_kernels::backend::with_composed;
-use streambp_models::attention::{
+use streambp_kernels::ops::attention::{
     attention, with_fused_softmax_blocks, Blocking, EarlierKeys, Products,
 };
 use streambp_testkit::rel_err;
