@@ -19,12 +19,14 @@
 pub mod kernel;
 pub mod softmax_block;
 
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, WithDType, D};
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor, WithDType, D};
 
 use crate::backend::Backend;
 use crate::host::cast::cast;
 use crate::host::half_product::Kernel;
-use crate::host::storage::{host_float, host_slice, storage_id, with_data_mut};
+use crate::host::storage::{host_float, host_slice, input_data, storage_id, with_data_mut};
 use crate::op_times;
 use crate::precomputed::Precomputed;
 use kernel::{KernelFloat, Multiply};
@@ -163,6 +165,17 @@ impl Blocks {
             kernel: Kernel::detect(),
             scale: self.scale as f32,
         }))
+    }
+
+    /// How the CPU kernel multiplies where it runs the forward of q (unscaled), k and v as they
+    /// are ([`Blocks::kernel_applies`]); `None` where it does not.
+    fn kernel_multiply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<Option<Multiply>> {
+        if !self.kernel_applies(q, k, v)? {
+            return Ok(None);
+        }
+        Ok(Some(
+            self.bf16_products(q, k, v)?.unwrap_or(Multiply::Exact),
+        ))
     }
 
     /// The key blocks, in order: the earlier keys', then the op's own `own` keys'.
@@ -364,9 +377,11 @@ impl Blocks {
         })
     }
 
-    /// The kernel's sizes for queries `q`.
-    fn kernel_dims(&self, q: &Tensor) -> CResult<kernel::Dims> {
-        let (b, kv_heads, rows, hd) = q.dims4()?;
+    /// The kernel's sizes for queries `[b, kv_heads, rows, hd]`.
+    fn kernel_dims(
+        &self,
+        (b, kv_heads, rows, hd): (usize, usize, usize, usize),
+    ) -> CResult<kernel::Dims> {
         Ok(kernel::Dims {
             items: b * kv_heads,
             kv_heads,
@@ -413,27 +428,43 @@ impl Blocks {
         v: &Tensor,
         multiply: Multiply,
     ) -> CResult<(Tensor, Normalizer)> {
-        let dims = self.kernel_dims(q)?;
-        let ranges = self.ranges(k.dim(2)?)?;
-        let fetch = |b: usize| self.kernel_block::<T>(dims, ranges[b]);
+        let dims = self.kernel_dims(q.dims4()?)?;
         let data = HostKeys::new(q, k, v, self.earlier.as_ref())?;
         let fwd = data.read::<T, K, _>((dims, multiply), |inputs| {
-            let blocks = kernel::Blocks {
-                count: ranges.len(),
-                fetch: &fetch,
-            };
-            kernel::forward(inputs, blocks)
+            self.kernel_forward_of(inputs, k.dim(2)?)
         })?;
-        let (b, kv_heads, rows, _) = q.dims4()?;
-        let per_query = (b, kv_heads, self.group, rows / self.group, 1);
         let device = q.device();
-        Ok((
-            Tensor::from_vec(fwd.out, q.shape(), device)?,
-            Normalizer {
-                max: Tensor::from_vec(fwd.max, per_query, device)?,
-                log_sum: Tensor::from_vec(fwd.log_sum, per_query, device)?,
-            },
-        ))
+        let normalizer = self.normalizer_of(&fwd, q.dims4()?, device)?;
+        Ok((Tensor::from_vec(fwd.out, q.shape(), device)?, normalizer))
+    }
+
+    /// The CPU kernel's forward of `inputs`, with `own` keys of the op's own.
+    fn kernel_forward_of<T: KernelFloat, K: kernel::Stored<T>>(
+        &self,
+        inputs: &kernel::Inputs<'_, T, K>,
+        own: usize,
+    ) -> CResult<kernel::Forward<T>> {
+        let ranges = self.ranges(own)?;
+        let fetch = |b: usize| self.kernel_block::<T>(inputs.dims, ranges[b]);
+        let blocks = kernel::Blocks {
+            count: ranges.len(),
+            fetch: &fetch,
+        };
+        kernel::forward(inputs, blocks)
+    }
+
+    /// The normalizer of the kernel's forward `fwd` of queries `[b, kv_heads, rows, hd]`.
+    fn normalizer_of<T: WithDType>(
+        &self,
+        fwd: &kernel::Forward<T>,
+        (b, kv_heads, rows, _): (usize, usize, usize, usize),
+        device: &candle_core::Device,
+    ) -> CResult<Normalizer> {
+        let per_query = (b, kv_heads, self.group, rows / self.group, 1);
+        Ok(Normalizer {
+            max: Tensor::from_slice(&fwd.max, per_query, device)?,
+            log_sum: Tensor::from_slice(&fwd.log_sum, per_query, device)?,
+        })
     }
 
     /// The op's backward by the CPU kernel: the gradients of q and of the op's own keys and values;
@@ -445,7 +476,7 @@ impl Blocks {
         grad: &Tensor,
         multiply: Multiply,
     ) -> CResult<(Tensor, Tensor, Tensor)> {
-        let dims = self.kernel_dims(q)?;
+        let dims = self.kernel_dims(q.dims4()?)?;
         let t = k.dim(2)?;
         let ranges = self.ranges(t)?;
         let fetch = |b: usize| self.kernel_block::<T>(dims, ranges[b]);
@@ -527,10 +558,9 @@ struct HostKeys {
 
 /// `t` (`[b, heads, len, hd]`) itself where each head's rows are contiguous, else a contiguous copy.
 fn rows_contiguous(t: &Tensor) -> CResult<Tensor> {
-    let (_, _, _, hd) = t.dims4()?;
-    match t.stride() {
-        [_, _, row, 1] if *row == hd => Ok(t.clone()),
-        _ => t.contiguous(),
+    match rows_are_contiguous(t) {
+        true => Ok(t.clone()),
+        false => t.contiguous(),
     }
 }
 
@@ -542,6 +572,17 @@ fn head_rows<'a, T: WithDType>(
     let candle_core::Storage::Cpu(cpu) = storage else {
         candle_core::bail!("attention kernel: not on the CPU");
     };
+    cpu_head_rows(cpu, layout)
+}
+
+/// The head rows of a `[b, heads, len, hd]` view in CPU storage, each head's rows contiguous.
+fn cpu_head_rows<'a, T: WithDType>(
+    cpu: &'a CpuStorage,
+    layout: &Layout,
+) -> CResult<kernel::HeadRows<'a, T>> {
+    if !rows_contiguous_in(layout.dims(), layout.stride()) {
+        candle_core::bail!("attention kernel: head rows not contiguous");
+    }
     Ok(kernel::HeadRows {
         data: &cpu.as_slice::<T>()?[layout.start_offset()..],
         batch_stride: layout.stride()[0],
@@ -573,57 +614,82 @@ impl HostKeys {
             self.own.0.storage_and_layout(),
             self.own.1.storage_and_layout(),
         );
-        let earlier = self
-            .earlier
-            .as_ref()
-            .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()));
-        let earlier = match &earlier {
-            Some((k, v)) => Some(kernel::KeysValues {
-                keys: head_rows::<K>(&k.0, k.1)?,
-                values: head_rows::<K>(&v.0, v.1)?,
-            }),
-            None => None,
+        let own = kernel::KeysValues {
+            keys: head_rows::<K>(&k.0, k.1)?,
+            values: head_rows::<K>(&v.0, v.1)?,
         };
-        let inputs = kernel::Inputs {
-            dims,
-            q: host_slice::<T>(&q.0, q.1)?,
-            own: kernel::KeysValues {
-                keys: head_rows::<K>(&k.0, k.1)?,
-                values: head_rows::<K>(&v.0, v.1)?,
-            },
-            earlier,
-            multiply,
-        };
-        f(&inputs)
+        let q = host_slice::<T>(&q.0, q.1)?;
+        with_earlier(self.earlier.as_ref(), |earlier| {
+            let inputs = kernel::Inputs {
+                dims,
+                q,
+                own,
+                earlier,
+                multiply,
+            };
+            f(&inputs)
+        })
     }
+}
+
+/// Runs `f` on the earlier keys and values (`[b, kv_heads, n, hd]`, each head's rows contiguous),
+/// their storages read-locked meanwhile.
+fn with_earlier<K: WithDType, R>(
+    earlier: Option<&(Tensor, Tensor)>,
+    f: impl FnOnce(Option<kernel::KeysValues<'_, K>>) -> CResult<R>,
+) -> CResult<R> {
+    let Some((k, v)) = earlier else {
+        return f(None);
+    };
+    let (k, v) = (k.storage_and_layout(), v.storage_and_layout());
+    f(Some(kernel::KeysValues {
+        keys: head_rows::<K>(&k.0, k.1)?,
+        values: head_rows::<K>(&v.0, v.1)?,
+    }))
 }
 
 /// Each query's softmax normalizer (`[b, kv_heads, group, c, 1]`): `p = exp((s − max) − log_sum)`.
 /// Kept as two terms: for a row whose keys are all masked, `max` is the dtype's minimum, and adding
 /// `log_sum` to it would round the sum away.
+#[derive(Clone)]
 struct Normalizer {
     max: Tensor,
     log_sum: Tensor,
 }
 
+/// The op: q, k and v in, the output out, the backward written out ([`Attention::inner_bwd`]).
 struct Attention {
     blocks: Blocks,
-    /// From the forward, to recompute the probabilities.
+    forward: Forward,
+    /// Whether q and the output are in the layer's layout ([`HeadsLayout`]).
+    over_heads: bool,
+    /// What the forward leaves for the backward.
+    saved: Mutex<Option<Saved>>,
+}
+
+/// How the op's forward runs.
+enum Forward {
+    /// In the op, by the CPU kernel multiplying so, the earlier keys and values read from these
+    /// (each head's rows contiguous).
+    CpuKernel(Multiply, Option<(Tensor, Tensor)>),
+    /// By the composed path before the op was recorded, handed over.
+    Composed(Precomputed),
+}
+
+/// What the forward leaves for the backward.
+#[derive(Clone)]
+struct Saved {
+    /// To recompute the probabilities.
     normalizer: Normalizer,
-    /// The forward's result, computed before the op is recorded; the op's forward only hands it over.
-    out: Precomputed,
-    /// Where the op takes and gives heads in the layer's layout ([`attention_over_heads`]).
-    heads: Option<HeadsLayout>,
+    /// Over heads ([`HeadsLayout`]): the output in the inner layout.
+    inner_out: Option<Tensor>,
 }
 
 /// The op recorded over the layer's layout: q `[b, heads, c, hd]` unscaled, output
 /// `[b, c, heads·hd]`; the inner layout (q `[b, kv_heads, group·c, hd]` scaled, output like it) is
 /// formed inside the op, so none of its reshapes, transposes and the scaling is a graph node (each
 /// would be a zero-filled buffer and a sum in candle's backward).
-struct HeadsLayout {
-    /// The forward's output in the inner layout, for the backward.
-    inner_out: Tensor,
-}
+struct HeadsLayout;
 
 impl HeadsLayout {
     /// q `[b, heads, c, hd]` as the inner layout's `[b, kv_heads, group·c, hd]`.
@@ -631,6 +697,21 @@ impl HeadsLayout {
         let (b, heads, c, hd) = q.dims4()?;
         q.contiguous()?
             .reshape((b, kv_heads, heads / kv_heads.max(1) * c, hd))
+    }
+
+    /// The data of an output `[b, heads, c, hd]` (the inner layout's `[b, kv_heads, group·c, hd]`)
+    /// laid out as `[b, c, heads·hd]`.
+    fn outer_data<T: Copy>(inner: &[T], (b, heads, c, hd): (usize, usize, usize, usize)) -> Vec<T> {
+        let mut out = Vec::with_capacity(inner.len());
+        for batch in 0..b {
+            for i in 0..c {
+                for h in 0..heads {
+                    let at = ((batch * heads + h) * c + i) * hd;
+                    out.extend_from_slice(&inner[at..at + hd]);
+                }
+            }
+        }
+        out
     }
 
     /// An output or its gradient `[b, kv_heads, group·c, hd]` as `[b, c, heads·hd]`.
@@ -660,14 +741,21 @@ impl CustomOp3 for Attention {
 
     fn cpu_fwd(
         &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        self.out.cpu()
+        match &self.forward {
+            Forward::CpuKernel(multiply, earlier) => {
+                let inputs = [(s1, l1), (s2, l2), (s3, l3)];
+                let kernel = || self.kernel_fwd(*multiply, earlier.as_ref(), inputs);
+                op_times::timed("attention.forward.kernel", &Device::Cpu, kernel)
+            }
+            Forward::Composed(out) => out.cpu(),
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -680,7 +768,10 @@ impl CustomOp3 for Attention {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> CResult<(candle_core::CudaStorage, Shape)> {
-        self.out.cuda()
+        match &self.forward {
+            Forward::Composed(out) => out.cuda(),
+            Forward::CpuKernel(..) => candle_core::bail!("attention: the CPU kernel on the card"),
+        }
     }
 
     /// Per key block, with `P` recomputed from the normalizer: `dV = Pᵀ g`, `dP = g Vᵀ`,
@@ -695,13 +786,14 @@ impl CustomOp3 for Attention {
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (k, v) = (k.detach(), v.detach());
-        let (dq, dk, dv) = match &self.heads {
+        let saved = self.saved()?;
+        let (dq, dk, dv) = match &saved.inner_out {
             None => self.inner_bwd(&q.detach(), &k, &v, &out.detach(), &grad.detach())?,
-            Some(h) => {
+            Some(inner_out) => {
                 let (kv_heads, hd) = (k.dim(1)?, k.dim(3)?);
                 let inner_q = HeadsLayout::inner_q(&q.detach(), kv_heads)?;
                 let inner_grad = HeadsLayout::inner_grad(&grad.detach(), kv_heads, hd)?;
-                let (dq, dk, dv) = self.inner_bwd(&inner_q, &k, &v, &h.inner_out, &inner_grad)?;
+                let (dq, dk, dv) = self.inner_bwd(&inner_q, &k, &v, inner_out, &inner_grad)?;
                 (dq.reshape(q.dims())?, dk, dv)
             }
         };
@@ -710,6 +802,104 @@ impl CustomOp3 for Attention {
 }
 
 impl Attention {
+    /// The op with its forward computed as `forward` says.
+    fn new(blocks: Blocks, forward: Forward, over_heads: bool, saved: Option<Saved>) -> Self {
+        Self {
+            blocks,
+            forward,
+            over_heads,
+            saved: Mutex::new(saved),
+        }
+    }
+
+    /// What the forward left (an error before the forward ran).
+    fn saved(&self) -> CResult<Saved> {
+        let saved = self.saved.lock().map_err(|_| poisoned())?;
+        saved
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("attention: backward before forward".into()))
+    }
+
+    /// The forward by the CPU kernel on the op's inputs (q contiguous, unscaled, in the layer's
+    /// layout where the op is over heads; k and v with each head's rows contiguous): the output,
+    /// the normalizer and the inner output left in [`Attention::saved`].
+    fn kernel_fwd(
+        &self,
+        multiply: Multiply,
+        earlier: Option<&(Tensor, Tensor)>,
+        [q, k, v]: [(&CpuStorage, &Layout); 3],
+    ) -> CResult<(CpuStorage, Shape)> {
+        match (q.0, k.0) {
+            (CpuStorage::F32(_), CpuStorage::BF16(_)) => {
+                self.kernel_fwd_as::<f32, half::bf16>(multiply, earlier, [q, k, v])
+            }
+            (CpuStorage::F32(_), CpuStorage::F32(_)) => {
+                self.kernel_fwd_as::<f32, f32>(multiply, earlier, [q, k, v])
+            }
+            (CpuStorage::F64(_), CpuStorage::F64(_)) => {
+                self.kernel_fwd_as::<f64, f64>(multiply, earlier, [q, k, v])
+            }
+            _ => candle_core::bail!("attention kernel: q and keys in other dtypes"),
+        }
+    }
+
+    /// [`Attention::kernel_fwd`] for q in `T` and keys in `K`.
+    fn kernel_fwd_as<T: KernelFloat, K: WithDType + kernel::Stored<T>>(
+        &self,
+        multiply: Multiply,
+        earlier: Option<&(Tensor, Tensor)>,
+        [(qs, ql), (ks, kl), (vs, vl)]: [(&CpuStorage, &Layout); 3],
+    ) -> CResult<(CpuStorage, Shape)> {
+        let b = &self.blocks;
+        let (batch, heads, c, hd) = ql.shape().dims4()?;
+        let (_, kv_heads, own, _) = kl.shape().dims4()?;
+        let inner = match self.over_heads {
+            true => (batch, kv_heads, heads / kv_heads.max(1) * c, hd),
+            false => (batch, heads, c, hd),
+        };
+        let q = input_data::<T>(qs, ql)?;
+        // The exact products take q scaled, as candle's `affine` scales it (`x·s + 0`).
+        let scaled: Vec<T>;
+        let q = match multiply {
+            Multiply::Exact if b.scale != 1.0 => {
+                let (s, zero) = (T::from_f64(b.scale), T::from_f64(0.0));
+                scaled = q.iter().map(|&x| x * s + zero).collect();
+                &scaled
+            }
+            _ => q,
+        };
+        let own_keys = kernel::KeysValues {
+            keys: cpu_head_rows::<K>(ks, kl)?,
+            values: cpu_head_rows::<K>(vs, vl)?,
+        };
+        let dims = b.kernel_dims(inner)?;
+        let fwd = with_earlier(earlier, |earlier| {
+            let inputs = kernel::Inputs {
+                dims,
+                q,
+                own: own_keys,
+                earlier,
+                multiply,
+            };
+            b.kernel_forward_of(&inputs, own)
+        })?;
+        let normalizer = b.normalizer_of(&fwd, inner, &Device::Cpu)?;
+        let (out, shape, inner_out) = match self.over_heads {
+            true => {
+                let out = HeadsLayout::outer_data(&fwd.out, (batch, heads, c, hd));
+                let inner_out = Tensor::from_vec(fwd.out, inner, &Device::Cpu)?;
+                (out, Shape::from((batch, c, heads * hd)), Some(inner_out))
+            }
+            false => (fwd.out, ql.shape().clone(), None),
+        };
+        let saved = Saved {
+            normalizer,
+            inner_out,
+        };
+        *self.saved.lock().map_err(|_| poisoned())? = Some(saved);
+        Ok((T::to_cpu_storage_owned(out), shape))
+    }
+
     /// The backward in the inner layout (see [`HeadsLayout`]), q unscaled ([`Blocks::scale`]): the
     /// gradients of q, k and v.
     fn inner_bwd(
@@ -741,7 +931,8 @@ impl Attention {
         (out, grad): (&Tensor, &Tensor),
         multiply: Multiply,
     ) -> CResult<(Tensor, Tensor, Tensor)> {
-        let (b, fwd) = (&self.blocks, (out, &self.normalizer));
+        let normalizer = self.saved()?.normalizer;
+        let (b, fwd) = (&self.blocks, (out, &normalizer));
         op_times::timed("attention.backward.kernel", q.device(), || {
             match q.dtype() {
                 DType::F32 => b.kernel_backward::<f32>((q, k, v), fwd, grad, multiply),
@@ -766,6 +957,7 @@ impl Attention {
             return self.timed_kernel_bwd((q, k, v), (out, grad), Multiply::Exact);
         }
         let dtype = q.dtype();
+        let saved = self.saved()?;
         let dot = (b.grouped(grad)? * b.grouped(out)?)?.sum_keepdim(D::Minus1)?;
         let mut grad_q: Option<Tensor> = None;
         let (own_grad_k, own_grad_v) = (k.zeros_like()?, v.zeros_like()?);
@@ -780,7 +972,7 @@ impl Attention {
                         .reshape(s.shape())?;
                     Ok::<_, candle_core::Error>((s, mask, grad_p))
                 })?;
-            let normalizer = (&self.normalizer.max, &self.normalizer.log_sum);
+            let normalizer = (&saved.normalizer.max, &saved.normalizer.log_sum);
             let (p, grad_s) = op_times::timed("attention.backward.softmax", device, || {
                 let fused = softmax_block::backward(&s, mask.as_ref(), normalizer, &grad_p, &dot)?;
                 if let Some(fused) = fused {
@@ -887,14 +1079,7 @@ pub fn attention(
     blocking: Blocking,
 ) -> CResult<Tensor> {
     let blocks = Blocks::new(mask, earlier, group, blocking, 1.0);
-    let (out, normalizer) = blocks.forward(&q.detach(), &k.detach(), &v.detach())?;
-    let op = Attention {
-        blocks,
-        normalizer,
-        out: Precomputed::new(out),
-        heads: None,
-    };
-    Ok(q.apply_op3(k, v, op)?)
+    record(blocks, (q, k, v), false)
 }
 
 /// [`attention`] over the layer's layout: q `[b, heads, c, hd]` before the `scale` on q·k, the
@@ -914,13 +1099,74 @@ pub fn attention_over_heads(
         candle_core::bail!("attention: {heads} query heads over {kv_heads} key/value heads");
     }
     let blocks = Blocks::new(mask, earlier, heads / kv_heads, blocking, scale);
-    let inner_q = HeadsLayout::inner_q(&q.detach(), kv_heads)?;
-    let (inner_out, normalizer) = blocks.forward(&inner_q, &k.detach(), &v.detach())?;
-    let op = Attention {
-        blocks,
-        normalizer,
-        out: Precomputed::new(HeadsLayout::outer(&inner_out, heads)?),
-        heads: Some(HeadsLayout { inner_out }),
+    record(blocks, (q, k, v), true)
+}
+
+/// The op of `blocks` on q, k and v recorded, its forward by the backend of q: the CPU kernel in
+/// the op where it takes the inputs as they are (q contiguous, each head's rows of the keys and
+/// values contiguous), else the composed path (which the kernel may still run, on copies: see
+/// [`Blocks::forward`]) before the op, handed over.
+fn record(
+    blocks: Blocks,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    over_heads: bool,
+) -> CResult<Tensor> {
+    let (heads, kv_heads) = (q.dim(1)?, k.dim(1)?);
+    let inner_q = match over_heads {
+        true => HeadsLayout::inner_q(&q.detach(), kv_heads)?,
+        false => q.detach(),
     };
-    Ok(q.apply_op3(k, v, op)?)
+    let (k0, v0) = (k.detach(), v.detach());
+    let as_they_are = q.is_contiguous() && rows_are_contiguous(k) && rows_are_contiguous(v);
+    let multiply = match Backend::of(q) {
+        Backend::Cpu if as_they_are => blocks.kernel_multiply(&inner_q, &k0, &v0)?,
+        // A card's kernel goes here (docs/architecture.md, "A kernel for an op on a backend").
+        Backend::Cpu | Backend::Cuda | Backend::Composed => None,
+    };
+    let op = match multiply {
+        Some(multiply) => {
+            let earlier = match &blocks.earlier {
+                Some(e) => Some((rows_contiguous(&e.keys)?, rows_contiguous(&e.values)?)),
+                None => None,
+            };
+            Attention::new(
+                blocks,
+                Forward::CpuKernel(multiply, earlier),
+                over_heads,
+                None,
+            )
+        }
+        None => {
+            let (inner_out, normalizer) = blocks.forward(&inner_q, &k0, &v0)?;
+            let (out, inner_out) = match over_heads {
+                true => (HeadsLayout::outer(&inner_out, heads)?, Some(inner_out)),
+                false => (inner_out, None),
+            };
+            let saved = Saved {
+                normalizer,
+                inner_out,
+            };
+            let forward = Forward::Composed(Precomputed::new(out));
+            Attention::new(blocks, forward, over_heads, Some(saved))
+        }
+    };
+    q.apply_op3(k, v, op)
+}
+
+/// Whether each head's rows of `t` (`[b, heads, len, hd]`) are contiguous.
+fn rows_are_contiguous(t: &Tensor) -> bool {
+    rows_contiguous_in(t.dims(), t.stride())
+}
+
+/// Whether each head's rows of a `[b, heads, len, hd]` view with these strides are contiguous (a
+/// dimension of one element may have any stride, as candle lays such views out).
+fn rows_contiguous_in(dims: &[usize], stride: &[usize]) -> bool {
+    match (dims, stride) {
+        (&[_, _, len, hd], &[_, _, row, col]) => (len <= 1 || row == hd) && (hd <= 1 || col == 1),
+        _ => false,
+    }
+}
+
+fn poisoned() -> candle_core::Error {
+    candle_core::Error::Msg("attention: poisoned lock".into())
 }
