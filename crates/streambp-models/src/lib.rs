@@ -8,13 +8,14 @@
 //!
 //! One set of blocks serves all four families; their differences are data in [`ModelConfig`].
 //! Every op records a correct backward: candle's own for composed tensor ops, a written one for the
-//! fused host kernels (attention, RMS norm, rope, SwiGLU, the linear projections), so the same code runs the
-//! plain full backward, gradient checkpointing and the streamed backward.
+//! fused ops (attention, RMS norm, rope and SwiGLU from [`streambp_kernels::ops`], the linear
+//! projections), so the same code runs the plain full backward, gradient checkpointing and the
+//! streamed backward.
 //!
 //! Main exports: [`ModelConfig`] (read from `config.json`); [`Model`], its parameters named as in the
 //! checkpoint and found by role (embedding, layer `i`, final norm, head); [`DecoderLayer`] with the
-//! pieces an engine calls per chunk (queries, keys/values, [`attention`]'s blockwise op, the rest of
-//! the layer) and [`KeyBlock`] saying which keys a query chunk reads; [`Layout`] for padding and packed
+//! pieces an engine calls per chunk (queries, keys/values, the attention's blockwise op, the rest
+//! of the layer) and [`KeyBlock`] saying which keys a query chunk reads; [`Layout`] for padding and packed
 //! documents; [`load_model`], [`save_safetensors`] and [`resolve_model_dir`] for directories and hub
 //! ids; [`device`] for the `--device`, `--dtype` and byte-size flags; [`init`] for random models.
 //!
