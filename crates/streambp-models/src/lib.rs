@@ -37,7 +37,6 @@ pub mod loader;
 pub mod lora;
 pub mod model;
 pub mod norm;
-mod op;
 pub mod rope;
 pub mod weights;
 

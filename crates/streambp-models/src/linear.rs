@@ -49,8 +49,8 @@ impl Linear {
     }
 
     /// The weight as the ops read it.
-    fn op_weight(&self) -> crate::op::Weight<'_> {
-        crate::op::Weight {
+    fn op_weight(&self) -> streambp_kernels::ops::linear::Weight<'_> {
+        streambp_kernels::ops::linear::Weight {
             tensor: &self.weight,
             bf16: self.bf16_weight.as_ref(),
         }
@@ -76,8 +76,12 @@ impl Linear {
             ));
         };
         if self.lora.is_none() && !self.frozen {
-            // Any leading dimensions: no reshape nodes in the graph (see `op::trained_linear`).
-            let y = crate::op::trained_linear(x, self.op_weight(), self.grad_into.as_ref())?;
+            // Any leading dimensions: no reshape nodes in the graph (see `streambp_kernels::ops::linear::trained_linear`).
+            let y = streambp_kernels::ops::linear::trained_linear(
+                x,
+                self.op_weight(),
+                self.grad_into.as_ref(),
+            )?;
             return Ok(match &self.bias {
                 Some(b) => y.broadcast_add(b)?,
                 None => y,
@@ -91,7 +95,11 @@ impl Linear {
                 let base = (self.op_weight(), self.bias.as_ref());
                 adapter.forward(&x2, base, batch_rows, start, dropout)?
             }
-            (None, _) => crate::op::frozen_linear(&x2, self.op_weight(), self.bias.as_ref())?,
+            (None, _) => streambp_kernels::ops::linear::frozen_linear(
+                &x2,
+                self.op_weight(),
+                self.bias.as_ref(),
+            )?,
         };
         let mut out_shape = lead.to_vec();
         out_shape.push(self.weight.dim(0)?);

@@ -196,7 +196,7 @@ impl LoraAdapter {
     pub(crate) fn forward(
         &self,
         x: &Tensor,
-        (weight, bias): (crate::op::Weight, Option<&Tensor>),
+        (weight, bias): (streambp_kernels::ops::linear::Weight, Option<&Tensor>),
         rows: usize,
         start: usize,
         dropout: Option<DropoutKey>,
@@ -224,7 +224,7 @@ impl LoraAdapter {
         let b = self.b.to_dtype(x.dtype())?;
         let u = dropped.matmul(&a.t()?)?;
         let adapter = (&u, &b, self.scale);
-        Ok(crate::op::lora_linear(
+        Ok(streambp_kernels::ops::linear::lora_linear(
             x,
             (weight, bias),
             adapter,

@@ -35,6 +35,8 @@
 
 use candle_core::DType;
 use streambp_kernels::host::gemm_memory::{self, Product};
+use streambp_kernels::ops::attention::memory as attention;
+use streambp_kernels::Backend;
 use streambp_models::{LoraConfig, ModelConfig, Projection};
 
 use crate::engine::Chunks;
@@ -256,14 +258,6 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     let kv = (cfg.num_kv_heads * cfg.head_dim) as u64;
     let ffn = cfg.intermediate_size as u64;
     let heads = cfg.num_heads as u64;
-    // The attention op: query heads per key/value head, keys per block, and its kernel's tasks on
-    // the host (a key/value head of a row each, over rayon's threads).
-    let group = heads / (cfg.num_kv_heads as u64).max(1);
-    let key_block = streambp_kernels::ops::attention::KEY_BLOCK as u64;
-    let (items, threads) = (
-        b * cfg.num_kv_heads as u64,
-        rayon::current_num_threads() as u64,
-    );
     let vocab = cfg.vocab_size as u64;
     let layers = cfg.num_layers() as u64;
     // Gradient accumulators are f32 for half-precision models, rounded to the model dtype once a
@@ -385,14 +379,24 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // A chunk's projections run in the forward and in the layers' backward.
     let projection_workspace = workspace(&projections(b * c), true);
 
-    // A bf16 layer's attention forward on the host multiplies bf16 copies (`Products::Bf16`): each
-    // running task rounds its block's exponentials (a tile of at most `MAX_ROW_TILE` query rows by
-    // a key block) into a copy, which its kernel packs (the widened kernel: widens a slice of it).
+    // The attention op's own buffers, on the backend the layer runs on.
+    let attention = attention::Sizes {
+        batch: b,
+        heads,
+        kv_heads: cfg.num_kv_heads as u64,
+        head_dim: cfg.head_dim as u64,
+        queries: c,
+        keys: t,
+        element: act,
+        threads: rayon::current_num_threads() as u64,
+    };
+    let backend = match p.host {
+        true => Backend::Cpu,
+        false => Backend::Cuda,
+    };
+    // A bf16 layer's attention forward on the host multiplies bf16 copies.
     let bf16_forward = match (p.dtype, p.host) {
-        (DType::BF16, true) => {
-            let rows = (group * c).min(streambp_kernels::ops::attention::MAX_ROW_TILE as u64);
-            items.min(threads) * rows * key_block.min(t) * (2 + 2)
-        }
+        (DType::BF16, true) => attention::bf16_forward_bytes(attention),
         _ => 0,
     };
 
@@ -449,45 +453,8 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
     // K, V and their pending gradients, and (fitted, seen at T = 64K) one more `[T, kv]` state.
     let kv_state = 5 * keys_values / 2;
     let grads_io = 2 * hidden;
-    // The attention op keeps no score-sized tensor in the graph. Its backward holds about four at
-    // once for the chunk that scores the most keys; on the host (bf16 in f32), where its kernel runs
-    // each (row, key/value head, key block) as a task, each running task holds two (the block's
-    // probabilities and their gradient) for its head's group of query heads and its products'
-    // workspace...
-    let scores = if p.host {
-        let blocks = t.div_ceil(key_block) + 1;
-        let running = (items * blocks).min(threads);
-        let (rows, n, hd) = (
-            (group * c) as usize,
-            key_block.min(t) as usize,
-            cfg.head_dim,
-        );
-        // The last block of keys is as wide as the chunks leave it: whole vectors (of the copy of a
-        // transposed view, `streambp_kernels::host::transpose`) where the chunk and `T` are, any width else.
-        let whole = streambp_kernels::host::transpose::COLUMNS_MULTIPLE as u64;
-        let aligned = c % whole == 0 && t % whole == 0;
-        let task_products = [
-            Product::by_transposed(rows, n, hd),
-            Product::transposed_by(n, hd, rows),
-            Product::by_plain(rows, n, hd),
-        ]
-        .map(|p| match aligned {
-            true => p,
-            false => p.with_narrower_calls(),
-        });
-        let area = group * score_area(t, c, key_block);
-        let task = 2 * area * act + workspace(&task_products, false);
-        // (A bf16 layer's products, `Products::Bf16`, hold bf16 copies of their operands and the
-        // kernel's packs of them in the place of a score-sized f32 buffer: the task orders them
-        // so.)
-        // ... and the share of dQ of each block of a wave (as many blocks as keep the threads busy)
-        // until the wave is summed.
-        let wave = threads.div_ceil(items.max(1)).clamp(1, blocks);
-        let shares = b * heads * c * cfg.head_dim as u64 * wave * act;
-        running * task + shares
-    } else {
-        41 * b * heads * score_area(t, c, key_block) * f32b.max(e) / 10
-    };
+    // The attention op keeps no score-sized tensor in the graph; its backward holds a few at once.
+    let scores = attention::backward_bytes(attention, backend);
     // Measured on the host; on an accelerator (not measured there yet) both, to err high.
     let busiest_moment = match p.host {
         true => (attention_moment + scores).max(mlp_moment),
@@ -569,20 +536,6 @@ fn checkpoint_counts(layers: usize, every: usize) -> CheckpointCounts {
         head: stored + 1,
         backward,
         segment: lengths.iter().copied().max().unwrap_or(0),
-    }
-}
-
-/// The largest `queries × keys in one block` over the query chunks of `c` in `t` tokens. A chunk
-/// starting at `s` reads its `s` earlier keys in blocks of `key_block` and its own keys as one more
-/// block, so its largest block is `max(min(s, key_block), len)`; the largest product is that of the
-/// last chunk or of the one before it (the last full one).
-fn score_area(t: u64, c: u64, key_block: u64) -> u64 {
-    let chunks = t.div_ceil(c);
-    let area = |start: u64, len: u64| len * start.min(key_block).max(len.min(key_block));
-    let last = area((chunks - 1) * c, t - (chunks - 1) * c);
-    match chunks > 1 {
-        true => last.max(area((chunks - 2) * c, c)),
-        false => last,
     }
 }
 

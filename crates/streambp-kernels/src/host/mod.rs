@@ -1,5 +1,4 @@
-//! The host's compute library: what the CPU kernels of [`crate::ops`] and the models' fused ops are
-//! built from.
+//! The host's compute library: what the CPU kernels of [`crate::ops`] are built from.
 
 mod amx_kernel;
 mod bf16_kernel;

@@ -3,6 +3,7 @@
 pub mod accumulate;
 pub mod attention;
 pub mod head_softmax;
+pub mod linear;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;

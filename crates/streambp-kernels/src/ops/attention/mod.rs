@@ -19,6 +19,7 @@
 mod composed;
 mod host;
 pub mod kernel;
+pub mod memory;
 mod op;
 pub mod softmax_block;
 

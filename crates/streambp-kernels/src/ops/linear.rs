@@ -1,15 +1,18 @@
-//! Differentiable ops whose forward is computed with ordinary tensor ops beforehand and whose backward
-//! is written out: the op's own forward only hands the precomputed result over. That way the op runs on
-//! every backend (the forward is candle ops) while autograd records only what its backward needs.
+//! The projections as differentiable ops: `x Wᵀ` with a frozen weight (differentiable in `x` only),
+//! with a trained one (its gradient formed in the weight's own layout, or added in place into an
+//! accumulator), and a LoRA projection as one op; each with its backward written out, so the graph
+//! holds what that backward needs and nothing more. On the host the products run on the host's
+//! kernels (f32/f64 tiles, bf16 weights' products on the bf16 kernel in force); elsewhere the
+//! forward is composed before the op and handed over ([`Precomputed`]).
 
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
-use streambp_kernels::host::half_product;
-use streambp_kernels::host::products::product_into;
-use streambp_kernels::host::storage::host_float;
-use streambp_kernels::ops::accumulate;
-use streambp_kernels::precomputed::Precomputed;
-use streambp_kernels::Backend;
+use crate::host::half_product;
+use crate::host::products::product_into;
+use crate::host::storage::host_float;
+use crate::ops::accumulate;
+use crate::precomputed::Precomputed;
+use crate::Backend;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -17,7 +20,7 @@ type CResult<T> = candle_core::Result<T>;
 /// computed in f32, the bf16 weight that tensor was widened from, from which the forward's products
 /// run on the CPU's bf16 arithmetic ([`half_product::linear_of_bf16_values`]).
 #[derive(Clone, Copy)]
-pub(crate) struct Weight<'a> {
+pub struct Weight<'a> {
     /// `[out, in]`.
     pub tensor: &'a Tensor,
     /// The same values in bf16, where the layer keeps them.
@@ -89,10 +92,10 @@ fn product_gradient<'w>(grad: &Tensor, bf16: Option<&'w Tensor>) -> CResult<Grad
     }
     if half_product::Kernel::detect() == half_product::Kernel::Widened {
         let values = grad.contiguous()?.copy()?;
-        streambp_kernels::host::cast::round_in_place(&values, candle_core::DType::BF16)?;
+        crate::host::cast::round_in_place(&values, candle_core::DType::BF16)?;
         return Ok(Gradient::InDtype(values));
     }
-    let g16 = streambp_kernels::host::cast::cast(grad, candle_core::DType::BF16)?;
+    let g16 = crate::host::cast::cast(grad, candle_core::DType::BF16)?;
     Ok(Gradient::Bf16(g16, w16))
 }
 
@@ -115,7 +118,7 @@ fn narrowed_exactly(x: &Tensor) -> CResult<Option<Tensor>> {
     let start = layout.start_offset();
     match data
         .get(start..start + x.elem_count())
-        .and_then(streambp_kernels::host::cast::narrowed_exactly)
+        .and_then(crate::host::cast::narrowed_exactly)
     {
         Some(narrowed) => Tensor::from_vec(narrowed, x.shape(), x.device()).map(Some),
         None => Ok(None),
@@ -158,7 +161,7 @@ impl candle_core::CustomOp1 for FrozenLinear {
 
 /// `x Wᵀ (+ b)` for `x` `[n, in]` with a frozen `weight` `[out, in]`: differentiable in `x` only. An
 /// untracked `x` (no graph) takes the plain path.
-pub(crate) fn frozen_linear(x: &Tensor, weight: Weight, bias: Option<&Tensor>) -> CResult<Tensor> {
+pub fn frozen_linear(x: &Tensor, weight: Weight, bias: Option<&Tensor>) -> CResult<Tensor> {
     let bias = bias.map(Tensor::detach);
     let plain = |x: &Tensor| -> CResult<Tensor> {
         let y = constant_linear(x, weight)?;
@@ -186,7 +189,7 @@ struct TrainedLinear {
     /// The forward's result computed by candle's ops, off the host; on the host in f32/f64 the op
     /// computes it itself ([`host_product`]): no zero-filled output, no copy handed over.
     out: Option<Precomputed>,
-    /// Where `dW` is added in place instead of being returned (see [`crate::linear::Linear::grad_into`]).
+    /// Where `dW` is added in place instead of being returned (a trained projection's gradient accumulator).
     grad_into: Option<Tensor>,
     /// The weight in bf16, where the forward's product may run from it ([`Weight::bf16`]).
     bf16_weight: Option<Tensor>,
@@ -268,8 +271,7 @@ impl candle_core::CustomOp2 for TrainedLinear {
                     match narrowed_exactly(&x2)? {
                         Some(x16) => (grad_x, g16.t()?, x16, half_product::matmul_unrounded),
                         None => {
-                            let g =
-                                streambp_kernels::host::cast::cast(&g16, candle_core::DType::F32)?;
+                            let g = crate::host::cast::cast(&g16, candle_core::DType::F32)?;
                             (grad_x, g.t()?, x2, half_product::matmul)
                         }
                     }
@@ -301,8 +303,8 @@ fn on_host(x: &Tensor, weight: &Tensor) -> bool {
 
 /// `x Wᵀ` for contiguous `x` `[.., in]` and `W` `[out, in]` (any strides), by gemm's kernel (the
 /// one candle's products run) in tiles of the output (`[.., out]`), or for a few rows of `x` by
-/// [`streambp_kernels::host::skinny`]'s dot products ([`product_into`]).
-fn host_product<T: candle_core::WithDType + streambp_kernels::host::skinny::SumType>(
+/// [`crate::host::skinny`]'s dot products ([`product_into`]).
+fn host_product<T: candle_core::WithDType + crate::host::skinny::SumType>(
     (x, xl): (&[T], &Layout),
     (w, wl): (&[T], &Layout),
 ) -> CResult<(Vec<T>, Shape)> {
@@ -335,7 +337,7 @@ fn host_product<T: candle_core::WithDType + streambp_kernels::host::skinny::SumT
 /// On the host the op takes `x` with its leading dimensions: reshaping it to `[n, in]` and the
 /// result back would put two more nodes in the graph, each a zero-filled buffer and a sum in the
 /// backward.
-pub(crate) fn trained_linear(
+pub fn trained_linear(
     x: &Tensor,
     Weight {
         tensor: weight,
@@ -442,8 +444,8 @@ impl candle_core::CustomOp3 for LoraLinear {
 /// `x Wᵀ (+ b) + s·(u Bᵀ)` for `x` `[n, in]`, the frozen `weight` `[out, in]` (and `bias`), the
 /// adapter's `u` `[n, r]` and `lora_b` `[out, r]` and its scale `s`: differentiable in `x`, `u` and
 /// `lora_b`, the sum formed as PEFT forms it (`base + (u Bᵀ)·s`), the base first rounded to
-/// `round_base_to` where given (f32 `x` only: see [`crate::lora::LoraAdapter::round_base_to`]).
-pub(crate) fn lora_linear(
+/// `round_base_to` where given (f32 `x` only: a bf16 base layer computed in f32 rounds its output as bf16 arithmetic does).
+pub fn lora_linear(
     x: &Tensor,
     (weight, bias): (Weight, Option<&Tensor>),
     (u, lora_b, scale): (&Tensor, &Tensor, f64),
@@ -457,7 +459,7 @@ pub(crate) fn lora_linear(
         };
         if let Some(dtype) = round_base_to {
             // A fresh product (or sum) that nothing else holds.
-            streambp_kernels::host::cast::round_in_place(&base, dtype)?;
+            crate::host::cast::round_in_place(&base, dtype)?;
         }
         (base + (half_product::matmul(&u.detach(), &lora_b.detach().t()?)? * scale)?)?
     };
