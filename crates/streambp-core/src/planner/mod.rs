@@ -23,8 +23,9 @@
 //! - in the embedding's backward: the incoming `[b, T, d]` gradient (and its f32 copy in half
 //!   precision on the host), and off the host copies of the table's gradient;
 //! - on the host, the largest packing workspace of the phase's matrix products, from the blocking
-//!   gemm derives on the running CPU ([`gemm_memory`]): this, and the slabs, are what differ
-//!   between CPUs (tens of MiB on a CPU with a large L3 cache, for products with a wide operand).
+//!   gemm derives on the running CPU ([`streambp_kernels::host::gemm_memory`]): this, and the
+//!   slabs, are what differ between CPUs (tens of MiB on a CPU with a large L3 cache, for products
+//!   with a wide operand).
 //!
 //! The copy counts are fitted to peaks measured exactly with the counting allocator (CPU, candle 0.11)
 //! over the shapes of `tests/planner.rs` — vocabularies 16 to 256K, hidden sizes 64 to 8192, one of
@@ -34,13 +35,13 @@
 //! every measured stream peak, and `--predict` prints its estimate for shapes too large to run here.
 
 use candle_core::DType;
-use streambp_kernels::host::gemm_memory::{self, Product};
-use streambp_kernels::ops::attention::memory as attention;
-use streambp_kernels::Backend;
 use streambp_models::{LoraConfig, ModelConfig, Projection};
 
 use crate::engine::Chunks;
+
+mod estimate;
 use crate::error::{EngineError, Result};
+pub use estimate::estimate;
 
 /// Shape of one backward problem.
 #[derive(Debug, Clone, Copy)]
@@ -245,261 +246,6 @@ fn parameter_count(cfg: &ModelConfig) -> u64 {
         .iter()
         .map(|(_, s)| s.iter().product::<usize>() as u64)
         .sum()
-}
-
-/// The cost model of `stream` with the given chunk sizes.
-pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
-    let cfg = p.config;
-    let e = p.dtype.size_in_bytes() as u64;
-    let f32b = 4u64;
-    let (b, t) = (p.batch as u64, p.seq_len as u64);
-    let d = cfg.hidden_size as u64;
-    let q = (cfg.num_heads * cfg.head_dim) as u64;
-    let kv = (cfg.num_kv_heads * cfg.head_dim) as u64;
-    let ffn = cfg.intermediate_size as u64;
-    let heads = cfg.num_heads as u64;
-    let vocab = cfg.vocab_size as u64;
-    let layers = cfg.num_layers() as u64;
-    // Gradient accumulators are f32 for half-precision models, rounded to the model dtype once a
-    // layer is done: f32 only for the layer in flight and the embedding table.
-    let half = e < 4;
-    let grad_bytes = if half { f32b } else { e };
-    let params = parameter_count(cfg);
-    let layer_params = params.saturating_sub(vocab * d) / layers.max(1);
-    let in_flight = layer_params + vocab * d;
-    // The rope tables (cos and sin for every position), built once per backward.
-    let rope = 2 * t * cfg.head_dim as u64 * e;
-    // On the host, gemm's per-thread packing slabs (kept for the process's life).
-    let slabs = if p.host {
-        gemm_memory::thread_slabs()
-    } else {
-        0
-    };
-    // Full fine-tuning: weights, and gradients made as the backward reaches them: the head's (the
-    // table's when tied) in the head, every one once the layers are done. LoRA: the frozen weights,
-    // and the adapters with their gradients (f32, or f64 for an f64 model); the head's and the
-    // table's gradients never exist.
-    // Once the layers are done, only the table's accumulator is still in f32.
-    let (weights, grads, grads_after_layers, head_grad, table_grad) = match p.lora {
-        None => (
-            params * e,
-            params * e + in_flight * (grad_bytes - e),
-            params * e + vocab * d * (grad_bytes - e),
-            vocab * d * grad_bytes,
-            vocab * d * (e + grad_bytes),
-        ),
-        Some(lora) => {
-            let adapters = adapter_count(cfg, lora) * f32b.max(e);
-            (params * e + adapters, adapters, adapters, 0, 0)
-        }
-    };
-    // Per token: the batch's ids, positions, targets and log-probs (fitted: 48 bytes).
-    let tokens = b * t * 48;
-    let resident = weights + rope + slabs + tokens;
-
-    // `[b, T, d]` hidden states; the checkpoints on the device: one per segment of `K` layers and
-    // the last output at the forward's end and in the head (`L + 1` for `K = 1`); in the layers'
-    // backward the segments not yet reached and the inputs of the one in flight, recomputed from
-    // its stored one (`L` at the start for `K = 1`). Offloaded, the stored ones are on the host
-    // and the device holds the last output, then the segment in flight.
-    let hidden = b * t * d * e;
-    let counts = checkpoint_counts(cfg.num_layers(), p.checkpoint_every);
-    // On the CPU only the disk tier offloads; its read-ahead holds the next checkpoint's bytes.
-    let read_ahead = u64::from(p.offloaded && p.host);
-    let (forward_checkpoints, head_checkpoints, layer_checkpoints) = match p.offloaded {
-        true => (hidden, hidden, (counts.segment + read_ahead) * hidden),
-        false => (
-            counts.forward * hidden,
-            counts.head * hidden,
-            counts.backward * hidden,
-        ),
-    };
-    let (c, lc) = (
-        (chunks.chunk as u64).min(t),
-        (chunks.logits_chunk as u64).min(t),
-    );
-    let workspace = |products: &[Product], tiled: bool| -> u64 {
-        let elem = e.max(f32b) as usize; // the host runs half-precision products in f32
-        match p.host {
-            true => products
-                .iter()
-                .map(|&pr| gemm_memory::workspace(pr, elem, tiled))
-                .max()
-                .unwrap_or(0),
-            false => 0,
-        }
-    };
-    // The projections of a chunk of `rows` rows: forward, input gradient and (trained) weight
-    // gradient products, `(out, in)` each.
-    let projections = |rows: u64| -> Vec<Product> {
-        let trained = p.lora.is_none();
-        let rows = rows as usize;
-        [(q, d), (kv, d), (d, q), (ffn, d), (d, ffn)]
-            .into_iter()
-            .flat_map(|(out, inner)| {
-                let (out, inner) = (out as usize, inner as usize);
-                let mut products = vec![
-                    Product::by_transposed(rows, out, inner),
-                    Product::by_plain(rows, out, inner),
-                ];
-                if trained {
-                    products.push(Product::transposed_by(out, inner, rows));
-                }
-                products
-            })
-            .collect()
-    };
-
-    // A chunk's rows (`[c, d | q | kv | ffn]`, counts fitted, see the module docs). Half precision
-    // on the host computes them in f32 (`DecoderLayer::computed_in_f32`), with the layer in
-    // flight's weights widened to f32 for the phase.
-    let half_host = half && p.host;
-    let act = if half_host { f32b } else { e };
-    let widened_layer = if half_host { layer_params * f32b } else { 0 };
-    let chunk_rows = |(of_d, of_q, of_kv, of_ffn): (u64, u64, u64, u64)| {
-        b * c * (of_d * d + of_q * q + of_kv * kv + of_ffn * ffn) * act
-    };
-    // In the backward, the chunk's graph holds every activation until its backward ends (the input,
-    // the norms, the projections, q/k norms and rope, the attention's output, the residual sums) ...
-    let chunk_acts = chunk_rows((7, 6, 6, 3));
-    // ... and its gradients peak at one of two moments: the attention op's backward (its output's
-    // gradient, its inputs', the inner-layout copies, the input's gradient so far, and its score
-    // tiles: `scores`) or the MLP's (the gate's and up projection's gradients beside the SwiGLU's
-    // and the residual's). Which one is the larger depends on the shape: one fitted sum for all of
-    // them under-estimated a wide `d`, `q`, `kv` or `ffn` by up to 19%.
-    let attention_moment = chunk_rows((1, 3, 3, 0));
-    let mlp_moment = chunk_rows((4, 0, 0, 5));
-    // In the forward no graph: what one op of a chunk reads and writes, and what the layer keeps
-    // for later ops (the input, the residual sum).
-    let forward_acts = chunk_rows((5, 4, 1, 4));
-    // The layer's keys and values of the whole sequence, in the dtype the layer computes in (f32 for
-    // half precision on the host).
-    let keys_values = 2 * b * t * kv * act;
-
-    // A chunk's projections run in the forward and in the layers' backward.
-    let projection_workspace = workspace(&projections(b * c), true);
-
-    // The attention op's own buffers, on the backend the layer runs on.
-    let attention = attention::Sizes {
-        batch: b,
-        heads,
-        kv_heads: cfg.num_kv_heads as u64,
-        head_dim: cfg.head_dim as u64,
-        queries: c,
-        keys: t,
-        element: act,
-        threads: rayon::current_num_threads() as u64,
-    };
-    let backend = match p.host {
-        true => Backend::Cpu,
-        false => Backend::Cuda,
-    };
-    // A bf16 layer's attention forward on the host multiplies bf16 copies.
-    let bf16_forward = match (p.dtype, p.host) {
-        (DType::BF16, true) => attention::bf16_forward_bytes(attention),
-        _ => 0,
-    };
-
-    // The forward: the checkpoints, one layer's keys and values and a chunk's activations.
-    let forward_phase = forward_checkpoints
-        + keys_values
-        + forward_acts
-        + projection_workspace
-        + widened_layer
-        + bf16_forward;
-
-    // The head, per logits chunk of `b · lc` rows. The scores in the compute dtype, their softmax,
-    // its VJP and the target scatter; on the host the scores alone, which their softmax and its VJP
-    // overwrite (a bf16 head's too: its logits and their gradient are f32 holding bf16 values,
-    // which its products read as bf16; a head that casts instead, f16, soft-capped or a score
-    // head, adds the half-precision copy each cast makes); elsewhere half precision adds the raw
-    // logits, the rounded VJP and temporaries (fitted).
-    let cast_head = !cfg.head_logits_as_bf16_values(p.dtype);
-    let half_logits = match (half, p.host) {
-        (true, false) => 4 * e,
-        (true, true) if cast_head => e,
-        _ => 0,
-    };
-    let buffers = if p.host { 1 } else { 4 };
-    let logits = b * lc * vocab * (buffers * f32b.max(e) + half_logits);
-    // The chunk's `[lc, d]` rows: its copy of the last hidden state, the final norm's output and
-    // what its backward keeps, the hidden state's gradient and the norm's VJP (fitted: 7, at least
-    // f32's size: half precision's norm runs in f32, on the host in one op, elsewhere composed;
-    // and one more in half precision: its bf16 rows beside their f32 ones).
-    let head_rows = b * lc * d * (7 * e.max(f32b) + if half { e } else { 0 });
-    // Each chunk's share of the head weight's gradient: added into the accumulator by the product
-    // itself on the host (bf16 operands into an f32 accumulator), a `[V, d]` buffer elsewhere.
-    let head_share = if p.host { 0 } else { head_grad };
-    let rows = (b * lc) as usize;
-    let (v, dd) = (vocab as usize, d as usize);
-    let mut head_products = vec![
-        Product::by_transposed(rows, v, dd),
-        Product::by_plain(rows, v, dd),
-    ];
-    if head_grad > 0 {
-        head_products.push(Product::transposed_by(v, dd, rows));
-    }
-    // Each chunk's log-probs are a tensor of their own until they are joined (fitted: 320 bytes).
-    let parts = t.div_ceil(lc) * 320;
-    let head_phase = head_grad
-        + head_checkpoints
-        + hidden
-        + parts
-        + logits
-        + head_rows
-        + head_share
-        + workspace(&head_products, true);
-
-    // K, V and their pending gradients, and (fitted, seen at T = 64K) one more `[T, kv]` state.
-    let kv_state = 5 * keys_values / 2;
-    let grads_io = 2 * hidden;
-    // The attention op keeps no score-sized tensor in the graph; its backward holds a few at once.
-    let scores = attention::backward_bytes(attention, backend);
-    // Measured on the host; on an accelerator (not measured there yet) both, to err high.
-    let busiest_moment = match p.host {
-        true => (attention_moment + scores).max(mlp_moment),
-        false => attention_moment + scores + mlp_moment,
-    };
-    let layer_phase = grads
-        + widened_layer
-        + layer_checkpoints
-        + kv_state
-        + grads_io
-        + chunk_acts
-        + busiest_moment
-        + projection_workspace;
-
-    // The embedding's VJP (written out): the incoming `[b, T, d]` gradient; on the host its rows go
-    // into the table's accumulator in place (in half precision widened to f32 first); elsewhere they
-    // make a table-sized sum in the model dtype (`index_add` onto zeros), copied to f32 in half
-    // precision. Not tied, that sum (or its copy) becomes the table's accumulator, already counted
-    // in `grads_after_layers`: one more model-dtype table comes on top, the zeros beside the sum or
-    // the sum beside its copy (as a card measured: docs/benchmarks.md, "Checkpoint tiers on the
-    // card"). Tied, the accumulator holds the head's share already, and the
-    // scaled rows and the sum (with its f32 copy) are added to it out of place, a new sum beside it
-    // (not yet measured on a card). Under LoRA the gradient arrives and nothing is done with it.
-    // Gemma's embedding scale and a padding id each make one more copy of the rows (not under LoRA).
-    let row_copies = match p.lora {
-        None => cfg.embed_scale.is_some() as u64 + cfg.pad_token_id.is_some() as u64,
-        Some(_) => 0,
-    };
-    let embedding_phase = grads_after_layers
-        + row_copies * hidden
-        + match (p.lora, p.host) {
-            (Some(_), _) => hidden,
-            (None, true) if half => hidden + b * t * d * f32b,
-            (None, true) => hidden,
-            (None, false) if !cfg.tie_word_embeddings => hidden + vocab * d * e,
-            (None, false) if half => 2 * hidden + table_grad + vocab * d * f32b,
-            (None, false) => 2 * hidden + table_grad,
-        };
-    Estimate {
-        resident,
-        forward_phase,
-        head_phase,
-        layer_phase,
-        embedding_phase,
-    }
 }
 
 /// `[b, T, d]` layer inputs held at once, for `layers` layers in segments of `every`.
