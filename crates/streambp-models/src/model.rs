@@ -420,100 +420,32 @@ impl Model {
     ) -> Result<Self> {
         config.validate()?;
         let mut model = self.detached();
-        let dtype = match model.dtype() {
-            DType::F64 => DType::F64,
-            _ => DType::F32,
+        let mut source = AdapterSource {
+            given: adapters,
+            rng: NormalRng::new(seed ^ 0x1_0ea),
+            dtype: match model.dtype() {
+                DType::F64 => DType::F64,
+                _ => DType::F32,
+            },
+            device: model.device().clone(),
         };
-        let device = model.device().clone();
-        let mut given = adapters;
-        let mut rng = NormalRng::new(seed ^ 0x1_0ea);
         let mut params = Vec::new();
         let mut ranges = Vec::with_capacity(model.layers.len());
         for layer in &mut model.layers {
-            let (index, start) = (layer.index, params.len());
-            for p in Projection::ALL {
-                let linear = layer.projection_mut(p);
-                linear.frozen = true;
-                if !config.targets.contains(&p) {
-                    continue;
-                }
-                let (out, features) = linear.weight.dims2()?;
-                let mut matrix = |m: Matrix, shape: (usize, usize)| -> Result<(String, Var)> {
-                    let key = peft_key(index, p, m);
-                    let t = match given.as_mut() {
-                        Some(tensors) => {
-                            let t =
-                                tensors
-                                    .remove(&key)
-                                    .ok_or_else(|| ModelError::MissingTensor {
-                                        name: key.clone(),
-                                        files: "the adapter".into(),
-                                    })?;
-                            if t.dims() != [shape.0, shape.1] {
-                                return Err(ModelError::ShapeMismatch {
-                                    name: key,
-                                    path: "the adapter".into(),
-                                    expected: vec![shape.0, shape.1],
-                                    found: t.dims().to_vec(),
-                                });
-                            }
-                            t.to_dtype(dtype)?.to_device(&device)?
-                        }
-                        None if m == Matrix::A => {
-                            kaiming_uniform(&mut rng, shape.0, shape.1, dtype, &device)?
-                        }
-                        None => Tensor::zeros(shape, dtype, &device)?,
-                    };
-                    Ok((key, Var::from_tensor(&t)?))
-                };
-                let a = matrix(Matrix::A, (config.r, features))?;
-                let b = matrix(Matrix::B, (out, config.r))?;
-                linear.lora = Some(LoraAdapter {
-                    a: a.1.as_tensor().clone(),
-                    b: b.1.as_tensor().clone(),
-                    scale: config.scale(),
-                    dropout: config.dropout,
-                    layer: index,
-                    projection: p,
-                    round_base_to: None,
-                });
-                params.extend([a, b]);
-            }
+            let start = params.len();
+            attach_adapters(layer, &config, &mut source, &mut params)?;
             ranges.push(start..params.len());
         }
         // A reward model's score head is trained in full beside the adapters (PEFT's
         // modules_to_save): the adapter's copy, or the base's to start, in the model's dtype.
         let mut head = None;
         if model.scores_positions() {
-            let given_score = given
-                .as_mut()
-                .and_then(|t| t.remove(crate::adapter::PEFT_SCORE_KEY));
-            let start = given_score.unwrap_or_else(|| model.lm_head.clone());
-            let score = start.to_dtype(model.lm_head.dtype())?.to_device(&device)?;
-            if score.dims() != model.lm_head.dims() {
-                return Err(ModelError::ShapeMismatch {
-                    name: crate::adapter::PEFT_SCORE_KEY.into(),
-                    path: "the adapter".into(),
-                    expected: model.lm_head.dims().to_vec(),
-                    found: score.dims().to_vec(),
-                });
-            }
-            let var = Var::from_tensor(&score)?;
+            let var = Var::from_tensor(&source.score(&model.lm_head)?)?;
             model.lm_head = var.as_tensor().clone();
             head = Some(params.len());
             params.push((crate::adapter::PEFT_SCORE_KEY.to_string(), var));
         }
-        if let Some(left) = given.and_then(|t| t.into_keys().min()) {
-            return Err(ModelError::Input(format!(
-                "the adapter's tensor {left:?} fits no LoRA target of this model (targets: {})",
-                config
-                    .targets
-                    .iter()
-                    .map(|p| p.name())
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            )));
-        }
+        source.all_used(&config)?;
         model.weights = model
             .weights
             .iter()
@@ -578,4 +510,115 @@ impl Model {
             ..self.clone()
         }
     }
+}
+
+/// Where [`Model::with_lora`]'s adapter matrices come from: the given adapter's tensors (taken out
+/// as they are used), else PEFT's fresh ones (`A` kaiming-uniform from the seed, `B` zero).
+struct AdapterSource {
+    given: Option<HashMap<String, Tensor>>,
+    rng: NormalRng,
+    /// The adapters' dtype (f32, or f64 for an f64 model) and device.
+    dtype: DType,
+    device: Device,
+}
+
+impl AdapterSource {
+    /// Matrix `m` of shape `shape` under PEFT's `key`: the given one (an error naming the key where
+    /// it is missing or of another shape), else a fresh one.
+    fn matrix(&mut self, key: String, m: Matrix, shape: (usize, usize)) -> Result<(String, Var)> {
+        let t = match self.given.as_mut() {
+            Some(tensors) => {
+                let t = tensors
+                    .remove(&key)
+                    .ok_or_else(|| ModelError::MissingTensor {
+                        name: key.clone(),
+                        files: "the adapter".into(),
+                    })?;
+                if t.dims() != [shape.0, shape.1] {
+                    return Err(ModelError::ShapeMismatch {
+                        name: key,
+                        path: "the adapter".into(),
+                        expected: vec![shape.0, shape.1],
+                        found: t.dims().to_vec(),
+                    });
+                }
+                t.to_dtype(self.dtype)?.to_device(&self.device)?
+            }
+            None if m == Matrix::A => {
+                kaiming_uniform(&mut self.rng, shape.0, shape.1, self.dtype, &self.device)?
+            }
+            None => Tensor::zeros(shape, self.dtype, &self.device)?,
+        };
+        Ok((key, Var::from_tensor(&t)?))
+    }
+
+    /// A score head's starting weight: the adapter's copy where it has one, else `base`'s, in
+    /// `base`'s dtype (an error where the copy's shape differs).
+    fn score(&mut self, base: &Tensor) -> Result<Tensor> {
+        let key = crate::adapter::PEFT_SCORE_KEY;
+        let given = self.given.as_mut().and_then(|t| t.remove(key));
+        let start = given.unwrap_or_else(|| base.clone());
+        let score = start.to_dtype(base.dtype())?.to_device(&self.device)?;
+        if score.dims() != base.dims() {
+            return Err(ModelError::ShapeMismatch {
+                name: key.into(),
+                path: "the adapter".into(),
+                expected: base.dims().to_vec(),
+                found: score.dims().to_vec(),
+            });
+        }
+        Ok(score)
+    }
+
+    /// An error naming the first given tensor no target took, if any.
+    fn all_used(self, config: &LoraConfig) -> Result<()> {
+        match self.given.and_then(|t| t.into_keys().min()) {
+            None => Ok(()),
+            Some(left) => Err(ModelError::Input(format!(
+                "the adapter's tensor {left:?} fits no LoRA target of this model (targets: {})",
+                config
+                    .targets
+                    .iter()
+                    .map(|p| p.name())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ))),
+        }
+    }
+}
+
+/// `layer`'s projections frozen and the targeted ones given adapters from `source`, their matrices
+/// appended to `params` (`A` then `B` of each target, in [`Projection::ALL`]'s order).
+fn attach_adapters(
+    layer: &mut DecoderLayer,
+    config: &LoraConfig,
+    source: &mut AdapterSource,
+    params: &mut Vec<(String, Var)>,
+) -> Result<()> {
+    let index = layer.index;
+    for p in Projection::ALL {
+        let linear = layer.projection_mut(p);
+        linear.frozen = true;
+        if !config.targets.contains(&p) {
+            continue;
+        }
+        let (out, features) = linear.weight.dims2()?;
+        let a = source.matrix(
+            peft_key(index, p, Matrix::A),
+            Matrix::A,
+            (config.r, features),
+        )?;
+        let b = source.matrix(peft_key(index, p, Matrix::B), Matrix::B, (out, config.r))?;
+        linear.lora = Some(LoraAdapter {
+            a: a.1.as_tensor().clone(),
+            b: b.1.as_tensor().clone(),
+            scale: config.scale(),
+            dropout: config.dropout,
+            layer: index,
+            projection: p,
+            round_base_to: None,
+        });
+        params.extend([a, b]);
+    }
+    Ok(())
 }

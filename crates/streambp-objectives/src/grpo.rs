@@ -152,13 +152,17 @@ fn shift<T: Copy + Default>(rows: &[Vec<T>]) -> Vec<T> {
         .collect()
 }
 
-impl Grpo {
-    /// Checks `batch` (shapes, ids inside `vocab_size`, masks, finite values, the parameters its loss
-    /// type needs) and moves it to `device` in logits coordinates.
-    pub fn new(batch: &GrpoBatch, vocab_size: usize, device: &Device) -> Result<Self> {
-        let bad = |m: String| ObjectiveError::Batch(m);
-        let g = batch.input_ids.len();
-        let t = batch.input_ids.first().map(Vec::len).unwrap_or(0);
+/// The error of a malformed batch, saying what is wrong with it (`m`).
+fn bad(m: String) -> ObjectiveError {
+    ObjectiveError::Batch(m)
+}
+
+impl GrpoBatch<'_> {
+    /// The batch's `(G, T)`, once every array is checked to have input_ids' `[G][T]` shape (`[G]`
+    /// for the advantages).
+    fn shape(&self) -> Result<(usize, usize)> {
+        let g = self.input_ids.len();
+        let t = self.input_ids.first().map(Vec::len).unwrap_or(0);
         if g == 0 || t == 0 {
             return Err(bad("empty input_ids".into()));
         }
@@ -171,38 +175,47 @@ impl Grpo {
             }
             Ok(())
         };
-        same_shape("input_ids", g, &mut batch.input_ids.iter().map(Vec::len))?;
+        same_shape("input_ids", g, &mut self.input_ids.iter().map(Vec::len))?;
         same_shape(
             "completion_mask",
-            batch.completion_mask.len(),
-            &mut batch.completion_mask.iter().map(Vec::len),
+            self.completion_mask.len(),
+            &mut self.completion_mask.iter().map(Vec::len),
         )?;
-        for (name, arr) in [
-            ("old_logps", batch.old_logps),
-            ("ref_logps", batch.ref_logps),
-        ] {
+        for (name, arr) in [("old_logps", self.old_logps), ("ref_logps", self.ref_logps)] {
             if let Some(a) = arr {
                 same_shape(name, a.len(), &mut a.iter().map(Vec::len))?;
             }
         }
-        if batch.advantages.len() != g {
+        if self.advantages.len() != g {
             return Err(bad(format!(
                 "advantages has {} entries for {g} sequences",
-                batch.advantages.len()
+                self.advantages.len()
             )));
         }
-        if let Some(a) = batch.advantages.iter().find(|a| !a.is_finite()) {
+        Ok((g, t))
+    }
+
+    /// Checks that every advantage is finite and every token id inside the vocabulary of
+    /// `vocab_size`.
+    fn check_advantages_and_ids(&self, vocab_size: usize) -> Result<()> {
+        if let Some(a) = self.advantages.iter().find(|a| !a.is_finite()) {
             return Err(bad(format!("advantage {a} is not finite")));
         }
-        for (b, row) in batch.input_ids.iter().enumerate() {
+        for (b, row) in self.input_ids.iter().enumerate() {
             if let Some(id) = row.iter().find(|&&id| id < 0 || id as usize >= vocab_size) {
                 return Err(bad(format!(
                     "token id {id} in row {b} is outside the vocabulary (size {vocab_size})"
                 )));
             }
         }
-        let mut completion_lengths = Vec::with_capacity(g);
-        for (b, row) in batch.completion_mask.iter().enumerate() {
+        Ok(())
+    }
+
+    /// The number of completion tokens of each row, once the completion mask is checked to hold
+    /// only 0/1, never to mark position 0, and to mark some token.
+    fn completion_lengths(&self) -> Result<Vec<usize>> {
+        let mut completion_lengths = Vec::with_capacity(self.completion_mask.len());
+        for (b, row) in self.completion_mask.iter().enumerate() {
             if row.iter().any(|&m| m != 0 && m != 1) {
                 return Err(bad(format!(
                     "completion_mask row {b} holds values other than 0/1"
@@ -222,12 +235,14 @@ impl Grpo {
                 "completion_mask marks no completion token in any row".into()
             ));
         }
-        for (name, arr) in [
-            ("old_logps", batch.old_logps),
-            ("ref_logps", batch.ref_logps),
-        ] {
+        Ok(completion_lengths)
+    }
+
+    /// Checks that the old and reference log-probs given are finite at every completion position.
+    fn check_logps(&self) -> Result<()> {
+        for (name, arr) in [("old_logps", self.old_logps), ("ref_logps", self.ref_logps)] {
             if let Some(a) = arr {
-                for (b, (row, m)) in a.iter().zip(batch.completion_mask).enumerate() {
+                for (b, (row, m)) in a.iter().zip(self.completion_mask).enumerate() {
                     if let Some((p, v)) = row
                         .iter()
                         .zip(m)
@@ -240,29 +255,42 @@ impl Grpo {
                 }
             }
         }
-        if batch.beta != 0.0 && batch.ref_logps.is_none() {
+        Ok(())
+    }
+
+    /// Checks the scalar parameters: the reference log-probs `beta` needs, a positive finite
+    /// temperature, non-negative `beta` and epsilons, and positive finite sapo temperatures.
+    fn check_parameters(&self) -> Result<()> {
+        if self.beta != 0.0 && self.ref_logps.is_none() {
             return Err(bad(
                 "beta != 0 needs ref_logps (or a reference model)".into()
             ));
         }
-        if !(batch.temperature > 0.0 && batch.temperature.is_finite()) {
+        if !(self.temperature > 0.0 && self.temperature.is_finite()) {
             return Err(bad(format!(
                 "temperature {} must be above 0",
-                batch.temperature
+                self.temperature
             )));
         }
-        if !(batch.beta >= 0.0 && batch.epsilon_low >= 0.0 && batch.epsilon_high >= 0.0) {
+        if !(self.beta >= 0.0 && self.epsilon_low >= 0.0 && self.epsilon_high >= 0.0) {
             return Err(bad("beta and epsilon must be non-negative".into()));
         }
-        let (pos, neg) = batch.sapo_temperatures;
+        let (pos, neg) = self.sapo_temperatures;
         if !(pos > 0.0 && neg > 0.0 && pos.is_finite() && neg.is_finite()) {
             return Err(bad(format!(
                 "sapo temperatures ({pos}, {neg}) must be above 0"
             )));
         }
+        Ok(())
+    }
+
+    /// What the loss type divides each row's summed per-token losses by, given the rows'
+    /// `completion_lengths` (checking `num_items_in_batch` and `max_completion_length` against them).
+    fn denominators(&self, completion_lengths: &[usize]) -> Result<Vec<f64>> {
+        let g = completion_lengths.len();
         let tokens = completion_lengths.iter().sum::<usize>() as f64;
         let longest = completion_lengths.iter().copied().max().unwrap_or(0);
-        let denominators: Vec<f64> = match batch.loss_type {
+        Ok(match self.loss_type {
             // TRL's `mask.sum(-1).clamp(min=1.0)`.
             GrpoLossType::Grpo | GrpoLossType::Sapo => completion_lengths
                 .iter()
@@ -270,7 +298,7 @@ impl Grpo {
                 .collect(),
             GrpoLossType::Bnpo => vec![tokens; g],
             GrpoLossType::Dapo | GrpoLossType::Cispo => {
-                let items = batch.num_items_in_batch.unwrap_or(tokens);
+                let items = self.num_items_in_batch.unwrap_or(tokens);
                 if !(items >= tokens && items.is_finite()) {
                     return Err(bad(format!(
                         "num_items_in_batch {items} is below this batch's {tokens} completion tokens"
@@ -279,7 +307,7 @@ impl Grpo {
                 vec![items; g]
             }
             GrpoLossType::DrGrpo => {
-                let max_len = batch
+                let max_len = self
                     .max_completion_length
                     .ok_or_else(|| bad("loss_type dr_grpo needs max_completion_length".into()))?;
                 if max_len < longest {
@@ -289,7 +317,20 @@ impl Grpo {
                 }
                 vec![(g * max_len) as f64; g]
             }
-        };
+        })
+    }
+}
+
+impl Grpo {
+    /// Checks `batch` (shapes, ids inside `vocab_size`, masks, finite values, the parameters its loss
+    /// type needs) and moves it to `device` in logits coordinates.
+    pub fn new(batch: &GrpoBatch, vocab_size: usize, device: &Device) -> Result<Self> {
+        let (g, t) = batch.shape()?;
+        batch.check_advantages_and_ids(vocab_size)?;
+        let completion_lengths = batch.completion_lengths()?;
+        batch.check_logps()?;
+        batch.check_parameters()?;
+        let denominators = batch.denominators(&completion_lengths)?;
         let mask = shift(batch.completion_mask);
         let weights: Vec<f64> = mask
             .iter()
@@ -304,6 +345,7 @@ impl Grpo {
             a.map(|a| Tensor::from_vec(shift(a), (g, t), device).map_err(ObjectiveError::from))
                 .transpose()
         };
+        let (pos, neg) = batch.sapo_temperatures;
         Ok(Self {
             targets: Tensor::from_vec(targets, (g, t), device)?,
             mask: Tensor::from_vec(

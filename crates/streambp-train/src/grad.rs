@@ -166,6 +166,63 @@ impl GradArgs {
     }
 }
 
+/// The chunks and options of `grad`'s backward of a `[b, t]` batch: the flags' chunks (`given`,
+/// defaults filled in), or the planner's for `--memory-budget` where no chunk is given.
+fn plan(
+    args: &GradArgs,
+    model: &streambp_models::Model,
+    (b, t): (usize, usize),
+    given: Chunks,
+) -> Result<(Chunks, Options)> {
+    let options = Options {
+        offload_checkpoints: args.offload_checkpoints,
+        checkpoint_every: args.checkpoint_every,
+        checkpoint_dir: args.checkpoint_dir.as_deref().map(Into::into),
+        dropout: Some(DropoutKey {
+            key: dropout_key(args.seed, 0, 0),
+            first_row: 0,
+        }),
+    };
+    // A budget picks the chunks unless they are given.
+    let policy = match (args.chunk, args.logits_chunk, args.memory_budget) {
+        (None, None, Some(budget)) => {
+            ChunkPolicy::Budget(budget, Tiers::of(&options, args.host_memory_budget))
+        }
+        _ => ChunkPolicy::Fixed(given),
+    };
+    let planned = policy.plan_for(Problem::of(model, b, t, &options))?;
+    let (chunks, options) = (planned.chunks, planned.options(options));
+    tracing::info!(
+        ?chunks,
+        checkpoint_every = planned.checkpoint_every,
+        mode = %args.mode,
+        batch = b,
+        seq_len = t,
+        "backward"
+    );
+    Ok((chunks, options))
+}
+
+/// Every gradient under its name and the loss as `loss` (`[1]`, in `dtype`), on the host, written
+/// to `out` atomically.
+fn save_gradients(
+    grads: &[(String, Tensor)],
+    loss: f64,
+    dtype: candle_core::DType,
+    out: &std::path::Path,
+) -> Result<()> {
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    for (name, g) in grads {
+        tensors.insert(name.clone(), g.to_device(&Device::Cpu)?);
+    }
+    tensors.insert(
+        "loss".into(),
+        Tensor::new(&[loss], &Device::Cpu)?.to_dtype(dtype)?,
+    );
+    save_safetensors(&tensors, out)?;
+    Ok(())
+}
+
 /// Runs `grad`: loads the model (and reference), reads the batch file, runs one backward and writes
 /// every gradient under its HF name, plus the loss as `loss`, to `--out`; returns the line to print.
 pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
@@ -197,32 +254,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
     );
     let batch = load_batch(&args.batch, &model.config, &device, &mut reference)?;
     let (b, t) = batch.input_ids.dims2()?;
-    let options = Options {
-        offload_checkpoints: args.offload_checkpoints,
-        checkpoint_every: args.checkpoint_every,
-        checkpoint_dir: args.checkpoint_dir.as_deref().map(Into::into),
-        dropout: Some(DropoutKey {
-            key: dropout_key(args.seed, 0, 0),
-            first_row: 0,
-        }),
-    };
-    // A budget picks the chunks unless they are given.
-    let policy = match (args.chunk, args.logits_chunk, args.memory_budget) {
-        (None, None, Some(budget)) => {
-            ChunkPolicy::Budget(budget, Tiers::of(&options, args.host_memory_budget))
-        }
-        _ => ChunkPolicy::Fixed(reference_chunks),
-    };
-    let planned = policy.plan_for(Problem::of(&model, b, t, &options))?;
-    let (chunks, options) = (planned.chunks, planned.options(options));
-    tracing::info!(
-        ?chunks,
-        checkpoint_every = planned.checkpoint_every,
-        mode = %args.mode,
-        batch = b,
-        seq_len = t,
-        "backward"
-    );
+    let (chunks, options) = plan(args, &model, (b, t), reference_chunks)?;
     let start = Instant::now();
     let out = backward_with(
         &model,
@@ -244,15 +276,7 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         );
     }
 
-    let mut tensors: HashMap<String, Tensor> = HashMap::new();
-    for (name, g) in out.grads {
-        tensors.insert(name, g.to_device(&Device::Cpu)?);
-    }
-    tensors.insert(
-        "loss".into(),
-        Tensor::new(&[out.loss], &Device::Cpu)?.to_dtype(dtype)?,
-    );
-    save_safetensors(&tensors, &args.out)?;
+    save_gradients(&out.grads, out.loss, dtype, &args.out)?;
     Ok(GradReport {
         loss: out.loss,
         mode: args.mode.to_string(),

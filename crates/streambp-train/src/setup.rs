@@ -166,11 +166,7 @@ impl Setup {
         let comm = streambp_dist::world();
         let crate::parallel::ParallelGroups { data, sequence } =
             crate::parallel::parallel_groups(comm.clone(), cfg.sp)?;
-        // Data parallel on GPUs: each rank on its node's GPU of its local rank.
-        let device = match (cfg.device.as_str(), comm.world_size()) {
-            ("cuda", n) if n > 1 => parse_device(&format!("cuda:{}", streambp_dist::local_rank()))?,
-            (spec, _) => parse_device(spec)?,
-        };
+        let device = run_device(&cfg.device, comm.world_size())?;
         let dtype = parse_dtype(&cfg.dtype)?;
         // Resolve what the run reads before anything is written.
         let model_dir = cfg.model.as_deref().map(resolve_model_dir).transpose()?;
@@ -180,79 +176,11 @@ impl Setup {
             .map(resolve_adapter_dir)
             .transpose()?;
         // Rank 0 checks, locks and fills the output directory; the others read what it wrote.
-        let is_main = comm.rank() == 0;
-        let output = is_main
-            .then(|| OutputDir::prepare(&cfg.output_dir))
-            .transpose()?;
-        if let (Some(out), None) = (&output, &cfg.resume) {
-            out.replace_earlier_run(cfg.overwrite_output_dir)?;
-        }
-        let builtin_dir = cfg.output_dir.join("builtin-task");
-        let builtin = match (cfg.model.is_none() || cfg.data.is_none(), is_main) {
-            (true, true) => Some(materialize_builtin(&builtin_dir)?),
-            (true, false) => Some(builtin_dir),
-            (false, _) => None,
-        };
+        let (output, builtin) = prepare_output(cfg, comm.rank() == 0)?;
         comm.barrier()?;
-        let initial = match (model_dir, &builtin) {
-            (Some(dir), _) => InitialModel::Dir(dir),
-            (None, Some(dir)) => match cfg.builtin_model {
-                BuiltinModel::Random => InitialModel::Random {
-                    dir: dir.clone(),
-                    seed: cfg.seed,
-                },
-                BuiltinModel::Sft => InitialModel::Dir(dir.join(builtin::SFT_MODEL_DIR)),
-            },
-            (None, None) => {
-                return Err(TrainError::Internal(
-                    "no model given and no built-in task written".into(),
-                ))
-            }
-        };
-        // A LoRA checkpoint holds the adapter only, over the run's model; a full one the whole model.
-        let resumed_adapter = cfg
-            .resume
-            .clone()
-            .filter(|dir| dir.join(ADAPTER_FILES[0]).is_file());
-        let (model, model_dir) = match (&cfg.resume, &resumed_adapter) {
-            (Some(dir), None) => (load_model(dir, dtype, &device)?, dir.clone()),
-            _ => (initial.load(dtype, &device)?, initial.dir().to_path_buf()),
-        };
-        if model.scores_positions() && recipe != Recipe::Reward {
-            return Err(TrainError::flag(
-                "--model",
-                model_dir.display(),
-                format!(
-                    "is a reward model (a sequence classifier with a score head): {} trains a \
-                     causal LM",
-                    recipe.name()
-                ),
-            ));
-        }
-        let tokenizer = TextTokenizer::from_dir(&model_dir)?;
-        let model = match recipe {
-            Recipe::Reward => reward_model(model, &tokenizer, cfg.seed)?,
-            _ => model,
-        };
-        let adapter_dir = resumed_adapter.or(adapter_dir);
-        let model = attach_lora(model, adapter_dir, cfg.lora.clone(), cfg.seed)?;
-        if tokenizer.vocab_size() > model.config.vocab_size {
-            return Err(TrainError::Tokenizer(format!(
-                "{}: the tokenizer has {} tokens but the model only {}",
-                model_dir.display(),
-                tokenizer.vocab_size(),
-                model.config.vocab_size
-            )));
-        }
-        let positions = model.config.max_position_embeddings;
-        if cfg.max_length > positions {
-            tracing::warn!(
-                max_length = cfg.max_length,
-                max_position_embeddings = positions,
-                "--max-length is above the model's max_position_embeddings: longer sequences than it \
-                 was trained for"
-            );
-        }
+        let initial = initial_model(cfg, model_dir, builtin.as_ref())?;
+        let (model, model_dir, tokenizer) =
+            load_for_recipe(cfg, recipe, &initial, adapter_dir, (dtype, &device))?;
         let count = |t: &[usize]| t.iter().product::<usize>();
         tracing::info!(
             model = %model_dir.display(),
@@ -521,4 +449,117 @@ pub fn attach_lora(
         }
         (None, None) => model,
     })
+}
+
+/// The device of `spec`; data parallel on GPUs (`cuda` over several processes): each rank on its
+/// node's GPU of its local rank.
+fn run_device(spec: &str, world_size: usize) -> Result<Device> {
+    Ok(match (spec, world_size) {
+        ("cuda", n) if n > 1 => parse_device(&format!("cuda:{}", streambp_dist::local_rank()))?,
+        (spec, _) => parse_device(spec)?,
+    })
+}
+
+/// On the main rank, the output directory checked and locked (an earlier run's files replaced
+/// unless resuming) and, where no model or data is given, the built-in task written into it; its
+/// directory on every rank.
+fn prepare_output(
+    cfg: &TrainConfig,
+    is_main: bool,
+) -> Result<(Option<OutputDir>, Option<PathBuf>)> {
+    let output = is_main
+        .then(|| OutputDir::prepare(&cfg.output_dir))
+        .transpose()?;
+    if let (Some(out), None) = (&output, &cfg.resume) {
+        out.replace_earlier_run(cfg.overwrite_output_dir)?;
+    }
+    let builtin_dir = cfg.output_dir.join("builtin-task");
+    let builtin = match (cfg.model.is_none() || cfg.data.is_none(), is_main) {
+        (true, true) => Some(materialize_builtin(&builtin_dir)?),
+        (true, false) => Some(builtin_dir),
+        (false, _) => None,
+    };
+    Ok((output, builtin))
+}
+
+/// The model the run starts from: the given directory, else the built-in task's (random or its
+/// SFT model, as `--builtin-model` says).
+fn initial_model(
+    cfg: &TrainConfig,
+    model_dir: Option<PathBuf>,
+    builtin: Option<&PathBuf>,
+) -> Result<InitialModel> {
+    Ok(match (model_dir, builtin) {
+        (Some(dir), _) => InitialModel::Dir(dir),
+        (None, Some(dir)) => match cfg.builtin_model {
+            BuiltinModel::Random => InitialModel::Random {
+                dir: dir.clone(),
+                seed: cfg.seed,
+            },
+            BuiltinModel::Sft => InitialModel::Dir(dir.join(builtin::SFT_MODEL_DIR)),
+        },
+        (None, None) => {
+            return Err(TrainError::Internal(
+                "no model given and no built-in task written".into(),
+            ))
+        }
+    })
+}
+
+/// The model `recipe` trains (resumed from `cfg.resume` where that holds a whole model; a reward
+/// model's score head; LoRA's adapters, resumed, given or fresh), its directory and its tokenizer;
+/// an error where the model is a reward model for another recipe or the tokenizer outgrows its
+/// vocabulary.
+fn load_for_recipe(
+    cfg: &TrainConfig,
+    recipe: Recipe,
+    initial: &InitialModel,
+    adapter_dir: Option<PathBuf>,
+    (dtype, device): (DType, &Device),
+) -> Result<(Model, PathBuf, TextTokenizer)> {
+    // A LoRA checkpoint holds the adapter only, over the run's model; a full one the whole model.
+    let resumed_adapter = cfg
+        .resume
+        .clone()
+        .filter(|dir| dir.join(ADAPTER_FILES[0]).is_file());
+    let (model, model_dir) = match (&cfg.resume, &resumed_adapter) {
+        (Some(dir), None) => (load_model(dir, dtype, device)?, dir.clone()),
+        _ => (initial.load(dtype, device)?, initial.dir().to_path_buf()),
+    };
+    if model.scores_positions() && recipe != Recipe::Reward {
+        return Err(TrainError::flag(
+            "--model",
+            model_dir.display(),
+            format!(
+                "is a reward model (a sequence classifier with a score head): {} trains a \
+                 causal LM",
+                recipe.name()
+            ),
+        ));
+    }
+    let tokenizer = TextTokenizer::from_dir(&model_dir)?;
+    let model = match recipe {
+        Recipe::Reward => reward_model(model, &tokenizer, cfg.seed)?,
+        _ => model,
+    };
+    let adapter_dir = resumed_adapter.or(adapter_dir);
+    let model = attach_lora(model, adapter_dir, cfg.lora.clone(), cfg.seed)?;
+    if tokenizer.vocab_size() > model.config.vocab_size {
+        return Err(TrainError::Tokenizer(format!(
+            "{}: the tokenizer has {} tokens but the model only {}",
+            model_dir.display(),
+            tokenizer.vocab_size(),
+            model.config.vocab_size
+        )));
+    }
+    let positions = model.config.max_position_embeddings;
+    if cfg.max_length > positions {
+        tracing::warn!(
+            max_length = cfg.max_length,
+            max_position_embeddings = positions,
+            "--max-length is above the model's max_position_embeddings: longer sequences than it \
+             was trained for"
+        );
+    }
+    Ok((model, model_dir, tokenizer))
 }

@@ -218,29 +218,12 @@ impl<'a> Trainer<'a> {
         extra: RunRecord,
     ) -> Result<Self> {
         let comm = setup.comm.clone();
-        let (rank, world) = (comm.rank(), comm.world_size());
+        let rank = comm.rank();
         let data_ranks = setup.data.world_size();
         let examples = data.count;
         let per_step = cfg.examples_per_step()?.saturating_mul(data_ranks);
         cfg.check_data_size(examples, data.what, data.source, data_ranks)?;
-        let mut run = cfg.record(recipe);
-        // The model, an adapter to train further and DPO's reference are identified by their
-        // weights, their paths kept for the record alone (a changed path warns, changed weights
-        // refuse a resume).
-        if let crate::setup::InitialModel::Dir(dir) = &setup.initial {
-            record_weights(&mut run, "--model", dir)?;
-        }
-        if let Some(spec) = &cfg.adapter {
-            let dir = streambp_models::resolve_adapter_dir(spec)?;
-            record_weights(&mut run, "--adapter", &dir)?;
-        }
-        if let (Recipe::Dpo | Recipe::Kto, Some(spec)) = (recipe, &cfg.ref_model) {
-            let dir = streambp_models::resolve_model_dir(spec)?;
-            record_weights(&mut run, "--ref-model", &dir)?;
-        }
-        run.extend(extra);
-        run.insert("data".into(), data.identity.clone());
-        run.insert("ranks".into(), world.into());
+        let run = run_record(cfg, setup, recipe, data, extra)?;
         let adamw = AdamWConfig {
             weight_decay: cfg.weight_decay,
             ..Default::default()
@@ -263,37 +246,13 @@ impl<'a> Trainer<'a> {
             .unwrap_or(((examples as f64 * cfg.epochs) / per_step as f64).ceil() as usize)
             .max(1);
         let (start_step, epoch, cursor, seed, first_loss) = match &cfg.resume {
-            Some(dir) => {
-                let state = TrainerState::read(dir)?;
-                check_resume(dir, &state.run, &run)?;
-                if state.step >= max_steps {
-                    return Err(TrainError::Checkpoint(format!(
-                        "{} is at step {}, and the run ends at step {max_steps}: nothing left to \
-                         train (raise --max-steps)",
-                        dir.display(),
-                        state.step
-                    )));
-                }
-                parallel.load_state(dir, state.step, &setup.device)?;
-                tracing::info!(step = state.step, dir = %dir.display(), "resumed");
-                // The order the position was saved in is the checkpoint's seed's.
-                let first_loss = state.first_loss.unwrap_or(f64::NAN);
-                (
-                    state.step,
-                    state.epoch,
-                    state.cursor,
-                    state.seed,
-                    first_loss,
-                )
-            }
+            Some(dir) => resume(dir, &run, max_steps, &mut parallel, &setup.device)?,
             None => (0, 0, 0, cfg.seed, f64::NAN),
         };
-        let same_dir = |checkpoint: &&PathBuf| {
-            let real = |p: &Path| std::fs::canonicalize(p).ok();
-            checkpoint.parent().and_then(real).is_some()
-                && checkpoint.parent().and_then(real) == real(&cfg.output_dir)
-        };
-        let continues = cfg.resume.as_ref().is_some_and(|dir| same_dir(&dir));
+        let continues = cfg
+            .resume
+            .as_ref()
+            .is_some_and(|dir| in_same_dir(dir, &cfg.output_dir));
         let metrics = match rank {
             0 => Some(MetricsLog::open(&cfg.output_dir, start_step, continues)?),
             _ => None,
@@ -631,4 +590,74 @@ fn progress_bar(steps: usize, visible: bool) -> indicatif::ProgressBar {
         bar.set_style(style);
     }
     bar
+}
+
+/// The record of a `recipe` run: its settings (`extra` ones included), the data's fingerprint, the
+/// number of ranks, and the model, an adapter to train further and DPO's or KTO's reference
+/// identified by their weights, their paths kept for the record alone (a changed path warns,
+/// changed weights refuse a resume).
+fn run_record(
+    cfg: &TrainConfig,
+    setup: &Setup,
+    recipe: Recipe,
+    data: &TrainingData,
+    extra: RunRecord,
+) -> Result<RunRecord> {
+    let mut run = cfg.record(recipe);
+    if let crate::setup::InitialModel::Dir(dir) = &setup.initial {
+        record_weights(&mut run, "--model", dir)?;
+    }
+    if let Some(spec) = &cfg.adapter {
+        let dir = streambp_models::resolve_adapter_dir(spec)?;
+        record_weights(&mut run, "--adapter", &dir)?;
+    }
+    if let (Recipe::Dpo | Recipe::Kto, Some(spec)) = (recipe, &cfg.ref_model) {
+        let dir = streambp_models::resolve_model_dir(spec)?;
+        record_weights(&mut run, "--ref-model", &dir)?;
+    }
+    run.extend(extra);
+    run.insert("data".into(), data.identity.clone());
+    run.insert("ranks".into(), setup.comm.world_size().into());
+    Ok(run)
+}
+
+/// Resuming from checkpoint `dir`: its record checked against `run`, the optimizer's state (this
+/// rank's shard) loaded into `parallel`; the step, epoch, data cursor, seed (the order the position
+/// was saved in is the checkpoint's seed's) and first loss to go on from. An error where the
+/// checkpoint is at or past `max_steps`.
+fn resume(
+    dir: &Path,
+    run: &RunRecord,
+    max_steps: usize,
+    parallel: &mut DataParallel,
+    device: &candle_core::Device,
+) -> Result<(usize, u64, usize, u64, f64)> {
+    let state = TrainerState::read(dir)?;
+    check_resume(dir, &state.run, run)?;
+    if state.step >= max_steps {
+        return Err(TrainError::Checkpoint(format!(
+            "{} is at step {}, and the run ends at step {max_steps}: nothing left to \
+             train (raise --max-steps)",
+            dir.display(),
+            state.step
+        )));
+    }
+    parallel.load_state(dir, state.step, device)?;
+    tracing::info!(step = state.step, dir = %dir.display(), "resumed");
+    let first_loss = state.first_loss.unwrap_or(f64::NAN);
+    Ok((
+        state.step,
+        state.epoch,
+        state.cursor,
+        state.seed,
+        first_loss,
+    ))
+}
+
+/// Whether `checkpoint` lies in `output_dir` (both existing): a resumed run that goes on writing
+/// beside its checkpoints continues their metrics log.
+fn in_same_dir(checkpoint: &Path, output_dir: &Path) -> bool {
+    let real = |p: &Path| std::fs::canonicalize(p).ok();
+    checkpoint.parent().and_then(real).is_some()
+        && checkpoint.parent().and_then(real) == real(output_dir)
 }

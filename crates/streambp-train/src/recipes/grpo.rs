@@ -15,7 +15,7 @@ use crate::config::{GrpoConfig, Recipe, TrainConfig};
 use crate::data::{text_field, Example, LoadReport, Overflow, Row, Text};
 use crate::dataset::DataSource;
 use crate::eval::{eval_accuracy, eval_rows};
-use crate::logprobs::token_logps;
+use crate::logprobs::{token_logps, Scorer};
 use crate::output::temporary;
 use crate::rewards::{
     group_advantages, group_without_signal, parse_reward, scaled_advantages, std_from_sums, Reward,
@@ -74,6 +74,54 @@ impl MicroBatch {
             old_logps,
             rows,
         }
+    }
+
+    /// The micro-batch's objective (with the reference's log-probs `ref_logps` where `--beta` is
+    /// not 0) and the weight of its loss, from the step's weight and `num_items_in_batch`.
+    fn objective(
+        &self,
+        setup: &Setup,
+        cfg: &TrainConfig,
+        g: &GrpoConfig,
+        ref_logps: Option<&[Vec<f64>]>,
+        (weight, num_items): (f64, Option<f64>),
+    ) -> Result<(Grpo, f64)> {
+        // A micro-batch whose every completion was masked out (truncated) adds nothing; it
+        // still runs, its completions unmasked at weight 0, so that every rank makes the same
+        // calls.
+        let unmasked;
+        let (completion_mask, weight, num_items) =
+            match self.completion_mask.iter().flatten().any(|&v| v == 1) {
+                true => (&self.completion_mask, weight, num_items),
+                false => {
+                    unmasked = self.rows.target_mask();
+                    (&unmasked, 0.0, None)
+                }
+            };
+        let objective = Grpo::new(
+            &GrpoBatch {
+                input_ids: &self.rows.input_ids,
+                completion_mask,
+                advantages: &self.advantages,
+                old_logps: self.old_logps.as_deref(),
+                ref_logps,
+                beta: cfg.beta,
+                epsilon_low: g.epsilon,
+                epsilon_high: g.epsilon_high.unwrap_or(g.epsilon),
+                loss_type: g.loss_type,
+                // TRL's `max_completion_length`: a completion, its EOS included, never has
+                // more than `--max-new-tokens` tokens (EOS is not added to a truncated one).
+                max_completion_length: Some(g.sampling.max_new_tokens),
+                // The policy's log-probs at the temperature it sampled with, as TRL's.
+                temperature: g.sampling.temperature,
+                num_items_in_batch: num_items,
+                use_bias_correction_kl: true,
+                sapo_temperatures: g.sapo_temperatures,
+            },
+            setup.model.config.vocab_size,
+            &setup.device,
+        )?;
+        Ok((objective, weight))
     }
 }
 
@@ -434,12 +482,11 @@ fn draw_rollouts(
     Ok(batch)
 }
 
-/// Trains `cfg`'s model with GRPO on its prompts (the built-in arithmetic prompts by default).
-pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
-    cfg.validate(Recipe::Grpo)?;
-    g.validate(cfg)?;
+/// The `--reward` specs of the run: its own, or on the built-in task the exact match of its answers;
+/// an error when a run on its own data names none.
+fn reward_specs(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Vec<String>> {
     let builtin = cfg.data.is_none();
-    let reward_specs: Vec<String> = match (g.rewards.is_empty(), builtin) {
+    Ok(match (g.rewards.is_empty(), builtin) {
         (false, _) => g.rewards.clone(),
         // The built-in task's answers: exactly right or not.
         (true, true) => vec!["exact:completion".into()],
@@ -450,7 +497,159 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
                 "GRPO needs at least one --reward (exact:COLUMN or format:REGEX)",
             ))
         }
-    };
+    })
+}
+
+/// Warns when `trainer` resumes inside a batch of rollouts, from where the run differs from an
+/// uninterrupted one.
+fn warn_if_resumed_inside_batch(trainer: &Trainer, g: &GrpoConfig) {
+    if !trainer.start_step.is_multiple_of(g.num_iterations) {
+        // Checkpoints are saved between batches of rollouts (--save-every is a multiple of
+        // --num-iterations); only an older version's could fall inside one.
+        tracing::warn!(
+            step = trainer.start_step,
+            num_iterations = g.num_iterations,
+            "resumed inside a batch of rollouts: they are drawn anew and the data position moves \
+             on, so the run differs from an uninterrupted one from here"
+        );
+    }
+}
+
+/// Takes the step's prompts from the data and draws this rank's rollouts of them (timed as
+/// `time/rollouts`): the rollouts, and the place of this rank's first group in the step.
+fn fresh_rollouts(
+    trainer: &mut Trainer,
+    g: &GrpoConfig,
+    prompts: &RecordStore,
+    rewards: &[Box<dyn Reward>],
+    step: usize,
+) -> Result<(Vec<Rollouts>, usize)> {
+    // Each rank samples its own prompts' groups; a group stays on one rank.
+    let picked = trainer.data.take(trainer.global_step_items()?);
+    let (mine, first) = trainer.local(&picked);
+    let (mine, step_seed) = (mine.to_vec(), step);
+    let local = (mine.as_slice(), first);
+    let start = Instant::now();
+    let pending = draw_rollouts(trainer, g, prompts, rewards, local, step_seed)?;
+    // Sampling, rewards and (with several iterations) the old policy's log-probs.
+    trainer.add_metric("time/rollouts", start.elapsed().as_secs_f64());
+    Ok((pending, first))
+}
+
+/// The weight of each of the step's `micro_batches` losses and dapo's and cispo's
+/// `num_items_in_batch` (the completion tokens of every rank's `pending` rollouts; `None` for the
+/// other loss types).
+fn loss_scale(
+    setup: &Setup,
+    g: &GrpoConfig,
+    pending: &[Rollouts],
+    micro_batches: usize,
+) -> Result<(f64, Option<f64>)> {
+    Ok(match g.loss_type.global_normaliser() {
+        true => (1.0, Some(global_tokens(setup, pending)?)),
+        false => (1.0 / (micro_batches * setup.data.world_size()) as f64, None),
+    })
+}
+
+/// Runs the step's backwards on its `pending` rollouts (this rank's first group at place
+/// `first_group` of the step), scoring each micro-batch with the reference where there is one, and
+/// adds the time the reference and the backwards took to the step's metrics.
+fn train_on_rollouts(
+    trainer: &mut Trainer,
+    g: &GrpoConfig,
+    pending: &[Rollouts],
+    first_group: usize,
+    mut reference_scores: Option<&mut Scorer>,
+) -> Result<()> {
+    let (setup, cfg) = (trainer.setup(), trainer.config());
+    let (mut scoring, mut backward) = (0.0, 0.0);
+    // One backward per micro-batch of --batch-size prompts' groups. dapo and cispo divide
+    // its summed loss by the completion tokens of the step's whole batch (all micro-batches,
+    // all ranks: TRL's num_items_in_batch); the other loss types give the micro-batch's mean,
+    // which the step averages over every rank's micro-batches.
+    let micro_batches: Vec<MicroBatch> = pending
+        .chunks(cfg.batch_size.max(1))
+        .map(|groups| MicroBatch::of(groups, setup.tokenizer.pad_id))
+        .collect();
+    let scale = loss_scale(setup, g, pending, micro_batches.len())?;
+    let mut first_row = first_group * g.group_size;
+    for m in &micro_batches {
+        let t = m.rows.tensors(&setup.device)?;
+        let mask = Some(&t.attention_mask);
+        let start = Instant::now();
+        let ref_logps = match &mut reference_scores {
+            Some(score) => Some(token_logps(
+                score,
+                (&t.input_ids, mask),
+                &m.rows.input_ids,
+                g.sampling.temperature,
+            )?),
+            None => None,
+        };
+        scoring += start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        let (objective, weight) = m.objective(setup, cfg, g, ref_logps.as_deref(), scale)?;
+        // Dropout masks by each row's place in the step, whatever the ranks and micro-batches.
+        let place = (0, first_row);
+        first_row += m.advantages.len();
+        trainer.backward(t.batch(), &objective, place, m.rows.tokens(), weight)?;
+        backward += start.elapsed().as_secs_f64();
+    }
+    trainer.add_metric("time/reference", scoring);
+    trainer.add_metric("time/backward", backward);
+    Ok(())
+}
+
+/// The training reward of each batch of rollouts, for the summary and the closing check that the
+/// rewards told completions apart.
+#[derive(Default)]
+struct RewardHistory {
+    /// Mean reward of each batch of rollouts, for the summary.
+    means: Vec<f64>,
+    /// Whether any group's rewards differed: without that, every advantage was 0.
+    signal_seen: bool,
+}
+
+impl RewardHistory {
+    /// Notes the reward metrics of a step that drew fresh rollouts, from its logged `metrics`.
+    fn note(&mut self, metrics: &[(String, f64)]) {
+        let metric = |name: &str| metrics.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+        self.means.extend(metric("reward"));
+        self.signal_seen |= metric("frac_reward_zero_std").is_some_and(|f| f < 1.0);
+    }
+
+    /// Warns when batches of rollouts were drawn and none had a group whose rewards differed.
+    fn warn_if_no_signal(&self, reward_specs: &[String]) {
+        if !self.signal_seen && !self.means.is_empty() {
+            tracing::warn!(
+                rewards = ?reward_specs,
+                "every group's completions got the same reward in every batch of rollouts: each \
+                 advantage was 0, so only the KL term (--beta) moved the policy. Check that the \
+                 rewards can tell the completions apart on this data, or start from a model that \
+                 sometimes succeeds (--model)"
+            );
+        }
+    }
+
+    /// The training reward at the start and at the end of the run: its mean over the first and
+    /// over the last (up to) five batches of rollouts.
+    fn first_and_last(&self) -> (f64, f64) {
+        let history = &self.means;
+        // Training reward: mean over the first and the last (up to) five batches of rollouts.
+        let window = history.len().clamp(1, 5);
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        (
+            mean(&history[..window.min(history.len())]),
+            mean(&history[history.len().saturating_sub(window)..]),
+        )
+    }
+}
+
+/// Trains `cfg`'s model with GRPO on its prompts (the built-in arithmetic prompts by default).
+pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
+    cfg.validate(Recipe::Grpo)?;
+    g.validate(cfg)?;
+    let reward_specs = reward_specs(cfg, g)?;
     let rewards = reward_specs
         .iter()
         .map(|s| parse_reward(s))
@@ -470,16 +669,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     };
     let extra = g.record(&reward_specs);
     let mut trainer = Trainer::new(cfg, &setup, Recipe::Grpo, &training, extra)?;
-    if !trainer.start_step.is_multiple_of(g.num_iterations) {
-        // Checkpoints are saved between batches of rollouts (--save-every is a multiple of
-        // --num-iterations); only an older version's could fall inside one.
-        tracing::warn!(
-            step = trainer.start_step,
-            num_iterations = g.num_iterations,
-            "resumed inside a batch of rollouts: they are drawn anew and the data position moves \
-             on, so the run differs from an uninterrupted one from here"
-        );
-    }
+    warn_if_resumed_inside_batch(&trainer, g);
     let eval = setup
         .eval_source(cfg)?
         .as_ref()
@@ -487,130 +677,28 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         .transpose()?
         .flatten();
     let before = trainer.held_out_before(|| eval_accuracy(&setup, &eval))?;
-    let model = &setup.model;
     let mut reference_scores = reference.as_ref().map(|m| setup.scorer(cfg, m));
     let mut pending: Vec<Rollouts> = Vec::new();
-    // Mean reward of each batch of rollouts, for the summary.
-    let mut reward_history: Vec<f64> = Vec::new();
-    // Whether any group's rewards differed: without that, every advantage was 0.
-    let mut signal_seen = false;
+    let mut history = RewardHistory::default();
     let mut first_group = 0;
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step(step);
         let fresh = step.is_multiple_of(g.num_iterations) || pending.is_empty();
         if fresh {
-            // Each rank samples its own prompts' groups; a group stays on one rank.
-            let picked = trainer.data.take(trainer.global_step_items()?);
-            let (mine, first) = trainer.local(&picked);
-            let (mine, step_seed) = (mine.to_vec(), step);
-            let local = (mine.as_slice(), first);
-            let start = Instant::now();
-            pending = draw_rollouts(&mut trainer, g, &prompts, &rewards, local, step_seed)?;
-            // Sampling, rewards and (with several iterations) the old policy's log-probs.
-            trainer.add_metric("time/rollouts", start.elapsed().as_secs_f64());
-            first_group = first;
+            (pending, first_group) = fresh_rollouts(&mut trainer, g, &prompts, &rewards, step)?;
         }
-        let (mut scoring, mut backward) = (0.0, 0.0);
-        // One backward per micro-batch of --batch-size prompts' groups. dapo and cispo divide
-        // its summed loss by the completion tokens of the step's whole batch (all micro-batches,
-        // all ranks: TRL's num_items_in_batch); the other loss types give the micro-batch's mean,
-        // which the step averages over every rank's micro-batches.
-        let micro_batches: Vec<MicroBatch> = pending
-            .chunks(cfg.batch_size.max(1))
-            .map(|groups| MicroBatch::of(groups, setup.tokenizer.pad_id))
-            .collect();
-        let (weight, num_items) = match g.loss_type.global_normaliser() {
-            true => (1.0, Some(global_tokens(&setup, &pending)?)),
-            false => (
-                1.0 / (micro_batches.len() * setup.data.world_size()) as f64,
-                None,
-            ),
-        };
-        let mut first_row = first_group * g.group_size;
-        for m in &micro_batches {
-            let t = m.rows.tensors(&setup.device)?;
-            let mask = Some(&t.attention_mask);
-            let start = Instant::now();
-            let ref_logps = match &mut reference_scores {
-                Some(score) => Some(token_logps(
-                    score,
-                    (&t.input_ids, mask),
-                    &m.rows.input_ids,
-                    g.sampling.temperature,
-                )?),
-                None => None,
-            };
-            scoring += start.elapsed().as_secs_f64();
-            let start = Instant::now();
-            // A micro-batch whose every completion was masked out (truncated) adds nothing; it
-            // still runs, its completions unmasked at weight 0, so that every rank makes the same
-            // calls.
-            let unmasked;
-            let (completion_mask, weight, num_items) =
-                match m.completion_mask.iter().flatten().any(|&v| v == 1) {
-                    true => (&m.completion_mask, weight, num_items),
-                    false => {
-                        unmasked = m.rows.target_mask();
-                        (&unmasked, 0.0, None)
-                    }
-                };
-            let objective = Grpo::new(
-                &GrpoBatch {
-                    input_ids: &m.rows.input_ids,
-                    completion_mask,
-                    advantages: &m.advantages,
-                    old_logps: m.old_logps.as_deref(),
-                    ref_logps: ref_logps.as_deref(),
-                    beta: cfg.beta,
-                    epsilon_low: g.epsilon,
-                    epsilon_high: g.epsilon_high.unwrap_or(g.epsilon),
-                    loss_type: g.loss_type,
-                    // TRL's `max_completion_length`: a completion, its EOS included, never has
-                    // more than `--max-new-tokens` tokens (EOS is not added to a truncated one).
-                    max_completion_length: Some(g.sampling.max_new_tokens),
-                    // The policy's log-probs at the temperature it sampled with, as TRL's.
-                    temperature: g.sampling.temperature,
-                    num_items_in_batch: num_items,
-                    use_bias_correction_kl: true,
-                    sapo_temperatures: g.sapo_temperatures,
-                },
-                model.config.vocab_size,
-                &setup.device,
-            )?;
-            // Dropout masks by each row's place in the step, whatever the ranks and micro-batches.
-            let place = (0, first_row);
-            first_row += m.advantages.len();
-            trainer.backward(t.batch(), &objective, place, m.rows.tokens(), weight)?;
-            backward += start.elapsed().as_secs_f64();
-        }
-        trainer.add_metric("time/reference", scoring);
-        trainer.add_metric("time/backward", backward);
+        let reference = reference_scores.as_mut().map(|s| s as &mut Scorer);
+        train_on_rollouts(&mut trainer, g, &pending, first_group, reference)?;
         let metrics = trainer.finish_step()?;
         if fresh {
-            let metric = |name: &str| metrics.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
-            reward_history.extend(metric("reward"));
-            signal_seen |= metric("frac_reward_zero_std").is_some_and(|f| f < 1.0);
+            history.note(&metrics);
         }
         trainer.evaluate_if_due(|| eval_accuracy(&setup, &eval))?;
     }
-    if !signal_seen && !reward_history.is_empty() {
-        tracing::warn!(
-            rewards = ?reward_specs,
-            "every group's completions got the same reward in every batch of rollouts: each \
-             advantage was 0, so only the KL term (--beta) moved the policy. Check that the \
-             rewards can tell the completions apart on this data, or start from a model that \
-             sometimes succeeds (--model)"
-        );
-    }
-    // Training reward: mean over the first and the last (up to) five batches of rollouts.
-    let window = reward_history.len().clamp(1, 5);
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    history.warn_if_no_signal(&reward_specs);
+    let (first_reward, last_reward) = history.first_and_last();
     let mut before = before;
-    before.push((
-        "reward".into(),
-        mean(&reward_history[..window.min(reward_history.len())]),
-    ));
-    let last_reward = mean(&reward_history[reward_history.len().saturating_sub(window)..]);
+    before.push(("reward".into(), first_reward));
     // The training reward joins the summary, not the held-out metrics logged at the end.
     let mut summary = trainer.finish(before, || eval_accuracy(&setup, &eval))?;
     if trainer.is_main() {
