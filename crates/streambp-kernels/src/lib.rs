@@ -8,13 +8,17 @@
 //!   ([`host::skinny`]), transposed operands copied into rows ([`host::transpose`]) and bf16
 //!   operands ([`host::half_product`], on the widened, dot-product or AMX kernel, as chosen in
 //!   [`host::choices`]).
-//! - [`ops`]: the kernels of the ops the engine fuses: the attention's forward and backward
-//!   ([`ops::attention`]), the LM head's softmax and log-probs ([`ops::head_softmax`]) and gradients
-//!   added into their accumulators in place ([`ops::accumulate`]).
+//! - [`ops`]: every op the layers and the LM head fuse, one home each: RMSNorm
+//!   ([`ops::rms_norm`]), rope ([`ops::rope`]), SwiGLU ([`ops::swiglu`]), the projections with
+//!   LoRA's ([`ops::linear`]), the attention ([`ops::attention`]), the LM head's softmax and
+//!   log-probs ([`ops::head_softmax`]) and gradients added into their accumulators in place
+//!   ([`ops::accumulate`]). Each has its public function, the composed tensor ops it is held to
+//!   (every device's path without a kernel), and its CPU kernel, chosen by [`Backend`].
+//! - [`op_times`]: where a step's time goes, op part by op part; [`precomputed`]: a composed
+//!   forward handed to the op that records its written backward.
 //!
-//! A kernel answers `None` (or `false`) where it does not apply (another device or dtype), and its
-//! caller keeps the composed tensor ops: the path of every other device, and the reference the tests
-//! hold each kernel to.
+//! A kernel of the host's library answers `None` (or `false`) where it does not apply (another
+//! device or dtype), and its caller keeps the composed tensor ops.
 
 #![warn(missing_docs)]
 

@@ -1,4 +1,7 @@
-//! The kernels of the ops the engine fuses, each beside the composed tensor ops it replaces.
+//! The ops the layers and the LM head fuse, each beside the composed tensor ops it replaces: a
+//! folder per op with a forward and backward of its own (`mod.rs`: the op, `cpu.rs`: its CPU
+//! kernel), a file where the op is one function (docs/architecture.md, "A kernel for an op on a
+//! backend").
 
 pub mod accumulate;
 pub mod attention;
