@@ -19,6 +19,7 @@ use streambp_kernels::host::cast::{cast, through_f32};
 use streambp_kernels::ops::attention::{
     attention_over_heads, Blocking, EarlierKeys, KeyMask, Products, KEY_BLOCK,
 };
+pub use streambp_kernels::ops::gelu::{gelu_erf, gelu_tanh};
 use streambp_kernels::ops::swiglu::swiglu;
 
 /// Queries per attention call when a layer runs over a whole sequence ([`DecoderLayer::forward`]).
@@ -591,20 +592,6 @@ impl MapWeights for DecoderLayer {
             ..self.clone()
         })
     }
-}
-
-/// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, composed: candle's fused `gelu` has a backward with
-/// 6-digit constants (relative error ~1e-6), which breaks exact gradients.
-pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
-    let inner =
-        ((x + (x.sqr()? * x)?.affine(0.044715, 0.0)?)? * (2.0 / std::f64::consts::PI).sqrt())?;
-    Ok(((inner.tanh()? + 1.0)? * x)?.affine(0.5, 0.0)?)
-}
-
-/// `0.5·x·(1 + erf(x/√2))`, composed for the same reason as [`gelu_tanh`].
-pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
-    let e = (x / std::f64::consts::SQRT_2)?.erf()?;
-    Ok(((e + 1.0)? * x)?.affine(0.5, 0.0)?)
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 use candle_core::DType;
 use streambp_kernels::host::gemm_memory::{self, Product};
 use streambp_kernels::ops::attention::memory as attention;
+use streambp_kernels::ops::linear;
 use streambp_kernels::Backend;
 
 use super::{adapter_count, checkpoint_counts, parameter_count, Chunks, Estimate, Problem};
@@ -119,27 +120,24 @@ impl<'a> Sizes<'a> {
         }
     }
 
-    /// The products of a chunk's projections: forward, input gradient and (trained) weight
-    /// gradient, `(out, in)` each.
+    /// The host's workspace for a chunk's projections ([`linear::host_workspace`]; none
+    /// elsewhere).
     fn projection_workspace(&self) -> u64 {
-        let trained = self.p.lora.is_none();
-        let rows = (self.b * self.c) as usize;
-        let (d, q, kv, ffn) = (self.d, self.q, self.kv, self.ffn);
-        let products: Vec<Product> = [(q, d), (kv, d), (d, q), (ffn, d), (d, ffn)]
-            .into_iter()
-            .flat_map(|(out, inner)| {
-                let (out, inner) = (out as usize, inner as usize);
-                let mut products = vec![
-                    Product::by_transposed(rows, out, inner),
-                    Product::by_plain(rows, out, inner),
-                ];
-                if trained {
-                    products.push(Product::transposed_by(out, inner, rows));
-                }
-                products
-            })
-            .collect();
-        self.workspace(&products, true)
+        let (d, q, kv, ffn) = (
+            self.d as usize,
+            self.q as usize,
+            self.kv as usize,
+            self.ffn as usize,
+        );
+        let shapes = [(q, d), (kv, d), (d, q), (ffn, d), (d, ffn)];
+        let elem = self.e.max(F32) as usize; // the host runs half-precision products in f32
+        match self.device.gemm {
+            true => {
+                let rows = (self.b * self.c) as usize;
+                linear::host_workspace(rows, &shapes, self.p.lora.is_none(), elem)
+            }
+            false => 0,
+        }
     }
 
     /// `[c, d | q | kv | ffn]` rows of a chunk, so many of each (counts fitted, see the module

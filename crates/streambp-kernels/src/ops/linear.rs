@@ -7,6 +7,7 @@
 
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor};
 
+use crate::host::gemm_memory::{self, Product};
 use crate::host::half_product;
 use crate::host::products::product_into;
 use crate::host::storage::host_float;
@@ -476,4 +477,26 @@ pub fn lora_linear(
             out: Precomputed::new(out),
         },
     )
+}
+
+/// The largest packing workspace, in bytes, of the host's products for `rows` rows through
+/// projections of shapes `(out, in)`: the forward's (`x Wᵀ`), the input gradient's (`g W`) and, for
+/// `trained` weights, the weight gradient's (`gᵀ x`), in elements of `elem` bytes, as gemm blocks
+/// them on the running CPU ([`gemm_memory`]): for the planner.
+pub fn host_workspace(rows: usize, shapes: &[(usize, usize)], trained: bool, elem: usize) -> u64 {
+    shapes
+        .iter()
+        .flat_map(|&(out, inner)| {
+            let mut products = vec![
+                Product::by_transposed(rows, out, inner),
+                Product::by_plain(rows, out, inner),
+            ];
+            if trained {
+                products.push(Product::transposed_by(out, inner, rows));
+            }
+            products
+        })
+        .map(|p| gemm_memory::workspace(p, elem, true))
+        .max()
+        .unwrap_or(0)
 }

@@ -5,6 +5,7 @@
 
 pub mod accumulate;
 pub mod attention;
+pub mod gelu;
 pub mod head_softmax;
 pub mod linear;
 pub mod rms_norm;
