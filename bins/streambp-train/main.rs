@@ -60,7 +60,7 @@ fn report(recipe: &str, summary: &Summary) {
 /// The host kernels the `STREAMBP_SIMD` and `STREAMBP_BF16_KERNEL` switches name, fixed before the
 /// first product (a value the CPU cannot run is reported and left to the CPU).
 fn choose_host_kernels() {
-    use streambp_kernels::host::{choices, half_product::KERNEL_ENV, simd::SIMD_ENV};
+    use streambp_kernels::choices::{self, KERNEL_ENV, SIMD_ENV};
     let switch = |name| std::env::var(name).ok();
     let asked =
         choices::Choices::from_switches(switch(SIMD_ENV).as_deref(), switch(KERNEL_ENV).as_deref());

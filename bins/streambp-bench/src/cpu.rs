@@ -87,8 +87,8 @@ impl std::fmt::Display for Cpu {
             cache[2].cache_bytes >> 10,
             std::thread::available_parallelism().map_or(0, |n| n.get()),
             rayon::current_num_threads(),
-            streambp_kernels::host::simd::isa().name(),
-            streambp_kernels::host::half_product::Kernel::detect().label(),
+            streambp_kernels::choices::in_force().simd.name(),
+            streambp_kernels::choices::in_force().bf16_kernel.label(),
         )
     }
 }

@@ -89,7 +89,7 @@ fn settle_process() -> anyhow::Result<()> {
     // The host kernels the STREAMBP_SIMD and STREAMBP_BF16_KERNEL switches name (a value the CPU
     // cannot run is reported and left to the CPU), fixed before the first product.
     {
-        use streambp_kernels::host::{choices, half_product::KERNEL_ENV, simd::SIMD_ENV};
+        use streambp_kernels::choices::{self, KERNEL_ENV, SIMD_ENV};
         let switch = |name| std::env::var(name).ok();
         let asked = choices::Choices::from_switches(
             switch(SIMD_ENV).as_deref(),

@@ -1,4 +1,4 @@
-//! The planner's model of the host products' workspace (`planner::gemm_memory::workspace`) against
+//! The planner's model of the host products' workspace (`streambp_kernels::ops::matmul::workspace`) against
 //! what they allocate, counted exactly by the counting allocator, for the three products of a
 //! projection and of an LM head at several row counts, in f32 and f64. The model must never be
 //! below the count (the budget mode's promise) and not far above it.
@@ -11,7 +11,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use streambp_core::memory::{current_bytes, peak_bytes, reset_peak, CountingAllocator};
-use streambp_kernels::host::gemm_memory::{workspace, Product};
+use streambp_kernels::ops::matmul::{matmul, workspace, Product};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -66,7 +66,7 @@ fn workspace_model_covers_what_the_products_allocate() {
     // thread that asks for it runs.
     let a = Tensor::ones((8, 2048), DType::F32, &Device::Cpu).unwrap();
     let b = Tensor::ones((2048, 64), DType::F32, &Device::Cpu).unwrap();
-    rayon::broadcast(|_| streambp_kernels::host::products::tiled_matmul(&a, &b).unwrap());
+    rayon::broadcast(|_| matmul(&a, &b).unwrap());
 
     let mut shapes = Vec::new();
     for dtype in [DType::F32, DType::F64] {
@@ -93,9 +93,7 @@ fn check((label, product, a, b): Case) -> Option<String> {
     let output = a.dim(0).unwrap() * b.dim(1).unwrap() * dtype.size_in_bytes();
     let before = current_bytes().unwrap();
     reset_peak();
-    let c = streambp_kernels::host::products::tiled_matmul(&a, &b)
-        .unwrap()
-        .unwrap();
+    let c = matmul(&a, &b).unwrap();
     let measured = (peak_bytes().unwrap() - before).saturating_sub(output) as i64;
     drop(c);
     let model = workspace(product, dtype.size_in_bytes(), true) as i64;

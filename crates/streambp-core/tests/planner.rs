@@ -1,5 +1,5 @@
 //! The chunk planner's cost model against peaks measured exactly by the counting allocator, over
-//! shapes that stress each of its terms (the whole peak within -8% .. +15%, each phase within
+//! shapes that stress each of its terms (the whole peak within -8% .. +20%, each phase within
 //! -10% .. +25%: it leans to over-estimating), and the budget mode's promise: the chunks it plans run
 //! within the budget. Peaks are counted from before the first product of the process, so gemm's
 //! per-thread slabs (sized by this CPU's L2 cache) are in every one, as in a real run.
@@ -222,7 +222,7 @@ fn cost_model_and_budgets() {
     {
         let a = Tensor::ones((8, 2048), DType::F32, &Device::Cpu).unwrap();
         let b = Tensor::ones((2048, 64), DType::F32, &Device::Cpu).unwrap();
-        rayon::broadcast(|_| streambp_kernels::host::products::tiled_matmul(&a, &b).unwrap());
+        rayon::broadcast(|_| streambp_kernels::ops::matmul::matmul(&a, &b).unwrap());
     }
     println!(
         "gemm on this CPU: L2 {} KiB, L3 {} KiB; {} threads",
@@ -345,8 +345,10 @@ fn cost_model_and_budgets() {
             100.0 * off(est.peak(), measured)
         );
         // The budget mode relies on it not under-estimating: a small under-estimate is absorbed by
-        // planning for 93% of the budget, an over-estimate only costs chunk size.
-        if !(-0.08..0.15).contains(&off(est.peak(), measured)) {
+        // planning for 93% of the budget, an over-estimate only costs chunk size. The measured peak
+        // is lower on a loaded machine (fewer of the pool's tasks hold their buffers at once: one
+        // case measured +6% alone, +16% beside a build), hence the wider upper bound.
+        if !(-0.08..0.20).contains(&off(est.peak(), measured)) {
             failures.push(format!("{label}: whole peak"));
         }
         // Each phase on its own, as the budget mode relies on whichever is largest.

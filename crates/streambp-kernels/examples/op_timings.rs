@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
-use streambp_kernels::host::{cast, half_product, products};
+use streambp_kernels::host::{half_product, products};
+use streambp_kernels::ops::cast;
 
 type Result<T> = candle_core::Result<T>;
 
@@ -59,7 +60,7 @@ fn main() -> Result<()> {
     println!(
         "threads {}, SIMD {}, hidden {hidden}, mlp {mlp}, vocab {vocab}, rows {rows}",
         rayon::current_num_threads(),
-        streambp_kernels::host::simd::isa().name()
+        streambp_kernels::choices::in_force().simd.name()
     );
     // (name, a's rows × cols, b's rows × cols, transpose a, transpose b): a·b after the transposes.
     let products = [

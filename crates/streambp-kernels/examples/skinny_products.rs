@@ -86,7 +86,7 @@ fn main() {
     println!(
         "{cpu}, {} threads, SIMD path {}; milliseconds (weight read per second)",
         rayon::current_num_threads(),
-        streambp_kernels::host::simd::isa().name()
+        streambp_kernels::choices::in_force().simd.name()
     );
     println!("| rows | W [n, k] | f32 gemm | f32 skinny | bf16 widened | bf16 skinny |");
     println!("|---|---|---|---|---|---|");

@@ -5,21 +5,21 @@
 //!
 //! Everything but the attention core is position-wise, so any piece can run on a chunk of positions.
 
-use candle_core::{DType, Device, Tensor, TensorId, Var};
+use candle_core::{DType, Device, Tensor};
 
 use crate::config::{Activation, LayerKind, ModelConfig};
 use crate::error::Result;
+use crate::in_f32::rounded;
 use crate::layout::Layout;
 use crate::linear::Linear;
 use crate::lora::Projection;
 use crate::norm::RmsNorm;
 use crate::rope::{apply_rope, Rotary};
 use crate::weights::MapWeights;
-use streambp_kernels::host::cast::{cast, through_f32};
-use streambp_kernels::ops::attention::{
-    attention_over_heads, Blocking, EarlierKeys, KeyMask, Products, KEY_BLOCK,
-};
-pub use streambp_kernels::ops::gelu::{gelu_erf, gelu_tanh};
+use streambp_kernels::ops::attention::{attention_in_layer, EarlierKeys, KeyMask, Products};
+use streambp_kernels::ops::cast::cast;
+use streambp_kernels::ops::geglu::{geglu, Gelu};
+pub use streambp_kernels::ops::geglu::{gelu_erf, gelu_tanh};
 use streambp_kernels::ops::swiglu::swiglu;
 
 /// Queries per attention call when a layer runs over a whole sequence ([`DecoderLayer::forward`]).
@@ -82,31 +82,6 @@ pub struct DecoderLayer {
     /// model's own arithmetic would round them; `None` for a layer computing in its weights' dtype
     /// ([`DecoderLayer::computed_in_f32`]).
     pub round_to: Option<DType>,
-}
-
-/// A half-precision layer as the host computes it ([`DecoderLayer::computed_in_f32`]): the same
-/// layer with f32 weights, rounding its activations to the model's dtype, and the f32 variable
-/// standing in for each trained weight, which the layer's gradients land on.
-pub struct InF32 {
-    /// The layer to compute with.
-    pub layer: DecoderLayer,
-    /// Each trained weight's stand-in, by the weight's id.
-    stand_ins: Vec<(TensorId, Var)>,
-}
-
-impl InF32 {
-    /// `params` (the model's parameters of this layer) with each trained weight's stand-in in its
-    /// place: where to read the layer's gradients from.
-    pub fn parameters(&self, params: &[(String, Var)]) -> Vec<(String, Var)> {
-        let stand_in = |var: &Var| {
-            let found = self.stand_ins.iter().find(|(id, _)| *id == var.id());
-            found.map_or_else(|| var.clone(), |(_, v)| v.clone())
-        };
-        params
-            .iter()
-            .map(|(name, var)| (name.clone(), stand_in(var)))
-            .collect()
-    }
 }
 
 /// Which keys a block of queries reads: queries from index `q_start`, keys at indices
@@ -213,17 +188,7 @@ impl DecoderLayer {
 
     /// The input norm of the attention block.
     pub fn norm_input(&self, x: &Tensor) -> Result<Tensor> {
-        self.rounded(self.input_norm.forward(x)?)
-    }
-
-    /// `t` rounded in place to [`DecoderLayer::round_to`]'s values, where the layer has one. `t` must
-    /// be the fresh, contiguous output of an op whose backward does not read it (every op of the
-    /// layer's: the products, norms, rope, SwiGLU, the attention, sums).
-    fn rounded(&self, t: Tensor) -> Result<Tensor> {
-        if let Some(dtype) = self.round_to {
-            streambp_kernels::host::cast::round_in_place(&t, dtype)?;
-        }
-        Ok(t)
+        self.input_norm.forward(x)
     }
 
     /// Queries `[batch, heads, len, head_dim]` for normed inputs at indices `start..start + len`.
@@ -255,7 +220,7 @@ impl DecoderLayer {
         layout: &Layout,
     ) -> Result<Tensor> {
         let (b, len, _) = normed.dims3()?;
-        let projected = self.rounded(proj.forward_at(normed, start, layout.dropout_key())?)?;
+        let projected = proj.forward_at(normed, start, layout.dropout_key())?;
         Ok(projected
             .reshape((b, len, heads, self.shape.head_dim))?
             .transpose(1, 2)?)
@@ -269,7 +234,7 @@ impl DecoderLayer {
         layout: &Layout,
     ) -> Result<Tensor> {
         let x = match norm {
-            Some(n) => self.rounded(n.forward(&x)?)?,
+            Some(n) => n.forward(&x)?,
             None => x,
         };
         let len = x.dim(2)?;
@@ -277,63 +242,19 @@ impl DecoderLayer {
         let table_dtype = self.round_to.unwrap_or(x.dtype());
         let (cos, sin) = layout.rope_tables(&self.rotary, start, len, table_dtype, x.device())?;
         let (cos, sin) = (cast(&cos, x.dtype())?, cast(&sin, x.dtype())?);
-        self.rounded(apply_rope(&x, &cos, &sin)?)
+        rounded(apply_rope(&x, &cos, &sin)?, self.round_to)
     }
 
     /// The attention core: queries `[b, heads, c, hd]` against keys/values `[b, kv_heads, t, hd]`,
     /// causal (and windowed) by position, padded keys and other documents' keys masked. Returns
-    /// `[b, c, heads·hd]`.
-    ///
-    /// Query heads are grouped under their key/value head (`[b, kv_heads, group·c, hd]`) so GQA never
-    /// materialises repeated keys. Scores are softmaxed in f32 (f64 for f64 models) like transformers'
-    /// eager attention.
-    ///
-    /// Half precision on the host runs the f32 kernel: bf16 q, k and v are widened and the result
-    /// rounded back once; a layer computed in f32 ([`DecoderLayer::computed_in_f32`]) passes them in
-    /// f32 already, and earlier keys, if any, in f32 too (the layer's dtype: the engine keeps them in
-    /// it). Either way a bf16 layer's products take bf16 operands, as PyTorch's bf16 attention
-    /// ([`Products::Bf16`]).
+    /// `[b, c, heads·hd]`, by [`attention_in_layer`] (GQA without repeated keys, scores softmaxed
+    /// in f32, f64 for f64 models, like transformers' eager attention). A bf16 layer's products
+    /// take bf16 operands, as PyTorch's bf16 attention ([`Products::Bf16`]), also when the layer
+    /// is computed in f32 ([`DecoderLayer::computed_in_f32`]).
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, keys: KeyBlock) -> Result<Tensor> {
         let products = match (q.dtype(), self.round_to) {
             (DType::BF16, _) | (_, Some(DType::BF16)) => Products::Bf16,
             _ => Products::Compute,
-        };
-        self.attend_with(q, k, v, keys, products)
-    }
-
-    /// [`DecoderLayer::attend`] with its products' precision.
-    fn attend_with(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        keys: KeyBlock,
-        products: Products,
-    ) -> Result<Tensor> {
-        let earlier_f32 = keys.earlier.is_none_or(|e| {
-            [&e.keys, &e.values, &e.grad_keys, &e.grad_values]
-                .iter()
-                .all(|t| t.dtype() == DType::F32)
-        });
-        let bf16_keys = k.dtype() == DType::BF16 && v.dtype() == DType::BF16;
-        if keys.earlier.is_none() && bf16_keys {
-            // The kernel reads bf16 keys and values as they are (a decoding step's whole cache
-            // would otherwise be widened at every step): only the queries go to f32.
-            let in_f32 = |[q]: [Tensor; 1]| self.attend_with(&q, k, v, keys, products);
-            if let Some(out) = through_f32([q], in_f32)? {
-                return Ok(out);
-            }
-        }
-        if earlier_f32 {
-            let in_f32 = |[q, k, v]: [Tensor; 3]| self.attend_with(&q, &k, &v, keys, products);
-            if let Some(out) = through_f32([q, k, v], in_f32)? {
-                return Ok(out);
-            }
-        }
-        let compute = if q.dtype() == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
         };
         let mask = ChunkMask {
             q_start: keys.q_start,
@@ -343,30 +264,17 @@ impl DecoderLayer {
             layout: keys.layout.clone(),
             device: q.device().clone(),
         };
-        // Scaling q (c × hd) rather than the scores (c × T) saves a score-sized copy; the op does
-        // it, with the grouping of the query heads, inside.
-        let out = attention_over_heads(
-            q,
-            k,
-            v,
-            keys.earlier.cloned(),
-            mask,
-            Blocking {
-                compute,
-                key_block: KEY_BLOCK,
-                products,
-            },
-            self.shape.scale,
-        )?;
-        self.rounded(out)
+        let earlier = keys.earlier.cloned();
+        let out = attention_in_layer(q, k, v, earlier, mask, products, self.shape.scale)?;
+        rounded(out, self.round_to)
     }
 
     /// Output projection of the attention core's result for tokens `start..`, with Gemma's
     /// post-attention norm.
     pub fn attention_output(&self, attn: &Tensor, start: usize, layout: &Layout) -> Result<Tensor> {
-        let o = self.rounded(self.o_proj.forward_at(attn, start, layout.dropout_key())?)?;
+        let o = self.o_proj.forward_at(attn, start, layout.dropout_key())?;
         match &self.post_attn_norm {
-            Some(n) => self.rounded(n.forward(&o)?),
+            Some(n) => n.forward(&o),
             None => Ok(o),
         }
     }
@@ -375,18 +283,18 @@ impl DecoderLayer {
     /// post-MLP norm.
     pub fn mlp_block(&self, x: &Tensor, start: usize, layout: &Layout) -> Result<Tensor> {
         let key = layout.dropout_key();
-        let h = self.rounded(self.pre_mlp_norm.forward(x)?)?;
-        let gate = self.rounded(self.gate_proj.forward_at(&h, start, key)?)?;
-        let up = self.rounded(self.up_proj.forward_at(&h, start, key)?)?;
+        let h = self.pre_mlp_norm.forward(x)?;
+        let gate = self.gate_proj.forward_at(&h, start, key)?;
+        let up = self.up_proj.forward_at(&h, start, key)?;
         let gated = match self.activation {
             Activation::Silu => swiglu(&gate, &up)?,
-            Activation::GeluTanh => (self.rounded(gelu_tanh(&gate)?)? * up)?,
-            Activation::Gelu => (self.rounded(gelu_erf(&gate)?)? * up)?,
+            Activation::GeluTanh => geglu(&gate, &up, Gelu::Tanh, self.round_to)?,
+            Activation::Gelu => geglu(&gate, &up, Gelu::Erf, self.round_to)?,
         };
-        let gated = self.rounded(gated)?;
-        let m = self.rounded(self.down_proj.forward_at(&gated, start, key)?)?;
+        let gated = rounded(gated, self.round_to)?;
+        let m = self.down_proj.forward_at(&gated, start, key)?;
         match &self.post_mlp_norm {
-            Some(n) => self.rounded(n.forward(&m)?),
+            Some(n) => n.forward(&m),
             None => Ok(m),
         }
     }
@@ -402,8 +310,11 @@ impl DecoderLayer {
         start: usize,
         layout: &Layout,
     ) -> Result<Tensor> {
-        let x1 = self.rounded((x + self.attention_output(attn, start, layout)?)?)?;
-        self.rounded((&x1 + self.mlp_block(&x1, start, layout)?)?)
+        let x1 = rounded(
+            (x + self.attention_output(attn, start, layout)?)?,
+            self.round_to,
+        )?;
+        rounded((&x1 + self.mlp_block(&x1, start, layout)?)?, self.round_to)
     }
 
     /// The layer output for the input chunk `x_c` at positions `q_start..`, given keys/values for
@@ -491,55 +402,6 @@ impl DecoderLayer {
             }
         }
         Ok(layer)
-    }
-
-    /// This layer as the host computes it when it is half precision (bf16, f16) on the CPU; `None`
-    /// elsewhere (it runs as it is).
-    ///
-    /// Its weights are widened to f32 (one layer's copy at a time: the caller's to keep for a phase)
-    /// and its activations are f32 tensors holding values of the model's dtype: each op computes in
-    /// f32 and its output is rounded in place where the model's own arithmetic rounds (each op's
-    /// output, each residual sum), so the forward is the half-precision model's, while every op runs
-    /// its f32 kernel, autograd's nodes are f32 and no cast sits between them. (A bf16 layer's
-    /// forward products, whose operands both hold bf16 values, may run on the CPU's bf16
-    /// arithmetic instead, from the bf16 weights: [`Linear::bf16_weight`]; so may its backward's
-    /// products, from those weights and the gradient rounded to bf16, as bf16 autograd holds it.)
-    /// Gradients flow in f32 (those of trained weights land on f32 stand-ins,
-    /// [`InF32::parameters`]); the adapters, in f32
-    /// already, are shared, and the base output under each is rounded before the adapter's term is
-    /// added to it, as PEFT adds it ([`crate::lora::LoraAdapter::round_base_to`]).
-    pub fn computed_in_f32(&self) -> Result<Option<InF32>> {
-        let dtype = self.input_norm.weight.dtype();
-        let half = matches!(dtype, DType::BF16 | DType::F16);
-        if !(half && self.input_norm.weight.device().is_cpu()) {
-            return Ok(None);
-        }
-        let mut stand_ins = Vec::new();
-        let mut widen = |t: &Tensor| -> candle_core::Result<Tensor> {
-            if t.dtype() != dtype {
-                return Ok(t.clone());
-            }
-            let values = streambp_kernels::host::cast::widened_values(t)?;
-            if !t.is_variable() {
-                return Tensor::from_vec(values, t.shape(), t.device());
-            }
-            let var = Var::from_vec(values, t.shape(), t.device())?;
-            stand_ins.push((t.id(), var.clone()));
-            Ok(var.as_tensor().clone())
-        };
-        let mut layer = self.map_weights(&mut widen)?;
-        layer.round_to = Some(dtype);
-        for p in Projection::ALL {
-            // The forward's products may run from the bf16 weights ([`Linear::bf16_weight`]).
-            let weight = &self.projection(p).weight;
-            let bf16_weight = (weight.dtype() == DType::BF16).then(|| weight.detach());
-            let projection = layer.projection_mut(p);
-            projection.bf16_weight = bf16_weight;
-            if let Some(adapter) = projection.lora.as_mut() {
-                adapter.round_base_to = Some(dtype);
-            }
-        }
-        Ok(Some(InF32 { layer, stand_ins }))
     }
 
     /// The attention shape of layers of `cfg`.

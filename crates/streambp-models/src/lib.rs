@@ -29,6 +29,7 @@ pub mod decode;
 pub mod device;
 pub mod error;
 pub mod hub;
+pub mod in_f32;
 pub mod init;
 pub mod layer;
 pub mod layout;

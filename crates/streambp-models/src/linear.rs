@@ -1,7 +1,7 @@
 //! A dense projection `x Wᵀ + b` over the last dimension of a tensor of any rank, with an optional LoRA
 //! adapter, and a frozen mode in which the weight gets no gradient (not even a discarded one).
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::error::{ModelError, Result};
 use crate::lora::{DropoutKey, LoraAdapter};
@@ -28,11 +28,14 @@ pub struct Linear {
     /// In a bf16 layer computed in f32 ([`crate::layer::DecoderLayer::computed_in_f32`]), the bf16
     /// weight `weight` was widened from: the forward's product, whose input holds bf16 values too,
     /// runs from it on the CPU's bf16 arithmetic where that is faster
-    /// ([`streambp_kernels::host::half_product::linear_of_bf16_values`]), and the backward's products from it and the
+    /// ([`streambp_kernels::ops::linear::Weight`]), and the backward's products from it and the
     /// gradient rounded to bf16. Gradients still land on `weight`. It is
     /// the model's own weight, which an optimizer step changes in place while `weight` is a copy:
     /// such a layer is made for one phase of one step, and must not outlive it.
     pub bf16_weight: Option<Tensor>,
+    /// In a half-precision layer computed in f32, the dtype whose values the output is rounded to
+    /// ([`crate::in_f32`]); `None` elsewhere.
+    pub round_to: Option<DType>,
 }
 
 impl Linear {
@@ -45,6 +48,7 @@ impl Linear {
             lora: None,
             grad_into: None,
             bf16_weight: None,
+            round_to: None,
         }
     }
 
@@ -69,6 +73,11 @@ impl Linear {
         start: usize,
         dropout: Option<DropoutKey>,
     ) -> Result<Tensor> {
+        crate::in_f32::rounded(self.unrounded(x, start, dropout)?, self.round_to)
+    }
+
+    /// [`Linear::forward_at`] before its rounding ([`Linear::round_to`]).
+    fn unrounded(&self, x: &Tensor, start: usize, dropout: Option<DropoutKey>) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let Some((inner, lead)) = dims.split_last() else {
             return Err(ModelError::Input(
@@ -121,6 +130,7 @@ impl MapWeights for Linear {
             lora: self.lora.as_ref().map(|a| a.map_weights(f)).transpose()?,
             grad_into: None,
             bf16_weight: None,
+            round_to: self.round_to,
         })
     }
 }

@@ -328,7 +328,7 @@ impl Model {
     }
 
     /// [`Model::logits`] of bf16 rows `normed` (`[n, d]`) on the host, as f32 holding their bf16
-    /// values ([`streambp_kernels::host::half_product::linear_as_bf16_values`]): for the LM head's softmax, which
+    /// values ([`streambp_kernels::ops::matmul::linear_as_bf16_values`]): for the LM head's softmax, which
     /// runs in f32, without a bf16 copy and its widening. `None` where the config's head casts
     /// instead ([`ModelConfig::head_logits_as_bf16_values`]: a score head, a soft-capped one) and
     /// off the host.
@@ -336,7 +336,7 @@ impl Model {
         if !self.config.head_logits_as_bf16_values(self.dtype()) {
             return Ok(None);
         }
-        Ok(streambp_kernels::host::half_product::linear_as_bf16_values(
+        Ok(streambp_kernels::ops::matmul::linear_as_bf16_values(
             normed,
             &self.lm_head,
         )?)

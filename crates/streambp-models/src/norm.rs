@@ -1,7 +1,7 @@
 //! The layers' RMSNorm: its weight, epsilon and style, applied by
 //! [`streambp_kernels::ops::rms_norm`].
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::config::NormStyle;
 use crate::error::Result;
@@ -16,18 +16,26 @@ pub struct RmsNorm {
     pub eps: f64,
     /// How the weight is applied.
     pub style: NormStyle,
+    /// In a half-precision layer computed in f32, the dtype whose values the output is rounded to
+    /// ([`crate::in_f32`]); `None` elsewhere.
+    pub round_to: Option<DType>,
 }
 
 impl RmsNorm {
     /// A norm with these parts.
     pub fn new(weight: Tensor, eps: f64, style: NormStyle) -> Self {
-        Self { weight, eps, style }
+        Self {
+            weight,
+            eps,
+            style,
+            round_to: None,
+        }
     }
 
     /// `x / rms(x)` over the last dimension, scaled by the weight; same shape and dtype as `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let norm = streambp_kernels::ops::rms_norm::rms_norm;
-        Ok(norm(x, &self.weight, self.eps, self.style)?)
+        crate::in_f32::rounded(norm(x, &self.weight, self.eps, self.style)?, self.round_to)
     }
 }
 

@@ -2,7 +2,7 @@
 //! it cannot honour leaves the CPU's own choice: the test runs itself again in child processes, one
 //! per value (the choice is read once per process), and each child checks what it got.
 
-use streambp_kernels::host::half_product::{Kernel, KERNEL_ENV};
+use streambp_kernels::choices::{Kernel, KERNEL_ENV};
 
 /// The value a child was given, and the kernel it must then run (set only in children).
 const EXPECT_ENV: &str = "STREAMBP_BF16_KERNEL_EXPECT";

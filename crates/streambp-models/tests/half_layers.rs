@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use common::*;
-use streambp_kernels::host::cast::round_in_place;
+use streambp_kernels::ops::cast::round_in_place;
 use streambp_models::{load_model, Layout, LoraConfig, Model, Projection};
 
 /// Values around every case a rounding can get wrong: ties to even, the largest values that round
@@ -240,8 +240,8 @@ fn the_forward_and_the_backward_read_the_bf16_weights() {
         (y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), grads)
     };
     let ((y, grads), (y_zeroed, grads_zeroed)) = (run(&wide.layer), run(&zeroed));
-    let packs = streambp_kernels::host::half_product::Kernel::detect()
-        != streambp_kernels::host::half_product::Kernel::Widened;
+    let packs = streambp_kernels::choices::in_force().bf16_kernel
+        != streambp_kernels::choices::Kernel::Widened;
     assert_eq!(y != y_zeroed, packs, "the bf16 weight read: {packs}");
     // The gate and up projections' gradients come through the down projection's input gradient.
     let changed: Vec<&str> = stand_ins
@@ -345,7 +345,7 @@ fn a_projection_multiplies_the_gradient_rounded_to_bf16() {
 }
 
 /// A LoRA projection of a bf16 layer computed in f32 forms PEFT's sum: the base layer's output
-/// rounded to bf16, plus the f32 adapter's term (the layer then rounds the sum). Measured by the
+/// rounded to bf16, plus the f32 adapter's term (the projection then rounds the sum). Measured by the
 /// mean distance from each form, since the two products may sum in different orders.
 #[test]
 fn a_lora_projection_adds_its_term_to_the_rounded_base() {
@@ -354,6 +354,9 @@ fn a_lora_projection_adds_its_term_to_the_rounded_base() {
     let model = with_adapters(base, vec![Projection::Q]);
     let wide = model.layers[0].computed_in_f32().unwrap().unwrap();
     let mut q = wide.layer.q_proj.clone();
+    // The sum before the projection rounds it as its output.
+    assert_eq!(q.round_to, Some(DType::BF16));
+    q.round_to = None;
     let adapter = q.lora.as_mut().expect("an adapter on q");
     assert_eq!(adapter.round_base_to, Some(DType::BF16));
     // A fresh adapter's B is zero: give it a term to add.

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use streambp_kernels::host::simd::{self, Isa, SIMD_ENV};
+use streambp_kernels::choices::{self, Isa, SIMD_ENV};
 use streambp_models::{Model, ModelConfig};
 
 /// Where a child writes its values (set only in children).
@@ -96,7 +96,7 @@ fn every_simd_path_gives_the_same_values() {
 /// The values one child computes on the path in force.
 fn compute() -> Values {
     assert_eq!(
-        simd::isa().name(),
+        choices::in_force().simd.name(),
         std::env::var(SIMD_ENV).unwrap(),
         "the child runs the path it was given"
     );
@@ -114,8 +114,8 @@ fn compute() -> Values {
         .map(|i| (i as f32 * 0.37).sin() * 30.0)
         .collect();
     let x = Tensor::from_vec(x, 70_000, &device).unwrap();
-    let narrow = streambp_kernels::host::cast::cast(&x, DType::BF16).unwrap();
-    let wide = streambp_kernels::host::cast::cast(&narrow, DType::F32).unwrap();
+    let narrow = streambp_kernels::ops::cast::cast(&x, DType::BF16).unwrap();
+    let wide = streambp_kernels::ops::cast::cast(&narrow, DType::F32).unwrap();
     values.insert("casts".into(), flat(&wide));
     for dtype in [DType::F64, DType::F32] {
         let acc = x.to_dtype(dtype).unwrap();

@@ -2,7 +2,8 @@
 //! gradient clipping, and the warmup + cosine/linear learning-rate schedules of transformers.
 
 use candle_core::{DType, Tensor, Var};
-use streambp_kernels::host::cast::cast;
+use streambp_kernels::ops::cast::cast;
+use streambp_kernels::ops::grad_norm;
 
 use crate::{Result, TrainError};
 
@@ -223,20 +224,13 @@ impl AdamW {
 pub fn clip_grad_norm(grads: &mut [(String, Tensor)], max_norm: f64) -> Result<f64> {
     let mut sq = 0.0;
     for (_, g) in grads.iter() {
-        sq += match streambp_kernels::host::reduce::sum_of_squares(g)? {
-            Some(s) => s,
-            None => g
-                .to_dtype(DType::F64)?
-                .sqr()?
-                .sum_all()?
-                .to_scalar::<f64>()?,
-        };
+        sq += grad_norm::sum_of_squares(g)?;
     }
     let norm = sq.sqrt();
     if max_norm > 0.0 && norm > max_norm {
         let scale = max_norm / (norm + 1e-6);
         for (_, g) in grads.iter_mut() {
-            *g = streambp_kernels::host::reduce::scaled(g, scale)?;
+            *g = grad_norm::scaled(g, scale)?;
         }
     }
     Ok(norm)

@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
-use streambp_kernels::host::half_product;
 use streambp_kernels::ops::accumulate;
+use streambp_kernels::ops::matmul;
 use streambp_models::Model;
 
 use crate::error::{EngineError, Result};
@@ -122,7 +122,7 @@ impl GradSink {
                 return Ok(());
             }
         }
-        self.accumulate(name, half_product::matmul(a, b)?, true)
+        self.accumulate(name, matmul::matmul(a, b)?, true)
     }
 
     /// [`GradSink::add_product`] for `a` f32 holding bf16 values and `b` bf16 (the LM head's
@@ -139,7 +139,7 @@ impl GradSink {
                 return Ok(());
             }
         }
-        self.accumulate(name, half_product::matmul_of_bf16_values(a, b)?, true)
+        self.accumulate(name, matmul::matmul_of_bf16_values(a, b)?, true)
     }
 
     /// Adds `rows[i]` into row `ids[i]` of the gradient of `name` (shaped like `table`): in place on
@@ -159,7 +159,7 @@ impl GradSink {
         );
         if on_host && float {
             if let Some(acc) = self.accumulator(name, table)? {
-                let rows = streambp_kernels::host::cast::cast(rows, acc.dtype())?;
+                let rows = streambp_kernels::ops::cast::cast(rows, acc.dtype())?;
                 if accumulate::add_rows(&acc, ids, &rows)? {
                     return Ok(());
                 }

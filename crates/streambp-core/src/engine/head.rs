@@ -4,9 +4,9 @@
 use std::ops::Range;
 
 use candle_core::{DType, Tensor, Var, D};
-use streambp_kernels::host::cast::{cast, round_in_place};
-use streambp_kernels::host::half_product;
 use streambp_kernels::op_times;
+use streambp_kernels::ops::cast::{cast, round_in_place};
+use streambp_kernels::ops::matmul;
 use streambp_models::Model;
 use streambp_objectives::Objective;
 
@@ -267,7 +267,7 @@ fn head_chunk(
         let dz = grad_of(&scores)?.to_dtype(dtype)?.reshape((n, 1))?;
         return Ok(HeadChunk {
             logp: scores,
-            grad_hidden: half_product::matmul(&dz, weight)?.reshape((b, c, d))?,
+            grad_hidden: matmul::matmul(&dz, weight)?.reshape((b, c, d))?,
             grad_logits: dz,
         });
     }
@@ -312,10 +312,10 @@ fn head_chunk(
     let grad_hidden = op_times::timed("head.hidden_gradient", device, || {
         Ok::<_, crate::EngineError>(if in_f32 {
             round_in_place(&dz, dtype)?;
-            half_product::matmul_of_bf16_values(&dz, weight)?
+            matmul::matmul_of_bf16_values(&dz, weight)?
         } else {
             dz = cast(&dz, dtype)?;
-            half_product::matmul(&dz, weight)?
+            matmul::matmul(&dz, weight)?
         })
     })?;
     Ok(HeadChunk {

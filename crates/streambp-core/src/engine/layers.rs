@@ -5,9 +5,9 @@
 use std::ops::Range;
 
 use candle_core::{DType, Tensor, Var};
-use streambp_kernels::host::cast::{cast, widened_values};
 use streambp_kernels::op_times;
 use streambp_kernels::ops::attention::EarlierKeys;
+use streambp_kernels::ops::cast::{cast, widened_values};
 use streambp_models::{DecoderLayer, KeyBlock, Layout, MapWeights, Model};
 
 use crate::error::Result;

@@ -3,9 +3,9 @@
 //! an accelerator in one table per device ([`DeviceTerms`]).
 
 use candle_core::DType;
-use streambp_kernels::host::gemm_memory::{self, Product};
 use streambp_kernels::ops::attention::memory as attention;
 use streambp_kernels::ops::linear;
+use streambp_kernels::ops::matmul::{self, Product};
 use streambp_kernels::Backend;
 
 use super::{adapter_count, checkpoint_counts, parameter_count, Chunks, Estimate, Problem};
@@ -113,7 +113,7 @@ impl<'a> Sizes<'a> {
         match self.device.gemm {
             true => products
                 .iter()
-                .map(|&pr| gemm_memory::workspace(pr, elem, tiled))
+                .map(|&pr| matmul::workspace(pr, elem, tiled))
                 .max()
                 .unwrap_or(0),
             false => 0,
@@ -272,7 +272,7 @@ pub fn estimate(p: Problem, chunks: Chunks) -> Estimate {
 fn resident(s: &Sizes, held: &Held) -> u64 {
     let rope = 2 * s.t * s.p.config.head_dim as u64 * s.e;
     let slabs = match s.device.gemm {
-        true => gemm_memory::thread_slabs(),
+        true => matmul::thread_slabs(),
         false => 0,
     };
     let tokens = s.b * s.t * 48;

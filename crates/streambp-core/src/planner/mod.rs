@@ -23,7 +23,7 @@
 //! - in the embedding's backward: the incoming `[b, T, d]` gradient (and its f32 copy in half
 //!   precision on the host), and off the host copies of the table's gradient;
 //! - on the host, the largest packing workspace of the phase's matrix products, from the blocking
-//!   gemm derives on the running CPU ([`streambp_kernels::host::gemm_memory`]): this, and the
+//!   gemm derives on the running CPU ([`streambp_kernels::ops::matmul::workspace`]): this, and the
 //!   slabs, are what differ between CPUs (tens of MiB on a CPU with a large L3 cache, for products
 //!   with a wide operand).
 //!

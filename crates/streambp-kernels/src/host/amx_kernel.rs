@@ -415,13 +415,13 @@ impl TileUnit for Emulated {
 }
 
 /// The name of the choice that runs this kernel on [`Emulated`] where its tiles are not
-/// [`available`] (and on them where they are): [`crate::host::choices::Choices::amx_on_model`].
+/// [`available`] (and on them where they are): [`crate::choices::Choices::amx_on_model`].
 pub const EMULATED: &str = "amx-emulated";
 
 /// Whether bf16 products on this kernel run on [`Emulated`]: chosen
-/// ([`crate::host::choices::Choices::amx_on_model`]), where the tiles are not [`available`].
+/// ([`crate::choices::Choices::amx_on_model`]), where the tiles are not [`available`].
 pub fn emulated() -> bool {
-    crate::host::choices::in_force().amx_on_model
+    crate::choices::in_force().amx_on_model
 }
 
 /// `out += a[rows, ..k]·b[..k, cols]` into the tile's f32 sums `out` (`rows × cols`, row-major), or

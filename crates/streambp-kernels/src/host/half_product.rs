@@ -12,7 +12,7 @@
 //! rounded once (or added, unrounded, into an f32 accumulator), so the arithmetic is f32's with f32
 //! accumulation, as candle's widened product and PyTorch's bf16 products on the CPU do.
 
-use candle_core::{CpuStorage, Layout, Storage, Tensor};
+use candle_core::Layout;
 use half::bf16;
 use rayon::prelude::*;
 
@@ -215,7 +215,7 @@ pub enum Kernel {
 }
 
 /// The switch the binaries read for the bf16 products' kernel, by [`Kernel::name`] (see
-/// [`crate::host::choices`]): to compare them on a CPU whose choice was never measured, or to test
+/// [`crate::choices`]): to compare them on a CPU whose choice was never measured, or to test
 /// one; `amx-emulated` runs AMX's kernel on a software model of its tiles where the CPU has none,
 /// to run the tests with AMX's order of sums on any CPU (slowly).
 pub const KERNEL_ENV: &str = "STREAMBP_BF16_KERNEL";
@@ -231,7 +231,7 @@ impl Kernel {
     }
 
     /// The name reports print for the kernel in force: [`Kernel::name`], or `amx-emulated` where
-    /// AMX's kernel runs on its software model ([`crate::host::choices::Choices::amx_on_model`]).
+    /// AMX's kernel runs on its software model ([`crate::choices::Choices::amx_on_model`]).
     pub fn label(self) -> &'static str {
         match self {
             Kernel::Amx if crate::host::amx_kernel::emulated() => crate::host::amx_kernel::EMULATED,
@@ -239,17 +239,17 @@ impl Kernel {
         }
     }
 
-    /// The kernel in force: the one chosen ([`crate::host::choices`]), else the fastest the CPU
+    /// The kernel in force: the one chosen ([`crate::choices`]), else the fastest the CPU
     /// has: AMX's tiles where the CPU has them, the dot products where it has those and they were
     /// measured faster ([`crate::host::bf16_kernel::pays`]), the widened f32 products elsewhere.
     pub fn detect() -> Self {
-        crate::host::choices::in_force().bf16_kernel
+        crate::choices::in_force().bf16_kernel
     }
 
     /// Every kernel the running CPU can run on the path in force (for tests that check each), AMX's
     /// on its model of the tiles included where that is chosen (`amx-emulated`).
     pub fn available() -> Vec<Self> {
-        let in_force = crate::host::choices::in_force();
+        let in_force = crate::choices::in_force();
         Kernel::on(in_force.simd, in_force.amx_on_model)
     }
 }
@@ -642,93 +642,6 @@ pub(crate) fn each_layout(
     }
 }
 
-/// `a·b`: by [`product`] for 2-D bf16 tensors on the CPU (any strides), by
-/// [`crate::host::products::tiled_matmul`] for 2-D f32/f64 ones, by candle's `matmul` for any others. The
-/// bf16 result records no backward: for products of constants (a detached forward, a backward's
-/// own products), never for one a graph must differentiate.
-pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
-    let on_host = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle_core::DType::BF16;
-    if !(on_host(a) && on_host(b) && a.rank() == 2 && b.rank() == 2) {
-        return match crate::host::products::tiled_matmul(a, b)? {
-            Some(product) => Ok(product),
-            None => a.matmul(b),
-        };
-    }
-    let ((sa, la), (sb, lb)) = (a.storage_and_layout(), b.storage_and_layout());
-    let (Storage::Cpu(CpuStorage::BF16(da)), Storage::Cpu(CpuStorage::BF16(db))) = (&*sa, &*sb)
-    else {
-        candle_core::bail!("bf16 product: operands not in bf16 host storage");
-    };
-    product_tensor((da, la), (db, lb), a.device(), |d| Destination::Bf16(d))
-}
-
-/// `a·b` for 2-D host tensors (any strides): `a` f32 holding bf16 values ([`Element`]), `b` bf16,
-/// by [`product`], rounded to bf16: [`matmul`]'s product of `a` cast to bf16, without that copy.
-/// Like it, it records no backward. The caller rounds `a` first: a value bf16 does not hold would
-/// be truncated by the packing kernels and read whole by the widened one.
-pub fn matmul_of_bf16_values(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
-    let (sa, la) = a.storage_and_layout();
-    let (sb, lb) = b.storage_and_layout();
-    let (Storage::Cpu(CpuStorage::F32(da)), Storage::Cpu(CpuStorage::BF16(db))) = (&*sa, &*sb)
-    else {
-        candle_core::bail!("bf16 product: operands not f32 and bf16 in host storage");
-    };
-    product_tensor((da, la), (db, lb), a.device(), |d| Destination::Bf16(d))
-}
-
-/// `a·b` for 2-D bf16 host tensors (any strides) by [`product`], as f32 with the sums unrounded:
-/// the products of a bf16 layer's backward, which goes on in f32. Like [`matmul`], it records no
-/// backward.
-pub fn matmul_unrounded(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
-    let ((sa, la), (sb, lb)) = (a.storage_and_layout(), b.storage_and_layout());
-    let (Storage::Cpu(CpuStorage::BF16(da)), Storage::Cpu(CpuStorage::BF16(db))) = (&*sa, &*sb)
-    else {
-        candle_core::bail!("bf16 product: operands not in bf16 host storage");
-    };
-    product_tensor((da, la), (db, lb), a.device(), |d| Destination::F32(d))
-}
-
-/// `a·b` by [`product`] for 2-D operands `a` (bf16 values) and `b` (bf16) in host data (any other
-/// rank an error), into a new tensor of `T` on `device`, written as `destination` says (rounded to
-/// bf16, or f32 unrounded).
-fn product_tensor<A: Element, T: candle_core::WithDType>(
-    (a, la): (&[A], &Layout),
-    (b, lb): (&[bf16], &Layout),
-    device: &candle_core::Device,
-    destination: impl FnOnce(&mut [T]) -> Destination<'_>,
-) -> CResult<Tensor> {
-    if la.dims().len() != 2 || lb.dims().len() != 2 {
-        candle_core::bail!("bf16 product: {:?} by {:?}", la.dims(), lb.dims());
-    }
-    let ((oa, m, k), (ob, k2, n)) = (operand(a, la)?, operand(b, lb)?);
-    if k != k2 {
-        candle_core::bail!("bf16 product: [{m}, {k}] by [{k2}, {n}]");
-    }
-    let mut out = vec![T::zero(); m * n];
-    product(destination(&mut out), (m, n, k), oa, ob);
-    Tensor::from_vec(out, (m, n), device)
-}
-
-/// `x Wᵀ` for bf16 host tensors `x` `[.., in]` and `W` `[out, in]` (any strides) as f32 holding
-/// the sums rounded to bf16 (`[.., out]`): [`linear`]'s values, for a computation that goes on
-/// in f32 (the LM head's softmax), without the bf16 result and its widened copy. `None` for other
-/// dtypes or devices.
-pub fn linear_as_bf16_values(x: &Tensor, w: &Tensor) -> CResult<Option<Tensor>> {
-    let host_bf16 = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle_core::DType::BF16;
-    if !(host_bf16(x) && host_bf16(w)) {
-        return Ok(None);
-    }
-    let x = x.contiguous()?;
-    let (sx, xl) = x.storage_and_layout();
-    let (sw, wl) = w.storage_and_layout();
-    let (Storage::Cpu(CpuStorage::BF16(dx)), Storage::Cpu(CpuStorage::BF16(dw))) = (&*sx, &*sw)
-    else {
-        return Ok(None);
-    };
-    let (dst, shape) = linear_into((dx, xl), (dw, wl), |d| Destination::Bf16Values(d))?;
-    Tensor::from_vec(dst, shape, x.device()).map(Some)
-}
-
 /// `x Wᵀ` for bf16 host data: `x` `[.., in]` contiguous, `W` `[out, in]` (any strides); the result
 /// `[.., out]`.
 pub fn linear(
@@ -740,7 +653,7 @@ pub fn linear(
 
 /// [`linear`] into a new buffer of `T`, written as `destination` says (bf16, or f32 of bf16
 /// values).
-fn linear_into<T: Copy + Default>(
+pub(crate) fn linear_into<T: Copy + Default>(
     (x, xl): (&[bf16], &Layout),
     (w, wl): (&[bf16], &Layout),
     destination: impl FnOnce(&mut [T]) -> Destination<'_>,
@@ -769,7 +682,7 @@ fn with_last_dim(l: &Layout, last: usize) -> candle_core::Shape {
 /// (`streambp_models`' `DecoderLayer::computed_in_f32`) multiplies such operands in its forward (its
 /// activations rounded where bf16 rounds, its weights widened from bf16), so they can run on the
 /// CPU's bf16 arithmetic; its backward's products take the gradient rounded to bf16 (as bf16
-/// autograd holds it) and run there too ([`matmul_unrounded`]). `None` where
+/// autograd holds it) and run there too ([`crate::ops::matmul::matmul_unrounded`]). `None` where
 /// f32's product is the faster way (the kernel in force widens, or `x` has too few rows for it:
 /// [`route`]) or where `x` is not contiguous or holds a value bf16 does not.
 pub fn linear_of_bf16_values(
@@ -921,8 +834,7 @@ mod tests {
     /// operand and into every destination: bit for bit on the kernels that pack it as bf16, within
     /// f32's rounding of the exact sums on the widened one (which reads it in place, and gemm's
     /// order of summation depends on the layout); [`Destination::Bf16Values`] holds the
-    /// [`Destination::Bf16`] result's values; and the tensor functions agree with their bf16
-    /// counterparts.
+    /// [`Destination::Bf16`] result's values.
     #[test]
     fn bf16_values_in_f32_multiply_as_their_bf16() {
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -979,40 +891,6 @@ mod tests {
                     assert!(bits(&got) == bits(&widened), "{case}: values");
                 }
             });
-        }
-        // The tensor functions, by the route in force (a few rows by `skinny`, more by the
-        // kernel): `x Wᵀ` as values, `a·b` of values.
-        let dev = candle_core::Device::Cpu;
-        let tensor = |len: usize, seed: u32, shape: (usize, usize)| {
-            Tensor::from_vec(values(len, seed), shape, &dev).unwrap()
-        };
-        let f32s = |t: &Tensor| {
-            let t = t.to_dtype(candle_core::DType::F32).unwrap();
-            t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
-        };
-        let w = tensor(90 * 300, 8, (90, 300));
-        for rows in [3, 40] {
-            let x = tensor(rows * 300, 7, (rows, 300));
-            let as_values = linear_as_bf16_values(&x, &w).unwrap().unwrap();
-            let want = matmul(&x, &w.t().unwrap()).unwrap();
-            assert_eq!(as_values.dims(), &[rows, 90]);
-            assert!(
-                f32s(&as_values) == f32s(&want),
-                "{rows} rows: linear as values"
-            );
-            let a32 = x.to_dtype(candle_core::DType::F32).unwrap();
-            let of_values = matmul_of_bf16_values(&a32, &w.t().unwrap()).unwrap();
-            let (got, want) = (f32s(&of_values), f32s(&want));
-            match Kernel::detect() {
-                // gemm's sums may differ in their last bit, and then their rounding by an ulp.
-                Kernel::Widened => {
-                    for (g, w) in got.iter().zip(&want) {
-                        assert!((g - w).abs() <= w.abs() / 128.0, "{rows} rows: {g} vs {w}");
-                    }
-                }
-                _ => assert!(got == want, "{rows} rows: product of values"),
-            }
-            assert!(linear_as_bf16_values(&a32, &w).unwrap().is_none());
         }
     }
 

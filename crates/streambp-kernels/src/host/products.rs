@@ -75,7 +75,7 @@ pub(crate) fn strided<'a, T>(
 }
 
 /// `a·b` for 2-D f32/f64 CPU tensors (any strides) by [`gemm_into`] in tiles; `None` for any others.
-/// The result records no backward (for products of constants, as [`crate::host::half_product::matmul`]).
+/// The result records no backward (for products of constants, as [`crate::ops::matmul::matmul`]).
 pub fn tiled_matmul(a: &Tensor, b: &Tensor) -> CResult<Option<Tensor>> {
     if !(host_float(a) && b.device().is_cpu() && a.dtype() == b.dtype())
         || a.rank() != 2

@@ -10,10 +10,10 @@
 //! fused formula (the f32 exponential) does the baseline path differ, within its stated error.
 //!
 //! A program may choose a narrower path than the CPU's best (to compare them, or to test one:
-//! [`crate::host::choices`]); gemm's products dispatch on their own.
+//! [`crate::choices`]); gemm's products dispatch on their own.
 
 /// The switch the binaries read for the instruction set (`avx512`, `avx2`, `baseline`; see
-/// [`crate::host::choices`]).
+/// [`crate::choices`]).
 pub const SIMD_ENV: &str = "STREAMBP_SIMD";
 
 /// An instruction set the passes are compiled for.
@@ -76,10 +76,10 @@ impl Isa {
     }
 }
 
-/// The instruction set in force: the one chosen ([`crate::host::choices`]), else the widest the CPU
+/// The instruction set in force: the one chosen ([`crate::choices`]), else the widest the CPU
 /// has.
 pub fn isa() -> Isa {
-    crate::host::choices::in_force().simd
+    crate::choices::in_force().simd
 }
 
 /// `vectorized!(|isa| body)`: runs `body` compiled for the instruction set in force ([`isa`]),

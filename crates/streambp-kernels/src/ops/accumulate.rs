@@ -63,7 +63,7 @@ pub fn add_product(acc: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool> {
 /// `acc += a·b` in place for `a` `[m, k]` f32 holding bf16 values (see
 /// [`half_product::Element`]), `b` `[k, n]` bf16 (any strides) and `acc` `[m, n]` f32 on the host:
 /// [`add_product`] of `a` cast to bf16, without that copy (the caller rounds `a` first, as for
-/// [`half_product::matmul_of_bf16_values`]); `false`, with nothing done, where that does not apply.
+/// [`crate::ops::matmul::matmul_of_bf16_values`]); `false`, with nothing done, where that does not apply.
 pub fn add_product_of_bf16_values(acc: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool> {
     let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
     let applies = acc.dtype() == DType::F32

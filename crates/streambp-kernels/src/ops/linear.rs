@@ -12,6 +12,7 @@ use crate::host::half_product;
 use crate::host::products::product_into;
 use crate::host::storage::host_float;
 use crate::ops::accumulate;
+use crate::ops::matmul;
 use crate::precomputed::Precomputed;
 use crate::Backend;
 
@@ -49,7 +50,7 @@ fn of_bf16_values(
 }
 
 /// `x Wᵀ` of constants (a frozen base's forward): from the bf16 weight where
-/// [`of_bf16_values`] takes it, else by [`half_product::matmul`].
+/// [`of_bf16_values`] takes it, else by [`matmul::matmul`].
 fn constant_linear(x: &Tensor, weight: Weight) -> CResult<Tensor> {
     // (`of_bf16_values` declines other layouts; without a bf16 weight no storage is locked.)
     if weight.bf16.is_some() {
@@ -61,7 +62,7 @@ fn constant_linear(x: &Tensor, weight: Weight) -> CResult<Tensor> {
             }
         }
     }
-    half_product::matmul(x, &weight.tensor.detach().t()?)
+    matmul::matmul(x, &weight.tensor.detach().t()?)
 }
 
 /// The gradient a projection's backward products take ([`product_gradient`]).
@@ -93,10 +94,10 @@ fn product_gradient<'w>(grad: &Tensor, bf16: Option<&'w Tensor>) -> CResult<Grad
     }
     if half_product::Kernel::detect() == half_product::Kernel::Widened {
         let values = grad.contiguous()?.copy()?;
-        crate::host::cast::round_in_place(&values, candle_core::DType::BF16)?;
+        crate::ops::cast::round_in_place(&values, candle_core::DType::BF16)?;
         return Ok(Gradient::InDtype(values));
     }
-    let g16 = crate::host::cast::cast(grad, candle_core::DType::BF16)?;
+    let g16 = crate::ops::cast::cast(grad, candle_core::DType::BF16)?;
     Ok(Gradient::Bf16(g16, w16))
 }
 
@@ -104,8 +105,8 @@ fn product_gradient<'w>(grad: &Tensor, bf16: Option<&'w Tensor>) -> CResult<Grad
 /// from the gradient [`product_gradient`] gives.
 fn input_gradient(grad: &Tensor, weight: &Tensor, bf16: Option<&Tensor>) -> CResult<Tensor> {
     match product_gradient(grad, bf16)? {
-        Gradient::Bf16(g16, w16) => half_product::matmul_unrounded(&g16, w16),
-        Gradient::InDtype(g) => half_product::matmul(&g, weight),
+        Gradient::Bf16(g16, w16) => matmul::matmul_unrounded(&g16, w16),
+        Gradient::InDtype(g) => matmul::matmul(&g, weight),
     }
 }
 
@@ -264,16 +265,16 @@ impl candle_core::CustomOp2 for TrainedLinear {
         let (grad_x, grad_t, x2, product): (_, _, _, Product) =
             match product_gradient(&grad2, self.bf16_weight.as_ref())? {
                 Gradient::InDtype(g) => {
-                    let grad_x = half_product::matmul(&g, &weight.detach())?;
-                    (grad_x, g.t()?, x2, half_product::matmul)
+                    let grad_x = matmul::matmul(&g, &weight.detach())?;
+                    (grad_x, g.t()?, x2, matmul::matmul)
                 }
                 Gradient::Bf16(g16, w16) => {
-                    let grad_x = half_product::matmul_unrounded(&g16, w16)?;
+                    let grad_x = matmul::matmul_unrounded(&g16, w16)?;
                     match narrowed_exactly(&x2)? {
-                        Some(x16) => (grad_x, g16.t()?, x16, half_product::matmul_unrounded),
+                        Some(x16) => (grad_x, g16.t()?, x16, matmul::matmul_unrounded),
                         None => {
-                            let g = crate::host::cast::cast(&g16, candle_core::DType::F32)?;
-                            (grad_x, g.t()?, x2, half_product::matmul)
+                            let g = crate::ops::cast::cast(&g16, candle_core::DType::F32)?;
+                            (grad_x, g.t()?, x2, matmul::matmul)
                         }
                     }
                 }
@@ -371,7 +372,7 @@ pub fn trained_linear(
     let y = match (on_host(&x2, weight), tracked) {
         (true, _) => on_host_op(&x2)?,
         (false, true) => {
-            let out = half_product::matmul(&x2.detach(), &weight.detach().t()?)?;
+            let out = matmul::matmul(&x2.detach(), &weight.detach().t()?)?;
             let op = TrainedLinear {
                 out: Some(Precomputed::new(out)),
                 grad_into: grad_into.cloned(),
@@ -379,7 +380,7 @@ pub fn trained_linear(
             };
             x2.apply_op2(weight, op)?
         }
-        (false, false) => half_product::matmul(&x2, &weight.t()?)?,
+        (false, false) => matmul::matmul(&x2, &weight.t()?)?,
     };
     y.reshape(out_shape)
 }
@@ -436,8 +437,8 @@ impl candle_core::CustomOp3 for LoraLinear {
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let scaled = (grad * self.scale)?;
         let grad_x = input_gradient(grad, &self.weight, self.bf16_weight.as_ref())?;
-        let grad_u = half_product::matmul(&scaled, &b.detach())?;
-        let grad_b = half_product::matmul(&scaled.t()?, &u.detach())?;
+        let grad_u = matmul::matmul(&scaled, &b.detach())?;
+        let grad_b = matmul::matmul(&scaled.t()?, &u.detach())?;
         Ok((Some(grad_x), Some(grad_u), Some(grad_b)))
     }
 }
@@ -460,9 +461,9 @@ pub fn lora_linear(
         };
         if let Some(dtype) = round_base_to {
             // A fresh product (or sum) that nothing else holds.
-            crate::host::cast::round_in_place(&base, dtype)?;
+            crate::ops::cast::round_in_place(&base, dtype)?;
         }
-        (base + (half_product::matmul(&u.detach(), &lora_b.detach().t()?)? * scale)?)?
+        (base + (matmul::matmul(&u.detach(), &lora_b.detach().t()?)? * scale)?)?
     };
     if !(x.track_op() || u.track_op() || lora_b.track_op()) {
         return Ok(out);

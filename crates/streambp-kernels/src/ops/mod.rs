@@ -5,9 +5,12 @@
 
 pub mod accumulate;
 pub mod attention;
-pub mod gelu;
+pub mod cast;
+pub mod geglu;
+pub mod grad_norm;
 pub mod head_softmax;
 pub mod linear;
+pub mod matmul;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;

@@ -7,8 +7,8 @@ use candle_core::{DType, Tensor, D};
 use super::kernel::Multiply;
 use super::op::Attention;
 use super::{softmax_block, Blocks, KeyRange, Normalizer};
-use crate::host::cast::cast;
 use crate::op_times;
+use crate::ops::cast::cast;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -144,9 +144,6 @@ impl Attention {
     ) -> CResult<(Tensor, Tensor, Tensor)> {
         let b = &self.blocks;
         let device = q.device();
-        if b.kernel_applies(q, k, v)? {
-            return self.timed_kernel_bwd((q, k, v), (out, grad), Multiply::Exact);
-        }
         let dtype = q.dtype();
         let saved = self.saved()?;
         let dot = (b.grouped(grad)? * b.grouped(out)?)?.sum_keepdim(D::Minus1)?;

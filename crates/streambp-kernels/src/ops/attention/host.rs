@@ -207,20 +207,26 @@ impl Blocks {
         })
     }
 
-    /// The op's backward by the CPU kernel: the gradients of q and of the op's own keys and values;
-    /// the earlier keys' are added into their buffers.
+    /// The op's backward by the CPU kernel on its inputs' storages (q contiguous; k and v, in q's
+    /// dtype, with each head's rows contiguous) and the earlier keys and values (the same): the
+    /// gradients of q and of the op's own keys and values; the earlier keys' are added into their
+    /// buffers.
     pub(super) fn kernel_backward<T: KernelFloat>(
         &self,
-        (q, k, v): (&Tensor, &Tensor, &Tensor),
-        (out, normalizer): (&Tensor, &Normalizer),
-        grad: &Tensor,
+        [(qs, ql), (ks, kl), (vs, vl)]: [(&CpuStorage, &Layout); 3],
+        earlier: Option<&(Tensor, Tensor)>,
+        (out, normalizer, grad): (&Tensor, &Normalizer, &Tensor),
         multiply: Multiply,
-    ) -> CResult<(Tensor, Tensor, Tensor)> {
-        let dims = self.kernel_dims(q.dims4()?)?;
-        let t = k.dim(2)?;
+    ) -> CResult<(Vec<T>, Vec<T>, Vec<T>)> {
+        let dims = self.kernel_dims(ql.shape().dims4()?)?;
+        let t = kl.shape().dims4()?.2;
         let ranges = self.ranges(t)?;
         let fetch = |b: usize| self.kernel_block::<T>(dims, ranges[b]);
-        let data = HostKeys::new(q, k, v, self.earlier.as_ref())?;
+        let q = input_data::<T>(qs, ql)?;
+        let own = kernel::KeysValues {
+            keys: cpu_head_rows::<T>(ks, kl)?,
+            values: cpu_head_rows::<T>(vs, vl)?,
+        };
         let per_query = |x: &Tensor| x.flatten_all()?.to_vec1::<T>();
         let (max, log_sum) = (per_query(&normalizer.max)?, per_query(&normalizer.log_sum)?);
         let (out, grad) = (out.contiguous()?, grad.contiguous()?);
@@ -232,8 +238,15 @@ impl Blocks {
             vec![T::zero(); dims.items * t * dims.hd],
             vec![T::zero(); dims.items * t * dims.hd],
         );
-        let mut run = |earlier: Option<kernel::KeyGrads<'_, T>>| {
-            data.read::<T, T, _>((dims, multiply), |inputs| {
+        let mut run = |earlier_grads: Option<kernel::KeyGrads<'_, T>>| {
+            with_earlier(earlier, |earlier_keys| {
+                let inputs = kernel::Inputs {
+                    dims,
+                    q,
+                    own,
+                    earlier: earlier_keys,
+                    multiply,
+                };
                 let blocks = kernel::Blocks {
                     count: ranges.len(),
                     fetch: &fetch,
@@ -246,9 +259,15 @@ impl Blocks {
                         len: t,
                         offset: 0,
                     },
-                    earlier,
+                    earlier: earlier_grads,
                 };
-                kernel::backward(inputs, blocks, (out_data, &max, &log_sum), grad_data, grads)
+                kernel::backward(
+                    &inputs,
+                    blocks,
+                    (out_data, &max, &log_sum),
+                    grad_data,
+                    grads,
+                )
             })
         };
         match &self.earlier {
@@ -271,12 +290,7 @@ impl Blocks {
                 }
             }
         }
-        let device = q.device();
-        Ok((
-            Tensor::from_vec(dq, q.shape(), device)?,
-            Tensor::from_vec(dk, k.shape(), device)?,
-            Tensor::from_vec(dv, v.shape(), device)?,
-        ))
+        Ok((dq, dk, dv))
     }
 }
 
@@ -359,23 +373,6 @@ impl Attention {
         };
         *self.saved.lock().map_err(|_| poisoned())? = Some(saved);
         Ok((T::to_cpu_storage_owned(out), shape))
-    }
-
-    /// [`Blocks::kernel_backward`] for q's dtype, timed.
-    pub(super) fn timed_kernel_bwd(
-        &self,
-        (q, k, v): (&Tensor, &Tensor, &Tensor),
-        (out, grad): (&Tensor, &Tensor),
-        multiply: Multiply,
-    ) -> CResult<(Tensor, Tensor, Tensor)> {
-        let normalizer = self.saved()?.normalizer;
-        let (b, fwd) = (&self.blocks, (out, &normalizer));
-        op_times::timed("attention.backward.kernel", q.device(), || {
-            match q.dtype() {
-                DType::F32 => b.kernel_backward::<f32>((q, k, v), fwd, grad, multiply),
-                _ => b.kernel_backward::<f64>((q, k, v), fwd, grad, multiply),
-            }
-        })
     }
 }
 

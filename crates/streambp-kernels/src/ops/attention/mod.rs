@@ -25,6 +25,8 @@ pub mod softmax_block;
 
 use candle_core::{DType, Tensor};
 
+use crate::ops::cast::through_f32;
+
 use op::record;
 
 thread_local! {
@@ -250,4 +252,56 @@ pub fn attention_over_heads(
     }
     let blocks = Blocks::new(mask, earlier, heads / kv_heads, blocking, scale);
     record(blocks, (q, k, v), true)
+}
+
+/// [`attention_over_heads`] for a layer's tensors in any dtype, keys in [`KEY_BLOCK`]s, the softmax
+/// in f32 (f64 for f64 inputs). On the host, bf16 runs the f32 kernel: bf16 q, k and v are widened
+/// and the output rounded back once, except that keys and values without earlier ones are read
+/// in bf16 as they are (a decoding step's whole cache would otherwise be widened at every step);
+/// earlier keys, if any, must then be f32 for the widening to apply.
+pub fn attention_in_layer(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    earlier: Option<EarlierKeys>,
+    mask: impl KeyMask + 'static,
+    products: Products,
+    scale: f64,
+) -> CResult<Tensor> {
+    let earlier_f32 = earlier.as_ref().is_none_or(|e| {
+        [&e.keys, &e.values, &e.grad_keys, &e.grad_values]
+            .iter()
+            .all(|t| t.dtype() == DType::F32)
+    });
+    let bf16_keys = k.dtype() == DType::BF16 && v.dtype() == DType::BF16;
+    let mut mask = Some(mask);
+    let mut in_f32 = |q: &Tensor, k: &Tensor, v: &Tensor| {
+        let mask = mask
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("attention: the mask used twice".into()))?;
+        attention_in_layer(q, k, v, earlier.clone(), mask, products, scale)
+    };
+    if earlier.is_none() && bf16_keys {
+        if let Some(out) = through_f32([q], |[q]| in_f32(&q, k, v))? {
+            return Ok(out);
+        }
+    }
+    if earlier_f32 {
+        if let Some(out) = through_f32([q, k, v], |[q, k, v]| in_f32(&q, &k, &v))? {
+            return Ok(out);
+        }
+    }
+    let Some(mask) = mask else {
+        candle_core::bail!("attention: the mask used twice");
+    };
+    let compute = match q.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
+    let blocking = Blocking {
+        compute,
+        key_block: KEY_BLOCK,
+        products,
+    };
+    attention_over_heads(q, k, v, earlier, mask, blocking, scale)
 }

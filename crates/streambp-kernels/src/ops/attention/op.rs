@@ -7,11 +7,11 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 
 use super::host::{rows_are_contiguous, rows_contiguous};
-use super::kernel::Multiply;
+use super::kernel::{KernelFloat, Multiply};
 use super::{Blocks, Normalizer};
 use crate::backend::Backend;
-use crate::host::cast::cast;
 use crate::op_times;
+use crate::ops::cast::cast;
 use crate::precomputed::Precomputed;
 
 type CResult<T> = candle_core::Result<T>;
@@ -204,11 +204,116 @@ impl Attention {
             let (dq, dk, dv) = self.inner_bwd(q, &wide_k, &wide_v, out, grad)?;
             return Ok((dq, cast(&dk, k.dtype())?, cast(&dv, v.dtype())?));
         }
-        if let Some(multiply) = b.bf16_products(q, k, v)? {
-            return self.timed_kernel_bwd((q, k, v), (out, grad), multiply);
+        let multiply = match Backend::of(q) {
+            Backend::Cpu => b.kernel_multiply(q, k, v)?,
+            // A card's kernel goes here, as in [`record`].
+            Backend::Cuda | Backend::Composed => None,
+        };
+        match multiply {
+            // The exact products take q scaled, and give the scaled q's gradient.
+            Some(Multiply::Exact) => {
+                let (dq, dk, dv) =
+                    self.kernel_bwd(&b.scaled(q)?, k, v, (out, grad), Multiply::Exact)?;
+                Ok((b.scaled(&dq)?, dk, dv))
+            }
+            Some(multiply) => self.kernel_bwd(q, k, v, (out, grad), multiply),
+            None => {
+                let (dq, dk, dv) = self.scaled_bwd(&b.scaled(q)?, k, v, out, grad)?;
+                Ok((b.scaled(&dq)?, dk, dv))
+            }
         }
-        let (dq, dk, dv) = self.scaled_bwd(&b.scaled(q)?, k, v, out, grad)?;
-        Ok((b.scaled(&dq)?, dk, dv))
+    }
+
+    /// The backward by the CPU kernel, as its own op ([`KernelBackward`]), timed.
+    fn kernel_bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        (out, grad): (&Tensor, &Tensor),
+        multiply: Multiply,
+    ) -> CResult<(Tensor, Tensor, Tensor)> {
+        let earlier = match &self.blocks.earlier {
+            Some(e) => Some((rows_contiguous(&e.keys)?, rows_contiguous(&e.values)?)),
+            None => None,
+        };
+        let op = KernelBackward {
+            blocks: &self.blocks,
+            earlier,
+            out,
+            grad,
+            normalizer: self.saved()?.normalizer,
+            multiply,
+            key_grads: Mutex::new(None),
+        };
+        let (q, k, v) = (q.contiguous()?, rows_contiguous(k)?, rows_contiguous(v)?);
+        let run = || q.apply_op3_no_bwd(&k, &v, &op);
+        let dq = op_times::timed("attention.backward.kernel", q.device(), run)?;
+        let key_grads = op.key_grads.lock().map_err(|_| poisoned())?.take();
+        let (dk, dv) = key_grads
+            .ok_or_else(|| candle_core::Error::Msg("attention: no key gradients".into()))?;
+        Ok((dq, dk, dv))
+    }
+}
+
+/// The backward by the CPU kernel, an op of its own over q (contiguous; scaled for
+/// [`Multiply::Exact`]), k and v (each head's rows contiguous, in q's dtype) in the inner layout,
+/// reading the forward's output, its normalizer and the output's gradient: its output is q's
+/// gradient; the keys' and values' are left in `key_grads`, the earlier keys' added into their
+/// buffers ([`EarlierKeys`]). A card's kernel would be its `cuda_fwd`.
+struct KernelBackward<'a> {
+    blocks: &'a Blocks,
+    /// The earlier keys and values, each head's rows contiguous.
+    earlier: Option<(Tensor, Tensor)>,
+    out: &'a Tensor,
+    grad: &'a Tensor,
+    normalizer: Normalizer,
+    multiply: Multiply,
+    /// The gradients of the op's own keys and values, once it ran.
+    key_grads: Mutex<Option<(Tensor, Tensor)>>,
+}
+
+impl KernelBackward<'_> {
+    /// [`CustomOp3::cpu_fwd`] for q in `T`.
+    fn on_host<T: KernelFloat>(
+        &self,
+        inputs: [(&CpuStorage, &Layout); 3],
+    ) -> CResult<(CpuStorage, Shape)> {
+        let fwd = (self.out, &self.normalizer, self.grad);
+        let earlier = self.earlier.as_ref();
+        let (dq, dk, dv) = self
+            .blocks
+            .kernel_backward::<T>(inputs, earlier, fwd, self.multiply)?;
+        let key_shape = inputs[1].1.shape();
+        let (dk, dv) = (
+            Tensor::from_vec(dk, key_shape, &Device::Cpu)?,
+            Tensor::from_vec(dv, key_shape, &Device::Cpu)?,
+        );
+        *self.key_grads.lock().map_err(|_| poisoned())? = Some((dk, dv));
+        Ok((T::to_cpu_storage_owned(dq), inputs[0].1.shape().clone()))
+    }
+}
+
+impl CustomOp3 for KernelBackward<'_> {
+    fn name(&self) -> &'static str {
+        "streambp-attention-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let inputs = [(s1, l1), (s2, l2), (s3, l3)];
+        match s1 {
+            CpuStorage::F32(_) => self.on_host::<f32>(inputs),
+            CpuStorage::F64(_) => self.on_host::<f64>(inputs),
+            _ => candle_core::bail!("attention backward: q neither f32 nor f64"),
+        }
     }
 }
 

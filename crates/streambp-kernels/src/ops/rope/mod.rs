@@ -12,8 +12,8 @@ mod cpu;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
 
 use crate::backend::Backend;
-use crate::host::cast::through_f32;
 use crate::host::storage::input_data;
+use crate::ops::cast::through_f32;
 
 type CResult<T> = candle_core::Result<T>;
 

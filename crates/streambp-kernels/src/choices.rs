@@ -10,8 +10,8 @@
 
 use std::sync::OnceLock;
 
-use crate::host::half_product::{Kernel, KERNEL_ENV};
-use crate::host::simd::{Isa, SIMD_ENV};
+pub use crate::host::half_product::{Kernel, KERNEL_ENV};
+pub use crate::host::simd::{Isa, SIMD_ENV};
 use crate::host::{amx_kernel, bf16_kernel};
 
 /// What a program asks for; `None` leaves the choice to the CPU.
