@@ -127,6 +127,12 @@ const CASES: &[Case] = &[
     case("kto --desirable-weight 0 --max-steps 1", 2, "desirable_weight must be a number above 0, got 0"),
     case("kto --undesirable-weight nan --max-steps 1", 2, "undesirable_weight must be a number above 0"),
     case("kto --sft-weight 1", 2, "--sft-weight: applies to dpo only, not kto"),
+    // KTO's KL baseline needs another row of the micro-batch (TRL refuses it too).
+    case("kto --batch-size 1 --grad-accum 4", 2, "--batch-size 1: must be at least 2 for KTO's loss"),
+    // Settings that would train nothing, or that the mode has no use for.
+    case("dpo --loss-type sigmoid,ipo --loss-weights 0,0", 2, "every loss weight is 0"),
+    case("sft --mode full --checkpoint-dir {dir}/ck", 2, "--checkpoint-dir {dir}/ck: stores the layers' checkpoints"),
+    case("sft --mode full --checkpoint-every 2", 2, "--checkpoint-every 2: spaces the layers' checkpoints"),
     case("kto --data {dir}/small.jsonl", 1, "expected \"prompt\", \"completion\" and a boolean \"label\""),
     case("dpo --desirable-weight 1", 2, "unexpected argument '--desirable-weight'"),
     // Reward models.
@@ -220,7 +226,22 @@ const CASES: &[Case] = &[
     case("sft --eval-data {dir}/empty_prompt.jsonl --max-steps 1", 1, "empty_prompt.jsonl line 1: the prompt is empty"),
     case("grpo --data {dir}/empty_prompt.jsonl --reward format:x", 1, "empty_prompt.jsonl line 1: the prompt is empty"),
     case("sft --data {dir}/latin1.jsonl --max-steps 1", 1, "latin1.jsonl line 2: not valid UTF-8"),
-    case("sft --config {dir}/missing.toml", 2, "missing.toml: cannot read"),
+    case("sft --config {dir}/missing.toml", 2, "missing.toml: no such file"),
+    // Input files that are not regular files are refused before a byte is read (a device would
+    // fill the memory, a pipe with no writer would block).
+    case("sft --config /dev/zero", 2, "/dev/zero: a character device, not a regular file"),
+    case("sft --config {dir}/pipe", 2, "pipe: a named pipe, not a regular file"),
+    case("sft --config {dir}/splits", 2, "splits: a directory, not a regular file"),
+    case(
+        "grad --model {fixtures}/qwen3 --batch /dev/zero --out {dir}/g.safetensors",
+        2,
+        "--batch /dev/zero: a character device, not a regular file",
+    ),
+    case(
+        "grad --model {fixtures}/qwen3 --batch {dir}/pipe --out {dir}/g.safetensors",
+        2,
+        "pipe: a named pipe, not a regular file",
+    ),
     case("sft --model models/x --max-steps 1", 1, "no directory models/x under"),
     case("sft --model= --max-steps 1", 1, "--model is empty: give a directory or a hub id"),
     case("sft --adapter= --max-steps 1", 1, "--adapter is empty"),
@@ -246,7 +267,7 @@ const CASES: &[Case] = &[
     ),
     case("grpo --group-size 100000000", 2, "--group-size 100000000: must be at most 1024"),
     // Resuming.
-    case("sft --resume {dir}/missing", 2, "is not a resumable checkpoint"),
+    case("sft --resume {dir}/missing", 2, "--resume {dir}/missing: no such directory"),
     case("sft --resume {dir}/run/final", 2, "is not a resumable checkpoint"),
     case(
         "sft --resume {dir}/run/checkpoint-1 --max-steps 1 --batch-size 4",
@@ -440,6 +461,10 @@ fn prepare(dir: &Path) {
     .unwrap();
     std::fs::write(dir.join("bad_type.toml"), "batch_size = \"many\"\n").unwrap();
     std::fs::write(dir.join("bad_range.toml"), "lr = -1\n").unwrap();
+    let pipe = std::process::Command::new("mkfifo")
+        .arg(dir.join("pipe"))
+        .status();
+    assert!(pipe.is_ok_and(|s| s.success()), "mkfifo");
     std::fs::create_dir_all(dir.join("final_is_file")).unwrap();
     std::fs::write(dir.join("final_is_file/final"), "").unwrap();
     let args: Vec<String> =
@@ -519,6 +544,51 @@ fn every_bad_input_is_a_clear_error_and_nothing_panics() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n---\n"));
     drop(held);
+}
+
+/// Without `--output-dir` each run writes into a new `runs/<job>-<date-time>`, so the README's first
+/// command runs again as it is; a resumed run goes on in its checkpoint's directory.
+#[test]
+fn the_built_in_run_can_run_again() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path();
+    let run = |args: &str| {
+        let out = streambp_testkit::command(env!("CARGO_BIN_EXE_streambp-train"))
+            .args(args.split(' '))
+            .current_dir(dir)
+            .env("RUST_LOG", "warn")
+            .env("HF_HUB_OFFLINE", "1")
+            .env("HF_HOME", dir.join("hf-home"))
+            .output()
+            .expect("the trainer runs");
+        let text = String::from_utf8_lossy(&out.stderr).into_owned()
+            + &String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{args}: {text}");
+    };
+    let runs = || -> Vec<PathBuf> {
+        let mut runs: Vec<PathBuf> = std::fs::read_dir(dir.join("runs"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        runs.sort();
+        runs
+    };
+    for _ in 0..2 {
+        run("sft --max-steps 2 --save-every 1 --batch-size 4 --no-progress");
+    }
+    let made = runs();
+    assert_eq!(made.len(), 2, "{made:?}");
+    for run_dir in &made {
+        let name = run_dir.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with("sft-2"), "{name}");
+        assert!(run_dir.join("final").is_dir(), "{name}");
+    }
+    let checkpoint = made[0].join("checkpoint-1");
+    run(&format!(
+        "sft --resume {} --max-steps 2 --batch-size 4 --no-progress",
+        checkpoint.display()
+    ));
+    assert_eq!(runs(), made, "the resumed run went on in its own directory");
 }
 
 /// `--epochs` sets the length of a built-in run too (which otherwise has a default --max-steps), and

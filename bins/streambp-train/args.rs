@@ -1,7 +1,7 @@
 //! The command line's flags: one struct per job, each turned into the library's run configuration with
 //! the library's defaults (`TrainConfig::defaults`, `GrpoConfig::defaults`) for what is left out.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Parser, Subcommand};
 use streambp_core::{CheckpointEvery, Mode};
@@ -119,7 +119,8 @@ pub struct TrainArgs {
     /// naming a directory or hub dataset: test].
     #[arg(long)]
     eval_split: Option<String>,
-    /// Where metrics.jsonl and checkpoints go [default: runs/sft, runs/dpo or runs/grpo].
+    /// Where metrics.jsonl and checkpoints go [default: a new runs/<job>-<UTC date-time> per run;
+    /// with --resume, the checkpoint's run directory].
     #[arg(long)]
     output_dir: Option<PathBuf>,
     /// Replace an earlier run's checkpoints and final model in --output-dir (without it such a
@@ -460,7 +461,10 @@ impl TrainArgs {
             text_field: self.dataset_text_field.unwrap_or(d.text_field),
             eval_data: self.eval_data,
             eval_split: self.eval_split,
-            output_dir: self.output_dir.unwrap_or(d.output_dir),
+            output_dir: match self.output_dir {
+                Some(dir) => dir,
+                None => default_output_dir(&d.output_dir, self.resume.as_deref()),
+            },
             overwrite_output_dir: self.overwrite_output_dir,
             max_steps,
             epochs: self.epochs.unwrap_or(d.epochs),
@@ -537,4 +541,26 @@ fn loss_type(s: &str) -> Result<GrpoLossType, String> {
         let names: Vec<&str> = GrpoLossType::ALL.iter().map(|t| t.name()).collect();
         format!("expected one of {}", names.join(", "))
     })
+}
+
+/// Where a run without `--output-dir` writes: resuming, the checkpoint's run directory (the run goes
+/// on where it was); else a new directory per run, `<job_dir>-<UTC date-time>` (`runs/sft-20261207-101530`,
+/// as the HF Trainer's `runs/<date-time>`), so the same command can run again.
+fn default_output_dir(job_dir: &Path, resume: Option<&Path>) -> PathBuf {
+    if let Some(run) = resume.and_then(Path::parent) {
+        return match run.as_os_str().is_empty() {
+            true => PathBuf::from("."),
+            false => run.to_path_buf(),
+        };
+    }
+    let stamp = chrono::Utc::now().format("%Y%m%d-%H%M%S");
+    let dated = PathBuf::from(format!("{}-{stamp}", job_dir.display()));
+    // Two runs started within a second.
+    (1..)
+        .map(|n| match n {
+            1 => dated.clone(),
+            n => PathBuf::from(format!("{}-{n}", dated.display())),
+        })
+        .find(|dir| !dir.exists())
+        .unwrap_or(dated)
 }

@@ -222,6 +222,11 @@ impl DpoLoss {
         if let Some((t, w)) = self.terms.iter().find(|(_, w)| !w.is_finite()) {
             return bad(format!("loss weight {w} of {} is not a number", t.name()));
         }
+        if self.terms.iter().all(|(_, w)| *w == 0.0) {
+            return bad(
+                "every loss weight is 0: the loss would be constant and train nothing".into(),
+            );
+        }
         let eps = self.label_smoothing;
         if !(0.0..0.5).contains(&eps) {
             return bad(format!("label_smoothing must be in [0, 0.5), got {eps}"));

@@ -294,6 +294,9 @@ fn default_loss_type() -> String {
     "dapo".into()
 }
 
+/// The largest batch file read: a batch of eight 128K-token rows in JSON is about 10 MiB.
+pub const MAX_BYTES: u64 = 256 << 20;
+
 /// Reads and validates a batch file for the model `config` describes (its vocabulary, and for a
 /// reward model its pad token, which says where rows are read). `reference` supplies reference
 /// log-probs that DPO / GRPO files leave out.
@@ -309,7 +312,7 @@ pub fn load_batch(
         path: name.clone(),
         reason,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| fail(format!("cannot read: {e}")))?;
+    let text = crate::input_file::read_text(path, MAX_BYTES).map_err(fail)?;
     let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
         let hint = if text.contains("NaN") || text.contains("Infinity") {
             " (NaN and Infinity are not allowed in batch files)"

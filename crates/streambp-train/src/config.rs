@@ -503,6 +503,23 @@ impl TrainConfig {
                 "needs --memory-budget (the plan it gives room to)",
             )?;
         }
+        require(
+            self.mode != Mode::Full || self.checkpoint_dir.is_none(),
+            "--checkpoint-dir",
+            self.checkpoint_dir
+                .as_deref()
+                .map_or(String::new(), |d| d.display().to_string()),
+            "stores the layers' checkpoints of --mode stream or checkpoint; --mode full keeps none",
+        )?;
+        require(
+            self.mode != Mode::Full || self.checkpoint_every == CheckpointEvery::default(),
+            "--checkpoint-every",
+            match self.checkpoint_every {
+                CheckpointEvery::Layers(k) => k.to_string(),
+                CheckpointEvery::Sqrt => "sqrt".into(),
+            },
+            "spaces the layers' checkpoints of --mode stream or checkpoint; --mode full keeps none",
+        )?;
         require(self.sp >= 1, "--sp", self.sp, "must be at least 1")?;
         require(
             self.sp == 1 || self.mode != Mode::Full,
@@ -562,6 +579,17 @@ impl TrainConfig {
             let name = self.kto_loss.loss_type.name();
             TrainError::flag("--loss-type", name, e.to_string())
         })?;
+        if recipe == Recipe::Kto && self.kto_loss.loss_type.uses_kl() {
+            // TRL refuses it too ("Actual (not effective) batch size must be > 1").
+            require(
+                self.batch_size >= 2,
+                "--batch-size",
+                self.batch_size,
+                "must be at least 2 for KTO's loss: its KL baseline pairs each prompt with another \
+                 row's completion of the micro-batch, and with one row that is the row itself \
+                 (raise --batch-size and lower --grad-accum, or give --loss-type apo_zero_unpaired)",
+            )?;
+        }
         self.cpo_loss.validate().map_err(|e| {
             let name = self.cpo_loss.loss_type.name();
             TrainError::flag("--loss-type", name, e.to_string())
@@ -667,6 +695,7 @@ impl TrainConfig {
     /// A checkpoint to resume from is one.
     fn check_resume_settings(&self) -> Result<()> {
         if let Some(dir) = &self.resume {
+            require(dir.is_dir(), "--resume", dir.display(), "no such directory")?;
             let state = dir.join(crate::checkpoint::STATE_FILE);
             require(
                 state.is_file(),

@@ -6,6 +6,9 @@ use std::path::Path;
 
 use crate::{Result, TrainError};
 
+/// The largest config file read: a page of settings is a few KiB.
+pub const MAX_BYTES: u64 = 1 << 20;
+
 /// The flags a config file stands for, in file order: `(flag, value)` (no value for a `true` switch).
 /// `is_switch` tells the flags that take no value (`Some(true)`, set with a boolean here and nothing
 /// else) from those that take one (`Some(false)`); an unknown flag (`None`) is left for the command
@@ -18,7 +21,7 @@ pub fn flags_from_toml(
         path: path.to_path_buf(),
         reason,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let text = crate::input_file::read_text(path, MAX_BYTES).map_err(bad)?;
     let table: toml::Table = text
         .parse()
         .map_err(|e| bad(format!("not valid TOML: {e}")))?;

@@ -136,12 +136,8 @@ impl GradArgs {
         parse_dtype(&self.dtype).map_err(|e| TrainError::flag("--dtype", &self.dtype, input(e)))?;
         parse_device(&self.device)
             .map_err(|e| TrainError::flag("--device", &self.device, input(e)))?;
-        if !self.batch.is_file() {
-            return Err(TrainError::flag(
-                "--batch",
-                self.batch.display(),
-                "no such file",
-            ));
+        if let Some(why) = crate::input_file::check(&self.batch, crate::batch_file::MAX_BYTES) {
+            return Err(TrainError::flag("--batch", self.batch.display(), why));
         }
         let out = &self.out;
         if out.is_dir() {

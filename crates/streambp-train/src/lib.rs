@@ -37,6 +37,7 @@ pub mod device;
 pub mod eval;
 pub mod generate;
 pub mod grad;
+pub mod input_file;
 pub mod logprobs;
 pub mod metrics_log;
 pub mod optim;
