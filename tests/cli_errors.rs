@@ -116,7 +116,7 @@ const CASES: &[Case] = &[
     case(
         "cpo --loss-type hinge --label-smoothing 0.1 --max-steps 1",
         2,
-        "label_smoothing applies to sigmoid and simpo, not hinge",
+        "label_smoothing applies to loss_type sigmoid and simpo, not hinge",
     ),
     case("cpo --cpo-alpha -1 --max-steps 1", 2, "cpo_alpha -1 is outside [0, ∞)"),
     case("cpo --label-smoothing 0.5 --max-steps 1", 2, "label_smoothing 0.5 is outside [0, 0.5)"),
@@ -127,6 +127,30 @@ const CASES: &[Case] = &[
     case("kto --desirable-weight 0 --max-steps 1", 2, "desirable_weight must be a number above 0, got 0"),
     case("kto --undesirable-weight nan --max-steps 1", 2, "undesirable_weight must be a number above 0"),
     case("kto --sft-weight 1", 2, "--sft-weight: applies to dpo only, not kto"),
+    // A setting of one loss type given to another, which would ignore it: refused on the command
+    // line, in --config files and in grad's batch files alike.
+    case("dpo --discopop-tau 0.1", 2, "discopop_tau applies to loss_type discopop only, not sigmoid"),
+    case("dpo --loss-type ipo,sigmoid --discopop-tau 0.1", 2, "discopop_tau applies to loss_type discopop only, not ipo and sigmoid"),
+    case("cpo --simpo-gamma 1", 2, "simpo_gamma applies to loss_type simpo only, not sigmoid"),
+    case("grpo --loss-type dapo --sapo-temperature-pos 2", 2, "--sapo-temperature-pos 2: applies to loss_type sapo only, not dapo"),
+    case("grpo --loss-type sapo --epsilon-high 0.3", 2, "--epsilon-high 0.3: applies to loss_type grpo, bnpo, dr_grpo, dapo and cispo, not sapo"),
+    case("grpo --loss-type cispo --epsilon 0.3", 2, "--epsilon 0.3: applies to loss_type grpo, bnpo, dr_grpo and dapo, not cispo"),
+    case("grpo --config {dir}/sapo_on_dapo.toml", 2, "--sapo-temperature-neg 2: applies to loss_type sapo only, not dapo"),
+    case("dpo --config {dir}/discopop_on_ipo.toml", 2, "discopop_tau applies to loss_type discopop only, not ipo"),
+    case(
+        "grad --model {fixtures}/qwen3 --batch {dir}/sapo_epsilon.json --out {dir}/g.safetensors",
+        1,
+        "epsilon applies to loss_type grpo, bnpo, dr_grpo and dapo, not sapo",
+    ),
+    case(
+        "grad --model {fixtures}/qwen3 --batch {dir}/dpo_discopop.json --out {dir}/g.safetensors",
+        1,
+        "discopop_tau applies to loss_type discopop only, not hinge",
+    ),
+    // Held-out rows a job cannot measure say so.
+    case("reward --eval-data {dir}/small.jsonl --max-steps 1", 1, "a reward model is measured on held-out preference pairs"),
+    case("sft --eval-data {dir}/kto_undesirable.jsonl --max-steps 1", 1, "every held-out row (2) is labelled undesirable"),
+    case("kto --eval-data {dir}/kto_label_text.jsonl --max-steps 1", 1, "kto_label_text.jsonl line 1: \"label\" is \"yes\""),
     // KTO's KL baseline needs another row of the micro-batch (TRL refuses it too).
     case("kto --batch-size 1 --grad-accum 4", 2, "--batch-size 1: must be at least 2 for KTO's loss"),
     // Settings that would train nothing, or that the mode has no use for.
@@ -369,6 +393,22 @@ const CASES: &[Case] = &[
         1,
         "no \"chosen\"; the row has \"completion\", \"prompt\"",
     ),
+    // Each model role has the head it needs.
+    case("reward --model {dir}/token_cls --max-steps 1", 1, "architecture Qwen3ForTokenClassification: streambp trains causal LMs"),
+    case("sft --model {dir}/token_cls --max-steps 1", 1, "architecture Qwen3ForTokenClassification"),
+    case("dpo --ref-model {dir}/reward_run/final --max-steps 1", 1, "--ref-model {dir}/reward_run/final: a reward model (a sequence classifier), not a causal LM"),
+    case("kto --ref-model {dir}/reward_run/final --max-steps 1", 1, "--ref-model {dir}/reward_run/final: a reward model"),
+    case(
+        "grad --model {fixtures}/qwen3 --batch {fixtures}/qwen3/dpo-batch.json --ref-model {fixtures}/qwen3/reward --out {dir}/g.safetensors",
+        1,
+        "a reward model (a sequence classifier), not a causal LM",
+    ),
+    // The margins a reward model trains on changed since the checkpoint.
+    case(
+        "reward --resume {dir}/reward_run/checkpoint-1 --data {dir}/margins.jsonl --max-steps 2 --batch-size 2",
+        1,
+        "cannot resume from {dir}/reward_run/checkpoint-1: data:",
+    ),
     // A reference whose weights changed under the same path since the checkpoint.
     case(
         "dpo --resume {dir}/dpo_run/checkpoint-1 --model {dir}/run/final --ref-model {dir}/reference --max-steps 2 --batch-size 4",
@@ -461,6 +501,41 @@ fn prepare(dir: &Path) {
     .unwrap();
     std::fs::write(dir.join("bad_type.toml"), "batch_size = \"many\"\n").unwrap();
     std::fs::write(dir.join("bad_range.toml"), "lr = -1\n").unwrap();
+    std::fs::write(
+        dir.join("kto_undesirable.jsonl"),
+        "{\"prompt\": \"1+1=\", \"completion\": \"3\", \"label\": false}\n\
+         {\"prompt\": \"1+2=\", \"completion\": \"4\", \"label\": false}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("kto_label_text.jsonl"),
+        "{\"prompt\": \"1+1=\", \"completion\": \"2\", \"label\": \"yes\"}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("sapo_on_dapo.toml"),
+        "loss_type = \"dapo\"\nsapo_temperature_neg = 2\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("discopop_on_ipo.toml"),
+        "loss_type = \"ipo\"\ndiscopop_tau = 0.1\n",
+    )
+    .unwrap();
+    let edited = |fixture: &str, to: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let text = std::fs::read_to_string(fixtures().join(fixture)).unwrap();
+        let mut batch: serde_json::Value = serde_json::from_str(&text).unwrap();
+        edit(&mut batch);
+        std::fs::write(dir.join(to), batch.to_string()).unwrap();
+    };
+    edited("qwen3/grpo-batch.json", "sapo_epsilon.json", &|j| {
+        j["loss_type"] = "sapo".into();
+        j["epsilon"] = 0.3.into();
+    });
+    edited("qwen3/dpo-batch.json", "dpo_discopop.json", &|j| {
+        j["loss_type"] = "hinge".into();
+        j["discopop_tau"] = 0.1.into();
+    });
     let pipe = std::process::Command::new("mkfifo")
         .arg(dir.join("pipe"))
         .status();
@@ -489,6 +564,28 @@ fn prepare(dir: &Path) {
     ));
     std::fs::remove_dir_all(dir.join("reference")).unwrap();
     copy_dir(&dir.join("run/checkpoint-1"), &dir.join("reference"));
+    // A reward run on pairs with margins, whose margin column then changes in place.
+    let pairs = |margin: f64| -> String {
+        (0..4)
+            .map(|i| {
+                format!(
+                    "{{\"prompt\": \"{i}+1=\", \"chosen\": \"{}\", \"rejected\": \"9\", \"margin\": {margin}}}\n",
+                    i + 1
+                )
+            })
+            .collect()
+    };
+    std::fs::write(dir.join("margins.jsonl"), pairs(0.5)).unwrap();
+    run(format!(
+        "reward --data {d}/margins.jsonl --max-steps 2 --save-every 1 --batch-size 2 --no-progress \
+         --output-dir {d}/reward_run"
+    ));
+    std::fs::write(dir.join("margins.jsonl"), pairs(3.0)).unwrap();
+    // A model with a token classifier's head.
+    copy_dir(&fixtures().join("qwen3"), &dir.join("token_cls"));
+    let config = std::fs::read_to_string(dir.join("token_cls/config.json")).unwrap();
+    let config = config.replace("Qwen3ForCausalLM", "Qwen3ForTokenClassification");
+    std::fs::write(dir.join("token_cls/config.json"), config).unwrap();
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -657,6 +754,37 @@ fn questionable_settings_warn_and_train() {
         "left_out=1 kept=1",
     ] {
         assert!(text.contains(warning), "no {warning:?} in\n{text}");
+    }
+}
+
+/// KTO's held-out rows are scored by their desirable completions only: an undesirable completion
+/// is no answer to match, whichever job reads the rows.
+#[test]
+fn labelled_held_out_rows_score_their_desirable_answers() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path();
+    std::fs::write(
+        dir.join("labelled.jsonl"),
+        "{\"prompt\": \"1+1=\", \"completion\": \"2\", \"label\": true}\n\
+         {\"prompt\": \"1+1=\", \"completion\": \"3\", \"label\": false}\n\
+         {\"prompt\": \"2+2=\", \"completion\": \"4\", \"label\": true}\n",
+    )
+    .unwrap();
+    for job in ["kto", "sft"] {
+        let args = format!(
+            "{job} --no-progress --max-steps 1 --batch-size 2 --eval-data {} --output-dir {}",
+            dir.join("labelled.jsonl").display(),
+            dir.join(job).display()
+        );
+        let args: Vec<String> = args.split(' ').map(String::from).collect();
+        let (status, text) = train(dir, &args);
+        assert_eq!(status, 0, "{job}: {text}");
+        for said in [
+            "held-out rows labelled undesirable are left out of the accuracy",
+            "left_out=1 kept=2",
+        ] {
+            assert!(text.contains(said), "{job}: no {said:?} in\n{text}");
+        }
     }
 }
 

@@ -579,6 +579,24 @@ fn build(family: Family, raw: RawConfig, path: &Path) -> Result<ModelConfig> {
 /// The head `architectures` names: a sequence classifier must have one label (a reward model);
 /// transformers' default for a classifier that does not say is two.
 fn head_of(raw: &RawConfig) -> std::result::Result<Head, String> {
+    // Heads other than a causal LM's and a sequence classifier's (token classification, question
+    // answering, masked LM): loading one as a causal LM would throw its head away.
+    let known = |a: &str| {
+        !a.contains("For")
+            || [
+                "ForCausalLM",
+                "ForConditionalGeneration",
+                "ForSequenceClassification",
+            ]
+            .iter()
+            .any(|head| a.ends_with(head))
+    };
+    if let Some(other) = raw.architectures.iter().flatten().find(|a| !known(a)) {
+        return Err(format!(
+            "architecture {other}: streambp trains causal LMs (*ForCausalLM) and reward models \
+             (*ForSequenceClassification with one label), not this head"
+        ));
+    }
     let classifies = raw
         .architectures
         .iter()

@@ -52,6 +52,21 @@ impl CpoLossType {
     }
 }
 
+impl crate::LossSettings for CpoLossType {
+    const TYPES: &'static [Self] = &[Self::Sigmoid, Self::Hinge, Self::Ipo, Self::Simpo];
+    const SETTINGS: &'static [&'static str] = &["label_smoothing", "simpo_gamma"];
+    fn type_name(self) -> &'static str {
+        self.name()
+    }
+    fn reads(self, setting: &str) -> bool {
+        match setting {
+            "label_smoothing" => matches!(self, Self::Sigmoid | Self::Simpo),
+            "simpo_gamma" => self == Self::Simpo,
+            _ => true,
+        }
+    }
+}
+
 /// CPO's settings, as TRL's `CPOConfig` names them (β is the objective's own argument).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CpoLoss {
@@ -113,6 +128,11 @@ impl CpoLoss {
         alpha: Option<f64>,
     ) -> Result<Self> {
         let of_type = Self::of_type(loss_type.unwrap_or("sigmoid"))?;
+        if simpo_gamma.is_some() {
+            if let Some(why) = crate::settings::unread("simpo_gamma", &[of_type.loss_type]) {
+                return Err(ObjectiveError::Loss(format!("simpo_gamma {why}")));
+            }
+        }
         let loss = Self {
             label_smoothing: label_smoothing.unwrap_or(of_type.label_smoothing),
             cpo_alpha: cpo_alpha.unwrap_or(of_type.cpo_alpha),
@@ -136,11 +156,10 @@ impl CpoLoss {
         if !(0.0..0.5).contains(&eps) {
             return bad("label_smoothing", eps, "[0, 0.5)");
         }
-        if eps > 0.0 && matches!(self.loss_type, CpoLossType::Hinge | CpoLossType::Ipo) {
-            return Err(ObjectiveError::Loss(format!(
-                "label_smoothing applies to sigmoid and simpo, not {}",
-                self.loss_type.name()
-            )));
+        if eps > 0.0 {
+            if let Some(why) = crate::settings::unread("label_smoothing", &[self.loss_type]) {
+                return Err(ObjectiveError::Loss(format!("label_smoothing {why}")));
+            }
         }
         if !self.cpo_alpha.is_finite() || self.cpo_alpha < 0.0 {
             return bad("cpo_alpha", self.cpo_alpha, "[0, ∞)");

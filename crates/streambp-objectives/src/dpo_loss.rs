@@ -114,6 +114,21 @@ impl DpoLossType {
     }
 }
 
+impl crate::LossSettings for DpoLossType {
+    const TYPES: &'static [Self] = &Self::ALL;
+    const SETTINGS: &'static [&'static str] = &["label_smoothing", "discopop_tau"];
+    fn type_name(self) -> &'static str {
+        self.name()
+    }
+    fn reads(self, setting: &str) -> bool {
+        match setting {
+            "label_smoothing" => self.smoothed(),
+            "discopop_tau" => self == Self::Discopop,
+            _ => true,
+        }
+    }
+}
+
 impl std::str::FromStr for DpoLossType {
     type Err = ObjectiveError;
     fn from_str(s: &str) -> Result<Self> {
@@ -171,6 +186,10 @@ impl DpoLoss {
             loss.label_smoothing = eps;
         }
         if let Some(tau) = discopop_tau {
+            let types: Vec<DpoLossType> = loss.terms.iter().map(|(t, _)| *t).collect();
+            if let Some(why) = crate::settings::unread("discopop_tau", &types) {
+                return Err(ObjectiveError::Loss(format!("discopop_tau {why}")));
+            }
             loss.discopop_tau = tau;
         }
         Ok(loss)

@@ -66,6 +66,29 @@ impl GrpoLossType {
     }
 }
 
+impl crate::LossSettings for GrpoLossType {
+    const TYPES: &'static [Self] = &Self::ALL;
+    const SETTINGS: &'static [&'static str] = &[
+        "epsilon",
+        "epsilon_high",
+        "sapo_temperature_pos",
+        "sapo_temperature_neg",
+    ];
+    fn type_name(self) -> &'static str {
+        self.name()
+    }
+    /// TRL 1.16's `_compute_loss`: cispo caps the ratio at `epsilon_high` alone, sapo gates it by
+    /// its temperatures and clips nothing, the others clip it to `[1 − ε, 1 + ε_high]`.
+    fn reads(self, setting: &str) -> bool {
+        match setting {
+            "epsilon" => !matches!(self, Self::Cispo | Self::Sapo),
+            "epsilon_high" => self != Self::Sapo,
+            "sapo_temperature_pos" | "sapo_temperature_neg" => self == Self::Sapo,
+            _ => true,
+        }
+    }
+}
+
 impl std::str::FromStr for GrpoLossType {
     type Err = ObjectiveError;
     fn from_str(s: &str) -> Result<Self> {

@@ -45,6 +45,17 @@ impl KtoLossType {
     }
 }
 
+impl crate::LossSettings for KtoLossType {
+    const TYPES: &'static [Self] = &[Self::Kto, Self::ApoZeroUnpaired];
+    const SETTINGS: &'static [&'static str] = &[];
+    fn type_name(self) -> &'static str {
+        self.name()
+    }
+    fn reads(self, _: &str) -> bool {
+        true
+    }
+}
+
 impl std::str::FromStr for KtoLossType {
     type Err = ObjectiveError;
     fn from_str(s: &str) -> Result<Self> {

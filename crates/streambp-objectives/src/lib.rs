@@ -36,6 +36,7 @@ pub mod kto;
 pub mod orpo;
 pub mod pairs;
 pub mod reward;
+pub mod settings;
 pub mod sft;
 mod targets;
 
@@ -47,6 +48,7 @@ pub use kto::{Kto, KtoLoss, KtoLossType};
 pub use orpo::Orpo;
 pub use pairs::PairRows;
 pub use reward::{pooled_positions, RewardModel};
+pub use settings::LossSettings;
 pub use sft::Sft;
 pub use targets::{TokenTargets, IGNORE_INDEX};
 

@@ -12,7 +12,7 @@ use streambp_models::ModelConfig;
 use streambp_objectives::pooled_positions;
 use streambp_objectives::{
     Cpo, CpoLoss, Dpo, DpoLoss, Grpo, GrpoBatch, GrpoLossType, Kto, KtoLoss, KtoLossType,
-    Objective, Orpo, RewardModel, Sft, IGNORE_INDEX,
+    LossSettings, Objective, Orpo, RewardModel, Sft, IGNORE_INDEX,
 };
 
 use crate::batch::{masked_labels, padded, to_u32_tensor};
@@ -231,6 +231,16 @@ impl PairFile {
     }
 }
 
+/// Refuses a field of the file that none of the loss's `types` reads ([`LossSettings`]).
+fn refuse_unread<T: LossSettings>(given: &[(&str, bool)], types: &[T]) -> Result<()> {
+    for (field, _) in given.iter().filter(|(_, given)| *given) {
+        if let Some(why) = streambp_objectives::settings::unread(field, types) {
+            return Err(TrainError::data("batch", format!("{field} {why}")));
+        }
+    }
+    Ok(())
+}
+
 fn default_dpo_beta() -> f64 {
     0.1
 }
@@ -248,8 +258,7 @@ struct GrpoFile {
     ref_logps: Option<Vec<Vec<f64>>>,
     #[serde(default)]
     beta: f64,
-    #[serde(default = "default_epsilon")]
-    epsilon: f64,
+    epsilon: Option<f64>,
     epsilon_high: Option<f64>,
     #[serde(default = "default_loss_type")]
     loss_type: String,
@@ -263,10 +272,8 @@ struct GrpoFile {
     /// TRL's default: the KL term times the ratio.
     #[serde(default = "default_true")]
     use_bias_correction_kl: bool,
-    #[serde(default = "default_sapo_pos")]
-    sapo_temperature_pos: f64,
-    #[serde(default = "default_sapo_neg")]
-    sapo_temperature_neg: f64,
+    sapo_temperature_pos: Option<f64>,
+    sapo_temperature_neg: Option<f64>,
 }
 
 fn default_true() -> bool {
@@ -568,6 +575,17 @@ fn prepare_grpo(
         )?),
         (given, _) => given.clone(),
     };
+    let loss_type = file.loss_type.parse::<GrpoLossType>()?;
+    refuse_unread(
+        &[
+            ("epsilon", file.epsilon.is_some()),
+            ("epsilon_high", file.epsilon_high.is_some()),
+            ("sapo_temperature_pos", file.sapo_temperature_pos.is_some()),
+            ("sapo_temperature_neg", file.sapo_temperature_neg.is_some()),
+        ],
+        &[loss_type],
+    )?;
+    let epsilon = file.epsilon.unwrap_or(default_epsilon());
     let grpo = Grpo::new(
         &GrpoBatch {
             input_ids: &file.input_ids,
@@ -576,14 +594,17 @@ fn prepare_grpo(
             old_logps: file.old_logps.as_deref(),
             ref_logps: ref_logps.as_deref(),
             beta: file.beta,
-            epsilon_low: file.epsilon,
-            epsilon_high: file.epsilon_high.unwrap_or(file.epsilon),
-            loss_type: file.loss_type.parse::<GrpoLossType>()?,
+            epsilon_low: epsilon,
+            epsilon_high: file.epsilon_high.unwrap_or(epsilon),
+            loss_type,
             max_completion_length: file.max_completion_length,
             temperature: file.temperature,
             num_items_in_batch: file.num_items_in_batch,
             use_bias_correction_kl: file.use_bias_correction_kl,
-            sapo_temperatures: (file.sapo_temperature_pos, file.sapo_temperature_neg),
+            sapo_temperatures: (
+                file.sapo_temperature_pos.unwrap_or(default_sapo_pos()),
+                file.sapo_temperature_neg.unwrap_or(default_sapo_neg()),
+            ),
         },
         vocab_size,
         device,

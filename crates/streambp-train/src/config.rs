@@ -838,6 +838,33 @@ impl GrpoConfig {
                 "must be a number above 0",
             )?;
         }
+        // A setting of another loss type's (one left at its default is not told from one not given).
+        let d = GrpoConfig::defaults(false);
+        let given = [
+            (
+                "epsilon",
+                (self.epsilon != d.epsilon).then_some(self.epsilon),
+            ),
+            ("epsilon_high", self.epsilon_high),
+            (
+                "sapo_temperature_pos",
+                (self.sapo_temperatures.0 != d.sapo_temperatures.0)
+                    .then_some(self.sapo_temperatures.0),
+            ),
+            (
+                "sapo_temperature_neg",
+                (self.sapo_temperatures.1 != d.sapo_temperatures.1)
+                    .then_some(self.sapo_temperatures.1),
+            ),
+        ];
+        for (setting, value) in given {
+            let why = value
+                .and_then(|_| streambp_objectives::settings::unread(setting, &[self.loss_type]));
+            if let (Some(value), Some(why)) = (value, why) {
+                let flag = format!("--{}", setting.replace('_', "-"));
+                return Err(TrainError::flag(&flag, value, why));
+            }
+        }
         for spec in &self.rewards {
             crate::rewards::parse_reward(spec)?;
         }

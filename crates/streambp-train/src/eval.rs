@@ -61,8 +61,9 @@ pub fn accuracy(model: &Model, tok: &TextTokenizer, questions: &[Question]) -> R
     Ok(correct as f64 / questions.len().max(1) as f64)
 }
 
-/// The questions of held-out prompt/completion rows; none when the first row is in another format
-/// (messages, text…), which has no answer to compare. A row whose prompt and answer (and its EOS)
+/// The questions of held-out prompt/completion rows (KTO's rows labelled undesirable left out: their
+/// completion is no answer to match); none when the first row is in another format (messages,
+/// text…), which has no answer to compare. A row whose prompt and answer (and its EOS)
 /// take more than `max_length` tokens is left out, as the model never trains on such a row whole
 /// and greedy decoding of it would cost memory and time in proportion to its size; a warning
 /// counts them, and an error says when no row is left.
@@ -84,7 +85,7 @@ pub fn eval_rows(
             return Ok(None);
         }
     }
-    let (mut questions, mut too_long) = (Vec::new(), 0usize);
+    let (mut questions, mut too_long, mut undesirable) = (Vec::new(), 0usize, 0usize);
     for row in rows {
         let (at, r) = row?;
         let field = |k: &str| r.get(k).and_then(|v| v.as_str());
@@ -103,6 +104,20 @@ pub fn eval_rows(
                 ))
             }
         };
+        // KTO's rows label their completion: an undesirable one is no answer to match.
+        match r.get("label") {
+            None | Some(serde_json::Value::Bool(true)) => {}
+            Some(serde_json::Value::Bool(false)) => {
+                undesirable += 1;
+                continue;
+            }
+            Some(other) => {
+                return Err(TrainError::data(
+                    at,
+                    format!("\"label\" is {other}: a held-out row's label is true or false"),
+                ))
+            }
+        }
         let prompt = tok.encode_at_most(prompt, max_length, Keep::Start)?;
         let answer_tokens = tok.encode_at_most(answer, max_length, Keep::Start)?.len();
         if prompt.len() + answer_tokens + 1 > max_length {
@@ -114,6 +129,24 @@ pub fn eval_rows(
             prompt,
             answer: answer.to_string(),
         });
+    }
+    if undesirable > 0 && questions.is_empty() && too_long == 0 {
+        return Err(TrainError::data(
+            source.name(),
+            format!(
+                "every held-out row ({undesirable}) is labelled undesirable (\"label\": false): no \
+                 answer to measure the accuracy against"
+            ),
+        ));
+    }
+    if undesirable > 0 {
+        tracing::warn!(
+            data = source.name(),
+            left_out = undesirable,
+            kept = questions.len(),
+            "held-out rows labelled undesirable are left out of the accuracy (their completions are \
+             answers not to give)"
+        );
     }
     if too_long > 0 && questions.is_empty() {
         return Err(TrainError::data(

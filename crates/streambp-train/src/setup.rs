@@ -295,6 +295,16 @@ pub fn load_reference(
 ) -> Result<Model> {
     let dir = resolve_model_dir(spec)?;
     let reference = load_model(&dir, policy.dtype(), policy.device())?;
+    if reference.scores_positions() != policy.scores_positions() {
+        return Err(TrainError::Reference(format!(
+            "--ref-model {spec}: {}; a reference scores the completions' log-probs as the policy \
+             does, so it needs a causal LM's head too",
+            match reference.scores_positions() {
+                true => "a reward model (a sequence classifier), not a causal LM",
+                false => "a causal LM, where the policy is a reward model",
+            }
+        )));
+    }
     let (mine, theirs) = (&policy.config, &reference.config);
     if theirs.vocab_size != mine.vocab_size {
         return Err(TrainError::Reference(format!(

@@ -82,11 +82,16 @@ fn backward(
             j["num_items_in_batch"] = 40.into();
             j["temperature"] = 0.7.into();
         }),
+        // Neither reads epsilon, which a batch file may then not give.
         "grpo_cispo" => ("grpo-batch.json", |j| {
             j["loss_type"] = "cispo".into();
             j["epsilon_high"] = 1.2.into();
+            j.as_object_mut().unwrap().remove("epsilon");
         }),
-        "grpo_sapo" => ("grpo-batch.json", |j| j["loss_type"] = "sapo".into()),
+        "grpo_sapo" => ("grpo-batch.json", |j| {
+            j["loss_type"] = "sapo".into();
+            j.as_object_mut().unwrap().remove("epsilon");
+        }),
         "dpo_ipo" => ("dpo-batch.json", |j| j["loss_type"] = "ipo".into()),
         "dpo_aot_unpaired" => ("dpo-batch.json", |j| {
             j["loss_type"] = "aot_unpaired".into();

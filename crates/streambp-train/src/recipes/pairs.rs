@@ -291,6 +291,14 @@ impl HeldOut {
         };
         let (pairs, questions) = match &setup.eval_source(cfg)? {
             Some(source) if holds_pairs(source) => (Some(load(source)?), None),
+            // A reward model generates nothing: only pairs measure it.
+            Some(source) if setup.model.scores_positions() => {
+                return Err(TrainError::data(
+                    source.name(),
+                    "a reward model is measured on held-out preference pairs (\"chosen\" and \
+                     \"rejected\"), and these rows are not pairs",
+                ))
+            }
             Some(source) => (None, eval_rows(source, &setup.tokenizer, cfg.max_length)?),
             None => (None, None),
         };
@@ -404,9 +412,18 @@ pub fn train_on_pairs(
         "{}",
         recipe.name()
     );
+    // The margins change the objective as the tokens do: a resume checks both.
+    let identity = match &margins {
+        None => sides.identity().clone(),
+        Some(margins) => {
+            let mut digest = Fingerprint::default();
+            margins.iter().for_each(|m| digest.bytes(&m.to_le_bytes()));
+            serde_json::json!({"pairs": sides.identity(), "margins": digest.hex()})
+        }
+    };
     let training = TrainingData {
         count: pairs,
-        identity: sides.identity().clone(),
+        identity,
         what: "pairs",
         source: data.name(),
     };
