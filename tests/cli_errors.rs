@@ -100,7 +100,7 @@ const CASES: &[Case] = &[
     // DPO's loss types.
     case("dpo --loss-type foo", 2, "--loss-type foo: unknown DPO loss_type \"foo\" (expected one of sigmoid, hinge, ipo"),
     case("dpo --loss-type exo_pair --max-steps 1", 2, "--loss-type exo_pair: exo_pair needs label_smoothing above 0"),
-    case("dpo --label-smoothing 0.1 --max-steps 1", 2, "label_smoothing 0.1 applies to exo_pair, robust, aot and aot_unpaired only"),
+    case("dpo --label-smoothing 0.1 --max-steps 1", 2, "label_smoothing 0.1 applies to loss_type exo_pair, robust, aot and aot_unpaired, not sigmoid"),
     case("dpo --loss-type robust --label-smoothing 0.5 --max-steps 1", 2, "label_smoothing must be in [0, 0.5), got 0.5"),
     case("dpo --loss-type discopop --discopop-tau -1 --max-steps 1", 2, "discopop_tau must be above 0, got -1"),
     case("dpo --loss-type sigmoid,sft --sft-weight 1 --max-steps 1", 2, "--sft-weight 1: and an sft in --loss-type both weigh the NLL"),
@@ -147,6 +147,18 @@ const CASES: &[Case] = &[
         1,
         "discopop_tau applies to loss_type discopop only, not hinge",
     ),
+    case("sft --data {dir}/bare_cr.jsonl --max-steps 1", 1, "bare_cr.jsonl line 1: several JSON lines separated by a bare carriage return"),
+    case(
+        "grad --model {fixtures}/qwen3 --batch {dir}/reward_upper.json --out {dir}/g.safetensors",
+        1,
+        "unknown objective \"REWARD\" (expected sft, dpo, orpo, cpo, kto, reward or grpo)",
+    ),
+    case(
+        "grad --model {fixtures}/qwen3 --batch {dir}/negative_epsilon_high.json --out {dir}/g.safetensors",
+        1,
+        "epsilon_high -1 must be a number at least 0",
+    ),
+    case("reward --data {dir}/huge_margin.jsonl --max-steps 1", 1, "huge_margin.jsonl line 2: \"margin\" must be a number within f32's range"),
     // Held-out rows a job cannot measure say so.
     case("reward --eval-data {dir}/small.jsonl --max-steps 1", 1, "a reward model is measured on held-out preference pairs"),
     case("sft --eval-data {dir}/kto_undesirable.jsonl --max-steps 1", 1, "every held-out row (2) is labelled undesirable"),
@@ -287,7 +299,7 @@ const CASES: &[Case] = &[
     case(
         "sft --output-dir {dir}/run --max-steps 1",
         2,
-        "--output-dir {dir}/run: holds an earlier run (checkpoint-1, final): give --resume",
+        "--output-dir {dir}/run: holds an earlier run (checkpoint-1, checkpoint-2, final): give --resume",
     ),
     case("grpo --group-size 100000000", 2, "--group-size 100000000: must be at most 1024"),
     // Resuming.
@@ -528,6 +540,27 @@ fn prepare(dir: &Path) {
         edit(&mut batch);
         std::fs::write(dir.join(to), batch.to_string()).unwrap();
     };
+    std::fs::write(
+        dir.join("bare_cr.jsonl"),
+        "{\"prompt\": \"1+1=\", \"completion\": \"2\"}\r{\"prompt\": \"1+2=\", \"completion\": \"3\"}\r",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("huge_margin.jsonl"),
+        "{\"prompt\": \"1+1=\", \"chosen\": \"2\", \"rejected\": \"3\", \"margin\": 1}\n\
+         {\"prompt\": \"1+2=\", \"chosen\": \"3\", \"rejected\": \"4\", \"margin\": 1e300}\n",
+    )
+    .unwrap();
+    edited("qwen3/dpo-batch.json", "reward_upper.json", &|j| {
+        j["objective"] = "REWARD".into();
+    });
+    edited(
+        "qwen3/grpo-batch.json",
+        "negative_epsilon_high.json",
+        &|j| {
+            j["epsilon_high"] = (-1.0).into();
+        },
+    );
     edited("qwen3/grpo-batch.json", "sapo_epsilon.json", &|j| {
         j["loss_type"] = "sapo".into();
         j["epsilon"] = 0.3.into();
@@ -644,7 +677,7 @@ fn every_bad_input_is_a_clear_error_and_nothing_panics() {
 }
 
 /// Without `--output-dir` each run writes into a new `runs/<job>-<date-time>`, so the README's first
-/// command runs again as it is; a resumed run goes on in its checkpoint's directory.
+/// command runs again as it is; the last step's checkpoint extends a finished run, in its directory.
 #[test]
 fn the_built_in_run_can_run_again() {
     let root = tempfile::tempdir().unwrap();
@@ -680,12 +713,14 @@ fn the_built_in_run_can_run_again() {
         assert!(name.starts_with("sft-2"), "{name}");
         assert!(run_dir.join("final").is_dir(), "{name}");
     }
-    let checkpoint = made[0].join("checkpoint-1");
+    // The last step's checkpoint extends the finished run, in its own directory.
+    let checkpoint = made[0].join("checkpoint-2");
     run(&format!(
-        "sft --resume {} --max-steps 2 --batch-size 4 --no-progress",
+        "sft --resume {} --max-steps 3 --save-every 1 --batch-size 4 --no-progress",
         checkpoint.display()
     ));
     assert_eq!(runs(), made, "the resumed run went on in its own directory");
+    assert!(made[0].join("checkpoint-3").is_dir());
 }
 
 /// `--epochs` sets the length of a built-in run too (which otherwise has a default --max-steps), and
@@ -755,6 +790,82 @@ fn questionable_settings_warn_and_train() {
     ] {
         assert!(text.contains(warning), "no {warning:?} in\n{text}");
     }
+}
+
+/// Every loss-type-specific setting, given to each loss type that does not read it (as the
+/// objectives describe their types: [`LossSettings`]), is refused naming the types that read it: on
+/// the command line, and in `grad`'s batch files.
+#[test]
+fn every_unread_loss_setting_is_refused() {
+    use streambp_objectives::{CpoLossType, DpoLossType, GrpoLossType, LossSettings};
+    /// `(loss type, setting, value)` for every setting a type does not read.
+    fn unread<T: LossSettings>() -> Vec<(&'static str, &'static str, f64)> {
+        let value = |setting: &str| match setting {
+            "label_smoothing" => 0.1,
+            "sapo_temperature_pos" | "sapo_temperature_neg" => 2.0,
+            _ => 0.3,
+        };
+        T::TYPES
+            .iter()
+            .flat_map(|t| T::SETTINGS.iter().map(move |s| (*t, *s)))
+            .filter(|(t, s)| !t.reads(s))
+            .map(|(t, s)| (t.type_name(), s, value(s)))
+            .collect()
+    }
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path();
+    let mut failures = Vec::new();
+    let mut refused = |args: Vec<String>, status: i32, setting: &str| {
+        let (got, text) = train(dir, &args);
+        // The setting by TRL's name, or by its flag's.
+        let named = text.contains(setting) || text.contains(&setting.replace('_', "-"));
+        let said = text.contains("applies to loss_type") && named;
+        if got != status || !said || text.contains("panicked") {
+            failures.push(format!("{}: exit {got}\n{text}", args.join(" ")));
+        }
+    };
+    let jobs = [
+        ("dpo", unread::<DpoLossType>()),
+        ("cpo", unread::<CpoLossType>()),
+        ("grpo", unread::<GrpoLossType>()),
+    ];
+    let mut count = 0;
+    for (job, cases) in &jobs {
+        for (loss_type, setting, value) in cases {
+            let flag = format!("--{}", setting.replace('_', "-"));
+            let args = format!("{job} --no-progress --loss-type {loss_type} {flag} {value}");
+            let mut args: Vec<String> = args.split(' ').map(String::from).collect();
+            args.extend(["--output-dir".into(), dir.join("out").display().to_string()]);
+            refused(args, 2, setting);
+            count += 1;
+        }
+    }
+    // The same settings in grad's batch files.
+    for (job, fixture) in [("dpo", "dpo-batch.json"), ("grpo", "grpo-batch.json")] {
+        let cases = &jobs.iter().find(|(j, _)| *j == job).unwrap().1;
+        for (loss_type, setting, value) in cases {
+            let text = std::fs::read_to_string(fixtures().join("qwen3").join(fixture)).unwrap();
+            let mut batch: serde_json::Value = serde_json::from_str(&text).unwrap();
+            batch["loss_type"] = (*loss_type).into();
+            batch[*setting] = (*value).into();
+            if *setting != "epsilon" {
+                // The fixture's epsilon, which cispo and sapo do not read, is not the case here.
+                batch.as_object_mut().unwrap().remove("epsilon");
+            }
+            let file = dir.join("batch.json");
+            std::fs::write(&file, batch.to_string()).unwrap();
+            let args = format!(
+                "grad --model {} --batch {} --out {}",
+                fixtures().join("qwen3").display(),
+                file.display(),
+                dir.join("g.safetensors").display()
+            );
+            refused(args.split(' ').map(String::from).collect(), 1, setting);
+            count += 1;
+        }
+    }
+    assert!(count > 40, "{count} cases");
+    assert!(failures.is_empty(), "{}", failures.join("\n---\n"));
 }
 
 /// KTO's held-out rows are scored by their desirable completions only: an undesirable completion

@@ -207,7 +207,8 @@ pub struct TrainArgs {
     /// cpu, cuda or cuda:N (a build with --features cuda) [default: cpu].
     #[arg(long)]
     device: Option<String>,
-    /// Save a checkpoint every N steps (0: only at the end) [default: 0].
+    /// Save a resumable checkpoint-N every N steps, the last step's included, so a finished run can
+    /// be extended (0: none; the final model only) [default: 0].
     #[arg(long)]
     save_every: Option<usize>,
     /// Measure the held-out metrics every N steps, into metrics.jsonl and TensorBoard (0: before

@@ -250,11 +250,11 @@ impl DpoLoss {
         if !(0.0..0.5).contains(&eps) {
             return bad(format!("label_smoothing must be in [0, 0.5), got {eps}"));
         }
-        if eps > 0.0 && !self.terms.iter().any(|(t, _)| t.smoothed()) {
-            return bad(format!(
-                "label_smoothing {eps} applies to exo_pair, robust, aot and aot_unpaired only (TRL \
-                 1.16's sigmoid has none)"
-            ));
+        if eps > 0.0 {
+            let types: Vec<DpoLossType> = self.terms.iter().map(|(t, _)| *t).collect();
+            if let Some(why) = crate::settings::unread("label_smoothing", &types) {
+                return bad(format!("label_smoothing {eps} {why}"));
+            }
         }
         if eps == 0.0 && self.has(DpoLossType::ExoPair) {
             return bad("exo_pair needs label_smoothing above 0 (its log ε)".into());

@@ -295,8 +295,13 @@ impl GrpoBatch<'_> {
                 self.temperature
             )));
         }
-        if !(self.beta >= 0.0 && self.epsilon_low >= 0.0 && self.epsilon_high >= 0.0) {
-            return Err(bad("beta and epsilon must be non-negative".into()));
+        let settings = [
+            ("beta", self.beta),
+            ("epsilon", self.epsilon_low),
+            ("epsilon_high", self.epsilon_high),
+        ];
+        if let Some((name, value)) = settings.iter().find(|(_, v)| !(*v >= 0.0 && v.is_finite())) {
+            return Err(bad(format!("{name} {value} must be a number at least 0")));
         }
         let (pos, neg) = self.sapo_temperatures;
         if !(pos > 0.0 && neg > 0.0 && pos.is_finite() && neg.is_finite()) {

@@ -332,6 +332,11 @@ pub fn load_batch(
         .get("objective")
         .and_then(|o| o.as_str())
         .ok_or_else(|| fail(format!("no \"objective\" field ({OBJECTIVES})")))?;
+    if !OBJECTIVE_NAMES.contains(&objective) {
+        return Err(fail(format!(
+            "unknown objective {objective:?} (expected {OBJECTIVES})"
+        )));
+    }
     if config.head == streambp_models::Head::Score && objective != "reward" {
         return Err(fail(format!(
             "objective {objective} needs a causal LM, and --model is a reward model (a sequence \
@@ -371,6 +376,8 @@ pub fn load_batch(
 }
 
 /// The objectives a batch file may name.
+const OBJECTIVE_NAMES: [&str; 7] = ["sft", "dpo", "orpo", "cpo", "kto", "reward", "grpo"];
+/// [`OBJECTIVE_NAMES`] in a message.
 const OBJECTIVES: &str = "sft, dpo, orpo, cpo, kto, reward or grpo";
 
 /// Chosen and rejected rows stacked (chosen first) and right-padded to one length, under the pair

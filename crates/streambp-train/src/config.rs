@@ -93,7 +93,8 @@ pub struct TrainConfig {
     pub dtype: String,
     /// `cpu`, `cuda` or `cuda:N`, parsed by [`crate::device::parse_device`].
     pub device: String,
-    /// Save a checkpoint every this many steps (0: only at the end).
+    /// Save a resumable checkpoint every this many steps, the last one's included (0: none, only
+    /// the final model).
     pub save_every: usize,
     /// Measure the held-out metrics every this many steps (0: before and after training only).
     pub eval_every: usize,
@@ -702,7 +703,9 @@ impl TrainConfig {
                 "--resume",
                 dir.display(),
                 &format!(
-                    "is not a resumable checkpoint (no {}); give a checkpoint-N directory",
+                    "is not a resumable checkpoint (no {}); give a checkpoint-N directory (a run \
+                     with --save-every writes one every that many steps, the last step's \
+                     included; final/ holds the model only)",
                     crate::checkpoint::STATE_FILE
                 ),
             )?;

@@ -482,10 +482,9 @@ impl<'a> Trainer<'a> {
             sums.peak as f64 / (1 << 20) as f64
         ));
         self.bar.inc(1);
-        if cfg.save_every > 0
-            && (step + 1).is_multiple_of(cfg.save_every)
-            && step + 1 < self.max_steps
-        {
+        // The last step's too (as the HF Trainer saves at the end), so that a finished run can
+        // be extended with a larger --max-steps.
+        if cfg.save_every > 0 && (step + 1).is_multiple_of(cfg.save_every) {
             let dir = cfg.output_dir.join(format!("checkpoint-{}", step + 1));
             self.save(&dir, step + 1)?;
             self.last_good = Some(dir);

@@ -302,6 +302,12 @@ impl ShardRows {
                 return Some(match serde_json::from_str(text) {
                     Ok(serde_json::Value::Object(o)) => Ok((at, o)),
                     Ok(_) => Err(TrainError::data(at, "expected a JSON object")),
+                    // Lines ended by a bare carriage return (classic Mac OS) read as one line.
+                    Err(_) if text.trim_end().contains('\r') => Err(TrainError::data(
+                        at,
+                        "several JSON lines separated by a bare carriage return (\\r): JSONL \
+                         lines end with \\n (or \\r\\n); convert the line ends",
+                    )),
                     Err(e) => Err(TrainError::data(at, format!("not valid JSON: {e}"))),
                 });
             },

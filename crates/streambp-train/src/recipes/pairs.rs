@@ -76,12 +76,19 @@ pub fn load_pairs_into(
         let where_ = at.to_string();
         let margin = match row.get("margin") {
             None | Some(serde_json::Value::Null) => None,
-            Some(v) => Some(v.as_f64().filter(|m| m.is_finite()).ok_or_else(|| {
-                TrainError::data(
-                    &where_,
-                    format!("\"margin\" must be a finite number, not {v}"),
-                )
-            })?),
+            // The loss grows with the margin: one beyond f32's range makes it infinite.
+            Some(v) => Some(
+                v.as_f64()
+                    .filter(|m| m.abs() <= f64::from(f32::MAX))
+                    .ok_or_else(|| {
+                        TrainError::data(
+                            &where_,
+                            format!(
+                                "\"margin\" must be a number within f32's range (±3.4e38), not {v}"
+                            ),
+                        )
+                    })?,
+            ),
         };
         let need = |k: &str| -> Result<Text> {
             text_field(&row, k, &where_)?.ok_or_else(|| {
