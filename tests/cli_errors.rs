@@ -268,6 +268,8 @@ const CASES: &[Case] = &[
     case("sft --config /dev/zero", 2, "/dev/zero: a character device, not a regular file"),
     case("sft --config {dir}/pipe", 2, "pipe: a named pipe, not a regular file"),
     case("sft --config {dir}/splits", 2, "splits: a directory, not a regular file"),
+    case("sft --data /dev/zero --max-steps 1", 1, "/dev/zero: a character device, not a regular file"),
+    case("sft --eval-data {dir}/pipe --max-steps 1", 1, "pipe: a named pipe, not a regular file"),
     case(
         "grad --model {fixtures}/qwen3 --batch /dev/zero --out {dir}/g.safetensors",
         2,
@@ -704,7 +706,7 @@ fn the_built_in_run_can_run_again() {
         runs
     };
     for _ in 0..2 {
-        run("sft --max-steps 2 --save-every 1 --batch-size 4 --no-progress");
+        run("sft --max-steps 2 --batch-size 4 --no-progress");
     }
     let made = runs();
     assert_eq!(made.len(), 2, "{made:?}");
@@ -712,11 +714,14 @@ fn the_built_in_run_can_run_again() {
         let name = run_dir.file_name().unwrap().to_string_lossy().into_owned();
         assert!(name.starts_with("sft-2"), "{name}");
         assert!(run_dir.join("final").is_dir(), "{name}");
+        // Without --save-every, the last step's checkpoint alone.
+        assert!(run_dir.join("checkpoint-2").is_dir(), "{name}");
+        assert!(!run_dir.join("checkpoint-1").exists(), "{name}");
     }
     // The last step's checkpoint extends the finished run, in its own directory.
     let checkpoint = made[0].join("checkpoint-2");
     run(&format!(
-        "sft --resume {} --max-steps 3 --save-every 1 --batch-size 4 --no-progress",
+        "sft --resume {} --max-steps 3 --batch-size 4 --no-progress",
         checkpoint.display()
     ));
     assert_eq!(runs(), made, "the resumed run went on in its own directory");
@@ -794,7 +799,7 @@ fn questionable_settings_warn_and_train() {
 
 /// Every loss-type-specific setting, given to each loss type that does not read it (as the
 /// objectives describe their types: [`LossSettings`]), is refused naming the types that read it: on
-/// the command line, and in `grad`'s batch files.
+/// the command line, in `--config` files and in `grad`'s batch files.
 #[test]
 fn every_unread_loss_setting_is_refused() {
     use streambp_objectives::{CpoLossType, DpoLossType, GrpoLossType, LossSettings};
@@ -837,7 +842,15 @@ fn every_unread_loss_setting_is_refused() {
             let mut args: Vec<String> = args.split(' ').map(String::from).collect();
             args.extend(["--output-dir".into(), dir.join("out").display().to_string()]);
             refused(args, 2, setting);
-            count += 1;
+            // The same in a --config file.
+            let file = dir.join("run.toml");
+            let toml = format!("loss_type = \"{loss_type}\"\n{setting} = {value}\n");
+            std::fs::write(&file, toml).unwrap();
+            let args = format!("{job} --no-progress --config {}", file.display());
+            let mut args: Vec<String> = args.split(' ').map(String::from).collect();
+            args.extend(["--output-dir".into(), dir.join("out").display().to_string()]);
+            refused(args, 2, setting);
+            count += 2;
         }
     }
     // The same settings in grad's batch files.
@@ -864,7 +877,7 @@ fn every_unread_loss_setting_is_refused() {
             count += 1;
         }
     }
-    assert!(count > 40, "{count} cases");
+    assert!(count > 80, "{count} cases");
     assert!(failures.is_empty(), "{}", failures.join("\n---\n"));
 }
 

@@ -207,8 +207,8 @@ pub struct TrainArgs {
     /// cpu, cuda or cuda:N (a build with --features cuda) [default: cpu].
     #[arg(long)]
     device: Option<String>,
-    /// Save a resumable checkpoint-N every N steps, the last step's included, so a finished run can
-    /// be extended (0: none; the final model only) [default: 0].
+    /// Save a resumable checkpoint-N every N steps (0: none but the last step's, which is always
+    /// saved, so that a finished run can be extended with --resume) [default: 0].
     #[arg(long)]
     save_every: Option<usize>,
     /// Measure the held-out metrics every N steps, into metrics.jsonl and TensorBoard (0: before

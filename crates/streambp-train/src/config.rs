@@ -93,8 +93,8 @@ pub struct TrainConfig {
     pub dtype: String,
     /// `cpu`, `cuda` or `cuda:N`, parsed by [`crate::device::parse_device`].
     pub device: String,
-    /// Save a resumable checkpoint every this many steps, the last one's included (0: none, only
-    /// the final model).
+    /// Save a resumable checkpoint every this many steps (0: none but the last step's, which a run
+    /// always saves).
     pub save_every: usize,
     /// Measure the held-out metrics every this many steps (0: before and after training only).
     pub eval_every: usize,
@@ -704,8 +704,8 @@ impl TrainConfig {
                 dir.display(),
                 &format!(
                     "is not a resumable checkpoint (no {}); give a checkpoint-N directory (a run \
-                     with --save-every writes one every that many steps, the last step's \
-                     included; final/ holds the model only)",
+                     writes one at its last step, and every --save-every steps; final/ holds the \
+                     model only)",
                     crate::checkpoint::STATE_FILE
                 ),
             )?;

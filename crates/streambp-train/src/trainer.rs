@@ -482,9 +482,10 @@ impl<'a> Trainer<'a> {
             sums.peak as f64 / (1 << 20) as f64
         ));
         self.bar.inc(1);
-        // The last step's too (as the HF Trainer saves at the end), so that a finished run can
+        // The last step's always (as the HF Trainer saves at the end), so that a finished run can
         // be extended with a larger --max-steps.
-        if cfg.save_every > 0 && (step + 1).is_multiple_of(cfg.save_every) {
+        let due = cfg.save_every > 0 && (step + 1).is_multiple_of(cfg.save_every);
+        if due || step + 1 == self.max_steps {
             let dir = cfg.output_dir.join(format!("checkpoint-{}", step + 1));
             self.save(&dir, step + 1)?;
             self.last_good = Some(dir);

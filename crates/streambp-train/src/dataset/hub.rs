@@ -27,7 +27,8 @@ pub fn dataset_files(
     split: &str,
     config: Option<&str>,
 ) -> Result<Vec<(String, PathBuf)>> {
-    let not_found = |why: String| TrainError::data(format!("--data {id}"), why);
+    // Named by itself: --data and --eval-data both come here.
+    let not_found = |why: String| TrainError::data(id, why);
     if !looks_like_id(id) {
         return Err(not_found(
             "is neither a data file, a directory, nor a hub dataset id of the form owner/name"

@@ -113,6 +113,12 @@ impl DataSource {
         if spec.is_file() {
             return Self::file(spec);
         }
+        // A device or a named pipe is no data set (reading one could fill the memory or block).
+        if spec.exists() && !spec.is_dir() {
+            let why = crate::input_file::check(spec, u64::MAX);
+            let why = why.unwrap_or_else(|| "not a data file".into());
+            return Err(TrainError::data(spec.display(), why));
+        }
         let (name, chosen) = if spec.is_dir() {
             let name = spec.display().to_string();
             let chosen = select_split(&local_files(spec)?, split, config)
