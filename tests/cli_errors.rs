@@ -881,6 +881,42 @@ fn every_unread_loss_setting_is_refused() {
     assert!(failures.is_empty(), "{}", failures.join("\n---\n"));
 }
 
+/// Each job's `--help` groups its flags as the guides do: data, model, objective, optimisation,
+/// memory, output (a job without objective flags of its own has no such group).
+#[test]
+fn every_jobs_help_groups_its_flags() {
+    let root = tempfile::tempdir().unwrap();
+    for job in ["sft", "dpo", "kto", "orpo", "cpo", "reward", "grpo"] {
+        let (status, text) = train(root.path(), &[job.to_string(), "--help".to_string()]);
+        assert_eq!(status, 0, "{job}: {text}");
+        let at = |heading: &str| text.find(&format!("\n{heading}:\n"));
+        let groups: Vec<usize> = [
+            "Data",
+            "Model",
+            "Objective",
+            "Optimisation",
+            "Memory",
+            "Output",
+        ]
+        .iter()
+        .filter_map(|h| at(h))
+        .collect();
+        assert!(groups.len() >= 5, "{job}: groups missing in\n{text}");
+        assert!(
+            groups.windows(2).all(|w| w[0] < w[1]),
+            "{job}: groups out of order\n{text}"
+        );
+        // Every flag sits in a group: none is left under clap's "Options".
+        let options = text.split("\nOptions:\n").nth(1).unwrap_or("");
+        let loose: Vec<&str> = options
+            .lines()
+            .take_while(|l| !l.ends_with(':'))
+            .filter(|l| l.trim_start().starts_with("--") && !l.contains("--help"))
+            .collect();
+        assert!(loose.is_empty(), "{job}: ungrouped {loose:?}");
+    }
+}
+
 /// KTO's held-out rows are scored by their desirable completions only: an undesirable completion
 /// is no answer to match, whichever job reads the rows.
 #[test]

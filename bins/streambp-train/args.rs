@@ -39,8 +39,8 @@ pub enum Command {
         dpo: DpoArgs,
     },
     /// GRPO (TRL's loss): sample a group per prompt with a KV cache, reward it, learn from the
-    /// group-normalised advantages. With no arguments: the built-in model on the arithmetic prompts,
-    /// rewarded for a digits-only answer and for the exact sum.
+    /// group-normalised advantages. With no arguments: the shipped SFT checkpoint of the arithmetic
+    /// task on its prompts, rewarded for the exact sum (exact:completion).
     Grpo {
         #[command(flatten)]
         train: TrainArgs,
@@ -88,170 +88,171 @@ pub enum Command {
 
 #[derive(clap::Args)]
 pub struct TrainArgs {
-    /// A TOML file whose keys mirror these flags (max_steps = 100, lr = 1e-5, …); flags typed on the
-    /// command line override it.
-    #[arg(long, value_name = "FILE.toml")]
-    config: Option<PathBuf>,
-    /// Model directory (HF format) or hub id [default: the built-in tiny model: random init for sft,
-    /// the shipped SFT checkpoint of the task for dpo and grpo].
-    #[arg(long)]
-    pub model: Option<String>,
     /// Training data in TRL's formats (sft: messages, prompt/completion or text; dpo:
     /// prompt/chosen/rejected or chosen/rejected with the prompt implicit; grpo: prompt, other columns
     /// go to the rewards): a .jsonl, .json or .parquet file, a directory of shards, or a hub dataset id
     /// such as trl-lib/Capybara [default: the built-in arithmetic task].
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     pub data: Option<PathBuf>,
     /// The split of --data to train on, where it is a directory or a hub dataset [default: train].
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     split: Option<String>,
     /// The configuration of a data set that has several (its top-level directory).
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     data_config: Option<String>,
     /// sft: the column trained on as plain text where a row has none of TRL's fields [default: text].
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     dataset_text_field: Option<String>,
     /// Prompt/completion rows scored by exact-match accuracy of greedy answers before and after: a
     /// file, directory or hub dataset id like --data.
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     eval_data: Option<PathBuf>,
     /// The split of the held-out data (of --eval-data, or else of --data) [default with --eval-data
     /// naming a directory or hub dataset: test].
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     eval_split: Option<String>,
-    /// Where metrics.jsonl and checkpoints go [default: a new runs/<job>-<UTC date-time> per run;
-    /// with --resume, the checkpoint's run directory].
-    #[arg(long)]
-    output_dir: Option<PathBuf>,
-    /// Replace an earlier run's checkpoints and final model in --output-dir (without it such a
-    /// directory is refused, unless --resume continues that run).
-    #[arg(long)]
-    overwrite_output_dir: bool,
-    /// Optimizer steps [default: --epochs over the data; built-in task: sft 600, dpo 300, grpo 300].
-    #[arg(long)]
-    max_steps: Option<usize>,
-    /// Passes over the data when --max-steps is not given (above 0) [default: 1].
-    #[arg(long, allow_negative_numbers = true)]
-    epochs: Option<f64>,
-    /// Sequences per micro-batch (dpo: pairs, grpo: prompts) [default: 8; built-in task: sft 64, dpo
-    /// 32, grpo 32].
-    #[arg(long)]
-    batch_size: Option<usize>,
-    /// Micro-batches per optimizer step (the loss is normalised over all their target tokens)
-    /// [default: 1].
-    #[arg(long)]
-    grad_accum: Option<usize>,
-    /// Peak learning rate, above 0 [default: 2e-5; built-in task: sft 5e-3, dpo 2e-4, grpo 3e-5].
-    #[arg(long, allow_negative_numbers = true)]
-    lr: Option<f64>,
-    /// AdamW's decoupled weight decay (at least 0; not on biases and norms) [default: 0].
-    #[arg(long, allow_negative_numbers = true)]
-    weight_decay: Option<f64>,
-    /// Warmup steps [default: 0; built-in task: sft and dpo 20].
-    #[arg(long)]
-    warmup_steps: Option<usize>,
-    /// cosine, linear or constant [default: cosine; built-in grpo: constant].
-    #[arg(long)]
-    schedule: Option<Schedule>,
-    /// Global gradient-norm clip (0: off) [default: 1].
-    #[arg(long, allow_negative_numbers = true)]
-    max_grad_norm: Option<f64>,
-    /// Seeds the data order, the built-in model's initialisation and GRPO's sampling [default: 42].
-    #[arg(long)]
-    seed: Option<u64>,
     /// Longest sequence in tokens [default: 2048; built-in task: 16].
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     max_length: Option<usize>,
     /// What to do with longer examples: truncate or skip (the log says how many) [default: truncate;
     /// reward: skip, as TRL's RewardTrainer drops them].
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     overflow: Option<Overflow>,
     /// sft: pack whole examples into rows of up to --max-length tokens, best-fit decreasing; each
     /// example still sees only itself (positions restart, attention stays inside it), with less padding.
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     packing: bool,
-    /// stream (StreamBP), checkpoint or full [default: stream].
-    #[arg(long)]
-    mode: Option<Mode>,
-    /// Query chunk of the streamed backward [default: 512; built-in task: 8].
-    #[arg(long)]
-    chunk: Option<usize>,
-    /// LM-head chunk [default: 128; built-in task: 8].
-    #[arg(long)]
-    logits_chunk: Option<usize>,
-    /// Pick the largest chunks whose estimated backward peak (weights, gradients, activations; not
-    /// the optimizer state) fits this budget, e.g. 8GiB. Overrides --chunk and --logits-chunk.
-    #[arg(long, value_parser = streambp_train::device::parse_budget)]
-    memory_budget: Option<u64>,
-    /// With --memory-budget on an accelerator: host memory the plan may keep layer checkpoints in
-    /// (where the card alone would need small chunks), e.g. 100GiB.
-    #[arg(long, value_parser = streambp_train::device::parse_budget)]
-    host_memory_budget: Option<u64>,
-    /// Keep layer checkpoints in host memory during the backward (accelerator memory then no longer
-    /// grows with layers x sequence x hidden size).
-    #[arg(long)]
-    offload_checkpoints: bool,
-    /// Store the input of every K-th layer only and recompute the others' during the backward, one
-    /// segment of K layers at a time (`sqrt`: K = ⌈√layers⌉, the least memory): fewer checkpoints for
-    /// one more forward of the layers between; the gradients are the same [default: 1].
-    #[arg(long)]
-    checkpoint_every: Option<CheckpointEvery>,
-    /// Keep the stored layer checkpoints in a scratch file in this directory instead of memory:
-    /// written in the forward, read back in the backward, its space reserved up front and freed
-    /// after each step (also if the run is killed), so host memory no longer bounds T.
-    #[arg(long)]
-    checkpoint_dir: Option<PathBuf>,
+    /// Model directory (HF format) or hub id [default: the built-in tiny model: random init for sft,
+    /// the shipped SFT checkpoint of the task for dpo and grpo].
+    #[arg(long, help_heading = "Model")]
+    pub model: Option<String>,
     /// f32, bf16 or f64 [default: f32].
-    #[arg(long)]
+    #[arg(long, help_heading = "Model")]
     dtype: Option<String>,
     /// cpu, cuda or cuda:N (a build with --features cuda) [default: cpu].
-    #[arg(long)]
+    #[arg(long, help_heading = "Model")]
     device: Option<String>,
-    /// Save a resumable checkpoint-N every N steps (0: none but the last step's, which is always
-    /// saved, so that a finished run can be extended with --resume) [default: 0].
-    #[arg(long)]
-    save_every: Option<usize>,
-    /// Measure the held-out metrics every N steps, into metrics.jsonl and TensorBoard (0: before
-    /// and after training only) [default: 0].
-    #[arg(long)]
-    eval_every: Option<usize>,
-    /// Continue from a checkpoint-N directory of an earlier run (weights, optimizer, schedule, data
-    /// position); give the same flags as that run.
-    #[arg(long)]
-    resume: Option<PathBuf>,
-    /// DPO β, above 0 [default: 0.1]; GRPO's KL weight β, at least 0 [default: 0, as in TRL].
-    #[arg(long, allow_negative_numbers = true)]
-    beta: Option<f64>,
-    /// DPO: add this weight times the chosen completions' mean token NLL to the loss (TRL's
-    /// loss_type=["sigmoid", "sft"] with loss_weights=[1, W]; RPO) [default: 0, plain DPO; built-in
-    /// task: 1, unless --loss-type is given].
-    #[arg(long, allow_negative_numbers = true)]
-    sft_weight: Option<f64>,
     /// DPO reference model [default: a frozen copy of the initial policy].
-    #[arg(long)]
+    #[arg(long, help_heading = "Model")]
     ref_model: Option<String>,
-    /// Hide the progress bar.
-    #[arg(long)]
-    no_progress: bool,
     #[command(flatten)]
     lora: LoraArgs,
     /// With LoRA: also write the model with the adapter merged in (W + s·B·A) as a plain HF model
     /// directory, <output-dir>/merged.
-    #[arg(long)]
+    #[arg(long, help_heading = "Model")]
     merge: bool,
+    /// DPO β, above 0 [default: 0.1]; GRPO's KL weight β, at least 0 [default: 0, as in TRL].
+    #[arg(long, help_heading = "Objective", allow_negative_numbers = true)]
+    beta: Option<f64>,
+    /// DPO: add this weight times the chosen completions' mean token NLL to the loss (TRL's
+    /// loss_type=["sigmoid", "sft"] with loss_weights=[1, W]; RPO) [default: 0, plain DPO; built-in
+    /// task: 1, unless --loss-type is given].
+    #[arg(long, help_heading = "Objective", allow_negative_numbers = true)]
+    sft_weight: Option<f64>,
+    /// Optimizer steps [default: --epochs over the data; built-in task: sft 600, dpo 300, grpo 300].
+    #[arg(long, help_heading = "Optimisation")]
+    max_steps: Option<usize>,
+    /// Passes over the data when --max-steps is not given (above 0) [default: 1].
+    #[arg(long, help_heading = "Optimisation", allow_negative_numbers = true)]
+    epochs: Option<f64>,
+    /// Sequences per micro-batch (dpo: pairs, grpo: prompts) [default: 8; built-in task: sft 64, dpo
+    /// 32, grpo 32].
+    #[arg(long, help_heading = "Optimisation")]
+    batch_size: Option<usize>,
+    /// Micro-batches per optimizer step (the loss is normalised over all their target tokens)
+    /// [default: 1].
+    #[arg(long, help_heading = "Optimisation")]
+    grad_accum: Option<usize>,
+    /// Peak learning rate, above 0 [default: 2e-5; built-in task: sft 5e-3, dpo 2e-4, grpo 3e-5].
+    #[arg(long, help_heading = "Optimisation", allow_negative_numbers = true)]
+    lr: Option<f64>,
+    /// AdamW's decoupled weight decay (at least 0; not on biases and norms) [default: 0].
+    #[arg(long, help_heading = "Optimisation", allow_negative_numbers = true)]
+    weight_decay: Option<f64>,
+    /// Warmup steps [default: 0; built-in task: sft and dpo 20].
+    #[arg(long, help_heading = "Optimisation")]
+    warmup_steps: Option<usize>,
+    /// cosine, linear or constant [default: cosine; built-in grpo: constant].
+    #[arg(long, help_heading = "Optimisation")]
+    schedule: Option<Schedule>,
+    /// Global gradient-norm clip (0: off) [default: 1].
+    #[arg(long, help_heading = "Optimisation", allow_negative_numbers = true)]
+    max_grad_norm: Option<f64>,
+    /// Seeds the data order, the built-in model's initialisation and GRPO's sampling [default: 42].
+    #[arg(long, help_heading = "Optimisation")]
+    seed: Option<u64>,
+    /// stream (StreamBP), checkpoint or full [default: stream].
+    #[arg(long, help_heading = "Memory")]
+    mode: Option<Mode>,
+    /// Query chunk of the streamed backward [default: 512; built-in task: 8].
+    #[arg(long, help_heading = "Memory")]
+    chunk: Option<usize>,
+    /// LM-head chunk [default: 128; built-in task: 8].
+    #[arg(long, help_heading = "Memory")]
+    logits_chunk: Option<usize>,
+    /// Pick the largest chunks whose estimated backward peak (weights, gradients, activations; not
+    /// the optimizer state) fits this budget, e.g. 8GiB. Overrides --chunk and --logits-chunk.
+    #[arg(long, help_heading = "Memory", value_parser = streambp_train::device::parse_budget)]
+    memory_budget: Option<u64>,
+    /// With --memory-budget on an accelerator: host memory the plan may keep layer checkpoints in
+    /// (where the card alone would need small chunks), e.g. 100GiB.
+    #[arg(long, help_heading = "Memory", value_parser = streambp_train::device::parse_budget)]
+    host_memory_budget: Option<u64>,
+    /// Keep layer checkpoints in host memory during the backward (accelerator memory then no longer
+    /// grows with layers x sequence x hidden size).
+    #[arg(long, help_heading = "Memory")]
+    offload_checkpoints: bool,
+    /// Store the input of every K-th layer only and recompute the others' during the backward, one
+    /// segment of K layers at a time (`sqrt`: K = ⌈√layers⌉, the least memory): fewer checkpoints for
+    /// one more forward of the layers between; the gradients are the same [default: 1].
+    #[arg(long, help_heading = "Memory")]
+    checkpoint_every: Option<CheckpointEvery>,
+    /// Keep the stored layer checkpoints in a scratch file in this directory instead of memory:
+    /// written in the forward, read back in the backward, its space reserved up front and freed
+    /// after each step (also if the run is killed), so host memory no longer bounds T.
+    #[arg(long, help_heading = "Memory")]
+    checkpoint_dir: Option<PathBuf>,
     /// Data parallel (under mpiexec): 0 all-reduces gradients, 1 also shards AdamW's state over the
     /// ranks, 2 also shards the gradients, reduced layer by layer as the backward finishes each
     /// [default: 0].
-    #[arg(long)]
+    #[arg(long, help_heading = "Memory")]
     zero: Option<streambp_train::parallel::ZeroStage>,
     /// Sequence parallel (under mpiexec): split every sequence over this many consecutive ranks, each
     /// holding T / S of its positions' activations; it divides the number of ranks, the other factor
     /// being data parallelism [default: 1].
-    #[arg(long)]
+    #[arg(long, help_heading = "Memory")]
     sp: Option<usize>,
+    /// A TOML file whose keys mirror these flags (max_steps = 100, lr = 1e-5, …); flags typed on the
+    /// command line override it.
+    #[arg(long, help_heading = "Output", value_name = "FILE.toml")]
+    config: Option<PathBuf>,
+    /// Where metrics.jsonl and checkpoints go [default: a new runs/<job>-<UTC date-time> per run;
+    /// with --resume, the checkpoint's run directory].
+    #[arg(long, help_heading = "Output")]
+    output_dir: Option<PathBuf>,
+    /// Replace an earlier run's checkpoints and final model in --output-dir (without it such a
+    /// directory is refused, unless --resume continues that run).
+    #[arg(long, help_heading = "Output")]
+    overwrite_output_dir: bool,
+    /// Save a resumable checkpoint-N every N steps (0: none but the last step's, which is always
+    /// saved, so that a finished run can be extended with --resume) [default: 0].
+    #[arg(long, help_heading = "Output")]
+    save_every: Option<usize>,
+    /// Measure the held-out metrics every N steps, into metrics.jsonl and TensorBoard (0: before
+    /// and after training only) [default: 0].
+    #[arg(long, help_heading = "Output")]
+    eval_every: Option<usize>,
+    /// Continue from a checkpoint-N directory of an earlier run (weights, optimizer, schedule, data
+    /// position); give the same flags as that run.
+    #[arg(long, help_heading = "Output")]
+    resume: Option<PathBuf>,
+    /// Hide the progress bar.
+    #[arg(long, help_heading = "Output")]
+    no_progress: bool,
 }
 
 #[derive(clap::Args)]
+#[command(next_help_heading = "Objective")]
 pub struct DpoArgs {
     /// TRL's DPO loss types, one or a comma list summed with --loss-weights: sigmoid, hinge, ipo,
     /// exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down,
@@ -283,6 +284,7 @@ impl DpoArgs {
 }
 
 #[derive(clap::Args)]
+#[command(next_help_heading = "Objective")]
 pub struct CpoArgs {
     /// TRL's CPO loss types: sigmoid, hinge, ipo, simpo, or alphapo (simpo with --cpo-alpha 0; give
     /// --alphapo-alpha) [default: sigmoid].
@@ -314,6 +316,7 @@ impl CpoArgs {
 }
 
 #[derive(clap::Args)]
+#[command(next_help_heading = "Objective")]
 pub struct KtoArgs {
     /// kto (with the KL baseline) or apo_zero_unpaired [default: kto].
     #[arg(long = "loss-type", value_parser = kto_loss_type)]
@@ -333,6 +336,7 @@ fn kto_loss_type(s: &str) -> Result<KtoLossType, String> {
 }
 
 #[derive(clap::Args)]
+#[command(next_help_heading = "Objective")]
 pub struct GrpoArgs {
     /// Completions sampled per prompt (at least 2) [default: 8].
     #[arg(long)]
@@ -352,8 +356,8 @@ pub struct GrpoArgs {
     #[arg(long = "reward")]
     rewards: Vec<String>,
     /// TRL 1.16's loss types: dapo (sum over the step's completion tokens / their count across
-    /// groups and ranks), grpo (mean per completion, then over completions), bnpo (mean over a
-    /// group's tokens), dr_grpo (sum / (group size x --max-new-tokens)), cispo (the ratio capped at
+    /// groups and ranks), grpo (mean per completion, then over completions), bnpo (mean over the
+    /// batch's completion tokens), dr_grpo (sum / (completions x --max-new-tokens)), cispo (the ratio capped at
     /// --epsilon-high weighting the log-prob; reduced as dapo), sapo (a sigmoid gate for the clip;
     /// reduced as grpo) [default: dapo].
     #[arg(long, value_parser = loss_type)]

@@ -278,6 +278,7 @@ impl GrpoConfig {
 
 /// The LoRA flags of `sft`, `dpo`, `grpo` and `grad`.
 #[derive(Debug, Clone, Default, clap::Args)]
+#[command(next_help_heading = "Model")]
 pub struct LoraArgs {
     /// Train a LoRA adapter of this rank instead of every weight (PEFT's semantics and file format).
     #[arg(long)]
