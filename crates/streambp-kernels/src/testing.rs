@@ -10,3 +10,10 @@ pub(crate) fn spread(n: usize, seed: u64, (lo, hi): (f64, f64)) -> Vec<f64> {
         })
         .collect()
 }
+
+/// `len` deterministic bf16 values (a matrix's elements; `seed` varies them).
+pub(crate) fn bf16_values(len: usize, seed: u32) -> Vec<half::bf16> {
+    (0..len)
+        .map(|i| half::bf16::from_f32(((i as f32 * 0.37 + seed as f32).sin()) * 2.0))
+        .collect()
+}

@@ -734,13 +734,7 @@ fn linear_of_bf16_values_by(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A deterministic bf16 matrix's elements.
-    fn values(len: usize, seed: u32) -> Vec<bf16> {
-        (0..len)
-            .map(|i| bf16::from_f32(((i as f32 * 0.37 + seed as f32).sin()) * 2.0))
-            .collect()
-    }
+    use crate::testing::bf16_values as values;
 
     /// `a·b` in f64 from the operands' exact values, with `Σ |a_ip·b_pj|` for each element (what
     /// bounds an f32 sum's rounding error).

@@ -102,13 +102,7 @@ pub fn linear_as_bf16_values(x: &Tensor, w: &Tensor) -> CResult<Option<Tensor>> 
 mod tests {
     use super::*;
     use crate::choices::Kernel;
-
-    /// A deterministic bf16 matrix's elements.
-    fn values(len: usize, seed: u32) -> Vec<bf16> {
-        (0..len)
-            .map(|i| bf16::from_f32(((i as f32 * 0.37 + seed as f32).sin()) * 2.0))
-            .collect()
-    }
+    use crate::testing::bf16_values as values;
 
     /// The tensor functions agree with their bf16 counterparts, by the route in force (a few rows
     /// by `skinny`, more by the kernel): `x Wᵀ` as values, `a·b` of values.

@@ -6,6 +6,7 @@
 pub mod accumulate;
 pub mod attention;
 pub mod cast;
+mod gated;
 pub mod geglu;
 pub mod grad_norm;
 pub mod head_softmax;

@@ -7,6 +7,7 @@ use rayon::prelude::*;
 
 use super::Gelu;
 use crate::host::cast::bf16_value;
+use crate::ops::gated::GatedKernel;
 
 /// The `0.044715` on `x³` of the tanh GELU.
 pub(super) const CUBIC: f64 = 0.044715;
@@ -98,7 +99,7 @@ impl Geglu {
     }
 
     /// `gelu(gate) ⊙ up`.
-    pub(super) fn forward<T: GeluFloat>(self, gate: &[T], up: &[T]) -> Vec<T> {
+    fn forward<T: GeluFloat>(self, gate: &[T], up: &[T]) -> Vec<T> {
         let mut y = vec![T::zero(); gate.len()];
         y.par_chunks_mut(PER_TASK)
             .zip(gate.par_chunks(PER_TASK).zip(up.par_chunks(PER_TASK)))
@@ -111,7 +112,7 @@ impl Geglu {
     }
 
     /// d gate followed by d up, for the output's gradient `g`.
-    pub(super) fn backward<T: GeluFloat>(self, gate: &[T], up: &[T], g: &[T]) -> Vec<T> {
+    fn backward<T: GeluFloat>(self, gate: &[T], up: &[T], g: &[T]) -> Vec<T> {
         let mut out = vec![T::zero(); 2 * gate.len()];
         let (d_gate, d_up) = out.split_at_mut(gate.len());
         d_gate
@@ -128,5 +129,22 @@ impl Geglu {
                 }
             });
         out
+    }
+}
+
+impl GatedKernel for Geglu {
+    const NAME: &'static str = "streambp-geglu";
+    const BACKWARD_NAME: &'static str = "streambp-geglu-backward";
+    fn forward_f32(self, gate: &[f32], up: &[f32]) -> Vec<f32> {
+        self.forward(gate, up)
+    }
+    fn forward_f64(self, gate: &[f64], up: &[f64]) -> Vec<f64> {
+        self.forward(gate, up)
+    }
+    fn backward_f32(self, gate: &[f32], up: &[f32], g: &[f32]) -> Vec<f32> {
+        self.backward(gate, up, g)
+    }
+    fn backward_f64(self, gate: &[f64], up: &[f64], g: &[f64]) -> Vec<f64> {
+        self.backward(gate, up, g)
     }
 }

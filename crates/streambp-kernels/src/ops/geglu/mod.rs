@@ -10,11 +10,11 @@
 
 mod cpu;
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{DType, Tensor};
 
 use crate::backend::Backend;
-use crate::host::storage::input_data;
 use crate::ops::cast::{round_in_place, through_f32};
+use crate::ops::gated;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -36,8 +36,8 @@ pub fn geglu(gate: &Tensor, up: &Tensor, gelu: Gelu, round_to: Option<DType>) ->
         Backend::Cpu => {
             let alike = gate.dtype() == up.dtype() && gate.shape() == up.shape();
             if matches!(gate.dtype(), DType::F32 | DType::F64) && alike {
-                let op = Forward(cpu::Geglu::new(gelu, round_to, gate.dtype())?);
-                return gate.contiguous()?.apply_op2(&up.contiguous()?, op);
+                let kernel = cpu::Geglu::new(gelu, round_to, gate.dtype())?;
+                return gated::apply(kernel, gate, up);
             }
             // bf16: computed in f32, its activation rounded to bf16 as bf16's arithmetic would.
             let in_f32 = |[gate, up]: [Tensor; 2]| geglu(&gate, &up, gelu, Some(DType::BF16));
@@ -79,89 +79,6 @@ pub fn gelu_tanh(x: &Tensor) -> CResult<Tensor> {
 pub fn gelu_erf(x: &Tensor) -> CResult<Tensor> {
     let e = (x / std::f64::consts::SQRT_2)?.erf()?;
     ((e + 1.0)? * x)?.affine(0.5, 0.0)
-}
-
-/// The forward.
-struct Forward(cpu::Geglu);
-
-impl CustomOp2 for Forward {
-    fn name(&self) -> &'static str {
-        "streambp-geglu"
-    }
-
-    fn cpu_fwd(
-        &self,
-        gs: &CpuStorage,
-        gl: &Layout,
-        us: &CpuStorage,
-        ul: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        let y = match (gs, us) {
-            (CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(
-                self.0
-                    .forward::<f32>(input_data(gs, gl)?, input_data(us, ul)?),
-            ),
-            (CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(
-                self.0
-                    .forward::<f64>(input_data(gs, gl)?, input_data(us, ul)?),
-            ),
-            _ => candle_core::bail!("geglu: gate and up not both f32 or f64"),
-        };
-        Ok((y, gl.shape().clone()))
-    }
-
-    /// [`Backward`], on the backend of the forward's inputs.
-    fn bwd(
-        &self,
-        gate: &Tensor,
-        up: &Tensor,
-        _y: &Tensor,
-        g: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let (gate, up, g) = (gate.detach(), up.detach(), g.contiguous()?);
-        let both = gate.apply_op3_no_bwd(&up, &g, &Backward(self.0))?;
-        // `[2, n]`: d gate, then d up.
-        let grad = |i: usize| both.get(i)?.reshape(gate.shape());
-        Ok((Some(grad(0)?), Some(grad(1)?)))
-    }
-}
-
-/// The backward of `gate`, `up` and the output's gradient: one output `[2, n]`, d gate then d up.
-struct Backward(cpu::Geglu);
-
-impl CustomOp3 for Backward {
-    fn name(&self) -> &'static str {
-        "streambp-geglu-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        gs: &CpuStorage,
-        gl: &Layout,
-        us: &CpuStorage,
-        ul: &Layout,
-        dys: &CpuStorage,
-        dyl: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        let out = match (gs, us, dys) {
-            (CpuStorage::F32(_), CpuStorage::F32(_), CpuStorage::F32(_)) => {
-                CpuStorage::F32(self.0.backward::<f32>(
-                    input_data(gs, gl)?,
-                    input_data(us, ul)?,
-                    input_data(dys, dyl)?,
-                ))
-            }
-            (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => {
-                CpuStorage::F64(self.0.backward::<f64>(
-                    input_data(gs, gl)?,
-                    input_data(us, ul)?,
-                    input_data(dys, dyl)?,
-                ))
-            }
-            _ => candle_core::bail!("geglu backward: inputs not all f32 or f64"),
-        };
-        Ok((out, Shape::from((2, gl.shape().elem_count()))))
-    }
 }
 
 #[cfg(test)]

@@ -8,11 +8,11 @@
 
 mod cpu;
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{DType, Tensor};
 
 use crate::backend::Backend;
-use crate::host::storage::input_data;
 use crate::ops::cast::through_f32;
+use crate::ops::gated::{self, GatedKernel};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -22,7 +22,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
         Backend::Cpu => {
             let alike = gate.dtype() == up.dtype() && gate.shape() == up.shape();
             if matches!(gate.dtype(), DType::F32 | DType::F64) && alike {
-                return gate.contiguous()?.apply_op2(&up.contiguous()?, Forward);
+                return gated::apply(Silu, gate, up);
             }
             match through_f32([gate, up], |[gate, up]| swiglu(&gate, &up))? {
                 Some(out) => Ok(out),
@@ -38,86 +38,24 @@ pub fn composed(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
     gate.silu()? * up
 }
 
-/// The forward.
-struct Forward;
+/// SwiGLU's kernel ([`cpu`]).
+#[derive(Clone, Copy)]
+struct Silu;
 
-impl CustomOp2 for Forward {
-    fn name(&self) -> &'static str {
-        "streambp-swiglu"
+impl GatedKernel for Silu {
+    const NAME: &'static str = "streambp-swiglu";
+    const BACKWARD_NAME: &'static str = "streambp-swiglu-backward";
+    fn forward_f32(self, gate: &[f32], up: &[f32]) -> Vec<f32> {
+        cpu::forward(gate, up)
     }
-
-    fn cpu_fwd(
-        &self,
-        gs: &CpuStorage,
-        gl: &Layout,
-        us: &CpuStorage,
-        ul: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        let y = match (gs, us) {
-            (CpuStorage::F32(_), CpuStorage::F32(_)) => CpuStorage::F32(cpu::forward::<f32>(
-                input_data(gs, gl)?,
-                input_data(us, ul)?,
-            )),
-            (CpuStorage::F64(_), CpuStorage::F64(_)) => CpuStorage::F64(cpu::forward::<f64>(
-                input_data(gs, gl)?,
-                input_data(us, ul)?,
-            )),
-            _ => candle_core::bail!("swiglu: gate and up not both f32 or f64"),
-        };
-        Ok((y, gl.shape().clone()))
+    fn forward_f64(self, gate: &[f64], up: &[f64]) -> Vec<f64> {
+        cpu::forward(gate, up)
     }
-
-    /// [`Backward`], on the backend of the forward's inputs.
-    fn bwd(
-        &self,
-        gate: &Tensor,
-        up: &Tensor,
-        _y: &Tensor,
-        g: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let (gate, up, g) = (gate.detach(), up.detach(), g.contiguous()?);
-        let both = gate.apply_op3_no_bwd(&up, &g, &Backward)?;
-        // `[2, n]`: d gate, then d up.
-        let grad = |i: usize| both.get(i)?.reshape(gate.shape());
-        Ok((Some(grad(0)?), Some(grad(1)?)))
+    fn backward_f32(self, gate: &[f32], up: &[f32], g: &[f32]) -> Vec<f32> {
+        cpu::backward(gate, up, g)
     }
-}
-
-/// The backward of `gate`, `up` and the output's gradient: one output `[2, n]`, d gate then d up.
-struct Backward;
-
-impl CustomOp3 for Backward {
-    fn name(&self) -> &'static str {
-        "streambp-swiglu-backward"
-    }
-
-    fn cpu_fwd(
-        &self,
-        gs: &CpuStorage,
-        gl: &Layout,
-        us: &CpuStorage,
-        ul: &Layout,
-        dys: &CpuStorage,
-        dyl: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        let out = match (gs, us, dys) {
-            (CpuStorage::F32(_), CpuStorage::F32(_), CpuStorage::F32(_)) => {
-                CpuStorage::F32(cpu::backward::<f32>(
-                    input_data(gs, gl)?,
-                    input_data(us, ul)?,
-                    input_data(dys, dyl)?,
-                ))
-            }
-            (CpuStorage::F64(_), CpuStorage::F64(_), CpuStorage::F64(_)) => {
-                CpuStorage::F64(cpu::backward::<f64>(
-                    input_data(gs, gl)?,
-                    input_data(us, ul)?,
-                    input_data(dys, dyl)?,
-                ))
-            }
-            _ => candle_core::bail!("swiglu backward: inputs not all f32 or f64"),
-        };
-        Ok((out, Shape::from((2, gl.shape().elem_count()))))
+    fn backward_f64(self, gate: &[f64], up: &[f64], g: &[f64]) -> Vec<f64> {
+        cpu::backward(gate, up, g)
     }
 }
 
