@@ -331,11 +331,15 @@ pub fn load_batch(
     let objective = value
         .get("objective")
         .and_then(|o| o.as_str())
-        .ok_or_else(|| fail(format!("no \"objective\" field ({OBJECTIVES})")))?;
+        .ok_or_else(|| fail(format!("no \"objective\" field ({})", objectives())))?;
+    let unknown = || {
+        fail(format!(
+            "unknown objective {objective:?} (expected {})",
+            objectives()
+        ))
+    };
     if !OBJECTIVE_NAMES.contains(&objective) {
-        return Err(fail(format!(
-            "unknown objective {objective:?} (expected {OBJECTIVES})"
-        )));
+        return Err(unknown());
     }
     if config.head == streambp_models::Head::Score && objective != "reward" {
         return Err(fail(format!(
@@ -369,16 +373,17 @@ pub fn load_batch(
                 .map_err(|e| fail(format!("bad grpo batch: {e}")))?;
             prepare_grpo(file, vocab_size, device, reference).map_err(named)
         }
-        other => Err(fail(format!(
-            "unknown objective {other:?} (expected {OBJECTIVES})"
-        ))),
+        _ => Err(unknown()),
     }
 }
 
 /// The objectives a batch file may name.
 const OBJECTIVE_NAMES: [&str; 7] = ["sft", "dpo", "orpo", "cpo", "kto", "reward", "grpo"];
-/// [`OBJECTIVE_NAMES`] in a message.
-const OBJECTIVES: &str = "sft, dpo, orpo, cpo, kto, reward or grpo";
+/// [`OBJECTIVE_NAMES`] in a message: "sft, dpo, … or grpo".
+fn objectives() -> String {
+    let (last, rest) = OBJECTIVE_NAMES.split_last().unwrap_or((&"", &[]));
+    format!("{} or {last}", rest.join(", "))
+}
 
 /// Chosen and rejected rows stacked (chosen first) and right-padded to one length, under the pair
 /// objective the file names.
