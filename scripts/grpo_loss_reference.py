@@ -94,16 +94,16 @@ def bare_trainer(model, batch, **overrides):
                       report_to="none", per_device_train_batch_size=4, num_generations=4,
                       **{"loss_type": "grpo", "beta": batch["beta"], "epsilon": batch["epsilon"],
                          "max_completion_length": batch["max_completion_length"], **overrides})
-    assert args.steps_per_generation == 1 and args.importance_sampling_level == "token" and not args.use_vllm
-    assert args.delta is None and args.off_policy_mask_threshold is None and args.top_entropy_quantile == 1.0
+    assert args.steps_per_generation == 1 and not args.use_vllm and args.delta is None
     t = GRPOTrainer.__new__(GRPOTrainer)
     t.args, t.model = args, model
     t.loss_type, t.beta, t.temperature = args.loss_type, args.beta, args.temperature
     t.max_completion_length = args.max_completion_length
     t.epsilon_low = args.epsilon
     t.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-    t.importance_sampling_level, t.off_policy_mask_threshold = args.importance_sampling_level, None
-    t.top_entropy_quantile, t.entropy_coef, t.use_adaptive_entropy = 1.0, args.entropy_coef, args.use_adaptive_entropy
+    t.importance_sampling_level, t.off_policy_mask_threshold = args.importance_sampling_level, args.off_policy_mask_threshold
+    t.top_entropy_quantile, t.entropy_coef = args.top_entropy_quantile, args.entropy_coef
+    t.use_adaptive_entropy = args.use_adaptive_entropy
     t._entropy_bonus_enabled = t.entropy_coef != 0.0 or t.use_adaptive_entropy
     t.use_vllm, t.vllm_importance_sampling_correction = False, args.vllm_importance_sampling_correction
     t.aux_loss_enabled, t.current_gradient_accumulation_steps = False, 1

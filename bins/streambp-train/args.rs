@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 
 use clap::{Parser, Subcommand};
 use streambp_core::{CheckpointEvery, Mode};
-use streambp_objectives::{CpoLoss, DpoLoss, GrpoLossType, KtoLoss, KtoLossType};
+use streambp_objectives::{
+    CpoLoss, DpoLoss, GrpoLossType, ImportanceSampling, KtoLoss, KtoLossType, VespoGamma,
+};
 use streambp_train::config::{GrpoConfig, LoraArgs, Recipe, TrainConfig};
 use streambp_train::data::Overflow;
 use streambp_train::grad::GradArgs;
@@ -357,9 +359,11 @@ pub struct GrpoArgs {
     rewards: Vec<String>,
     /// TRL 1.16's loss types: dapo (sum over the step's completion tokens / their count across
     /// groups and ranks), grpo (mean per completion, then over completions), bnpo (mean over the
-    /// batch's completion tokens), dr_grpo (sum / (completions x --max-new-tokens)), cispo (the ratio capped at
-    /// --epsilon-high weighting the log-prob; reduced as dapo), sapo (a sigmoid gate for the clip;
-    /// reduced as grpo) [default: dapo].
+    /// batch's completion tokens), dr_grpo (sum / (completions x --max-new-tokens)), luspo (each
+    /// completion's sum, mean over completions), cispo (the ratio capped at --epsilon-high
+    /// weighting the log-prob; reduced as dapo), sapo (a sigmoid gate for the clip; reduced as
+    /// grpo), vespo (a smooth gamma weight of the completion's ratio for the clip; reduced as
+    /// dapo) [default: dapo].
     #[arg(long, value_parser = loss_type)]
     loss_type: Option<GrpoLossType>,
     /// Clipping ε of the probability ratio (above 0) [default: 0.2].
@@ -383,6 +387,27 @@ pub struct GrpoArgs {
     /// sapo's gate temperature where the advantage is not positive [default: 1.05, as TRL's].
     #[arg(long, allow_negative_numbers = true)]
     sapo_temperature_neg: Option<f64>,
+    /// One importance weight per token, or per completion (the mean of its tokens' log-ratios:
+    /// GSPO) [default: token].
+    #[arg(long, value_parser = importance_sampling_level)]
+    importance_sampling_level: Option<ImportanceSampling>,
+    /// vespo's gamma weight's k where the advantage is not negative [default: 2.0, as TRL's].
+    #[arg(long, allow_negative_numbers = true)]
+    vespo_k_pos: Option<f64>,
+    /// vespo's gamma weight's λ where the advantage is not negative [default: 3.0, as TRL's].
+    #[arg(long, allow_negative_numbers = true)]
+    vespo_lambda_pos: Option<f64>,
+    /// vespo's gamma weight's k where the advantage is negative [default: 3.0, as TRL's].
+    #[arg(long, allow_negative_numbers = true)]
+    vespo_k_neg: Option<f64>,
+    /// vespo's gamma weight's λ where the advantage is negative [default: 2.0, as TRL's].
+    #[arg(long, allow_negative_numbers = true)]
+    vespo_lambda_neg: Option<f64>,
+    /// Completions with a negative advantage whose mean log-ratio of the sampling policy to the
+    /// current one exceeds this leave the policy term (DeepSeek-V3.2's off-policy sequence mask)
+    /// [default: none].
+    #[arg(long, allow_negative_numbers = true)]
+    off_policy_mask_threshold: Option<f64>,
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first) [default: 1].
     #[arg(long)]
     num_iterations: Option<usize>,
@@ -535,16 +560,40 @@ impl GrpoArgs {
                 self.sapo_temperature_pos.unwrap_or(d.sapo_temperatures.0),
                 self.sapo_temperature_neg.unwrap_or(d.sapo_temperatures.1),
             ),
+            importance_sampling: self
+                .importance_sampling_level
+                .unwrap_or(d.importance_sampling),
+            vespo_gamma: VespoGamma {
+                positive: (
+                    self.vespo_k_pos.unwrap_or(d.vespo_gamma.positive.0),
+                    self.vespo_lambda_pos.unwrap_or(d.vespo_gamma.positive.1),
+                ),
+                negative: (
+                    self.vespo_k_neg.unwrap_or(d.vespo_gamma.negative.0),
+                    self.vespo_lambda_neg.unwrap_or(d.vespo_gamma.negative.1),
+                ),
+            },
+            off_policy_mask_threshold: self.off_policy_mask_threshold,
             num_iterations: self.num_iterations.unwrap_or(d.num_iterations),
         }
     }
+}
+
+/// `--importance-sampling-level`'s value, or the accepted ones.
+fn importance_sampling_level(s: &str) -> Result<ImportanceSampling, String> {
+    s.parse()
+        .map_err(|_| "expected token or sequence".to_string())
 }
 
 /// `--loss-type`'s value, or the accepted ones.
 fn loss_type(s: &str) -> Result<GrpoLossType, String> {
     s.parse().map_err(|_| {
         let names: Vec<&str> = GrpoLossType::ALL.iter().map(|t| t.name()).collect();
-        format!("expected one of {}", names.join(", "))
+        let gspo = match s.eq_ignore_ascii_case("gspo") {
+            true => " (GSPO is --importance-sampling-level sequence with a clipped loss type)",
+            false => "",
+        };
+        format!("expected one of {}{gspo}", names.join(", "))
     })
 }
 

@@ -1,17 +1,26 @@
-//! GRPO with TRL 1.16's per-token losses (`_compute_loss`), `r = e^{π − π_old}`:
-//! - `grpo`, `bnpo`, `dr_grpo`, `dapo`: `−min(r·A, clip(r, 1−ε_low, 1+ε_high)·A)`;
+//! GRPO with TRL 1.16's per-token losses (`_compute_loss`), `r` the importance weight: `e^{π − π_old}`
+//! per token, or with `importance_sampling_level = "sequence"` (GSPO) one per row,
+//! `e^{Σ m (π − π_old) / max(Σ m, 1)}`:
+//! - `grpo`, `bnpo`, `dr_grpo`, `dapo`, `luspo`: `−min(r·A, clip(r, 1−ε_low, 1+ε_high)·A)`;
 //! - `cispo`: `−min(r, ε_high)·A·π` with the capped ratio detached (ε_high is the cap itself);
 //! - `sapo`: `−σ(τ·(r − 1))·(4/τ)·A`, `τ` = `sapo_temperature_pos` where `A > 0`, else `_neg`;
+//! - `vespo`: `−φ·A·π` with `φ` the row's gamma weight of its summed log-ratio, held constant
+//!   ([`VespoGamma`]);
 //!
-//! plus `β·KL`, `KL = e^{ρ−π} − (ρ−π) − 1`, times `r` with `use_bias_correction_kl` (TRL's default).
+//! times the off-policy mask when `off_policy_mask_threshold` is set (a row with `A < 0` whose mean
+//! `π_old − π` exceeds it leaves the policy term), plus `β·KL`, `KL = e^{ρ−π} − (ρ−π) − 1`, times `r`
+//! with `use_bias_correction_kl` (TRL's default).
 //! Reduced by `grpo` and `sapo` (mean over each sequence's completion tokens, then over sequences),
-//! `bnpo` (mean over the batch's completion tokens), `dr_grpo` (sum / (G · max_completion_length)), or
-//! `dapo` and `cispo` (sum / the completion tokens of the whole global batch, `num_items_in_batch`).
+//! `bnpo` (mean over the batch's completion tokens), `dr_grpo` (sum / (G · max_completion_length)),
+//! `luspo` (each row's sum, mean over rows), or `dapo`, `cispo` and `vespo` (sum / the completion
+//! tokens of the whole global batch, `num_items_in_batch`).
 //! Without old log-probs, `π_old = π` detached: `r = 1` with the gradient of the current policy. β = 0
 //! skips the reference.
 //!
 //! Per-position inputs are aligned with `input_ids`: the log-prob at position `t` is that of
-//! `input_ids[t]` from the logits at `t − 1`. The loss is a sum over positions, so it streams.
+//! `input_ids[t]` from the logits at `t − 1`. With token-level weights and neither `vespo` nor the
+//! off-policy mask the loss is a sum over positions, so it streams; otherwise a row's terms depend on
+//! its whole sum and the engine hands over all positions at once.
 
 use std::ops::Range;
 
@@ -34,17 +43,25 @@ pub enum GrpoLossType {
     Cispo,
     /// `sapo`: a sigmoid gate on the ratio in place of the clip; reduced as `grpo`.
     Sapo,
+    /// `luspo`: clipped as `grpo`, each row's summed per-token losses (not divided by its length),
+    /// mean over rows.
+    Luspo,
+    /// `vespo`: the log-prob weighted by a row's gamma weight ([`VespoGamma`]) in place of a ratio;
+    /// reduced as `dapo`.
+    Vespo,
 }
 
 impl GrpoLossType {
     /// Every loss type.
-    pub const ALL: [GrpoLossType; 6] = [
+    pub const ALL: [GrpoLossType; 8] = [
         Self::Grpo,
         Self::Bnpo,
         Self::DrGrpo,
         Self::Dapo,
         Self::Cispo,
         Self::Sapo,
+        Self::Luspo,
+        Self::Vespo,
     ];
 
     /// TRL's name of the loss type (`loss_type=`).
@@ -56,13 +73,23 @@ impl GrpoLossType {
             Self::Dapo => "dapo",
             Self::Cispo => "cispo",
             Self::Sapo => "sapo",
+            Self::Luspo => "luspo",
+            Self::Vespo => "vespo",
         }
     }
 
     /// Whether its normaliser spans the whole global batch (`num_items_in_batch`): every
     /// micro-batch and rank of an optimizer step divides by the same token count.
     pub fn global_normaliser(self) -> bool {
-        matches!(self, Self::Dapo | Self::Cispo)
+        matches!(self, Self::Dapo | Self::Cispo | Self::Vespo)
+    }
+
+    /// Whether the ratio is clipped to `[1 − ε_low, 1 + ε_high]` (TRL's clipped loss types).
+    fn clipped(self) -> bool {
+        matches!(
+            self,
+            Self::Grpo | Self::Bnpo | Self::DrGrpo | Self::Dapo | Self::Luspo
+        )
     }
 }
 
@@ -73,17 +100,23 @@ impl crate::LossSettings for GrpoLossType {
         "epsilon_high",
         "sapo_temperature_pos",
         "sapo_temperature_neg",
+        "vespo_k_pos",
+        "vespo_lambda_pos",
+        "vespo_k_neg",
+        "vespo_lambda_neg",
     ];
     fn type_name(self) -> &'static str {
         self.name()
     }
     /// TRL 1.16's `_compute_loss`: cispo caps the ratio at `epsilon_high` alone, sapo gates it by
-    /// its temperatures and clips nothing, the others clip it to `[1 − ε, 1 + ε_high]`.
+    /// its temperatures, vespo weights by its gamma weights (neither clips), the others clip it to
+    /// `[1 − ε, 1 + ε_high]`.
     fn reads(self, setting: &str) -> bool {
         match setting {
-            "epsilon" => !matches!(self, Self::Cispo | Self::Sapo),
-            "epsilon_high" => self != Self::Sapo,
+            "epsilon" => self.clipped(),
+            "epsilon_high" => self.clipped() || self == Self::Cispo,
             "sapo_temperature_pos" | "sapo_temperature_neg" => self == Self::Sapo,
+            s if s.starts_with("vespo_") => self == Self::Vespo,
             _ => true,
         }
     }
@@ -97,9 +130,84 @@ impl std::str::FromStr for GrpoLossType {
             .find(|t| t.name() == s)
             .ok_or_else(|| {
                 ObjectiveError::Batch(format!(
-                    "unknown loss_type {s:?} (expected grpo, bnpo, dr_grpo, dapo, cispo or sapo)"
+                    "unknown loss_type {s:?} (expected one of {})",
+                    Self::ALL.map(Self::name).join(", ")
                 ))
             })
+    }
+}
+
+/// Whether the importance weight is one per token or one per row (TRL's
+/// `importance_sampling_level`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ImportanceSampling {
+    /// `e^{π − π_old}` at each token (TRL's default).
+    #[default]
+    Token,
+    /// GSPO's `e^{mean over the row's completion tokens of (π − π_old)}`, one per row.
+    Sequence,
+}
+
+impl ImportanceSampling {
+    /// TRL's name (`"token"`, `"sequence"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Token => "token",
+            Self::Sequence => "sequence",
+        }
+    }
+}
+
+impl std::str::FromStr for ImportanceSampling {
+    type Err = ObjectiveError;
+    fn from_str(s: &str) -> Result<Self> {
+        [Self::Token, Self::Sequence]
+            .into_iter()
+            .find(|l| l.name() == s)
+            .ok_or_else(|| {
+                bad(format!(
+                    "unknown importance_sampling_level {s:?} (expected token or sequence)"
+                ))
+            })
+    }
+}
+
+/// VESPO's gamma weight of a row (TRL's `get_gamma_weights`): with `L` its summed log-ratio
+/// `Σ m·clamp(π − π_old, −20, 20)` clamped to `[ln 1e-8, 20]`, `φ = e^{λ + k·L − λ·e^L}` (1 at
+/// `L = 0`), `(k, λ)` by the sign of the row's advantage; a non-finite `φ` counts 0.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VespoGamma {
+    /// `(vespo_k_pos, vespo_lambda_pos)`, for `A ≥ 0` (TRL: 2.0, 3.0).
+    pub positive: (f64, f64),
+    /// `(vespo_k_neg, vespo_lambda_neg)`, for `A < 0` (TRL: 3.0, 2.0).
+    pub negative: (f64, f64),
+}
+
+impl Default for VespoGamma {
+    fn default() -> Self {
+        VespoGamma {
+            positive: (2.0, 3.0),
+            negative: (3.0, 2.0),
+        }
+    }
+}
+
+impl VespoGamma {
+    /// The weight of a row with summed log-ratio `log_ratio` and advantage `advantage`.
+    fn weight(&self, log_ratio: f64, advantage: f64) -> f64 {
+        let (k, lambda) = if advantage >= 0.0 {
+            self.positive
+        } else {
+            self.negative
+        };
+        let lambda = lambda.max(1e-4);
+        let l = log_ratio.clamp(1e-8f64.ln(), 20.0);
+        let phi = (lambda + k * l - lambda * l.exp()).exp();
+        if phi.is_finite() {
+            phi
+        } else {
+            0.0
+        }
     }
 }
 
@@ -138,6 +246,14 @@ pub struct GrpoBatch<'a> {
     pub use_bias_correction_kl: bool,
     /// `sapo`'s gate temperatures for positive and negative advantages (TRL: 1.0 and 1.05).
     pub sapo_temperatures: (f64, f64),
+    /// One importance weight per token or per row.
+    pub importance_sampling: ImportanceSampling,
+    /// `vespo`'s gamma weights.
+    pub vespo_gamma: VespoGamma,
+    /// Rows with a negative advantage whose mean `π_old − π` over their completion tokens exceeds
+    /// this leave the policy term (TRL's `off_policy_mask_threshold`, DeepSeek-V3.2's sequence
+    /// mask); `None`: every row stays.
+    pub off_policy_mask_threshold: Option<f64>,
 }
 
 /// The GRPO objective of one batch, built from a [`GrpoBatch`].
@@ -161,6 +277,12 @@ pub struct Grpo {
     bias_corrected_kl: bool,
     /// `[G, 1]`: `sapo`'s gate temperature for each sequence's advantage.
     sapo_temperatures: Tensor,
+    /// Each row's completion tokens, at least 1 (the sequence-level means' divisor).
+    lengths: Vec<f64>,
+    advantage_values: Vec<f64>,
+    importance_sampling: ImportanceSampling,
+    vespo_gamma: VespoGamma,
+    off_policy_mask_threshold: Option<f64>,
 }
 
 /// Shifts a per-position array aligned with input_ids into logits coordinates (drops position 0).
@@ -309,6 +431,22 @@ impl GrpoBatch<'_> {
                 "sapo temperatures ({pos}, {neg}) must be above 0"
             )));
         }
+        let VespoGamma { positive, negative } = self.vespo_gamma;
+        for (name, value) in [
+            ("vespo_k_pos", positive.0),
+            ("vespo_lambda_pos", positive.1),
+            ("vespo_k_neg", negative.0),
+            ("vespo_lambda_neg", negative.1),
+        ] {
+            if !(value >= 0.0 && value.is_finite()) {
+                return Err(bad(format!("{name} {value} must be a number at least 0")));
+            }
+        }
+        if let Some(t) = self.off_policy_mask_threshold.filter(|t| !t.is_finite()) {
+            return Err(bad(format!(
+                "off_policy_mask_threshold {t} must be a number"
+            )));
+        }
         Ok(())
     }
 
@@ -325,7 +463,8 @@ impl GrpoBatch<'_> {
                 .map(|&n| (n.max(1) * g) as f64)
                 .collect(),
             GrpoLossType::Bnpo => vec![tokens; g],
-            GrpoLossType::Dapo | GrpoLossType::Cispo => {
+            GrpoLossType::Luspo => vec![g as f64; g],
+            GrpoLossType::Dapo | GrpoLossType::Cispo | GrpoLossType::Vespo => {
                 let items = self.num_items_in_batch.unwrap_or(tokens);
                 if !(items >= tokens && items.is_finite()) {
                     return Err(bad(format!(
@@ -404,6 +543,14 @@ impl Grpo {
                 (g, 1),
                 device,
             )?,
+            lengths: completion_lengths
+                .iter()
+                .map(|&n| n.max(1) as f64)
+                .collect(),
+            advantage_values: batch.advantages.to_vec(),
+            importance_sampling: batch.importance_sampling,
+            vespo_gamma: batch.vespo_gamma,
+            off_policy_mask_threshold: batch.off_policy_mask_threshold,
         })
     }
 
@@ -426,6 +573,57 @@ impl Grpo {
         };
         Ok((ratio, kl_arg))
     }
+
+    /// The importance weights from the masked log-ratios of all positions' (or, per token, of any
+    /// columns'): `[G, cols]` per token, `[G, 1]` per row.
+    fn importance_weights(&self, log_ratio: &Tensor) -> Result<Tensor> {
+        Ok(match self.importance_sampling {
+            ImportanceSampling::Token => log_ratio.exp()?,
+            ImportanceSampling::Sequence => {
+                let lengths = self.row_constants(&self.lengths, log_ratio.dtype())?;
+                log_ratio.sum_keepdim(1)?.broadcast_div(&lengths)?.exp()?
+            }
+        })
+    }
+
+    /// Each row's `vespo` gamma weight from its masked log-ratios (all positions), held constant.
+    fn gamma_weights(&self, log_ratio: &Tensor) -> Result<Vec<f64>> {
+        let rows = log_ratio.detach().to_dtype(DType::F64)?.to_vec2::<f64>()?;
+        Ok(rows
+            .iter()
+            .zip(&self.advantage_values)
+            .map(|(row, &a)| {
+                let sum = row.iter().map(|x| x.clamp(-20.0, 20.0)).sum();
+                self.vespo_gamma.weight(sum, a)
+            })
+            .collect())
+    }
+
+    /// TRL's off-policy sequence mask from the masked log-ratios (all positions): `[G, 1]`, 0 where
+    /// a row has `A < 0` and a mean `π_old − π` above the threshold, else 1; `None` without one.
+    fn off_policy_mask(&self, log_ratio: &Tensor) -> Result<Option<Tensor>> {
+        let Some(threshold) = self.off_policy_mask_threshold else {
+            return Ok(None);
+        };
+        let sums = log_ratio
+            .detach()
+            .sum(1)?
+            .to_dtype(DType::F64)?
+            .to_vec1::<f64>()?;
+        let keep: Vec<f64> = sums
+            .iter()
+            .zip(&self.lengths)
+            .zip(&self.advantage_values)
+            .map(|((&sum, &n), &a)| f64::from(u8::from(a >= 0.0 || -sum / n <= threshold)))
+            .collect();
+        Ok(Some(self.row_constants(&keep, log_ratio.dtype())?))
+    }
+
+    /// `[G, 1]` constants of `dtype` on the batch's device.
+    fn row_constants(&self, values: &[f64], dtype: DType) -> Result<Tensor> {
+        let t = Tensor::from_vec(values.to_vec(), (values.len(), 1), self.advantages.device())?;
+        Ok(t.to_dtype(dtype)?)
+    }
 }
 
 impl Objective for Grpo {
@@ -438,7 +636,9 @@ impl Objective for Grpo {
     }
 
     fn separable(&self) -> bool {
-        true
+        self.importance_sampling == ImportanceSampling::Token
+            && self.loss_type != GrpoLossType::Vespo
+            && self.off_policy_mask_threshold.is_none()
     }
 
     fn temperature(&self) -> f64 {
@@ -448,12 +648,16 @@ impl Objective for Grpo {
     fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor> {
         let dt = logp.dtype();
         let (log_ratio, kl_arg) = self.log_ratios(logp, &cols)?;
-        let r = log_ratio.exp()?;
+        let r = self.importance_weights(&log_ratio)?;
         let a = self.advantages.to_dtype(dt)?;
         let mut per_token = match self.loss_type {
+            GrpoLossType::Vespo => {
+                let phi = self.row_constants(&self.gamma_weights(&log_ratio)?, dt)?;
+                phi.broadcast_mul(&a)?.broadcast_mul(logp)?.neg()?
+            }
             GrpoLossType::Cispo => {
                 let capped = r.clamp(f64::NEG_INFINITY, self.epsilon_high)?.detach();
-                (capped.broadcast_mul(&a)? * logp)?.neg()?
+                capped.broadcast_mul(&a)?.broadcast_mul(logp)?.neg()?
             }
             GrpoLossType::Sapo => {
                 let tau = self.sapo_temperatures.to_dtype(dt)?;
@@ -470,39 +674,46 @@ impl Objective for Grpo {
                 unclipped.minimum(&clipped)?.neg()?
             }
         };
+        if let Some(keep) = self.off_policy_mask(&log_ratio)? {
+            per_token = per_token.broadcast_mul(&keep)?;
+        }
         if let Some(d) = kl_arg {
             let mut kl = ((d.exp()? - &d)? - 1.0)?;
             if self.bias_corrected_kl {
-                kl = (kl * &r)?;
+                kl = kl.broadcast_mul(&r)?;
             }
-            per_token = (per_token + (kl * self.beta)?)?;
+            per_token = per_token.broadcast_add(&(kl * self.beta)?)?;
         }
         let w = self
             .weights
             .narrow(1, cols.start, cols.len())?
             .to_dtype(dt)?;
-        Ok((per_token * w)?.sum_all()?)
+        Ok(per_token.broadcast_mul(&w)?.sum_all()?)
     }
 
     fn metrics(&self, logp: &Tensor) -> Result<Vec<(String, f64)>> {
         let t = logp.dim(1)?;
         let (log_ratio, kl_arg) = self.log_ratios(logp, &(0..t))?;
+        let log_ratio = log_ratio.to_dtype(DType::F64)?;
         let mask = self.mask.to_dtype(DType::F64)?;
         let count = mask.sum_all()?.to_scalar::<f64>()?;
-        let masked_mean = |x: &Tensor| -> Result<f64> {
-            Ok((x.to_dtype(DType::F64)? * &mask)?
-                .sum_all()?
-                .to_scalar::<f64>()?
-                / count.max(1.0))
+        // TRL's `global_masked_mean`: over completion tokens, or over rows for one value per row.
+        let mean = |x: &Tensor| -> Result<f64> {
+            let (rows, cols) = x.dims2()?;
+            Ok(if cols == 1 {
+                x.sum_all()?.to_scalar::<f64>()? / rows as f64
+            } else {
+                (x * &mask)?.sum_all()?.to_scalar::<f64>()? / count.max(1.0)
+            })
         };
-        let r = log_ratio.to_dtype(DType::F64)?.exp()?;
+        let r = self.importance_weights(&log_ratio)?;
         let a = self.advantages.to_dtype(DType::F64)?;
         let zero = a.zeros_like()?;
         let positive = a.gt(&zero)?.broadcast_as(r.shape())?;
         // TRL's clip fractions: the clip region's for the clipped losses, the cap's for cispo (its
-        // `cispo_clip_ratio`), none for sapo.
+        // `cispo_clip_ratio`), none for sapo and vespo.
         let clipped = match self.loss_type {
-            GrpoLossType::Sapo => None,
+            GrpoLossType::Sapo | GrpoLossType::Vespo => None,
             GrpoLossType::Cispo => Some(r.gt(self.epsilon_high)?.mul(&positive)?),
             _ => {
                 let low = r
@@ -516,16 +727,23 @@ impl Objective for Grpo {
         if let Some(clipped) = clipped {
             out.push((
                 "clip_ratio".to_string(),
-                masked_mean(&clipped.to_dtype(DType::F64)?)?,
+                mean(&clipped.to_dtype(DType::F64)?)?,
+            ));
+        }
+        if self.loss_type == GrpoLossType::Vespo {
+            let phi = self.gamma_weights(&log_ratio)?;
+            out.push((
+                "vespo/phi_seq_mean".into(),
+                phi.iter().sum::<f64>() / phi.len() as f64,
             ));
         }
         if let Some(d) = kl_arg {
             let d = d.to_dtype(DType::F64)?;
             let mut kl = ((d.exp()? - &d)? - 1.0)?;
             if self.bias_corrected_kl {
-                kl = (kl * &r)?;
+                kl = kl.broadcast_mul(&r)?;
             }
-            out.push(("kl".into(), masked_mean(&kl)?));
+            out.push(("kl".into(), mean(&kl)?));
         }
         Ok(out)
     }

@@ -43,7 +43,7 @@ mod targets;
 pub use cpo::{Cpo, CpoLoss, CpoLossType};
 pub use dpo::Dpo;
 pub use dpo_loss::{DpoLoss, DpoLossType};
-pub use grpo::{Grpo, GrpoBatch, GrpoLossType};
+pub use grpo::{Grpo, GrpoBatch, GrpoLossType, ImportanceSampling, VespoGamma};
 pub use kto::{Kto, KtoLoss, KtoLossType};
 pub use orpo::Orpo;
 pub use pairs::PairRows;

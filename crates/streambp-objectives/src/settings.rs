@@ -104,11 +104,15 @@ mod tests {
         assert!(unread("simpo_gamma", &[CpoLossType::Simpo]).is_none());
         assert_eq!(
             unread("epsilon", &[GrpoLossType::Cispo]).as_deref(),
-            Some("applies to loss_type grpo, bnpo, dr_grpo and dapo, not cispo")
+            Some("applies to loss_type grpo, bnpo, dr_grpo, dapo and luspo, not cispo")
         );
         assert!(unread("epsilon_high", &[GrpoLossType::Cispo]).is_none());
         assert!(unread("epsilon_high", &[GrpoLossType::Sapo]).is_some());
         assert!(unread("sapo_temperature_pos", &[GrpoLossType::Dapo]).is_some());
         assert!(unread("sapo_temperature_neg", &[GrpoLossType::Sapo]).is_none());
+        assert!(unread("vespo_k_pos", &[GrpoLossType::Dapo]).is_some());
+        assert!(unread("vespo_lambda_neg", &[GrpoLossType::Vespo]).is_none());
+        assert!(unread("epsilon", &[GrpoLossType::Vespo]).is_some());
+        assert!(unread("epsilon", &[GrpoLossType::Luspo]).is_none());
     }
 }

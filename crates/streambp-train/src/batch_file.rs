@@ -12,7 +12,7 @@ use streambp_models::ModelConfig;
 use streambp_objectives::pooled_positions;
 use streambp_objectives::{
     Cpo, CpoLoss, Dpo, DpoLoss, Grpo, GrpoBatch, GrpoLossType, Kto, KtoLoss, KtoLossType,
-    LossSettings, Objective, Orpo, RewardModel, Sft, IGNORE_INDEX,
+    LossSettings, Objective, Orpo, RewardModel, Sft, VespoGamma, IGNORE_INDEX,
 };
 
 use crate::batch::{masked_labels, padded, to_u32_tensor};
@@ -274,6 +274,18 @@ struct GrpoFile {
     use_bias_correction_kl: bool,
     sapo_temperature_pos: Option<f64>,
     sapo_temperature_neg: Option<f64>,
+    /// `token` (TRL's default) or `sequence` (GSPO).
+    #[serde(default = "default_importance_sampling_level")]
+    importance_sampling_level: String,
+    vespo_k_pos: Option<f64>,
+    vespo_lambda_pos: Option<f64>,
+    vespo_k_neg: Option<f64>,
+    vespo_lambda_neg: Option<f64>,
+    off_policy_mask_threshold: Option<f64>,
+}
+
+fn default_importance_sampling_level() -> String {
+    "token".into()
 }
 
 fn default_true() -> bool {
@@ -594,10 +606,15 @@ fn prepare_grpo(
             ("epsilon_high", file.epsilon_high.is_some()),
             ("sapo_temperature_pos", file.sapo_temperature_pos.is_some()),
             ("sapo_temperature_neg", file.sapo_temperature_neg.is_some()),
+            ("vespo_k_pos", file.vespo_k_pos.is_some()),
+            ("vespo_lambda_pos", file.vespo_lambda_pos.is_some()),
+            ("vespo_k_neg", file.vespo_k_neg.is_some()),
+            ("vespo_lambda_neg", file.vespo_lambda_neg.is_some()),
         ],
         &[loss_type],
     )?;
     let epsilon = file.epsilon.unwrap_or(default_epsilon());
+    let gamma = VespoGamma::default();
     let grpo = Grpo::new(
         &GrpoBatch {
             input_ids: &file.input_ids,
@@ -617,6 +634,18 @@ fn prepare_grpo(
                 file.sapo_temperature_pos.unwrap_or(default_sapo_pos()),
                 file.sapo_temperature_neg.unwrap_or(default_sapo_neg()),
             ),
+            importance_sampling: file.importance_sampling_level.parse()?,
+            vespo_gamma: VespoGamma {
+                positive: (
+                    file.vespo_k_pos.unwrap_or(gamma.positive.0),
+                    file.vespo_lambda_pos.unwrap_or(gamma.positive.1),
+                ),
+                negative: (
+                    file.vespo_k_neg.unwrap_or(gamma.negative.0),
+                    file.vespo_lambda_neg.unwrap_or(gamma.negative.1),
+                ),
+            },
+            off_policy_mask_threshold: file.off_policy_mask_threshold,
         },
         vocab_size,
         device,

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 
 use streambp_core::{CheckpointEvery, Chunks, Mode};
 use streambp_models::{LoraConfig, ModelError, Projection};
-use streambp_objectives::{CpoLoss, DpoLoss, DpoLossType, GrpoLossType, KtoLoss};
+use streambp_objectives::{
+    CpoLoss, DpoLoss, DpoLossType, GrpoLossType, ImportanceSampling, KtoLoss, VespoGamma,
+};
 
 use crate::data::Overflow;
 use crate::optim::Schedule;
@@ -154,6 +156,14 @@ pub struct GrpoConfig {
     /// sapo's gate temperatures for positive and negative advantages (TRL's
     /// `sapo_temperature_pos` / `_neg`: 1.0 and 1.05).
     pub sapo_temperatures: (f64, f64),
+    /// One importance weight per token or per completion (GSPO; TRL's
+    /// `importance_sampling_level`).
+    pub importance_sampling: ImportanceSampling,
+    /// vespo's gamma weights (TRL's `vespo_k_pos`, `vespo_lambda_pos`, `_neg`).
+    pub vespo_gamma: VespoGamma,
+    /// Completions with a negative advantage that drifted further than this from the policy that
+    /// sampled them leave the policy term (TRL's `off_policy_mask_threshold`).
+    pub off_policy_mask_threshold: Option<f64>,
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first).
     pub num_iterations: usize,
 }
@@ -271,6 +281,9 @@ impl GrpoConfig {
             scale_rewards: crate::rewards::ScaleRewards::Group,
             mask_truncated_completions: false,
             sapo_temperatures: (1.0, 1.05),
+            importance_sampling: ImportanceSampling::Token,
+            vespo_gamma: VespoGamma::default(),
+            off_policy_mask_threshold: None,
             num_iterations: 1,
         }
     }
@@ -834,6 +847,28 @@ impl GrpoConfig {
                 "must be a number above 0",
             )?;
         }
+        let VespoGamma { positive, negative } = self.vespo_gamma;
+        for (flag, value) in [
+            ("--vespo-k-pos", positive.0),
+            ("--vespo-lambda-pos", positive.1),
+            ("--vespo-k-neg", negative.0),
+            ("--vespo-lambda-neg", negative.1),
+        ] {
+            require(
+                value.is_finite() && value >= 0.0,
+                flag,
+                value,
+                "must be a number at least 0",
+            )?;
+        }
+        if let Some(threshold) = self.off_policy_mask_threshold {
+            require(
+                threshold.is_finite(),
+                "--off-policy-mask-threshold",
+                threshold,
+                "must be a number",
+            )?;
+        }
         if let Some(high) = self.epsilon_high {
             require(
                 high.is_finite() && high > 0.0,
@@ -859,6 +894,22 @@ impl GrpoConfig {
                 "sapo_temperature_neg",
                 (self.sapo_temperatures.1 != d.sapo_temperatures.1)
                     .then_some(self.sapo_temperatures.1),
+            ),
+            (
+                "vespo_k_pos",
+                (positive.0 != d.vespo_gamma.positive.0).then_some(positive.0),
+            ),
+            (
+                "vespo_lambda_pos",
+                (positive.1 != d.vespo_gamma.positive.1).then_some(positive.1),
+            ),
+            (
+                "vespo_k_neg",
+                (negative.0 != d.vespo_gamma.negative.0).then_some(negative.0),
+            ),
+            (
+                "vespo_lambda_neg",
+                (negative.1 != d.vespo_gamma.negative.1).then_some(negative.1),
             ),
         ];
         for (setting, value) in given {

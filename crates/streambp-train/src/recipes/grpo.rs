@@ -117,6 +117,9 @@ impl MicroBatch {
                 num_items_in_batch: num_items,
                 use_bias_correction_kl: true,
                 sapo_temperatures: g.sapo_temperatures,
+                importance_sampling: g.importance_sampling,
+                vespo_gamma: g.vespo_gamma,
+                off_policy_mask_threshold: g.off_policy_mask_threshold,
             },
             setup.model.config.vocab_size,
             &setup.device,
@@ -724,6 +727,18 @@ impl GrpoConfig {
             ("--scale-rewards", self.scale_rewards.name().into()),
             ("--sapo-temperature-pos", self.sapo_temperatures.0.into()),
             ("--sapo-temperature-neg", self.sapo_temperatures.1.into()),
+            (
+                "--importance-sampling-level",
+                self.importance_sampling.name().into(),
+            ),
+            ("--vespo-k-pos", self.vespo_gamma.positive.0.into()),
+            ("--vespo-lambda-pos", self.vespo_gamma.positive.1.into()),
+            ("--vespo-k-neg", self.vespo_gamma.negative.0.into()),
+            ("--vespo-lambda-neg", self.vespo_gamma.negative.1.into()),
+            (
+                "--off-policy-mask-threshold",
+                self.off_policy_mask_threshold.into(),
+            ),
             (
                 "--mask-truncated-completions",
                 self.mask_truncated_completions.into(),
