@@ -16,6 +16,9 @@ trainer of grpo_loss_reference.py (one process, one accumulation step, no vLLM),
                                        vespo/phi_seq_mean where it logs them, '/' written '_'
         "<variant>.grad.<param>"  d loss / d param, HF parameter names
         "off_policy.threshold"    [1]  the off-policy variant's threshold (below)
+    tests/fixtures/<family>/lora/grpo_trl.safetensors
+        the same for LORA_VARIANTS on the family's PEFT adapter (PeftModel.from_pretrained, float64), the
+        adapter's gradients keyed as adapter_model.safetensors keys them
 
 The batch edits the Rust tests make are the same: `epsilon` GSPO_EPSILON where given, `num_items_scale` 3 for the dapo-reduced types (as if the
 batch were a third of the global one). The off-policy threshold lies halfway between the two negative-
@@ -37,6 +40,9 @@ from trl.trainer.utils import add_fused_lm_head
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fixture_tools  # noqa: E402
+import peft  # noqa: E402
+from peft import PeftModel  # noqa: E402
+from make_lora_fixtures import load_base, saved_key  # noqa: E402
 from grpo_loss_reference import PROMPT_LEN, bare_trainer, exact_float64_trl, trl_inputs  # noqa: E402
 from make_fixtures import F64, token_logps  # noqa: E402
 
@@ -60,6 +66,8 @@ VARIANTS = {
     "off_policy_gspo": ({"loss_type": "dapo", "importance_sampling_level": "sequence",
                          "off_policy_mask_threshold": None}, {"num_items_scale": 3}),
 }
+# Those run on the PEFT adapter too (one per kind of term).
+LORA_VARIANTS = ("gspo", "luspo", "vespo", "off_policy_gspo")
 METRICS = ("kl", "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean")
 
 
@@ -76,23 +84,26 @@ def off_policy_threshold(model, batch):
     return (negative[0] + negative[1]) / 2
 
 
-def trl_loss(model, batch, overrides, edits):
-    """TRL's loss, its logged metrics and every parameter's gradient."""
+def trl_loss(model, batch, overrides, edits, key=lambda name: name):
+    """TRL's loss, its logged metrics and the gradient of every trainable parameter (keyed by `key`)."""
     trainer = bare_trainer(model, batch, **overrides)
-    add_fused_lm_head(model, temperature=trainer.temperature, outputs=("log_probs", "entropy"))  # as __init__ does
+    # as __init__ does (on a PEFT model, on its base model)
+    head_model = model.get_base_model() if isinstance(model, PeftModel) else model
+    add_fused_lm_head(head_model, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
     try:
         model.zero_grad()
         with exact_float64_trl():
             loss = trainer._compute_loss(model, trl_inputs(batch, **edits))
             loss.backward()
     finally:
-        del model.forward  # back to the class's forward
+        del head_model.forward  # back to the class's forward
     out = {"loss": loss.detach().reshape(1).to(F64)}
     logged = trainer._metrics["train"]
     out.update({m.replace("/", "_"): torch.tensor([logged[m][-1]], dtype=F64) for m in METRICS if m in logged})
     for n, p in model.named_parameters():
-        assert torch.isfinite(p.grad).all() and p.grad.abs().max() > 0, f"{n}: gradient zero or not finite"
-        out[f"grad.{n}"] = p.grad.detach().to(F64).clone()
+        if p.requires_grad:
+            assert torch.isfinite(p.grad).all() and p.grad.abs().max() > 0, f"{n}: gradient zero or not finite"
+            out[f"grad.{key(n)}"] = p.grad.detach().to(F64).clone()
     return out
 
 
@@ -117,6 +128,22 @@ def make_family(name, root):
     meta = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
             "batch": "grpo-batch.json", "variants": json.dumps(VARIANTS)}
     save_file(out, os.path.join(d, "grpo_trl.safetensors"), metadata=meta)
+
+    # The same on the family's PEFT adapter (tests/fixtures/<family>/lora), gradients of the adapter.
+    out = {"off_policy.threshold": torch.tensor([threshold], dtype=F64)}
+    with exact_float64_trl():
+        base = load_base(name, root, F64)
+        model = PeftModel.from_pretrained(base, os.path.join(d, "lora"), is_trainable=True).to(F64)
+    model.train()
+    for variant in LORA_VARIANTS:
+        overrides, edits = VARIANTS[variant]
+        if "off_policy_mask_threshold" in overrides:
+            overrides = {**overrides, "off_policy_mask_threshold": threshold}
+        got = trl_loss(model, batch, overrides, edits, key=saved_key)
+        out.update({f"{variant}.{k}": v.contiguous() for k, v in got.items()})
+        print(f"{name:7s} {variant:16s} loss {got['loss'].item():+.6f} (LoRA)")
+    meta["peft"] = peft.__version__
+    save_file(out, os.path.join(d, "lora", "grpo_trl.safetensors"), metadata=meta)
 
 
 if __name__ == "__main__":

@@ -140,7 +140,8 @@ fn assert_two_ranks_match_one(args_with_batch: impl Fn(usize) -> String, b: usiz
 /// row's positions, the same batches on both) train as one process does: SFT with accumulation,
 /// DPO with its NLL term (a loss of whole sequences), GRPO with a KL term and two iterations (its
 /// reference and old policy scored on the split sequences too; three prompts a micro-batch, sampled
-/// two on one rank and one on the other and shared), a LoRA adapter with dropout (its masks drawn
+/// two on one rank and one on the other and shared; and with vespo's, the sequence level's and the
+/// off-policy mask's terms of whole rows), a LoRA adapter with dropout (its masks drawn
 /// by position in the whole row), and packed rows of 23 tokens (spans of 12 and 11, documents
 /// crossing between them).
 #[test]
@@ -152,6 +153,8 @@ fn sequences_split_over_two_ranks_train_as_one_process() {
         "sft --max-steps 3 --batch-size 4 --grad-accum 2 --chunk 3 --seed 4",
         "dpo --max-steps 2 --batch-size 2 --grad-accum 2 --sft-weight 0.5 --chunk 2 --seed 2",
         "grpo --max-steps 2 --batch-size 3 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7",
+        "grpo --max-steps 2 --batch-size 3 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7 \
+         --loss-type vespo --importance-sampling-level sequence --off-policy-mask-threshold 0.01",
         "sft --max-steps 2 --batch-size 2 --chunk 2 --lora-r 4 --lora-dropout 0.3 --lr 1e-2 --seed 3",
         "sft --max-steps 2 --batch-size 2 --packing --max-length 23 --chunk 4 --seed 6",
     ] {
@@ -219,9 +222,9 @@ fn orpo_and_cpo_on_two_ranks_are_one_process() {
 }
 
 /// GRPO with TRL's default dapo (one normaliser over both ranks' tokens); with cispo and rewards
-/// scaled by the whole batch's standard deviation (both summed over the ranks); and with truncated
+/// scaled by the whole batch's standard deviation (both summed over the ranks); with truncated
 /// completions masked out of completions of at most 2 tokens (groups left without any run at
-/// weight 0, so the ranks' calls stay paired).
+/// weight 0, so the ranks' calls stay paired); and GSPO's weights under luspo (a mean over rows).
 #[test]
 fn grpo_on_two_ranks_is_one_process() {
     if !mpi_available() {
@@ -231,6 +234,7 @@ fn grpo_on_two_ranks_is_one_process() {
         "",
         " --loss-type cispo --epsilon-high 4 --scale-rewards batch",
         " --mask-truncated-completions --max-new-tokens 2",
+        " --loss-type luspo --importance-sampling-level sequence --epsilon 0.05",
     ] {
         assert_two_ranks_match_one(
             |b| {

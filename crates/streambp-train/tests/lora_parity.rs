@@ -191,6 +191,49 @@ fn adapter_gradients_match_full_backward_and_peft() {
     }
 }
 
+/// GRPO's sequence-level weights (grpo and luspo), vespo and the off-policy mask through the
+/// adapters, against TRL's own `_compute_loss` on PEFT's float64 model
+/// (scripts/make_grpo_trl_fixtures.py, `lora/grpo_trl.safetensors`).
+#[test]
+fn grpo_sequence_options_match_trl_with_lora() {
+    for family in FAMILIES {
+        let model = lora_model(family, 0.0);
+        let r = candle_core::safetensors::load(
+            lora_dir(family).join("grpo_trl.safetensors"),
+            &Device::Cpu,
+        )
+        .expect("fixture lora/grpo_trl.safetensors");
+        let threshold = r["off_policy.threshold"].to_vec1::<f64>().unwrap()[0];
+        let variants = grpo_trl::variants(threshold);
+        let in_fixture = variants
+            .iter()
+            .filter(|v| r.contains_key(&format!("{}.loss", v.name)));
+        let mut count = 0;
+        for v in in_fixture {
+            let batch = edited_batch(family, "grpo-batch.json", v.edit.as_ref(), &model.config);
+            let run = |mode, (chunk, logits_chunk)| {
+                let input = Batch::new(&batch.input_ids, batch.attention_mask.as_ref());
+                let plan = Plan::new(
+                    mode,
+                    Chunks {
+                        chunk,
+                        logits_chunk,
+                    },
+                );
+                backward_with(&model, input, batch.objective.as_ref(), plan).unwrap()
+            };
+            let full = run(Mode::Full, (1, 1));
+            for (mode, chunk, logits_chunk) in [(Mode::Full, 1, 1)].into_iter().chain(RUNS) {
+                let out = run(mode, (chunk, logits_chunk));
+                let what = format!("{family} {} {mode} {chunk}/{logits_chunk} (PEFT)", v.name);
+                assert_exact(&what, (out.loss, &out.grads), &full.grads, (&r, v.name));
+            }
+            count += 1;
+        }
+        assert_eq!(count, 4, "{family}: the fixture's LoRA variants");
+    }
+}
+
 /// ORPO, CPO (SimPO with smoothing, AlphaPO) and KTO through the same adapters, against TRL's own
 /// loss code on PEFT's float64 model (scripts/make_lora_preference_fixtures.py: KTO's KL baseline
 /// made 0.3); and a LoRA reward model, its score head trained beside the adapters as PEFT's

@@ -11,7 +11,6 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 use streambp_core::{backward, Batch, Chunks, Gradients, Mode};
 use streambp_models::load_model;
-use streambp_train::batch_file::load_batch;
 
 /// Runs `mode` on the batch file of `family` after `edit`, in f64.
 fn run(
@@ -21,19 +20,8 @@ fn run(
     mode: Mode,
     chunks: Chunks,
 ) -> Gradients {
-    let dir = fixture_dir(family);
-    let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join(file)).unwrap()).unwrap();
-    edit(&mut json);
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join(file);
-    std::fs::write(&path, json.to_string()).unwrap();
-    let model = load_model(&dir, DType::F64, &Device::Cpu).unwrap();
-    let mut no_reference =
-        |_: &Tensor, _: Option<&Tensor>, _: &Tensor, _: f64| -> streambp_train::Result<Tensor> {
-            panic!("the fixture batches carry their reference log-probs")
-        };
-    let batch = load_batch(&path, &model.config, &Device::Cpu, &mut no_reference).unwrap();
+    let model = load_model(&fixture_dir(family), DType::F64, &Device::Cpu).unwrap();
+    let batch = edited_batch(family, file, edit, &model.config);
     let input = Batch::new(&batch.input_ids, batch.attention_mask.as_ref());
     backward(&model, input, batch.objective.as_ref(), mode, chunks).unwrap()
 }
@@ -276,151 +264,19 @@ fn grpo_matches_full_backward_and_reference_for_each_loss_type() {
 /// per row needs the whole row: the engine hands these losses all positions at once).
 #[test]
 fn grpo_sequence_options_match_trl() {
-    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
-    let set = |pairs: Vec<(&'static str, serde_json::Value)>| -> Edit {
-        Box::new(move |j| {
-            for (k, v) in &pairs {
-                j[*k] = v.clone();
-            }
-        })
-    };
-    let sequence = || ("importance_sampling_level", "sequence".into());
-    let loss = |name: &str| ("loss_type", serde_json::Value::from(name));
-    // TRL's num_items_in_batch as a third of the global batch for the dapo-reduced types.
-    let tokens = |j: &serde_json::Value| -> f64 {
-        j["completion_mask"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|r| r.as_array().unwrap())
-            .map(|m| m.as_f64().unwrap())
-            .sum()
-    };
-    let third = |edit: Edit| -> Edit {
-        Box::new(move |j| {
-            edit(j);
-            j["num_items_in_batch"] = (3.0 * tokens(j)).into();
-        })
-    };
-    let unclipped = |edit: Edit| -> Edit {
-        Box::new(move |j| {
-            edit(j);
-            j.as_object_mut().unwrap().remove("epsilon");
-        })
-    };
     for family in FAMILIES {
         let dir = fixture_dir(family);
         let r = candle_core::safetensors::load(dir.join("grpo_trl.safetensors"), &Device::Cpu)
             .expect("fixture grpo_trl.safetensors");
-        let threshold = scalar(&r, "off_policy.threshold");
-        let gspo_epsilon = ("epsilon", 0.05.into());
-        let variants: Vec<(&str, Edit, &[&str])> = vec![
-            (
-                "gspo",
-                set(vec![sequence(), loss("grpo"), gspo_epsilon.clone()]),
-                &["kl", "clip_ratio"],
-            ),
-            (
-                "gspo_plain_kl",
-                set(vec![
-                    sequence(),
-                    loss("grpo"),
-                    gspo_epsilon.clone(),
-                    ("use_bias_correction_kl", false.into()),
-                ]),
-                &["kl", "clip_ratio"],
-            ),
-            (
-                "gspo_cispo",
-                unclipped(set(vec![
-                    sequence(),
-                    loss("cispo"),
-                    ("epsilon_high", 1.02.into()),
-                ])),
-                &["kl", "clip_ratio"],
-            ),
-            (
-                "gspo_sapo",
-                unclipped(set(vec![sequence(), loss("sapo")])),
-                &["kl"],
-            ),
-            (
-                "gspo_noold",
-                Box::new(|j: &mut serde_json::Value| {
-                    let o = j.as_object_mut().unwrap();
-                    o.remove("old_logps");
-                    o.remove("ref_logps");
-                    o.insert("beta".into(), 0.0.into());
-                    o.insert("loss_type".into(), "grpo".into());
-                    o.insert("importance_sampling_level".into(), "sequence".into());
-                }),
-                &["clip_ratio"],
-            ),
-            (
-                "luspo",
-                set(vec![sequence(), loss("luspo"), gspo_epsilon.clone()]),
-                &["kl", "clip_ratio"],
-            ),
-            (
-                "luspo_token",
-                set(vec![loss("luspo")]),
-                &["kl", "clip_ratio"],
-            ),
-            (
-                "vespo",
-                third(unclipped(set(vec![loss("vespo")]))),
-                &["kl", "vespo/phi_seq_mean"],
-            ),
-            (
-                "vespo_shape",
-                third(unclipped(set(vec![
-                    loss("vespo"),
-                    ("vespo_k_pos", 1.5.into()),
-                    ("vespo_lambda_pos", 0.5.into()),
-                    ("vespo_k_neg", 0.7.into()),
-                    ("vespo_lambda_neg", 4.0.into()),
-                ]))),
-                &["kl", "vespo/phi_seq_mean"],
-            ),
-            (
-                "vespo_sequence",
-                third(unclipped(set(vec![loss("vespo"), sequence()]))),
-                &["kl", "vespo/phi_seq_mean"],
-            ),
-            (
-                "off_policy",
-                set(vec![
-                    loss("grpo"),
-                    ("off_policy_mask_threshold", threshold.into()),
-                ]),
-                &["kl", "clip_ratio"],
-            ),
-            (
-                "off_policy_gspo",
-                third(set(vec![
-                    loss("dapo"),
-                    sequence(),
-                    ("off_policy_mask_threshold", threshold.into()),
-                ])),
-                &["kl", "clip_ratio"],
-            ),
-        ];
-        for (name, edit, metrics) in &variants {
-            let out = check_against(&r, family, "grpo-batch.json", edit.as_ref(), name);
-            for metric_name in *metrics {
-                // TRL logs the clip fraction as clip_ratio/region_mean, cispo's as cispo_clip_ratio.
-                let key = match (*metric_name, *name) {
-                    ("clip_ratio", "gspo_cispo") => "cispo_clip_ratio".to_string(),
-                    ("clip_ratio", _) => "clip_ratio_region_mean".to_string(),
-                    (m, _) => m.replace('/', "_"),
-                };
-                let (ours, theirs) = (
-                    metric(&out, metric_name),
-                    scalar(&r, &format!("{name}.{key}")),
-                );
+        for v in grpo_trl::variants(scalar(&r, "off_policy.threshold")) {
+            let out = check_against(&r, family, "grpo-batch.json", v.edit.as_ref(), v.name);
+            for name in v.metrics {
+                let key = grpo_trl::metric_key(v.name, name);
+                let (ours, theirs) = (metric(&out, name), scalar(&r, &key));
                 assert!(
                     (ours - theirs).abs() < 1e-10 * theirs.abs().max(1.0),
-                    "{family} {name} {metric_name}: {ours} vs TRL {theirs}"
+                    "{family} {} {name}: {ours} vs TRL {theirs}",
+                    v.name
                 );
             }
         }

@@ -2,6 +2,8 @@
 
 #![allow(unused_imports, dead_code)]
 
+pub mod grpo_trl;
+
 pub use streambp_testkit::*;
 
 use streambp_train::data::{load_sft, Example, Overflow};
@@ -40,4 +42,28 @@ pub fn arithmetic_tokenizer_with_template(dir: &std::path::Path, template: &str)
     config["chat_template"] = template.into();
     std::fs::write(builtin.join("tokenizer_config.json"), config.to_string()).unwrap();
     TextTokenizer::from_dir(&builtin).unwrap()
+}
+
+/// `family`'s batch file `file` after `edit`, loaded for `config` on the CPU (its reference
+/// log-probs given in the file).
+pub fn edited_batch(
+    family: &str,
+    file: &str,
+    edit: &dyn Fn(&mut serde_json::Value),
+    config: &streambp_models::ModelConfig,
+) -> streambp_train::batch_file::PreparedBatch {
+    use candle_core::Tensor;
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture_dir(family).join(file)).unwrap())
+            .unwrap();
+    edit(&mut json);
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join(file);
+    std::fs::write(&path, json.to_string()).unwrap();
+    let mut no_reference =
+        |_: &Tensor, _: Option<&Tensor>, _: &Tensor, _: f64| -> streambp_train::Result<Tensor> {
+            panic!("the fixture batches carry their reference log-probs")
+        };
+    let device = candle_core::Device::Cpu;
+    streambp_train::batch_file::load_batch(&path, config, &device, &mut no_reference).unwrap()
 }
