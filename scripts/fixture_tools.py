@@ -38,3 +38,17 @@ def compare(name, variant, got, want, loss_tolerance, grad_tolerance, nonzero=Tr
             worst_value = max(worst_value, err)
     assert worst_grad < grad_tolerance, f"{name} {variant}: gradients differ by {worst_grad}"
     return worst_value, worst_grad
+
+
+def logged_and_grads(trainer, metrics, model, key=lambda name: name):
+    """A bare TRL trainer's last logged value of each of `metrics` it logged (float64 [1], '/' written '_'),
+    and the gradient of every trainable parameter of `model` as `grad.<key(name)>`, each asserted finite and
+    not all zero."""
+    out = {}
+    logged = trainer._metrics["train"]
+    out.update({m.replace("/", "_"): torch.tensor([logged[m][-1]], dtype=torch.float64) for m in metrics if m in logged})
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.isfinite(p.grad).all() and p.grad.abs().max() > 0, f"{n}: gradient zero or not finite"
+            out[f"grad.{key(n)}"] = p.grad.detach().to(torch.float64).clone()
+    return out

@@ -97,14 +97,7 @@ def trl_loss(model, batch, overrides, edits, key=lambda name: name):
             loss.backward()
     finally:
         del head_model.forward  # back to the class's forward
-    out = {"loss": loss.detach().reshape(1).to(F64)}
-    logged = trainer._metrics["train"]
-    out.update({m.replace("/", "_"): torch.tensor([logged[m][-1]], dtype=F64) for m in METRICS if m in logged})
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            assert torch.isfinite(p.grad).all() and p.grad.abs().max() > 0, f"{n}: gradient zero or not finite"
-            out[f"grad.{key(n)}"] = p.grad.detach().to(F64).clone()
-    return out
+    return {"loss": loss.detach().reshape(1).to(F64), **fixture_tools.logged_and_grads(trainer, METRICS, model, key)}
 
 
 def make_family(name, root):

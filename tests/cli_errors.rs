@@ -143,6 +143,16 @@ const CASES: &[Case] = &[
         "epsilon applies to loss_type grpo, bnpo, dr_grpo, dapo and luspo, not sapo",
     ),
     case(
+        "grad --model {fixtures}/qwen3 --batch {dir}/rloo_groups.json --out {dir}/g.safetensors",
+        1,
+        "num_generations 3 must be at least 2 and divide the batch's 4 completions",
+    ),
+    case(
+        "grad --model {fixtures}/qwen3 --batch {dir}/rloo_advantages.json --out {dir}/g.safetensors",
+        1,
+        "bad rloo batch: unknown field `advantages`",
+    ),
+    case(
         "grad --model {fixtures}/qwen3 --batch {dir}/dpo_discopop.json --out {dir}/g.safetensors",
         1,
         "discopop_tau applies to loss_type discopop only, not hinge",
@@ -151,7 +161,7 @@ const CASES: &[Case] = &[
     case(
         "grad --model {fixtures}/qwen3 --batch {dir}/reward_upper.json --out {dir}/g.safetensors",
         1,
-        "unknown objective \"REWARD\" (expected sft, dpo, orpo, cpo, kto, reward or grpo)",
+        "unknown objective \"REWARD\" (expected sft, dpo, orpo, cpo, kto, reward, grpo or rloo)",
     ),
     case(
         "grad --model {fixtures}/qwen3 --batch {dir}/negative_epsilon_high.json --out {dir}/g.safetensors",
@@ -570,6 +580,22 @@ fn prepare(dir: &Path) {
     edited("qwen3/grpo-batch.json", "sapo_epsilon.json", &|j| {
         j["loss_type"] = "sapo".into();
         j["epsilon"] = 0.3.into();
+    });
+    // RLOO: the GRPO batch with rewards, in groups of 3 that do not divide its 4 completions; and
+    // with advantages as GRPO's (a field RLOO does not read).
+    let as_rloo = |j: &mut serde_json::Value, g: usize| {
+        let o = j.as_object_mut().unwrap();
+        o.remove("max_completion_length");
+        o.insert("objective".into(), "rloo".into());
+        o.insert("rewards".into(), serde_json::json!([1.0, 0.0, 0.5, 0.2]));
+        o.insert("num_generations".into(), g.into());
+    };
+    edited("qwen3/grpo-batch.json", "rloo_groups.json", &|j| {
+        as_rloo(j, 3);
+        j.as_object_mut().unwrap().remove("advantages");
+    });
+    edited("qwen3/grpo-batch.json", "rloo_advantages.json", &|j| {
+        as_rloo(j, 2)
     });
     edited("qwen3/dpo-batch.json", "dpo_discopop.json", &|j| {
         j["loss_type"] = "hinge".into();

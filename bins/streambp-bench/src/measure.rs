@@ -9,7 +9,7 @@ use streambp_core::memory::Meter;
 use streambp_core::{backward_with, Batch, Chunks, Mode, Options, Plan};
 use streambp_kernels::op_times;
 use streambp_models::Model;
-use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Sft};
+use streambp_objectives::{Dpo, Grpo, GrpoBatch, GrpoLossType, Objective, Rollouts, Sft};
 use streambp_train::optim::{AdamW, AdamWConfig};
 
 use crate::args::{rows_of, Args};
@@ -67,11 +67,13 @@ pub(crate) fn workload(
             let reference: Vec<Vec<f64>> = vec![vec![-5.0; t]; rows];
             Box::new(Grpo::new(
                 &GrpoBatch {
-                    input_ids: &ids,
-                    completion_mask: &completion,
+                    rollouts: Rollouts {
+                        input_ids: &ids,
+                        completion_mask: &completion,
+                        old_logps: None,
+                        ref_logps: Some(&reference),
+                    },
                     advantages: &advantages,
-                    old_logps: None,
-                    ref_logps: Some(&reference),
                     beta: 0.04,
                     epsilon_low: 0.2,
                     epsilon_high: 0.2,

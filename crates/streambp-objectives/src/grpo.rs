@@ -26,6 +26,7 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::rollouts::{bad, shift, Rollouts};
 use crate::{Objective, ObjectiveError, Result};
 
 /// How GRPO reduces per-token losses.
@@ -211,21 +212,14 @@ impl VespoGamma {
     }
 }
 
-/// A GRPO batch: `G` sequences (prompt + completion), right-padded.
+/// A GRPO batch.
 #[derive(Debug, Clone)]
 pub struct GrpoBatch<'a> {
-    /// `[G][T]` token ids, prompt then completion, right-padded.
-    pub input_ids: &'a [Vec<i64>],
-    /// `[G][T]`, 1 = completion token (the positions the loss covers); 0 at position 0.
-    pub completion_mask: &'a [Vec<i64>],
+    /// `G` sequences (prompt + completion), right-padded, with the log-probs that scored them; the
+    /// reference's are required when `beta` is not 0, unused when it is.
+    pub rollouts: Rollouts<'a>,
     /// `[G]`: one advantage per sequence.
     pub advantages: &'a [f64],
-    /// `[G][T]` log-probs of `input_ids[t]` under the policy that sampled them (`π_old`), aligned with
-    /// `input_ids`, read at completion positions; `None`: the current policy, detached.
-    pub old_logps: Option<&'a [Vec<f64>]>,
-    /// `[G][T]` log-probs under the reference model (`ρ`), aligned like `old_logps`; required when
-    /// `beta` is not 0, unused when it is.
-    pub ref_logps: Option<&'a [Vec<f64>]>,
     /// Weight of the KL penalty to the reference (≥ 0; 0 skips the reference).
     pub beta: f64,
     /// The ratio is clipped below at `1 − epsilon_low`.
@@ -285,128 +279,11 @@ pub struct Grpo {
     off_policy_mask_threshold: Option<f64>,
 }
 
-/// Shifts a per-position array aligned with input_ids into logits coordinates (drops position 0).
-fn shift<T: Copy + Default>(rows: &[Vec<T>]) -> Vec<T> {
-    rows.iter()
-        .flat_map(|r| {
-            r.iter()
-                .skip(1)
-                .copied()
-                .chain(std::iter::once(T::default()))
-        })
-        .collect()
-}
-
-/// The error of a malformed batch, saying what is wrong with it (`m`).
-fn bad(m: String) -> ObjectiveError {
-    ObjectiveError::Batch(m)
-}
-
 impl GrpoBatch<'_> {
-    /// The batch's `(G, T)`, once every array is checked to have input_ids' `[G][T]` shape (`[G]`
-    /// for the advantages).
-    fn shape(&self) -> Result<(usize, usize)> {
-        let g = self.input_ids.len();
-        let t = self.input_ids.first().map(Vec::len).unwrap_or(0);
-        if g == 0 || t == 0 {
-            return Err(bad("empty input_ids".into()));
-        }
-        let same_shape = |name: &str, rows: usize, lens: &mut dyn Iterator<Item = usize>| {
-            if rows != g {
-                return Err(bad(format!("{name} has {rows} rows, input_ids has {g}")));
-            }
-            if let Some((i, l)) = lens.enumerate().find(|(_, l)| *l != t) {
-                return Err(bad(format!("{name} row {i} has {l} entries, expected {t}")));
-            }
-            Ok(())
-        };
-        same_shape("input_ids", g, &mut self.input_ids.iter().map(Vec::len))?;
-        same_shape(
-            "completion_mask",
-            self.completion_mask.len(),
-            &mut self.completion_mask.iter().map(Vec::len),
-        )?;
-        for (name, arr) in [("old_logps", self.old_logps), ("ref_logps", self.ref_logps)] {
-            if let Some(a) = arr {
-                same_shape(name, a.len(), &mut a.iter().map(Vec::len))?;
-            }
-        }
-        if self.advantages.len() != g {
-            return Err(bad(format!(
-                "advantages has {} entries for {g} sequences",
-                self.advantages.len()
-            )));
-        }
-        Ok((g, t))
-    }
-
-    /// Checks that every advantage is finite and every token id inside the vocabulary of
-    /// `vocab_size`.
-    fn check_advantages_and_ids(&self, vocab_size: usize) -> Result<()> {
-        if let Some(a) = self.advantages.iter().find(|a| !a.is_finite()) {
-            return Err(bad(format!("advantage {a} is not finite")));
-        }
-        for (b, row) in self.input_ids.iter().enumerate() {
-            if let Some(id) = row.iter().find(|&&id| id < 0 || id as usize >= vocab_size) {
-                return Err(bad(format!(
-                    "token id {id} in row {b} is outside the vocabulary (size {vocab_size})"
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// The number of completion tokens of each row, once the completion mask is checked to hold
-    /// only 0/1, never to mark position 0, and to mark some token.
-    fn completion_lengths(&self) -> Result<Vec<usize>> {
-        let mut completion_lengths = Vec::with_capacity(self.completion_mask.len());
-        for (b, row) in self.completion_mask.iter().enumerate() {
-            if row.iter().any(|&m| m != 0 && m != 1) {
-                return Err(bad(format!(
-                    "completion_mask row {b} holds values other than 0/1"
-                )));
-            }
-            if row[0] != 0 {
-                return Err(bad(format!(
-                    "completion_mask row {b} marks position 0, which has no preceding logits"
-                )));
-            }
-            // A row without completion tokens adds nothing (TRL's mask_truncated_completions
-            // leaves such rows); a batch without any is refused.
-            completion_lengths.push(row.iter().filter(|&&m| m == 1).count());
-        }
-        if completion_lengths.iter().all(|&n| n == 0) {
-            return Err(bad(
-                "completion_mask marks no completion token in any row".into()
-            ));
-        }
-        Ok(completion_lengths)
-    }
-
-    /// Checks that the old and reference log-probs given are finite at every completion position.
-    fn check_logps(&self) -> Result<()> {
-        for (name, arr) in [("old_logps", self.old_logps), ("ref_logps", self.ref_logps)] {
-            if let Some(a) = arr {
-                for (b, (row, m)) in a.iter().zip(self.completion_mask).enumerate() {
-                    if let Some((p, v)) = row
-                        .iter()
-                        .zip(m)
-                        .enumerate()
-                        .find(|(_, (v, &m))| m == 1 && !v.is_finite())
-                        .map(|(p, (v, _))| (p, v))
-                    {
-                        return Err(bad(format!("{name} row {b} position {p} is {v}")));
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Checks the scalar parameters: the reference log-probs `beta` needs, a positive finite
     /// temperature, non-negative `beta` and epsilons, and positive finite sapo temperatures.
     fn check_parameters(&self) -> Result<()> {
-        if self.beta != 0.0 && self.ref_logps.is_none() {
+        if self.beta != 0.0 && self.rollouts.ref_logps.is_none() {
             return Err(bad(
                 "beta != 0 needs ref_logps (or a reference model)".into()
             ));
@@ -492,39 +369,31 @@ impl Grpo {
     /// Checks `batch` (shapes, ids inside `vocab_size`, masks, finite values, the parameters its loss
     /// type needs) and moves it to `device` in logits coordinates.
     pub fn new(batch: &GrpoBatch, vocab_size: usize, device: &Device) -> Result<Self> {
-        let (g, t) = batch.shape()?;
-        batch.check_advantages_and_ids(vocab_size)?;
-        let completion_lengths = batch.completion_lengths()?;
-        batch.check_logps()?;
+        let rollouts = &batch.rollouts;
+        let advantages = ("advantages", batch.advantages.len());
+        let ((g, t), completion_lengths) = rollouts.check(&[advantages], vocab_size)?;
+        if let Some(a) = batch.advantages.iter().find(|a| !a.is_finite()) {
+            return Err(bad(format!("advantage {a} is not finite")));
+        }
         batch.check_parameters()?;
         let denominators = batch.denominators(&completion_lengths)?;
-        let mask = shift(batch.completion_mask);
-        let weights: Vec<f64> = mask
+        let weights: Vec<f64> = shift(rollouts.completion_mask)
             .iter()
             .enumerate()
             .map(|(i, &m)| m as f64 / denominators[i / t])
             .collect();
-        let targets: Vec<u32> = shift(batch.input_ids)
-            .into_iter()
-            .map(|v| v as u32)
-            .collect();
         let per_pos = |a: Option<&[Vec<f64>]>| -> Result<Option<Tensor>> {
-            a.map(|a| Tensor::from_vec(shift(a), (g, t), device).map_err(ObjectiveError::from))
-                .transpose()
+            a.map(|a| Rollouts::per_position(a, device)).transpose()
         };
         let (pos, neg) = batch.sapo_temperatures;
         Ok(Self {
-            targets: Tensor::from_vec(targets, (g, t), device)?,
-            mask: Tensor::from_vec(
-                mask.iter().map(|&m| m as u8).collect::<Vec<_>>(),
-                (g, t),
-                device,
-            )?,
+            targets: rollouts.targets(device)?,
+            mask: rollouts.mask(device)?,
             weights: Tensor::from_vec(weights, (g, t), device)?,
             advantages: Tensor::from_vec(batch.advantages.to_vec(), (g, 1), device)?,
-            old: per_pos(batch.old_logps)?,
+            old: per_pos(rollouts.old_logps)?,
             reference: if batch.beta != 0.0 {
-                per_pos(batch.ref_logps)?
+                per_pos(rollouts.ref_logps)?
             } else {
                 None
             },

@@ -12,7 +12,8 @@ use streambp_models::ModelConfig;
 use streambp_objectives::pooled_positions;
 use streambp_objectives::{
     Cpo, CpoLoss, Dpo, DpoLoss, Grpo, GrpoBatch, GrpoLossType, Kto, KtoLoss, KtoLossType,
-    LossSettings, Objective, Orpo, RewardModel, Sft, VespoGamma, IGNORE_INDEX,
+    LossSettings, Objective, Orpo, RewardModel, Rloo, RlooBatch, Rollouts, Sft, VespoGamma,
+    IGNORE_INDEX,
 };
 
 use crate::batch::{masked_labels, padded, to_u32_tensor};
@@ -284,6 +285,41 @@ struct GrpoFile {
     off_policy_mask_threshold: Option<f64>,
 }
 
+/// An RLOO batch file: GRPO's rows with rewards in place of advantages.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RlooFile {
+    #[allow(dead_code)]
+    objective: String,
+    input_ids: Vec<Vec<i64>>,
+    attention_mask: Option<Vec<Vec<i64>>>,
+    completion_mask: Vec<Vec<i64>>,
+    rewards: Vec<f64>,
+    #[serde(default = "default_rloo_generations")]
+    num_generations: usize,
+    old_logps: Option<Vec<Vec<f64>>>,
+    ref_logps: Option<Vec<Vec<f64>>>,
+    #[serde(default = "default_rloo_beta")]
+    beta: f64,
+    #[serde(default = "default_epsilon")]
+    epsilon: f64,
+    epsilon_high: Option<f64>,
+    #[serde(default)]
+    normalize_advantages: bool,
+    #[serde(default = "default_temperature")]
+    temperature: f64,
+}
+
+/// TRL 1.16's `RLOOConfig.num_generations`.
+fn default_rloo_generations() -> usize {
+    2
+}
+
+/// TRL 1.16's `RLOOConfig.beta`.
+fn default_rloo_beta() -> f64 {
+    0.05
+}
+
 fn default_importance_sampling_level() -> String {
     "token".into()
 }
@@ -385,12 +421,17 @@ pub fn load_batch(
                 .map_err(|e| fail(format!("bad grpo batch: {e}")))?;
             prepare_grpo(file, vocab_size, device, reference).map_err(named)
         }
+        "rloo" => {
+            let file: RlooFile = serde_json::from_value(value.clone())
+                .map_err(|e| fail(format!("bad rloo batch: {e}")))?;
+            prepare_rloo(file, vocab_size, device, reference).map_err(named)
+        }
         _ => Err(unknown()),
     }
 }
 
 /// The objectives a batch file may name.
-const OBJECTIVE_NAMES: [&str; 7] = ["sft", "dpo", "orpo", "cpo", "kto", "reward", "grpo"];
+const OBJECTIVE_NAMES: [&str; 8] = ["sft", "dpo", "orpo", "cpo", "kto", "reward", "grpo", "rloo"];
 /// [`OBJECTIVE_NAMES`] in a message: "sft, dpo, … or grpo".
 fn objectives() -> String {
     let (last, rest) = OBJECTIVE_NAMES.split_last().unwrap_or((&"", &[]));
@@ -560,45 +601,114 @@ fn dpo_objective(
     })
 }
 
+/// The rows of a GRPO or RLOO file on the device: `input_ids` and the attention mask checked
+/// (rectangular, inside the vocabulary, right-padded, no completion token on padding), and the
+/// reference's log-probs: the file's, or computed where `beta` needs them and it gives none.
+struct CompletionRows {
+    input_ids: Tensor,
+    attention_mask: Option<Tensor>,
+    ref_logps: Option<Vec<Vec<f64>>>,
+    /// Real (unpadded) tokens.
+    tokens: usize,
+}
+
+impl CompletionRows {
+    /// The batch of these rows and `objective`.
+    fn with(self, objective: Box<dyn Objective>) -> PreparedBatch {
+        PreparedBatch {
+            input_ids: self.input_ids,
+            attention_mask: self.attention_mask,
+            position_ids: None,
+            objective,
+            tokens: self.tokens,
+        }
+    }
+}
+
+/// What [`completion_rows`] reads of a GRPO or RLOO file, as the file gives it.
+struct RowArrays<'a> {
+    ids: &'a [Vec<i64>],
+    attention_mask: Option<&'a Vec<Vec<i64>>>,
+    completion_mask: &'a [Vec<i64>],
+    ref_logps: Option<&'a Vec<Vec<f64>>>,
+    beta: f64,
+    temperature: f64,
+}
+
+/// The [`RowArrays`] of a GRPO or RLOO file, which name them alike.
+macro_rules! row_arrays {
+    ($file:expr) => {
+        RowArrays {
+            ids: &$file.input_ids,
+            attention_mask: $file.attention_mask.as_ref(),
+            completion_mask: &$file.completion_mask,
+            ref_logps: $file.ref_logps.as_ref(),
+            beta: $file.beta,
+            temperature: $file.temperature,
+        }
+    };
+}
+
+/// [`CompletionRows`] of a file's arrays.
+fn completion_rows(
+    file: RowArrays,
+    (vocab_size, device): (usize, &Device),
+    reference: &mut Scorer,
+) -> Result<CompletionRows> {
+    let RowArrays {
+        ids,
+        attention_mask,
+        completion_mask,
+        ref_logps,
+        beta,
+        temperature,
+    } = file;
+    let (b, t) = check_rectangular("input_ids", ids)?;
+    check_vocab(ids, vocab_size)?;
+    check_same_shape("completion_mask", completion_mask, b, t)?;
+    if let Some(m) = attention_mask {
+        check_same_shape("attention_mask", m, b, t)?;
+        check_right_padded(m)?;
+        for (row, (c, m)) in completion_mask.iter().zip(m).enumerate() {
+            if c.iter().zip(m).any(|(&c, &m)| c != 0 && m == 0) {
+                return Err(TrainError::data(
+                    "batch",
+                    format!("completion_mask row {row} marks a padded position"),
+                ));
+            }
+        }
+    }
+    let input_ids = to_u32_tensor(ids, device)?;
+    let mask = attention_mask
+        .map(|m| to_u32_tensor(m, device))
+        .transpose()?;
+    let ref_logps = match (ref_logps, beta != 0.0) {
+        (None, true) => Some(token_logps(
+            reference,
+            (&input_ids, mask.as_ref()),
+            ids,
+            temperature,
+        )?),
+        (given, _) => given.cloned(),
+    };
+    Ok(CompletionRows {
+        input_ids,
+        attention_mask: mask,
+        ref_logps,
+        tokens: match attention_mask {
+            Some(m) => m.iter().flatten().filter(|&&v| v != 0).count(),
+            None => b * t,
+        },
+    })
+}
+
 fn prepare_grpo(
     file: GrpoFile,
     vocab_size: usize,
     device: &Device,
     reference: &mut Scorer,
 ) -> Result<PreparedBatch> {
-    let (b, t) = check_rectangular("input_ids", &file.input_ids)?;
-    check_vocab(&file.input_ids, vocab_size)?;
-    check_same_shape("completion_mask", &file.completion_mask, b, t)?;
-    let mask = match &file.attention_mask {
-        Some(m) => {
-            check_same_shape("attention_mask", m, b, t)?;
-            check_right_padded(m)?;
-            for (row, (c, m)) in file.completion_mask.iter().zip(m).enumerate() {
-                if c.iter().zip(m).any(|(&c, &m)| c != 0 && m == 0) {
-                    return Err(TrainError::data(
-                        "batch",
-                        format!("completion_mask row {row} marks a padded position"),
-                    ));
-                }
-            }
-            Some(m.clone())
-        }
-        None => None,
-    };
-    let input_ids = to_u32_tensor(&file.input_ids, device)?;
-    let attention_mask = mask
-        .as_ref()
-        .map(|m| to_u32_tensor(m, device))
-        .transpose()?;
-    let ref_logps = match (&file.ref_logps, file.beta != 0.0) {
-        (None, true) => Some(token_logps(
-            reference,
-            (&input_ids, attention_mask.as_ref()),
-            &file.input_ids,
-            file.temperature,
-        )?),
-        (given, _) => given.clone(),
-    };
+    let rows = completion_rows(row_arrays!(file), (vocab_size, device), reference)?;
     let loss_type = file.loss_type.parse::<GrpoLossType>()?;
     refuse_unread(
         &[
@@ -617,11 +727,13 @@ fn prepare_grpo(
     let gamma = VespoGamma::default();
     let grpo = Grpo::new(
         &GrpoBatch {
-            input_ids: &file.input_ids,
-            completion_mask: &file.completion_mask,
+            rollouts: Rollouts {
+                input_ids: &file.input_ids,
+                completion_mask: &file.completion_mask,
+                old_logps: file.old_logps.as_deref(),
+                ref_logps: rows.ref_logps.as_deref(),
+            },
             advantages: &file.advantages,
-            old_logps: file.old_logps.as_deref(),
-            ref_logps: ref_logps.as_deref(),
             beta: file.beta,
             epsilon_low: epsilon,
             epsilon_high: file.epsilon_high.unwrap_or(epsilon),
@@ -650,16 +762,37 @@ fn prepare_grpo(
         vocab_size,
         device,
     )?;
-    Ok(PreparedBatch {
-        input_ids,
-        attention_mask,
-        position_ids: None,
-        objective: Box::new(grpo),
-        tokens: match &mask {
-            Some(m) => m.iter().flatten().filter(|&&v| v != 0).count(),
-            None => b * t,
+    Ok(rows.with(Box::new(grpo)))
+}
+
+/// An RLOO file's batch (TRL's `RLOOConfig` names and defaults).
+fn prepare_rloo(
+    file: RlooFile,
+    vocab_size: usize,
+    device: &Device,
+    reference: &mut Scorer,
+) -> Result<PreparedBatch> {
+    let rows = completion_rows(row_arrays!(file), (vocab_size, device), reference)?;
+    let rloo = Rloo::new(
+        &RlooBatch {
+            rollouts: Rollouts {
+                input_ids: &file.input_ids,
+                completion_mask: &file.completion_mask,
+                old_logps: file.old_logps.as_deref(),
+                ref_logps: rows.ref_logps.as_deref(),
+            },
+            rewards: &file.rewards,
+            num_generations: file.num_generations,
+            beta: file.beta,
+            epsilon_low: file.epsilon,
+            epsilon_high: file.epsilon_high.unwrap_or(file.epsilon),
+            normalize_advantages: file.normalize_advantages,
+            temperature: file.temperature,
         },
-    })
+        vocab_size,
+        device,
+    )?;
+    Ok(rows.with(Box::new(rloo)))
 }
 
 /// KTO's rows, their kinds and the KL baseline as the file gives them (the reference's log-probs

@@ -191,46 +191,69 @@ fn adapter_gradients_match_full_backward_and_peft() {
     }
 }
 
-/// GRPO's sequence-level weights (grpo and luspo), vespo and the off-policy mask through the
-/// adapters, against TRL's own `_compute_loss` on PEFT's float64 model
-/// (scripts/make_grpo_trl_fixtures.py, `lora/grpo_trl.safetensors`).
+/// GRPO's sequence-level weights (grpo and luspo), vespo and the off-policy mask, and RLOO, through
+/// the adapters, against TRL's own `_compute_loss` on PEFT's float64 model
+/// (scripts/make_grpo_trl_fixtures.py and make_rloo_fixtures.py: `lora/grpo_trl.safetensors`,
+/// `lora/rloo.safetensors`, the variants each holds).
 #[test]
-fn grpo_sequence_options_match_trl_with_lora() {
+fn grpo_sequence_options_and_rloo_match_trl_with_lora() {
     for family in FAMILIES {
         let model = lora_model(family, 0.0);
-        let r = candle_core::safetensors::load(
-            lora_dir(family).join("grpo_trl.safetensors"),
-            &Device::Cpu,
-        )
-        .expect("fixture lora/grpo_trl.safetensors");
-        let threshold = r["off_policy.threshold"].to_vec1::<f64>().unwrap()[0];
-        let variants = grpo_trl::variants(threshold);
-        let in_fixture = variants
-            .iter()
-            .filter(|v| r.contains_key(&format!("{}.loss", v.name)));
-        let mut count = 0;
-        for v in in_fixture {
-            let batch = edited_batch(family, "grpo-batch.json", v.edit.as_ref(), &model.config);
-            let run = |mode, (chunk, logits_chunk)| {
-                let input = Batch::new(&batch.input_ids, batch.attention_mask.as_ref());
-                let plan = Plan::new(
-                    mode,
-                    Chunks {
-                        chunk,
-                        logits_chunk,
-                    },
-                );
-                backward_with(&model, input, batch.objective.as_ref(), plan).unwrap()
-            };
-            let full = run(Mode::Full, (1, 1));
-            for (mode, chunk, logits_chunk) in [(Mode::Full, 1, 1)].into_iter().chain(RUNS) {
-                let out = run(mode, (chunk, logits_chunk));
-                let what = format!("{family} {} {mode} {chunk}/{logits_chunk} (PEFT)", v.name);
-                assert_exact(&what, (out.loss, &out.grads), &full.grads, (&r, v.name));
+        let load = |file: &str| {
+            candle_core::safetensors::load(lora_dir(family).join(file), &Device::Cpu)
+                .unwrap_or_else(|e| panic!("fixture lora/{file}: {e}"))
+        };
+        let grpo = load("grpo_trl.safetensors");
+        let threshold = grpo["off_policy.threshold"].to_vec1::<f64>().unwrap()[0];
+        for (r, variants, count) in [
+            (grpo, trl_variants::variants(threshold), 4),
+            (load("rloo.safetensors"), trl_variants::rloo_variants(), 1),
+        ] {
+            let in_fixture: Vec<_> = variants
+                .iter()
+                .filter(|v| r.contains_key(&format!("{}.loss", v.name)))
+                .collect();
+            assert_eq!(
+                in_fixture.len(),
+                count,
+                "{family}: the fixture's LoRA variants"
+            );
+            for v in in_fixture {
+                assert_batch_matches(&model, (family, v.name), v.edit.as_ref(), &r);
             }
-            count += 1;
         }
-        assert_eq!(count, 4, "{family}: the fixture's LoRA variants");
+    }
+}
+
+/// The edited GRPO batch of `family` on `model` in every mode and chunking: the loss and every
+/// adapter gradient equal the full backward's and the reference `r`'s (`{variant}.loss`,
+/// `{variant}.grad.{key}`).
+fn assert_batch_matches(
+    model: &Model,
+    (family, variant): (&str, &str),
+    edit: &dyn Fn(&mut serde_json::Value),
+    r: &HashMap<String, Tensor>,
+) {
+    let batch = edited_batch(family, "grpo-batch.json", edit, &model.config);
+    let run = |mode, (chunk, logits_chunk)| {
+        let input = Batch::new(&batch.input_ids, batch.attention_mask.as_ref());
+        let chunks = Chunks {
+            chunk,
+            logits_chunk,
+        };
+        backward_with(
+            model,
+            input,
+            batch.objective.as_ref(),
+            Plan::new(mode, chunks),
+        )
+        .unwrap()
+    };
+    let full = run(Mode::Full, (1, 1));
+    for (mode, chunk, logits_chunk) in [(Mode::Full, 1, 1)].into_iter().chain(RUNS) {
+        let out = run(mode, (chunk, logits_chunk));
+        let what = format!("{family} {variant} {mode} {chunk}/{logits_chunk} (PEFT)");
+        assert_exact(&what, (out.loss, &out.grads), &full.grads, (r, variant));
     }
 }
 

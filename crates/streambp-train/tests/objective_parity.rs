@@ -268,17 +268,49 @@ fn grpo_sequence_options_match_trl() {
         let dir = fixture_dir(family);
         let r = candle_core::safetensors::load(dir.join("grpo_trl.safetensors"), &Device::Cpu)
             .expect("fixture grpo_trl.safetensors");
-        for v in grpo_trl::variants(scalar(&r, "off_policy.threshold")) {
-            let out = check_against(&r, family, "grpo-batch.json", v.edit.as_ref(), v.name);
-            for name in v.metrics {
-                let key = grpo_trl::metric_key(v.name, name);
-                let (ours, theirs) = (metric(&out, name), scalar(&r, &key));
-                assert!(
-                    (ours - theirs).abs() < 1e-10 * theirs.abs().max(1.0),
-                    "{family} {} {name}: {ours} vs TRL {theirs}",
-                    v.name
-                );
-            }
+        let variants = trl_variants::variants(scalar(&r, "off_policy.threshold"));
+        assert_variants_match(family, &variants, &r);
+    }
+}
+
+/// Each of `variants` of the family's GRPO batch: checked by [`check_against`] the fixture `r`, and
+/// its metrics within 1e-10 of the ones TRL logged. Returns each variant's full backward.
+fn assert_variants_match(
+    family: &str,
+    variants: &[trl_variants::Variant],
+    r: &HashMap<String, Tensor>,
+) -> Vec<Gradients> {
+    let mut outs = Vec::new();
+    for v in variants {
+        let out = check_against(r, family, "grpo-batch.json", v.edit.as_ref(), v.name);
+        for name in v.metrics {
+            let key = trl_variants::metric_key(v.name, name);
+            let (ours, theirs) = (metric(&out, name), scalar(r, &key));
+            assert!(
+                (ours - theirs).abs() < 1e-10 * theirs.abs().max(1.0),
+                "{family} {} {name}: {ours} vs TRL {theirs}",
+                v.name
+            );
+        }
+        outs.push(out);
+    }
+    outs
+}
+
+/// RLOO against TRL 1.16's own `RLOOTrainer._compute_loss` (scripts/make_rloo_fixtures.py, its
+/// advantages written out from `_generate_and_score_completions`): the KL in the reward, the
+/// leave-one-out baseline in groups of 2 and of 4 normalised, beta 0 with an asymmetric clip, no
+/// old log-probs, and a sampling temperature; each streams exactly.
+#[test]
+fn rloo_matches_trl() {
+    for family in FAMILIES {
+        let dir = fixture_dir(family);
+        let r = candle_core::safetensors::load(dir.join("rloo.safetensors"), &Device::Cpu)
+            .expect("fixture rloo.safetensors");
+        for out in assert_variants_match(family, &trl_variants::rloo_variants(), &r) {
+            // The rewards' mean, before the KL.
+            let reward = metric(&out, "reward");
+            assert!((reward - 0.35).abs() < 1e-12, "{family}: reward {reward}");
         }
     }
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 use serde_json::Value;
 use streambp_models::init::NormalRng;
-use streambp_objectives::{Grpo, GrpoBatch};
+use streambp_objectives::{rollouts, Grpo, GrpoBatch};
 
 use crate::batch::{collate, padded, Collated};
 use crate::checkpoint::{Digest, Fingerprint, RunRecord};
@@ -100,11 +100,13 @@ impl MicroBatch {
             };
         let objective = Grpo::new(
             &GrpoBatch {
-                input_ids: &self.rows.input_ids,
-                completion_mask,
+                rollouts: rollouts::Rollouts {
+                    input_ids: &self.rows.input_ids,
+                    completion_mask,
+                    old_logps: self.old_logps.as_deref(),
+                    ref_logps,
+                },
                 advantages: &self.advantages,
-                old_logps: self.old_logps.as_deref(),
-                ref_logps,
                 beta: cfg.beta,
                 epsilon_low: g.epsilon,
                 epsilon_high: g.epsilon_high.unwrap_or(g.epsilon),

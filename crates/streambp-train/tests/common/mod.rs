@@ -2,7 +2,7 @@
 
 #![allow(unused_imports, dead_code)]
 
-pub mod grpo_trl;
+pub mod trl_variants;
 
 pub use streambp_testkit::*;
 

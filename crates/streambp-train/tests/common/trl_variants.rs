@@ -1,5 +1,7 @@
-//! The GRPO options run by TRL's own `_compute_loss` in scripts/make_grpo_trl_fixtures.py
-//! (`grpo_trl.safetensors`), as edits of a family's grpo-batch.json: the script's VARIANTS.
+//! The variants of the fixtures made by TRL's own `_compute_loss`, as edits of a family's
+//! grpo-batch.json: GRPO's options beyond the token-level loss types ([`variants`],
+//! scripts/make_grpo_trl_fixtures.py, `grpo_trl.safetensors`) and RLOO ([`rloo_variants`],
+//! scripts/make_rloo_fixtures.py, `rloo.safetensors`): the scripts' VARIANTS.
 
 /// An edit of a batch file's JSON.
 pub type Edit = Box<dyn Fn(&mut serde_json::Value)>;
@@ -11,7 +13,7 @@ pub struct Variant {
     pub metrics: &'static [&'static str],
 }
 
-/// Every variant of the script, `threshold` the fixture's `off_policy.threshold`.
+/// Every GRPO variant of the script, `threshold` the fixture's `off_policy.threshold`.
 pub fn variants(threshold: f64) -> Vec<Variant> {
     use serde_json::Value;
     let set = |pairs: Vec<(&'static str, Value)>| -> Edit {
@@ -137,4 +139,64 @@ pub fn metric_key(variant: &str, metric: &str) -> String {
         (m, _) => m.replace('/', "_"),
     };
     format!("{variant}.{key}")
+}
+
+/// The rewards scripts/make_rloo_fixtures.py gives the batch's completions.
+pub const RLOO_REWARDS: [f64; 4] = [1.0, 0.2, -0.5, 0.7];
+
+/// Every RLOO variant of scripts/make_rloo_fixtures.py: the GRPO batch as an RLOO one (rewards for
+/// advantages, TRL's RLOO defaults: beta 0.05, two completions a prompt), then the variant's settings.
+pub fn rloo_variants() -> Vec<Variant> {
+    use serde_json::Value;
+    let rloo = |edit: fn(&mut serde_json::Map<String, Value>)| -> Edit {
+        Box::new(move |j| {
+            let o = j.as_object_mut().unwrap();
+            for key in ["advantages", "beta", "max_completion_length"] {
+                o.remove(key);
+            }
+            o.insert("objective".into(), "rloo".into());
+            o.insert("rewards".into(), RLOO_REWARDS.to_vec().into());
+            edit(o);
+        })
+    };
+    let variant = |name, edit, metrics| Variant {
+        name,
+        edit,
+        metrics,
+    };
+    let kl_clip: &'static [&'static str] = &["kl", "clip_ratio"];
+    vec![
+        variant("rloo", rloo(|_| {}), kl_clip),
+        variant(
+            "normalized",
+            rloo(|o| {
+                o.insert("num_generations".into(), 4.into());
+                o.insert("normalize_advantages".into(), true.into());
+            }),
+            kl_clip,
+        ),
+        variant(
+            "beta0",
+            rloo(|o| {
+                o.insert("beta".into(), 0.0.into());
+                o.insert("epsilon".into(), 0.1.into());
+                o.insert("epsilon_high".into(), 0.28.into());
+            }),
+            &["clip_ratio"],
+        ),
+        variant(
+            "noold",
+            rloo(|o| {
+                o.remove("old_logps");
+            }),
+            kl_clip,
+        ),
+        variant(
+            "temperature",
+            rloo(|o| {
+                o.insert("temperature".into(), 0.7.into());
+            }),
+            kl_clip,
+        ),
+    ]
 }

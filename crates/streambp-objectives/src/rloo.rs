@@ -1,0 +1,234 @@
+//! RLOO as TRL 1.16's `RLOOTrainer` computes it: REINFORCE with a leave-one-out baseline over each
+//! prompt's `G` completions, and PPO's clip on one ratio per completion.
+//!
+//! The KL to the reference enters the reward, not the loss (`_generate_and_score_completions`):
+//! `R_i = r_i − β·Σ_t m_t (π_old − ρ)`, the first-order estimate summed over the completion;
+//! `A_i = R_i − (Σ_group R − R_i)/(G − 1)`, and with `normalize_advantages`
+//! `(A − mean A)/(std A + 1e-4)` over the batch (std unbiased). With one ratio per completion,
+//! `w_i = e^{Σ m π − Σ m π_old}`, the loss (`_compute_loss`) is the mean over rows of
+//! `−min(w·A, clip(w, 1 − ε_low, 1 + ε_high)·A)`. Without old log-probs `π_old = π` detached (the
+//! KL then reads the current policy too). A row's ratio needs all its tokens: the loss is not
+//! separable.
+
+use std::ops::Range;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::rollouts::{bad, Rollouts};
+use crate::{Objective, Result};
+
+/// An RLOO batch: groups of completions of one prompt each, with their rewards.
+#[derive(Debug, Clone)]
+pub struct RlooBatch<'a> {
+    /// The completions (rows `[gG, (g+1)G)` share a prompt) and the log-probs that scored them; the
+    /// reference's are required when `beta` is not 0.
+    pub rollouts: Rollouts<'a>,
+    /// `[B]`: each completion's reward (the reward functions' weighted sum).
+    pub rewards: &'a [f64],
+    /// `G`, completions per prompt (at least 2, dividing the batch).
+    pub num_generations: usize,
+    /// Weight of the KL penalty in the reward (TRL: 0.05).
+    pub beta: f64,
+    /// The ratio is clipped below at `1 − epsilon_low`.
+    pub epsilon_low: f64,
+    /// The ratio is clipped above at `1 + epsilon_high`.
+    pub epsilon_high: f64,
+    /// Normalise the advantages over the batch (TRL's `normalize_advantages`, default false).
+    pub normalize_advantages: bool,
+    /// The temperature the completions were sampled at: log-probs from `logits / temperature`.
+    pub temperature: f64,
+}
+
+/// The RLOO objective of one batch, built from an [`RlooBatch`].
+#[derive(Debug, Clone)]
+pub struct Rloo {
+    /// `[B, T]` in logits coordinates.
+    targets: Tensor,
+    /// `[B, T]` u8 completion mask in logits coordinates.
+    mask: Tensor,
+    old: Option<Tensor>,
+    reference: Option<Tensor>,
+    rewards: Vec<f64>,
+    num_generations: usize,
+    beta: f64,
+    epsilon_low: f64,
+    epsilon_high: f64,
+    normalize_advantages: bool,
+    temperature: f64,
+}
+
+impl Rloo {
+    /// Checks `batch` (shapes, ids inside `vocab_size`, masks, finite values, whole groups, the
+    /// reference `beta` needs, the ranges of its settings) and moves it to `device`.
+    pub fn new(batch: &RlooBatch, vocab_size: usize, device: &Device) -> Result<Self> {
+        let rollouts = &batch.rollouts;
+        let ((rows, _), _) = rollouts.check(&[("rewards", batch.rewards.len())], vocab_size)?;
+        if let Some(r) = batch.rewards.iter().find(|r| !r.is_finite()) {
+            return Err(bad(format!("reward {r} is not finite")));
+        }
+        let g = batch.num_generations;
+        if g < 2 || !rows.is_multiple_of(g) {
+            return Err(bad(format!(
+                "num_generations {g} must be at least 2 and divide the batch's {rows} completions"
+            )));
+        }
+        if batch.beta != 0.0 && rollouts.ref_logps.is_none() {
+            return Err(bad(
+                "beta != 0 needs ref_logps (or a reference model)".into()
+            ));
+        }
+        for (name, value) in [
+            ("beta", batch.beta),
+            ("epsilon", batch.epsilon_low),
+            ("epsilon_high", batch.epsilon_high),
+        ] {
+            if !(value >= 0.0 && value.is_finite()) {
+                return Err(bad(format!("{name} {value} must be a number at least 0")));
+            }
+        }
+        if !(batch.temperature > 0.0 && batch.temperature.is_finite()) {
+            return Err(bad(format!(
+                "temperature {} must be above 0",
+                batch.temperature
+            )));
+        }
+        let per_pos = |a: Option<&[Vec<f64>]>| a.map(|a| Rollouts::per_position(a, device));
+        Ok(Self {
+            targets: rollouts.targets(device)?,
+            mask: rollouts.mask(device)?,
+            old: per_pos(rollouts.old_logps).transpose()?,
+            reference: match batch.beta != 0.0 {
+                true => per_pos(rollouts.ref_logps).transpose()?,
+                false => None,
+            },
+            rewards: batch.rewards.to_vec(),
+            num_generations: g,
+            beta: batch.beta,
+            epsilon_low: batch.epsilon_low,
+            epsilon_high: batch.epsilon_high,
+            normalize_advantages: batch.normalize_advantages,
+            temperature: batch.temperature,
+        })
+    }
+
+    /// `[B]`: each row's sum of `x` (`[B, T]`) over its completion tokens.
+    fn row_sums(&self, x: &Tensor) -> Result<Tensor> {
+        let zeros = x.zeros_like()?;
+        Ok(self.mask.where_cond(x, &zeros)?.sum(1)?)
+    }
+
+    /// `[B, T]`: the old log-probs in `logp`'s dtype, or `logp` detached without them.
+    fn old(&self, logp: &Tensor) -> Result<Tensor> {
+        Ok(match &self.old {
+            Some(o) => o.to_dtype(logp.dtype())?,
+            None => logp.detach(),
+        })
+    }
+
+    /// Each row's first-order KL `Σ m (π_old − ρ)`, in f64; `None` when `beta` is 0.
+    fn row_kls(&self, logp: &Tensor) -> Result<Option<Vec<f64>>> {
+        let Some(reference) = &self.reference else {
+            return Ok(None);
+        };
+        let old = self.old(logp)?.to_dtype(DType::F64)?;
+        let kl = self.row_sums(&(old - reference)?)?;
+        Ok(Some(kl.to_vec1::<f64>()?))
+    }
+
+    /// The advantages, held constant: the rewards less `β·KL`, less the leave-one-out baseline of
+    /// their group, normalised over the batch when asked.
+    fn advantages(&self, logp: &Tensor) -> Result<Vec<f64>> {
+        let mut rewards = self.rewards.clone();
+        if let Some(kls) = self.row_kls(logp)? {
+            for (r, kl) in rewards.iter_mut().zip(kls) {
+                *r -= self.beta * kl;
+            }
+        }
+        let g = self.num_generations;
+        let mut advantages: Vec<f64> = rewards
+            .chunks(g)
+            .flat_map(|group| {
+                let sum: f64 = group.iter().sum();
+                group.iter().map(move |r| r - (sum - r) / (g - 1) as f64)
+            })
+            .collect();
+        if self.normalize_advantages {
+            let (mean, std) = mean_and_unbiased_std(&advantages);
+            for a in &mut advantages {
+                *a = (*a - mean) / (std + 1e-4);
+            }
+        }
+        Ok(advantages)
+    }
+
+    /// `[B]`: each row's ratio `e^{Σ m π − Σ m π_old}`.
+    fn ratios(&self, logp: &Tensor) -> Result<Tensor> {
+        let old = self.row_sums(&self.old(logp)?)?;
+        Ok((self.row_sums(logp)? - old)?.exp()?)
+    }
+}
+
+/// The mean of `values` and their standard deviation with Bessel's correction (TRL's `nanstd`).
+fn mean_and_unbiased_std(values: &[f64]) -> (f64, f64) {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    let variance = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+    (mean, (variance * n / (n - 1.0)).sqrt())
+}
+
+impl Objective for Rloo {
+    fn name(&self) -> &str {
+        "rloo"
+    }
+
+    fn targets(&self) -> &Tensor {
+        &self.targets
+    }
+
+    fn separable(&self) -> bool {
+        false
+    }
+
+    fn temperature(&self) -> f64 {
+        self.temperature
+    }
+
+    fn loss(&self, logp: &Tensor, _cols: Range<usize>) -> Result<Tensor> {
+        let w = self.ratios(logp)?;
+        let a = self.advantages(logp)?;
+        let a = Tensor::from_vec(a, w.dims1()?, w.device())?.to_dtype(w.dtype())?;
+        let unclipped = (&w * &a)?;
+        let clipped = (w.clamp(1.0 - self.epsilon_low, 1.0 + self.epsilon_high)? * &a)?;
+        Ok(unclipped.minimum(&clipped)?.neg()?.mean(0)?)
+    }
+
+    /// TRL's `clip_ratio/region_mean` (as `clip_ratio`, over rows), `kl` (the first-order estimate's
+    /// mean over completion tokens, when `beta` is not 0), `reward` and `reward_std` (the rewards
+    /// given, before the KL).
+    fn metrics(&self, logp: &Tensor) -> Result<Vec<(String, f64)>> {
+        let w = self.ratios(logp)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+        let a = self.advantages(logp)?;
+        let clipped = w
+            .iter()
+            .zip(&a)
+            .filter(|&(&w, &a)| {
+                (w < 1.0 - self.epsilon_low && a < 0.0) || (w > 1.0 + self.epsilon_high && a > 0.0)
+            })
+            .count();
+        let (reward, reward_std) = mean_and_unbiased_std(&self.rewards);
+        let mut out = vec![
+            ("clip_ratio".to_string(), clipped as f64 / w.len() as f64),
+            ("reward".to_string(), reward),
+            ("reward_std".to_string(), reward_std),
+        ];
+        if let Some(kls) = self.row_kls(logp)? {
+            let tokens = self
+                .mask
+                .to_dtype(DType::F64)?
+                .sum_all()?
+                .to_scalar::<f64>()?;
+            out.push(("kl".into(), kls.iter().sum::<f64>() / tokens.max(1.0)));
+        }
+        Ok(out)
+    }
+}
