@@ -72,7 +72,7 @@ const CASES: &[Case] = &[
     case("sft --dtype f16", 2, "--dtype f16: unknown dtype"),
     case("sft --device tpu", 2, "--device tpu: unknown device"),
     // Flags that do not apply.
-    case("sft --beta 0.1", 2, "--beta: applies to dpo, grpo, orpo, cpo and kto only, not sft"),
+    case("sft --beta 0.1", 2, "--beta: applies to dpo, grpo, orpo, cpo, kto and rloo only, not sft"),
     case("sft --ref-model x/y", 2, "--ref-model: applies to dpo and kto only, not sft"),
     case("grpo --sft-weight 1", 2, "--sft-weight: applies to dpo only, not grpo"),
     case("dpo --packing", 2, "--packing: applies to sft only"),
@@ -202,6 +202,11 @@ const CASES: &[Case] = &[
     case("grpo --loss-type vespo --vespo-k-neg -1", 2, "--vespo-k-neg -1: must be a number at least 0"),
     case("grpo --loss-type dapo --vespo-lambda-pos 1", 2, "--vespo-lambda-pos 1: applies to loss_type vespo only, not dapo"),
     case("grpo --off-policy-mask-threshold inf", 2, "--off-policy-mask-threshold inf: must be a number"),
+    case("rloo --group-size 1", 2, "--group-size 1: must be at least 2"),
+    case("rloo --beta -0.1", 2, "--beta -0.1: must be a number at least 0"),
+    case("rloo --loss-type dapo", 2, "unexpected argument '--loss-type' found"),
+    case("rloo --sft-weight 1", 2, "--sft-weight: applies to dpo only, not rloo"),
+    case("rloo --data {dir}/prompts.jsonl", 2, "GRPO needs at least one --reward"),
     case("grpo --reward length:3", 2, "--reward length:3: unknown reward"),
     case("grpo --reward format:(", 2, "not a valid regular expression"),
     case("grpo --reward format:", 2, "--reward format:: format: needs a pattern"),
@@ -916,7 +921,7 @@ fn every_unread_loss_setting_is_refused() {
 #[test]
 fn every_jobs_help_groups_its_flags() {
     let root = tempfile::tempdir().unwrap();
-    for job in ["sft", "dpo", "kto", "orpo", "cpo", "reward", "grpo"] {
+    for job in ["sft", "dpo", "kto", "orpo", "cpo", "reward", "grpo", "rloo"] {
         let (status, text) = train(root.path(), &[job.to_string(), "--help".to_string()]);
         assert_eq!(status, 0, "{job}: {text}");
         let at = |heading: &str| text.find(&format!("\n{heading}:\n"));

@@ -140,8 +140,8 @@ fn assert_two_ranks_match_one(args_with_batch: impl Fn(usize) -> String, b: usiz
 /// row's positions, the same batches on both) train as one process does: SFT with accumulation,
 /// DPO with its NLL term (a loss of whole sequences), GRPO with a KL term and two iterations (its
 /// reference and old policy scored on the split sequences too; three prompts a micro-batch, sampled
-/// two on one rank and one on the other and shared; and with vespo's, the sequence level's and the
-/// off-policy mask's terms of whole rows), a LoRA adapter with dropout (its masks drawn
+/// two on one rank and one on the other and shared; with vespo's, the sequence level's and the
+/// off-policy mask's terms of whole rows; RLOO's ratio of whole rows), a LoRA adapter with dropout (its masks drawn
 /// by position in the whole row), and packed rows of 23 tokens (spans of 12 and 11, documents
 /// crossing between them).
 #[test]
@@ -155,6 +155,8 @@ fn sequences_split_over_two_ranks_train_as_one_process() {
         "grpo --max-steps 2 --batch-size 3 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7",
         "grpo --max-steps 2 --batch-size 3 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7 \
          --loss-type vespo --importance-sampling-level sequence --off-policy-mask-threshold 0.01",
+        "rloo --max-steps 2 --batch-size 3 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7 \
+         --normalize-advantages",
         "sft --max-steps 2 --batch-size 2 --chunk 2 --lora-r 4 --lora-dropout 0.3 --lr 1e-2 --seed 3",
         "sft --max-steps 2 --batch-size 2 --packing --max-length 23 --chunk 4 --seed 6",
     ] {
@@ -246,6 +248,24 @@ fn grpo_on_two_ranks_is_one_process() {
             1,
         );
     }
+}
+
+/// RLOO: its KL in the reward (the reference scored when the rollouts are drawn) and its
+/// advantages normalised over both ranks' completions, as on one process.
+#[test]
+fn rloo_on_two_ranks_is_one_process() {
+    if !mpi_available() {
+        return;
+    }
+    assert_two_ranks_match_one(
+        |b| {
+            format!(
+                "rloo --max-steps 4 --batch-size {b} --group-size 4 --num-iterations 2 \
+                 --beta 0.04 --normalize-advantages --seed 7"
+            )
+        },
+        1,
+    );
 }
 
 /// Element counts of each tensor group in a checkpoint's optimizer file(s).

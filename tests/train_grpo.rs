@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use std::path::Path;
 
 use candle_core::{DType, Device};
 use streambp_models::init::NormalRng;
@@ -166,23 +167,67 @@ fn short_grpo_run_raises_the_reward() {
 }
 
 /// Rollouts are drawn from a generator seeded by the step, so a run resumed from a checkpoint samples
-/// what the uninterrupted run sampled: the same rewards and losses, to the last bit.
+/// what the uninterrupted run sampled: the same rewards and losses, to the last bit; for GRPO and
+/// for RLOO (whose KL to the reference enters the reward when the rollouts are drawn).
 #[test]
 fn resumed_grpo_run_draws_the_same_rollouts() {
-    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let (mut cfg, g) = short_run(a.path());
-    cfg.max_steps = Some(6);
-    cfg.save_every = 2;
-    // With a KL term: the reference, the model the run began with, must be the same after a resume.
-    cfg.beta = 0.04;
-    run_grpo(&cfg, &g).unwrap();
-    cfg.output_dir = b.path().to_path_buf();
-    cfg.resume = Some(a.path().join("checkpoint-2"));
-    run_grpo(&cfg, &g).unwrap();
-    for name in ["loss", "reward"] {
-        let whole = metric(a.path(), name);
-        let resumed = metric(b.path(), name);
-        assert_eq!(whole[whole.len() - resumed.len()..], resumed[..], "{name}");
+    let rloo = GrpoConfig {
+        num_iterations: 2,
+        ..GrpoConfig::rloo_defaults(true, true)
+    };
+    for (g, recipe) in [
+        (short_run(Path::new("")).1, Recipe::Grpo),
+        (rloo, Recipe::Rloo),
+    ] {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (mut cfg, _) = short_run(a.path());
+        cfg.max_steps = Some(6);
+        cfg.save_every = 2;
+        // With a KL term: the reference, the model the run began with, must be the same after a
+        // resume.
+        cfg.beta = 0.04;
+        run_grpo(&cfg, &g).unwrap();
+        cfg.output_dir = b.path().to_path_buf();
+        cfg.resume = Some(a.path().join("checkpoint-2"));
+        run_grpo(&cfg, &g).unwrap();
+        for name in ["loss", "reward", "kl"] {
+            let whole = metric(a.path(), name);
+            let resumed = metric(b.path(), name);
+            assert!(!resumed.is_empty(), "{recipe:?} {name}");
+            assert_eq!(
+                whole[whole.len() - resumed.len()..],
+                resumed[..],
+                "{recipe:?} {name}"
+            );
+        }
+        assert_eq!(metric(b.path(), "loss").len(), 4, "steps 3..=6");
     }
-    assert_eq!(metric(b.path(), "loss").len(), 4, "steps 3..=6");
+}
+
+/// RLOO on the built-in task: the KL to the reference is scored when each batch of rollouts is
+/// drawn (0 on the first, where the policy is the reference; above 0 once it moved), the loss has
+/// one clipped ratio per completion, and the normalised advantages of each batch average 0 (their
+/// loss at ratio 1 on the first step of a batch is `−mean A` = 0).
+#[test]
+fn rloo_run_takes_its_kl_from_the_reward() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut cfg, _) = short_run(dir.path());
+    cfg.beta = 0.05;
+    let g = GrpoConfig {
+        num_iterations: 2,
+        ..GrpoConfig::rloo_defaults(true, true)
+    };
+    run_grpo(&cfg, &g).unwrap();
+    let kl = metric(dir.path(), "kl");
+    assert_eq!(kl.len(), 6, "one kl per batch of rollouts: {kl:?}");
+    assert_eq!(
+        kl[0], 0.0,
+        "the first batch is drawn by the reference itself"
+    );
+    assert!(kl[1..].iter().any(|&k| k != 0.0), "{kl:?}");
+    let loss = metric(dir.path(), "loss");
+    for (step, l) in loss.iter().enumerate().step_by(2) {
+        assert!(l.abs() < 1e-4, "step {step}: loss {l} at ratio 1");
+    }
+    assert!(metric(dir.path(), "clip_ratio").len() == 12);
 }

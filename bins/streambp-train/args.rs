@@ -49,6 +49,16 @@ pub enum Command {
         #[command(flatten)]
         grpo: GrpoArgs,
     },
+    /// RLOO (TRL's RLOOTrainer): sample a group per prompt, reward it less --beta × its KL to the
+    /// reference, learn from each completion's reward less the mean of the others' with one
+    /// clipped ratio per completion. With no arguments: the shipped SFT checkpoint of the
+    /// arithmetic task on its prompts, rewarded for the exact sum (exact:completion).
+    Rloo {
+        #[command(flatten)]
+        train: TrainArgs,
+        #[command(flatten)]
+        rloo: RlooArgs,
+    },
     /// ORPO (TRL's ORPOTrainer): the chosen sequences' NLL plus β × an odds-ratio term on
     /// prompt/chosen/rejected rows, no reference model. With no arguments: the built-in arithmetic
     /// pairs, from the shipped SFT checkpoint of the task.
@@ -143,7 +153,8 @@ pub struct TrainArgs {
     /// directory, <output-dir>/merged.
     #[arg(long, help_heading = "Model")]
     merge: bool,
-    /// DPO β, above 0 [default: 0.1]; GRPO's KL weight β, at least 0 [default: 0, as in TRL].
+    /// DPO β, above 0 [default: 0.1]; GRPO's KL weight β, at least 0 [default: 0, as in TRL];
+    /// RLOO's KL weight in the reward, at least 0 [default: 0.05, as in TRL].
     #[arg(long, help_heading = "Objective", allow_negative_numbers = true)]
     beta: Option<f64>,
     /// DPO: add this weight times the chosen completions' mean token NLL to the loss (TRL's
@@ -337,10 +348,11 @@ fn kto_loss_type(s: &str) -> Result<KtoLossType, String> {
         .map_err(|_| "expected kto or apo_zero_unpaired".to_string())
 }
 
+/// The flags of the jobs that sample completions and learn from their rewards (grpo, rloo).
 #[derive(clap::Args)]
 #[command(next_help_heading = "Objective")]
-pub struct GrpoArgs {
-    /// Completions sampled per prompt (at least 2) [default: 8].
+pub struct RolloutArgs {
+    /// Completions sampled per prompt (at least 2) [default: grpo 8, rloo 2; built-in task: 8].
     #[arg(long)]
     group_size: Option<usize>,
     /// Sampling temperature (above 0) [default: 1].
@@ -357,6 +369,47 @@ pub struct GrpoArgs {
     /// (the whole completion matches). Repeat the flag for several.
     #[arg(long = "reward")]
     rewards: Vec<String>,
+    /// Clipping ε of the probability ratio (above 0) [default: 0.2].
+    #[arg(long, allow_negative_numbers = true)]
+    epsilon: Option<f64>,
+    /// The upper clip 1 + ε_high, or grpo's cispo's cap on the ratio (TRL recommends 0.28 for dapo
+    /// and 5 for cispo) [default: --epsilon].
+    #[arg(long, allow_negative_numbers = true)]
+    epsilon_high: Option<f64>,
+    /// Leave completions cut at --max-new-tokens (no EOS) out of the loss; their rewards still
+    /// count in their group's advantages, as in TRL.
+    #[arg(long)]
+    mask_truncated_completions: bool,
+    /// Optimizer steps per batch of rollouts (old log-probs fixed before the first) [default: 1].
+    #[arg(long)]
+    num_iterations: Option<usize>,
+}
+
+impl RolloutArgs {
+    /// `defaults` with the flags given.
+    fn into_config(self, d: GrpoConfig) -> GrpoConfig {
+        GrpoConfig {
+            group_size: self.group_size.unwrap_or(d.group_size),
+            sampling: SamplingConfig {
+                temperature: self.temperature.unwrap_or(d.sampling.temperature),
+                top_p: self.top_p.unwrap_or(d.sampling.top_p),
+                max_new_tokens: self.max_new_tokens.unwrap_or(d.sampling.max_new_tokens),
+            },
+            rewards: self.rewards,
+            epsilon: self.epsilon.unwrap_or(d.epsilon),
+            epsilon_high: self.epsilon_high.or(d.epsilon_high),
+            mask_truncated_completions: self.mask_truncated_completions,
+            num_iterations: self.num_iterations.unwrap_or(d.num_iterations),
+            ..d
+        }
+    }
+}
+
+#[derive(clap::Args)]
+#[command(next_help_heading = "Objective")]
+pub struct GrpoArgs {
+    #[command(flatten)]
+    rollouts: RolloutArgs,
     /// TRL 1.16's loss types: dapo (sum over the step's completion tokens / their count across
     /// groups and ranks), grpo (mean per completion, then over completions), bnpo (mean over the
     /// batch's completion tokens), dr_grpo (sum / (completions x --max-new-tokens)), luspo (each
@@ -366,21 +419,10 @@ pub struct GrpoArgs {
     /// dapo) [default: dapo].
     #[arg(long, value_parser = loss_type)]
     loss_type: Option<GrpoLossType>,
-    /// Clipping ε of the probability ratio (above 0) [default: 0.2].
-    #[arg(long, allow_negative_numbers = true)]
-    epsilon: Option<f64>,
-    /// The upper clip 1 + ε_high, or cispo's cap on the ratio (TRL recommends 0.28 for dapo and 5 for
-    /// cispo) [default: --epsilon].
-    #[arg(long, allow_negative_numbers = true)]
-    epsilon_high: Option<f64>,
     /// What each group's rewards less their mean are divided by (+ 1e-4): group (its own standard
     /// deviation), batch (that of every reward of the step, all ranks) or none [default: group].
     #[arg(long)]
     scale_rewards: Option<streambp_train::rewards::ScaleRewards>,
-    /// Leave completions cut at --max-new-tokens (no EOS) out of the loss; their rewards still
-    /// count in their group's advantages, as in TRL.
-    #[arg(long)]
-    mask_truncated_completions: bool,
     /// sapo's gate temperature where the advantage is positive [default: 1.0, as TRL's].
     #[arg(long, allow_negative_numbers = true)]
     sapo_temperature_pos: Option<f64>,
@@ -408,9 +450,26 @@ pub struct GrpoArgs {
     /// [default: none].
     #[arg(long, allow_negative_numbers = true)]
     off_policy_mask_threshold: Option<f64>,
-    /// Optimizer steps per batch of rollouts (old log-probs fixed before the first) [default: 1].
+}
+
+#[derive(clap::Args)]
+#[command(next_help_heading = "Objective")]
+pub struct RlooArgs {
+    #[command(flatten)]
+    rollouts: RolloutArgs,
+    /// Normalise the advantages over the step's whole batch of completions (all ranks): less
+    /// their mean, over their standard deviation + 1e-4 (TRL's normalize_advantages).
     #[arg(long)]
-    num_iterations: Option<usize>,
+    normalize_advantages: bool,
+}
+
+impl RlooArgs {
+    /// RLOO's settings: the flags given, the defaults (the built-in task's when `builtin`) for the
+    /// rest.
+    pub fn into_config(self, builtin: bool) -> GrpoConfig {
+        let d = GrpoConfig::rloo_defaults(builtin, self.normalize_advantages);
+        self.rollouts.into_config(d)
+    }
 }
 
 impl TrainArgs {
@@ -542,20 +601,10 @@ impl TrainArgs {
 impl GrpoArgs {
     /// GRPO's settings: the flags given, the defaults (the built-in task's when `builtin`) for the rest.
     pub fn into_config(self, builtin: bool) -> GrpoConfig {
-        let d = GrpoConfig::defaults(builtin);
+        let d = self.rollouts.into_config(GrpoConfig::defaults(builtin));
         GrpoConfig {
-            group_size: self.group_size.unwrap_or(d.group_size),
-            sampling: SamplingConfig {
-                temperature: self.temperature.unwrap_or(d.sampling.temperature),
-                top_p: self.top_p.unwrap_or(d.sampling.top_p),
-                max_new_tokens: self.max_new_tokens.unwrap_or(d.sampling.max_new_tokens),
-            },
-            rewards: self.rewards,
             loss_type: self.loss_type.unwrap_or(d.loss_type),
-            epsilon: self.epsilon.unwrap_or(d.epsilon),
-            epsilon_high: self.epsilon_high.or(d.epsilon_high),
             scale_rewards: self.scale_rewards.unwrap_or(d.scale_rewards),
-            mask_truncated_completions: self.mask_truncated_completions,
             sapo_temperatures: (
                 self.sapo_temperature_pos.unwrap_or(d.sapo_temperatures.0),
                 self.sapo_temperature_neg.unwrap_or(d.sapo_temperatures.1),
@@ -574,7 +623,7 @@ impl GrpoArgs {
                 ),
             },
             off_policy_mask_threshold: self.off_policy_mask_threshold,
-            num_iterations: self.num_iterations.unwrap_or(d.num_iterations),
+            ..d
         }
     }
 }

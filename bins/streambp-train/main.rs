@@ -274,6 +274,16 @@ fn run() -> anyhow::Result<()> {
                 &run_grpo(&cfg, &g).map_err(located).context("grpo failed")?,
             );
         }
+        Command::Rloo { train, rloo } => {
+            let builtin = train.model.is_none() && train.data.is_none();
+            let cfg = train.into_config(Recipe::Rloo).map_err(located)?;
+            let g = rloo.into_config(builtin);
+            let _ranks = start(&cfg.device)?;
+            report(
+                "rloo",
+                &run_grpo(&cfg, &g).map_err(located).context("rloo failed")?,
+            );
+        }
         Command::Grad(args) => {
             if streambp_dist::launched_ranks().is_some_and(|n| n > 1) {
                 anyhow::bail!("grad runs in one process: start it without mpiexec");

@@ -48,13 +48,26 @@ pub struct Rloo {
     mask: Tensor,
     old: Option<Tensor>,
     reference: Option<Tensor>,
-    rewards: Vec<f64>,
-    num_generations: usize,
-    beta: f64,
+    advantages: Advantages,
     epsilon_low: f64,
     epsilon_high: f64,
-    normalize_advantages: bool,
     temperature: f64,
+}
+
+/// Where an [`Rloo`]'s advantages come from.
+#[derive(Debug, Clone)]
+enum Advantages {
+    /// The batch is the whole generation batch: computed from its rewards at the loss (where the
+    /// KL may read the current policy).
+    FromRewards {
+        rewards: Vec<f64>,
+        num_generations: usize,
+        beta: f64,
+        normalize: bool,
+    },
+    /// Computed where the completions were drawn, over the whole generation batch (a trainer's
+    /// micro-batch is part of it).
+    Given(Vec<f64>),
 }
 
 impl Rloo {
@@ -101,13 +114,45 @@ impl Rloo {
                 true => per_pos(rollouts.ref_logps).transpose()?,
                 false => None,
             },
-            rewards: batch.rewards.to_vec(),
-            num_generations: g,
-            beta: batch.beta,
+            advantages: Advantages::FromRewards {
+                rewards: batch.rewards.to_vec(),
+                num_generations: g,
+                beta: batch.beta,
+                normalize: batch.normalize_advantages,
+            },
             epsilon_low: batch.epsilon_low,
             epsilon_high: batch.epsilon_high,
-            normalize_advantages: batch.normalize_advantages,
             temperature: batch.temperature,
+        })
+    }
+
+    /// The objective of a micro-batch of `rollouts` whose `advantages` were computed over their
+    /// generation batch ([`leave_one_out`], the KL in the reward, the normalisation), the ratio
+    /// clipped to `[1 − epsilon_low, 1 + epsilon_high]`, log-probs at `temperature`. The reference's
+    /// log-probs are not read.
+    pub fn with_advantages(
+        rollouts: &Rollouts,
+        advantages: &[f64],
+        (epsilon_low, epsilon_high): (f64, f64),
+        temperature: f64,
+        (vocab_size, device): (usize, &Device),
+    ) -> Result<Self> {
+        rollouts.check(&[("advantages", advantages.len())], vocab_size)?;
+        if let Some(a) = advantages.iter().find(|a| !a.is_finite()) {
+            return Err(bad(format!("advantage {a} is not finite")));
+        }
+        let old = rollouts
+            .old_logps
+            .map(|a| Rollouts::per_position(a, device));
+        Ok(Self {
+            targets: rollouts.targets(device)?,
+            mask: rollouts.mask(device)?,
+            old: old.transpose()?,
+            reference: None,
+            advantages: Advantages::Given(advantages.to_vec()),
+            epsilon_low,
+            epsilon_high,
+            temperature,
         })
     }
 
@@ -135,27 +180,29 @@ impl Rloo {
         Ok(Some(kl.to_vec1::<f64>()?))
     }
 
-    /// The advantages, held constant: the rewards less `β·KL`, less the leave-one-out baseline of
-    /// their group, normalised over the batch when asked.
+    /// The advantages, held constant: given, or the rewards less `β·KL`, less the leave-one-out
+    /// baseline of their group, normalised over the batch when asked.
     fn advantages(&self, logp: &Tensor) -> Result<Vec<f64>> {
-        let mut rewards = self.rewards.clone();
+        let (rewards, g, beta, normalize) = match &self.advantages {
+            Advantages::Given(a) => return Ok(a.clone()),
+            Advantages::FromRewards {
+                rewards,
+                num_generations,
+                beta,
+                normalize,
+            } => (rewards, *num_generations, *beta, *normalize),
+        };
+        let mut rewards = rewards.clone();
         if let Some(kls) = self.row_kls(logp)? {
             for (r, kl) in rewards.iter_mut().zip(kls) {
-                *r -= self.beta * kl;
+                *r -= beta * kl;
             }
         }
-        let g = self.num_generations;
-        let mut advantages: Vec<f64> = rewards
-            .chunks(g)
-            .flat_map(|group| {
-                let sum: f64 = group.iter().sum();
-                group.iter().map(move |r| r - (sum - r) / (g - 1) as f64)
-            })
-            .collect();
-        if self.normalize_advantages {
+        let mut advantages = leave_one_out(&rewards, g);
+        if normalize {
             let (mean, std) = mean_and_unbiased_std(&advantages);
             for a in &mut advantages {
-                *a = (*a - mean) / (std + 1e-4);
+                *a = normalized(*a, mean, std);
             }
         }
         Ok(advantages)
@@ -166,6 +213,24 @@ impl Rloo {
         let old = self.row_sums(&self.old(logp)?)?;
         Ok((self.row_sums(logp)? - old)?.exp()?)
     }
+}
+
+/// RLOO's advantages of `rewards` in groups of `g` (`g ≥ 2` dividing their number): each reward less
+/// the mean of the others of its group, `R_i − (Σ_group R − R_i)/(g − 1)`.
+pub fn leave_one_out(rewards: &[f64], g: usize) -> Vec<f64> {
+    rewards
+        .chunks(g)
+        .flat_map(|group| {
+            let sum: f64 = group.iter().sum();
+            group.iter().map(move |r| r - (sum - r) / (g - 1) as f64)
+        })
+        .collect()
+}
+
+/// An advantage normalised by the batch's `mean` and (unbiased) `std`, as TRL's
+/// `normalize_advantages`: `(a − mean)/(std + 1e-4)`.
+pub fn normalized(advantage: f64, mean: f64, std: f64) -> f64 {
+    (advantage - mean) / (std + 1e-4)
 }
 
 /// The mean of `values` and their standard deviation with Bessel's correction (TRL's `nanstd`).
@@ -202,9 +267,9 @@ impl Objective for Rloo {
         Ok(unclipped.minimum(&clipped)?.neg()?.mean(0)?)
     }
 
-    /// TRL's `clip_ratio/region_mean` (as `clip_ratio`, over rows), `kl` (the first-order estimate's
-    /// mean over completion tokens, when `beta` is not 0), `reward` and `reward_std` (the rewards
-    /// given, before the KL).
+    /// TRL's `clip_ratio/region_mean` (as `clip_ratio`, over rows); from rewards, also `kl` (the
+    /// first-order estimate's mean over completion tokens, when `beta` is not 0), `reward` and
+    /// `reward_std` (the rewards given, before the KL).
     fn metrics(&self, logp: &Tensor) -> Result<Vec<(String, f64)>> {
         let w = self.ratios(logp)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
         let a = self.advantages(logp)?;
@@ -215,12 +280,11 @@ impl Objective for Rloo {
                 (w < 1.0 - self.epsilon_low && a < 0.0) || (w > 1.0 + self.epsilon_high && a > 0.0)
             })
             .count();
-        let (reward, reward_std) = mean_and_unbiased_std(&self.rewards);
-        let mut out = vec![
-            ("clip_ratio".to_string(), clipped as f64 / w.len() as f64),
-            ("reward".to_string(), reward),
-            ("reward_std".to_string(), reward_std),
-        ];
+        let mut out = vec![("clip_ratio".to_string(), clipped as f64 / w.len() as f64)];
+        if let Advantages::FromRewards { rewards, .. } = &self.advantages {
+            let (reward, reward_std) = mean_and_unbiased_std(rewards);
+            out.extend([("reward".into(), reward), ("reward_std".into(), reward_std)]);
+        }
         if let Some(kls) = self.row_kls(logp)? {
             let tokens = self
                 .mask

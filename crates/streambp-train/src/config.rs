@@ -133,9 +133,25 @@ pub struct TrainConfig {
     pub sp: usize,
 }
 
-/// GRPO's settings beyond the shared ones.
+/// Which policy-gradient loss a run on sampled completions trains with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// GRPO: group-normalised advantages, `--loss-type` and its settings, the KL in the loss.
+    Grpo,
+    /// RLOO: the KL in the reward, leave-one-out advantages (normalised over the step's batch
+    /// when asked), one clipped ratio per completion.
+    Rloo {
+        /// TRL's `normalize_advantages`.
+        normalize_advantages: bool,
+    },
+}
+
+/// The settings of the jobs that sample completions and learn from their rewards (`grpo`,
+/// `rloo`) beyond the shared ones.
 #[derive(Debug, Clone)]
 pub struct GrpoConfig {
+    /// GRPO or RLOO.
+    pub algorithm: Algorithm,
     /// Completions sampled per prompt (at least 2).
     pub group_size: usize,
     /// Temperature, top-p and the longest completion.
@@ -267,6 +283,7 @@ impl GrpoConfig {
     /// answers of at most 5 tokens.
     pub fn defaults(builtin: bool) -> Self {
         GrpoConfig {
+            algorithm: Algorithm::Grpo,
             group_size: 8,
             sampling: SamplingConfig {
                 temperature: 1.0,
@@ -285,6 +302,18 @@ impl GrpoConfig {
             vespo_gamma: VespoGamma::default(),
             off_policy_mask_threshold: None,
             num_iterations: 1,
+        }
+    }
+
+    /// RLOO's settings with nothing given (TRL's `RLOOConfig` defaults: two completions a prompt;
+    /// the built-in task's, eight), advantages normalised when `normalize_advantages`.
+    pub fn rloo_defaults(builtin: bool, normalize_advantages: bool) -> Self {
+        GrpoConfig {
+            algorithm: Algorithm::Rloo {
+                normalize_advantages,
+            },
+            group_size: if builtin { 8 } else { 2 },
+            ..Self::defaults(builtin)
         }
     }
 }

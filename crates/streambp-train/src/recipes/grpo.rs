@@ -1,17 +1,21 @@
-//! The GRPO recipe (TRL's loss): per prompt, sample a group of completions with the KV-cache sampler,
-//! score them with the reward functions, normalise rewards within the group into advantages, and take
+//! The GRPO and RLOO recipe (TRL's losses): per prompt, sample a group of completions with the
+//! KV-cache sampler, score them with the reward functions, turn the rewards into advantages, and take
 //! `num_iterations` optimizer steps on those rollouts (old log-probs fixed before the first one).
+//! GRPO normalises rewards within the group and adds its KL to the loss; RLOO takes the KL from the
+//! reward (scored when the rollouts are drawn), uses each completion's leave-one-out baseline, and
+//! clips one ratio per completion.
 
 use std::time::Instant;
 
 use candle_core::Tensor;
 use serde_json::Value;
 use streambp_models::init::NormalRng;
-use streambp_objectives::{rollouts, Grpo, GrpoBatch};
+use streambp_objectives::rloo::{leave_one_out, normalized};
+use streambp_objectives::{rollouts, Grpo, GrpoBatch, Objective, Rloo};
 
 use crate::batch::{collate, padded, Collated};
 use crate::checkpoint::{Digest, Fingerprint, RunRecord};
-use crate::config::{GrpoConfig, Recipe, TrainConfig};
+use crate::config::{Algorithm, GrpoConfig, Recipe, TrainConfig};
 use crate::data::{text_field, Example, LoadReport, Overflow, Row, Text};
 use crate::dataset::DataSource;
 use crate::eval::{eval_accuracy, eval_rows};
@@ -76,8 +80,9 @@ impl MicroBatch {
         }
     }
 
-    /// The micro-batch's objective (with the reference's log-probs `ref_logps` where `--beta` is
-    /// not 0) and the weight of its loss, from the step's weight and `num_items_in_batch`.
+    /// The micro-batch's objective (GRPO's with the reference's log-probs `ref_logps` where
+    /// `--beta` is not 0; RLOO's took its KL into the advantages) and the weight of its loss, from
+    /// the step's weight and `num_items_in_batch`.
     fn objective(
         &self,
         setup: &Setup,
@@ -85,7 +90,7 @@ impl MicroBatch {
         g: &GrpoConfig,
         ref_logps: Option<&[Vec<f64>]>,
         (weight, num_items): (f64, Option<f64>),
-    ) -> Result<(Grpo, f64)> {
+    ) -> Result<(Box<dyn Objective>, f64)> {
         // A micro-batch whose every completion was masked out (truncated) adds nothing; it
         // still runs, its completions unmasked at weight 0, so that every rank makes the same
         // calls.
@@ -98,18 +103,32 @@ impl MicroBatch {
                     (&unmasked, 0.0, None)
                 }
             };
+        let rollouts = rollouts::Rollouts {
+            input_ids: &self.rows.input_ids,
+            completion_mask,
+            old_logps: self.old_logps.as_deref(),
+            ref_logps,
+        };
+        let (vocab_size, device) = (setup.model.config.vocab_size, &setup.device);
+        let epsilons = (g.epsilon, g.epsilon_high.unwrap_or(g.epsilon));
+        if let Algorithm::Rloo { .. } = g.algorithm {
+            let temperature = g.sampling.temperature;
+            let rloo = Rloo::with_advantages(
+                &rollouts,
+                &self.advantages,
+                epsilons,
+                temperature,
+                (vocab_size, device),
+            )?;
+            return Ok((Box::new(rloo), weight));
+        }
         let objective = Grpo::new(
             &GrpoBatch {
-                rollouts: rollouts::Rollouts {
-                    input_ids: &self.rows.input_ids,
-                    completion_mask,
-                    old_logps: self.old_logps.as_deref(),
-                    ref_logps,
-                },
+                rollouts,
                 advantages: &self.advantages,
                 beta: cfg.beta,
-                epsilon_low: g.epsilon,
-                epsilon_high: g.epsilon_high.unwrap_or(g.epsilon),
+                epsilon_low: epsilons.0,
+                epsilon_high: epsilons.1,
                 loss_type: g.loss_type,
                 // TRL's `max_completion_length`: a completion, its EOS included, never has
                 // more than `--max-new-tokens` tokens (EOS is not added to a truncated one).
@@ -123,10 +142,10 @@ impl MicroBatch {
                 vespo_gamma: g.vespo_gamma,
                 off_policy_mask_threshold: g.off_policy_mask_threshold,
             },
-            setup.model.config.vocab_size,
-            &setup.device,
+            vocab_size,
+            device,
         )?;
-        Ok((objective, weight))
+        Ok((Box::new(objective), weight))
     }
 }
 
@@ -151,8 +170,10 @@ struct Rollouts {
     rewards: Vec<f64>,
     lengths: Vec<usize>,
     /// Per-token log-probs of the policy that sampled them, kept for the later iterations on these
-    /// rollouts (`--num-iterations` > 1).
+    /// rollouts (`--num-iterations` > 1) and RLOO's KL.
     old_logps: Option<Vec<Vec<f64>>>,
+    /// RLOO: each completion's first-order KL to the reference, `Σ m (π_old − ρ)` (with `--beta`).
+    kls: Option<Vec<f64>>,
 }
 
 impl Rollouts {
@@ -340,6 +361,7 @@ fn rollout(
         advantages: group_advantages(&scores),
         rewards: scores,
         old_logps: None,
+        kls: None,
     })
 }
 
@@ -413,11 +435,10 @@ fn sample_in_group(
 /// the sampling policy's log-probs are kept.
 fn draw_rollouts(
     trainer: &mut Trainer,
-    g: &GrpoConfig,
-    prompts: &RecordStore,
-    rewards: &[Box<dyn Reward>],
+    (g, prompts, rewards): (&GrpoConfig, &RecordStore, &[Box<dyn Reward>]),
     (picked, first): (&[usize], usize),
     step: usize,
+    mut reference_scores: Option<&mut Scorer>,
 ) -> Result<Vec<Rollouts>> {
     let (setup, cfg) = (trainer.setup(), trainer.config());
     let step_seed = cfg.seed ^ 0x5eed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -442,31 +463,31 @@ fn draw_rollouts(
         let completions = sample_in_group(setup, g, &ids, &rngs)?;
         sampled.extend(group.into_iter().zip(completions));
     }
+    // RLOO's KL enters the reward: the sampling policy's and the reference's log-probs now.
+    let rloo_kl = matches!(g.algorithm, Algorithm::Rloo { .. }) && cfg.beta != 0.0;
     for (prompt, completions) in sampled {
         let mut r = rollout(setup, &prompt, completions, rewards, g, &mut totals)?;
-        if g.num_iterations > 1 {
+        if g.num_iterations > 1 || rloo_kl {
             let rows = r.collated(setup.tokenizer.pad_id);
             let t = rows.tensors(&setup.device)?;
-            r.old_logps = Some(token_logps(
-                &mut policy_scores,
-                (&t.input_ids, Some(&t.attention_mask)),
-                &rows.input_ids,
-                g.sampling.temperature,
-            )?);
+            let score = |scorer: &mut Scorer| {
+                let ids = (&t.input_ids, Some(&t.attention_mask));
+                token_logps(scorer, ids, &rows.input_ids, g.sampling.temperature)
+            };
+            let old = score(&mut policy_scores)?;
+            if let (true, Some(reference)) = (rloo_kl, reference_scores.as_mut()) {
+                let reference = score(reference)?;
+                r.kls = Some(first_order_kls(&r.completion_mask, &old, &reference));
+            }
+            r.old_logps = Some(old);
         }
         batch.push(r);
     }
-    // Each group's advantages were scaled by its own std (TRL's default scale_rewards); the others
-    // replace them.
-    let std = match g.scale_rewards {
-        ScaleRewards::Group => None,
-        ScaleRewards::None => Some(None),
-        ScaleRewards::Batch => Some(Some(batch_reward_std(setup, &batch)?)),
-    };
-    if let Some(std) = std {
-        for r in &mut batch {
-            r.advantages = scaled_advantages(&r.rewards, std);
-        }
+    match g.algorithm {
+        Algorithm::Grpo => grpo_advantages(setup, g, &mut batch)?,
+        Algorithm::Rloo {
+            normalize_advantages,
+        } => rloo_advantages(trainer, cfg.beta, normalize_advantages, &mut batch)?,
     }
     let completions = (picked.len() * g.group_size) as f64;
     for (r, total) in rewards.iter().zip(&totals) {
@@ -485,6 +506,80 @@ fn draw_rollouts(
         lengths.iter().sum::<usize>() as f64 / lengths.len() as f64,
     );
     Ok(batch)
+}
+
+/// GRPO's advantages: each group's were scaled by its own std (TRL's default scale_rewards); the
+/// others replace them.
+fn grpo_advantages(setup: &Setup, g: &GrpoConfig, batch: &mut [Rollouts]) -> Result<()> {
+    let std = match g.scale_rewards {
+        ScaleRewards::Group => None,
+        ScaleRewards::None => Some(None),
+        ScaleRewards::Batch => Some(Some(batch_reward_std(setup, batch)?)),
+    };
+    if let Some(std) = std {
+        for r in batch {
+            r.advantages = scaled_advantages(&r.rewards, std);
+        }
+    }
+    Ok(())
+}
+
+/// Each completion's first-order KL `Σ_t m_t (old_t − ref_t)` over its completion tokens (RLOO's,
+/// TRL's `per_token_kl` summed).
+fn first_order_kls(mask: &[Vec<i64>], old: &[Vec<f64>], reference: &[Vec<f64>]) -> Vec<f64> {
+    mask.iter()
+        .zip(old.iter().zip(reference))
+        .map(|(m, (o, r))| {
+            m.iter()
+                .zip(o.iter().zip(r))
+                .filter(|(&m, _)| m == 1)
+                .map(|(_, (o, r))| o - r)
+                .sum()
+        })
+        .collect()
+}
+
+/// RLOO's advantages (TRL's `_generate_and_score_completions`): the rewards less `beta` times
+/// their KL, less the leave-one-out baseline of their group; normalised over the step's whole
+/// batch (every rank's) when asked. Logs TRL's `kl`, the KL's mean over every completion token.
+fn rloo_advantages(
+    trainer: &mut Trainer,
+    beta: f64,
+    normalize: bool,
+    batch: &mut [Rollouts],
+) -> Result<()> {
+    let setup = trainer.setup();
+    let total = |x: f64| setup.data.sum(x).map_err(TrainError::from);
+    for r in batch.iter_mut() {
+        let mut rewards = r.rewards.clone();
+        if let Some(kls) = &r.kls {
+            rewards
+                .iter_mut()
+                .zip(kls)
+                .for_each(|(r, kl)| *r -= beta * kl);
+        }
+        r.advantages = leave_one_out(&rewards, rewards.len());
+    }
+    if beta != 0.0 {
+        let kl: f64 = batch.iter().flat_map(|r| r.kls.iter().flatten()).sum();
+        let tokens: i64 = batch
+            .iter()
+            .flat_map(|r| r.completion_mask.iter().flatten())
+            .sum();
+        let (kl, tokens) = (total(kl)?, total(tokens as f64)?);
+        trainer.add_metric("kl", kl / tokens.max(1.0));
+    }
+    if normalize {
+        let advantages = batch.iter().flat_map(|r| r.advantages.iter());
+        let (sum, squares, n) =
+            advantages.fold((0.0, 0.0, 0.0), |(s, q, n), &a| (s + a, q + a * a, n + 1.0));
+        let (sum, squares, n) = (total(sum)?, total(squares)?, total(n)?);
+        let (mean, std) = (sum / n, std_from_sums(sum, squares, n));
+        for a in batch.iter_mut().flat_map(|r| r.advantages.iter_mut()) {
+            *a = normalized(*a, mean, std);
+        }
+    }
+    Ok(())
 }
 
 /// The `--reward` specs of the run: its own, or on the built-in task the exact match of its answers;
@@ -524,10 +619,9 @@ fn warn_if_resumed_inside_batch(trainer: &Trainer, g: &GrpoConfig) {
 /// `time/rollouts`): the rollouts, and the place of this rank's first group in the step.
 fn fresh_rollouts(
     trainer: &mut Trainer,
-    g: &GrpoConfig,
-    prompts: &RecordStore,
-    rewards: &[Box<dyn Reward>],
+    job: (&GrpoConfig, &RecordStore, &[Box<dyn Reward>]),
     step: usize,
+    reference_scores: Option<&mut Scorer>,
 ) -> Result<(Vec<Rollouts>, usize)> {
     // Each rank samples its own prompts' groups; a group stays on one rank.
     let picked = trainer.data.take(trainer.global_step_items()?);
@@ -535,22 +629,24 @@ fn fresh_rollouts(
     let (mine, step_seed) = (mine.to_vec(), step);
     let local = (mine.as_slice(), first);
     let start = Instant::now();
-    let pending = draw_rollouts(trainer, g, prompts, rewards, local, step_seed)?;
+    let pending = draw_rollouts(trainer, job, local, step_seed, reference_scores)?;
     // Sampling, rewards and (with several iterations) the old policy's log-probs.
     trainer.add_metric("time/rollouts", start.elapsed().as_secs_f64());
     Ok((pending, first))
 }
 
-/// The weight of each of the step's `micro_batches` losses and dapo's and cispo's
+/// The weight of each of the step's `micro_batches` losses and GRPO's dapo's, cispo's and vespo's
 /// `num_items_in_batch` (the completion tokens of every rank's `pending` rollouts; `None` for the
-/// other loss types).
+/// other loss types and RLOO).
 fn loss_scale(
     setup: &Setup,
     g: &GrpoConfig,
     pending: &[Rollouts],
     micro_batches: usize,
 ) -> Result<(f64, Option<f64>)> {
-    Ok(match g.loss_type.global_normaliser() {
+    // RLOO's loss is a mean over each micro-batch's completions, as GRPO's per-completion types.
+    let global = g.algorithm == Algorithm::Grpo && g.loss_type.global_normaliser();
+    Ok(match global {
         true => (1.0, Some(global_tokens(setup, pending)?)),
         false => (1.0 / (micro_batches * setup.data.world_size()) as f64, None),
     })
@@ -597,7 +693,13 @@ fn train_on_rollouts(
         // Dropout masks by each row's place in the step, whatever the ranks and micro-batches.
         let place = (0, first_row);
         first_row += m.advantages.len();
-        trainer.backward(t.batch(), &objective, place, m.rows.tokens(), weight)?;
+        trainer.backward(
+            t.batch(),
+            objective.as_ref(),
+            place,
+            m.rows.tokens(),
+            weight,
+        )?;
         backward += start.elapsed().as_secs_f64();
     }
     trainer.add_metric("time/reference", scoring);
@@ -650,22 +752,28 @@ impl RewardHistory {
     }
 }
 
-/// Trains `cfg`'s model with GRPO on its prompts (the built-in arithmetic prompts by default).
+/// Trains `cfg`'s model with GRPO or RLOO (`g.algorithm`) on its prompts (the built-in arithmetic
+/// prompts by default).
 pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
-    cfg.validate(Recipe::Grpo)?;
+    let recipe = match g.algorithm {
+        Algorithm::Grpo => Recipe::Grpo,
+        Algorithm::Rloo { .. } => Recipe::Rloo,
+    };
+    cfg.validate(recipe)?;
     g.validate(cfg)?;
     let reward_specs = reward_specs(cfg, g)?;
     let rewards = reward_specs
         .iter()
         .map(|s| parse_reward(s))
         .collect::<Result<Vec<_>>>()?;
-    let setup = Setup::new(cfg, Recipe::Grpo)?;
+    let setup = Setup::new(cfg, recipe)?;
     let data = setup.data_source(cfg, "train.jsonl")?;
     let prompts = load_prompts(&data, &setup, cfg, g, &rewards)?;
     let reference = (cfg.beta != 0.0)
         .then(|| setup.initial_reference(cfg))
         .transpose()?;
-    tracing::info!(prompts = prompts.len(), group = g.group_size, rewards = ?reward_specs, "grpo");
+    let job = recipe.name();
+    tracing::info!(prompts = prompts.len(), group = g.group_size, rewards = ?reward_specs, "{job}");
     let training = TrainingData {
         count: prompts.len(),
         identity: prompts.identity().clone(),
@@ -673,7 +781,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         source: data.name(),
     };
     let extra = g.record(&reward_specs);
-    let mut trainer = Trainer::new(cfg, &setup, Recipe::Grpo, &training, extra)?;
+    let mut trainer = Trainer::new(cfg, &setup, recipe, &training, extra)?;
     warn_if_resumed_inside_batch(&trainer, g);
     let eval = setup
         .eval_source(cfg)?
@@ -689,11 +797,17 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step(step);
         let fresh = step.is_multiple_of(g.num_iterations) || pending.is_empty();
-        if fresh {
-            (pending, first_group) = fresh_rollouts(&mut trainer, g, &prompts, &rewards, step)?;
-        }
+        // GRPO scores the reference with each micro-batch; RLOO when it draws the rollouts.
         let reference = reference_scores.as_mut().map(|s| s as &mut Scorer);
-        train_on_rollouts(&mut trainer, g, &pending, first_group, reference)?;
+        let (at_draw, in_loss) = match g.algorithm {
+            Algorithm::Grpo => (None, reference),
+            Algorithm::Rloo { .. } => (reference, None),
+        };
+        if fresh {
+            let job = (g, &prompts, rewards.as_slice());
+            (pending, first_group) = fresh_rollouts(&mut trainer, job, step, at_draw)?;
+        }
+        train_on_rollouts(&mut trainer, g, &pending, first_group, in_loss)?;
         let metrics = trainer.finish_step()?;
         if fresh {
             history.note(&metrics);
@@ -748,6 +862,12 @@ impl GrpoConfig {
             ("--reward", rewards.into()),
         ] {
             run.insert(flag.into(), value);
+        }
+        if let Algorithm::Rloo {
+            normalize_advantages,
+        } = self.algorithm
+        {
+            run.insert("--normalize-advantages".into(), normalize_advantages.into());
         }
         run
     }

@@ -33,6 +33,8 @@ pub enum Recipe {
     Kto,
     /// A Bradley-Terry reward model (`reward.rs`).
     Reward,
+    /// REINFORCE leave-one-out on sampled completions (`grpo.rs`, with GRPO).
+    Rloo,
 }
 
 /// What `--beta` is to a job.
@@ -63,6 +65,9 @@ pub struct RecipeFacts {
     pub record: fn(&TrainConfig, &mut RunRecord),
 }
 
+/// RLOO's default β, as TRL's `RLOOConfig`.
+pub const RLOO_BETA: f64 = 0.05;
+
 /// DPO's default β, as TRL's `DPOConfig`.
 pub const DPO_BETA: f64 = 0.1;
 
@@ -84,7 +89,7 @@ pub const JOB_FLAGS: &[&str] = &[
 ];
 
 /// Every job's row, in [`Recipe`]'s order.
-static RECIPES: [RecipeFacts; 7] = [
+static RECIPES: [RecipeFacts; 8] = [
     RecipeFacts {
         recipe: Recipe::Sft,
         name: "sft",
@@ -226,6 +231,19 @@ static RECIPES: [RecipeFacts; 7] = [
             run.insert("--center-rewards-coefficient".into(), c.into());
         },
     },
+    RecipeFacts {
+        recipe: Recipe::Rloo,
+        name: "rloo",
+        flags: &["--beta"],
+        // The KL weight in the reward, TRL's RLOOConfig default.
+        beta: Beta::NonNegative(RLOO_BETA),
+        // GRPO's built-in run (the shipped SFT checkpoint refined on the exact-answer reward).
+        builtin: |task| (RECIPES[Recipe::Grpo as usize].builtin)(task),
+        // RLOO's own settings are recorded by its loop.
+        record: |cfg, run| {
+            run.insert("--beta".into(), cfg.beta.into());
+        },
+    },
 ];
 
 /// The built-in task's run of the other preference jobs: DPO's, from the shipped SFT checkpoint on
@@ -242,7 +260,7 @@ fn preference_builtin(task: TrainConfig) -> TrainConfig {
 
 impl Recipe {
     /// Every job, in the table's order.
-    pub const ALL: [Recipe; 7] = [
+    pub const ALL: [Recipe; 8] = [
         Recipe::Sft,
         Recipe::Dpo,
         Recipe::Grpo,
@@ -250,6 +268,7 @@ impl Recipe {
         Recipe::Cpo,
         Recipe::Kto,
         Recipe::Reward,
+        Recipe::Rloo,
     ];
 
     /// This job's row of the table.
@@ -257,7 +276,7 @@ impl Recipe {
         &RECIPES[self as usize]
     }
 
-    /// The subcommand's name: `sft`, `dpo`, `grpo`, `orpo`, `cpo`, `kto` or `reward`.
+    /// The subcommand's name: `sft`, `dpo`, `grpo`, `orpo`, `cpo`, `kto`, `reward` or `rloo`.
     pub fn name(self) -> &'static str {
         self.facts().name
     }
@@ -313,7 +332,7 @@ mod tests {
         let message = refused.unwrap_err().to_string();
         assert_eq!(
             message,
-            "--beta: applies to dpo, grpo, orpo, cpo and kto only, not sft"
+            "--beta: applies to dpo, grpo, orpo, cpo, kto and rloo only, not sft"
         );
         assert!(Recipe::Grpo.check_job_flags(&["--beta"]).is_ok());
     }
