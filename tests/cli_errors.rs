@@ -206,7 +206,7 @@ const CASES: &[Case] = &[
     case("rloo --beta -0.1", 2, "--beta -0.1: must be a number at least 0"),
     case("rloo --loss-type dapo", 2, "unexpected argument '--loss-type' found"),
     case("rloo --sft-weight 1", 2, "--sft-weight: applies to dpo only, not rloo"),
-    case("rloo --data {dir}/prompts.jsonl", 2, "GRPO needs at least one --reward"),
+    case("rloo --data {dir}/prompts.jsonl", 2, "RLOO needs at least one --reward"),
     case("grpo --reward length:3", 2, "--reward length:3: unknown reward"),
     case("grpo --reward format:(", 2, "not a valid regular expression"),
     case("grpo --reward format:", 2, "--reward format:: format: needs a pattern"),

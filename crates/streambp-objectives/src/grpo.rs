@@ -26,7 +26,7 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::rollouts::{bad, shift, Rollouts};
+use crate::rollouts::{bad, check_policy_settings, shift, Rollouts};
 use crate::{Objective, ObjectiveError, Result};
 
 /// How GRPO reduces per-token losses.
@@ -233,8 +233,8 @@ pub struct GrpoBatch<'a> {
     /// The temperature the completions were sampled at: the policy's log-probs are taken from
     /// `logits / temperature`, as TRL's (the old and reference log-probs must be too).
     pub temperature: f64,
-    /// `dapo`/`cispo`: the completion tokens of the whole global batch (every micro-batch and rank
-    /// of the optimizer step); `None`: this batch's own.
+    /// `dapo`/`cispo`/`vespo`: the completion tokens of the whole global batch (every micro-batch
+    /// and rank of the optimizer step); `None`: this batch's own.
     pub num_items_in_batch: Option<f64>,
     /// The KL term times the ratio `r` (TRL's `use_bias_correction_kl`, default true).
     pub use_bias_correction_kl: bool,
@@ -280,28 +280,15 @@ pub struct Grpo {
 }
 
 impl GrpoBatch<'_> {
-    /// Checks the scalar parameters: the reference log-probs `beta` needs, a positive finite
-    /// temperature, non-negative `beta` and epsilons, and positive finite sapo temperatures.
+    /// Checks the scalar parameters: those of every policy-gradient loss
+    /// ([`check_policy_settings`]), positive finite sapo temperatures, vespo's shapes numbers at
+    /// least 0, and a finite off-policy threshold.
     fn check_parameters(&self) -> Result<()> {
-        if self.beta != 0.0 && self.rollouts.ref_logps.is_none() {
-            return Err(bad(
-                "beta != 0 needs ref_logps (or a reference model)".into()
-            ));
-        }
-        if !(self.temperature > 0.0 && self.temperature.is_finite()) {
-            return Err(bad(format!(
-                "temperature {} must be above 0",
-                self.temperature
-            )));
-        }
-        let settings = [
-            ("beta", self.beta),
-            ("epsilon", self.epsilon_low),
-            ("epsilon_high", self.epsilon_high),
-        ];
-        if let Some((name, value)) = settings.iter().find(|(_, v)| !(*v >= 0.0 && v.is_finite())) {
-            return Err(bad(format!("{name} {value} must be a number at least 0")));
-        }
+        check_policy_settings(
+            (self.beta, self.rollouts.ref_logps.is_some()),
+            (self.epsilon_low, self.epsilon_high),
+            self.temperature,
+        )?;
         let (pos, neg) = self.sapo_temperatures;
         if !(pos > 0.0 && neg > 0.0 && pos.is_finite() && neg.is_finite()) {
             return Err(bad(format!(

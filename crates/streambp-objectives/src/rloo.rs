@@ -14,8 +14,8 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::rollouts::{bad, Rollouts};
-use crate::{Objective, Result};
+use crate::rollouts::{bad, check_policy_settings, Rollouts};
+use crate::{Objective, ObjectiveError, Result};
 
 /// An RLOO batch: groups of completions of one prompt each, with their rewards.
 #[derive(Debug, Clone)]
@@ -85,26 +85,11 @@ impl Rloo {
                 "num_generations {g} must be at least 2 and divide the batch's {rows} completions"
             )));
         }
-        if batch.beta != 0.0 && rollouts.ref_logps.is_none() {
-            return Err(bad(
-                "beta != 0 needs ref_logps (or a reference model)".into()
-            ));
-        }
-        for (name, value) in [
-            ("beta", batch.beta),
-            ("epsilon", batch.epsilon_low),
-            ("epsilon_high", batch.epsilon_high),
-        ] {
-            if !(value >= 0.0 && value.is_finite()) {
-                return Err(bad(format!("{name} {value} must be a number at least 0")));
-            }
-        }
-        if !(batch.temperature > 0.0 && batch.temperature.is_finite()) {
-            return Err(bad(format!(
-                "temperature {} must be above 0",
-                batch.temperature
-            )));
-        }
+        check_policy_settings(
+            (batch.beta, rollouts.ref_logps.is_some()),
+            (batch.epsilon_low, batch.epsilon_high),
+            batch.temperature,
+        )?;
         let per_pos = |a: Option<&[Vec<f64>]>| a.map(|a| Rollouts::per_position(a, device));
         Ok(Self {
             targets: rollouts.targets(device)?,
@@ -129,7 +114,7 @@ impl Rloo {
     /// The objective of a micro-batch of `rollouts` whose `advantages` were computed over their
     /// generation batch ([`leave_one_out`], the KL in the reward, the normalisation), the ratio
     /// clipped to `[1 − epsilon_low, 1 + epsilon_high]`, log-probs at `temperature`. The reference's
-    /// log-probs are not read.
+    /// log-probs are not read. Checked as [`Rloo::new`] checks its batch.
     pub fn with_advantages(
         rollouts: &Rollouts,
         advantages: &[f64],
@@ -141,6 +126,7 @@ impl Rloo {
         if let Some(a) = advantages.iter().find(|a| !a.is_finite()) {
             return Err(bad(format!("advantage {a} is not finite")));
         }
+        check_policy_settings((0.0, false), (epsilon_low, epsilon_high), temperature)?;
         let old = rollouts
             .old_logps
             .map(|a| Rollouts::per_position(a, device));
@@ -192,18 +178,10 @@ impl Rloo {
                 normalize,
             } => (rewards, *num_generations, *beta, *normalize),
         };
-        let mut rewards = rewards.clone();
-        if let Some(kls) = self.row_kls(logp)? {
-            for (r, kl) in rewards.iter_mut().zip(kls) {
-                *r -= beta * kl;
-            }
-        }
-        let mut advantages = leave_one_out(&rewards, g);
+        let kls = self.row_kls(logp)?;
+        let mut advantages = leave_one_out(&less_kl(rewards, kls.as_deref(), beta), g);
         if normalize {
-            let (mean, std) = mean_and_unbiased_std(&advantages);
-            for a in &mut advantages {
-                *a = normalized(*a, mean, std);
-            }
+            normalize_advantages(&mut advantages, Ok::<f64, ObjectiveError>)?;
         }
         Ok(advantages)
     }
@@ -227,10 +205,35 @@ pub fn leave_one_out(rewards: &[f64], g: usize) -> Vec<f64> {
         .collect()
 }
 
-/// An advantage normalised by the batch's `mean` and (unbiased) `std`, as TRL's
-/// `normalize_advantages`: `(a − mean)/(std + 1e-4)`.
-pub fn normalized(advantage: f64, mean: f64, std: f64) -> f64 {
-    (advantage - mean) / (std + 1e-4)
+/// RLOO's rewards with the KL in them: `rewards − beta·kls` (the rewards as they are without
+/// `kls`).
+pub fn less_kl(rewards: &[f64], kls: Option<&[f64]>, beta: f64) -> Vec<f64> {
+    match kls {
+        Some(kls) => rewards
+            .iter()
+            .zip(kls)
+            .map(|(r, kl)| r - beta * kl)
+            .collect(),
+        None => rewards.to_vec(),
+    }
+}
+
+/// Normalises `advantages` as TRL's `normalize_advantages`: `(a − mean)/(std + 1e-4)`, with the
+/// batch's mean and standard deviation (Bessel's correction, two passes as TRL's `nanstd`), where
+/// `total` sums a value over the batch (`Ok` for these advantages alone; a sum over ranks where
+/// the batch is split across them).
+pub fn normalize_advantages<E>(
+    advantages: &mut [f64],
+    total: impl Fn(f64) -> std::result::Result<f64, E>,
+) -> std::result::Result<(), E> {
+    let n = total(advantages.len() as f64)?;
+    let mean = total(advantages.iter().sum())? / n;
+    let squares = total(advantages.iter().map(|a| (a - mean).powi(2)).sum())?;
+    let std = (squares / (n - 1.0)).sqrt();
+    for a in advantages {
+        *a = (*a - mean) / (std + 1e-4);
+    }
+    Ok(())
 }
 
 /// The mean of `values` and their standard deviation with Bessel's correction (TRL's `nanstd`).

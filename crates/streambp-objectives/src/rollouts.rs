@@ -41,6 +41,33 @@ pub(crate) fn shift<T: Copy + Default>(rows: &[Vec<T>]) -> Vec<T> {
         .collect()
 }
 
+/// Checks the settings every policy-gradient loss has: the reference log-probs `beta` needs (where
+/// `reference` says whether they are given), a positive finite temperature, and `beta` and the
+/// clip's epsilons numbers at least 0.
+pub(crate) fn check_policy_settings(
+    (beta, reference): (f64, bool),
+    (epsilon_low, epsilon_high): (f64, f64),
+    temperature: f64,
+) -> Result<()> {
+    if beta != 0.0 && !reference {
+        return Err(bad(
+            "beta != 0 needs ref_logps (or a reference model)".into()
+        ));
+    }
+    if !(temperature > 0.0 && temperature.is_finite()) {
+        return Err(bad(format!("temperature {temperature} must be above 0")));
+    }
+    let settings = [
+        ("beta", beta),
+        ("epsilon", epsilon_low),
+        ("epsilon_high", epsilon_high),
+    ];
+    if let Some((name, value)) = settings.iter().find(|(_, v)| !(*v >= 0.0 && v.is_finite())) {
+        return Err(bad(format!("{name} {value} must be a number at least 0")));
+    }
+    Ok(())
+}
+
 impl Rollouts<'_> {
     /// The batch's `(B, T)`, once every array is checked to have input_ids' `[B][T]` shape and each
     /// of `per_row` (a name and its length) `B` entries, every token id to be inside `vocab_size`,

@@ -146,6 +146,16 @@ pub enum Algorithm {
     },
 }
 
+impl Algorithm {
+    /// The job that trains with it.
+    pub fn recipe(self) -> Recipe {
+        match self {
+            Algorithm::Grpo => Recipe::Grpo,
+            Algorithm::Rloo { .. } => Recipe::Rloo,
+        }
+    }
+}
+
 /// The settings of the jobs that sample completions and learn from their rewards (`grpo`,
 /// `rloo`) beyond the shared ones.
 #[derive(Debug, Clone)]

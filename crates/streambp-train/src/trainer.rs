@@ -147,8 +147,12 @@ struct StepSums {
     loss: f64,
     tokens: usize,
     peak: usize,
-    /// The objectives' metrics, weighted like the loss: summed over ranks.
+    /// The objectives' metrics, weighted like the loss: summed over ranks, then divided by the
+    /// weights' sum (`metric_weight`), so that a metric is its mean over the step's micro-batches
+    /// whether their losses are means (weights summing to 1) or shares of one global sum (weight 1
+    /// each: dapo's, cispo's, vespo's).
     summed: Vec<(String, f64)>,
+    metric_weight: f64,
     /// The recipe's own metrics (rewards…), each rank's mean: averaged over ranks.
     averaged: Vec<(String, f64)>,
     micro_batches: usize,
@@ -391,6 +395,7 @@ impl<'a> Trainer<'a> {
         for (name, value) in &out.metrics {
             add_to(&mut s.summed, name, value * weight);
         }
+        s.metric_weight += weight;
         Ok(())
     }
 
@@ -409,8 +414,13 @@ impl<'a> Trainer<'a> {
         let loss = sum(sums.loss)?;
         let tokens = sum(sums.tokens as f64)? as usize;
         let mut metrics = Vec::new();
+        // A step whose micro-batches all weigh 0 (every completion masked) reports none.
+        let metric_weight = sum(sums.metric_weight)?;
         for (k, v) in &sums.summed {
-            metrics.push((k.clone(), sum(*v)?));
+            let v = sum(*v)?;
+            if metric_weight > 0.0 {
+                metrics.push((k.clone(), v / metric_weight));
+            }
         }
         for (k, v) in &sums.averaged {
             metrics.push((k.clone(), sum(*v)? / world));

@@ -10,12 +10,12 @@ use std::time::Instant;
 use candle_core::Tensor;
 use serde_json::Value;
 use streambp_models::init::NormalRng;
-use streambp_objectives::rloo::{leave_one_out, normalized};
+use streambp_objectives::rloo::{leave_one_out, less_kl, normalize_advantages};
 use streambp_objectives::{rollouts, Grpo, GrpoBatch, Objective, Rloo};
 
 use crate::batch::{collate, padded, Collated};
 use crate::checkpoint::{Digest, Fingerprint, RunRecord};
-use crate::config::{Algorithm, GrpoConfig, Recipe, TrainConfig};
+use crate::config::{Algorithm, GrpoConfig, TrainConfig};
 use crate::data::{text_field, Example, LoadReport, Overflow, Row, Text};
 use crate::dataset::DataSource;
 use crate::eval::{eval_accuracy, eval_rows};
@@ -34,7 +34,7 @@ use crate::{Result, TrainError};
 
 /// The standard deviation of every reward of the step's batch, all ranks' groups together (TRL's
 /// `scale_rewards="batch"`).
-fn batch_reward_std(setup: &Setup, batch: &[Rollouts]) -> Result<f64> {
+fn batch_reward_std(setup: &Setup, batch: &[Group]) -> Result<f64> {
     let rewards = batch.iter().flat_map(|r| r.rewards.iter());
     let (sum, squares, n) =
         rewards.fold((0.0, 0.0, 0.0), |(s, q, n), &r| (s + r, q + r * r, n + 1.0));
@@ -52,7 +52,7 @@ struct MicroBatch {
 }
 
 impl MicroBatch {
-    fn of(groups: &[Rollouts], pad_id: u32) -> Self {
+    fn of(groups: &[Group], pad_id: u32) -> Self {
         let examples: Vec<&Example> = groups.iter().flat_map(|g| &g.examples).collect();
         let rows = collate(&examples, pad_id);
         let t = rows.input_ids.first().map_or(0, Vec::len);
@@ -149,8 +149,9 @@ impl MicroBatch {
     }
 }
 
-/// The completion tokens of every rank's `pending` rollouts: dapo's and cispo's normaliser.
-fn global_tokens(setup: &Setup, pending: &[Rollouts]) -> Result<f64> {
+/// The completion tokens of every rank's `pending` rollouts: GRPO's dapo's, cispo's and vespo's
+/// normaliser.
+fn global_tokens(setup: &Setup, pending: &[Group]) -> Result<f64> {
     let local: i64 = pending
         .iter()
         .flat_map(|r| r.completion_mask.iter().flatten())
@@ -160,7 +161,7 @@ fn global_tokens(setup: &Setup, pending: &[Rollouts]) -> Result<f64> {
 
 /// One group of rollouts: the completions of one prompt, collated into right-padded rows (the loss on
 /// the completions), with their rewards and group-relative advantages.
-struct Rollouts {
+struct Group {
     /// The prompt and completion of each row (collated again with the other groups of its
     /// micro-batch).
     examples: Vec<Example>,
@@ -176,7 +177,7 @@ struct Rollouts {
     kls: Option<Vec<f64>>,
 }
 
-impl Rollouts {
+impl Group {
     /// The group's rows alone, right-padded (as they were scored and masked when sampled).
     fn collated(&self, pad_id: u32) -> Collated {
         collate(&self.examples.iter().collect::<Vec<_>>(), pad_id)
@@ -203,7 +204,7 @@ impl Digest for Prompt {
     }
 }
 
-/// The prompts of a GRPO data file: rows with a `prompt` string and every column a reward reads. A
+/// The prompts of a GRPO or RLOO data file: rows with a `prompt` string and every column a reward reads. A
 /// prompt that leaves no room for `max_new_tokens` within `max_length` is skipped or cut from the left
 /// (TRL keeps a prompt's end). They go onto disk one at a time (a store in the output directory), so
 /// a prompt set of any size loads in bounded memory.
@@ -224,10 +225,11 @@ fn load_prompts(
             Some(Text::Plain(text)) => text,
             Some(Text::Messages(messages)) => render_prompt(&setup.tokenizer, messages, &where_)?,
             None => {
+                let job = g.algorithm.recipe().name().to_uppercase();
                 return Err(TrainError::data(
                     where_,
-                    "GRPO data needs a \"prompt\" (a string or a list of messages)",
-                ))
+                    format!("{job} data needs a \"prompt\" (a string or a list of messages)"),
+                ));
             }
         };
         for reward in rewards {
@@ -316,7 +318,7 @@ fn rollout(
     rewards: &[Box<dyn Reward>],
     g: &GrpoConfig,
     reward_totals: &mut [f64],
-) -> Result<Rollouts> {
+) -> Result<Group> {
     let tok = &setup.tokenizer;
     let mut scores = Vec::with_capacity(completions.len());
     let mut examples = Vec::with_capacity(completions.len());
@@ -351,7 +353,7 @@ fn rollout(
             row.iter_mut().for_each(|m| *m = 0);
         }
     }
-    Ok(Rollouts {
+    Ok(Group {
         completion_mask,
         lengths: examples
             .iter()
@@ -432,14 +434,15 @@ fn sample_in_group(
 /// seeded by the step and the prompt's place in the step (so a resumed run, or one on another number
 /// of ranks, draws what the uninterrupted one on one process drew): this rank's prompts `picked`, the
 /// first at place `first`. Their reward metrics go to the trainer; with several iterations per batch,
-/// the sampling policy's log-probs are kept.
+/// the sampling policy's log-probs are kept; for RLOO with `--beta`, the KL to the reference
+/// (`reference_scores`) is scored into the advantages.
 fn draw_rollouts(
     trainer: &mut Trainer,
     (g, prompts, rewards): (&GrpoConfig, &RecordStore, &[Box<dyn Reward>]),
     (picked, first): (&[usize], usize),
     step: usize,
     mut reference_scores: Option<&mut Scorer>,
-) -> Result<Vec<Rollouts>> {
+) -> Result<Vec<Group>> {
     let (setup, cfg) = (trainer.setup(), trainer.config());
     let step_seed = cfg.seed ^ 0x5eed ^ (step as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let mut totals = vec![0.0; rewards.len()];
@@ -479,7 +482,9 @@ fn draw_rollouts(
                 let reference = score(reference)?;
                 r.kls = Some(first_order_kls(&r.completion_mask, &old, &reference));
             }
-            r.old_logps = Some(old);
+            // One step per batch: the policy trained is the one that sampled, its ratio exactly 1
+            // with the engine's own log-probs (as TRL's GRPO; its RLOO re-scores them).
+            r.old_logps = (g.num_iterations > 1).then_some(old);
         }
         batch.push(r);
     }
@@ -510,7 +515,7 @@ fn draw_rollouts(
 
 /// GRPO's advantages: each group's were scaled by its own std (TRL's default scale_rewards); the
 /// others replace them.
-fn grpo_advantages(setup: &Setup, g: &GrpoConfig, batch: &mut [Rollouts]) -> Result<()> {
+fn grpo_advantages(setup: &Setup, g: &GrpoConfig, batch: &mut [Group]) -> Result<()> {
     let std = match g.scale_rewards {
         ScaleRewards::Group => None,
         ScaleRewards::None => Some(None),
@@ -546,18 +551,12 @@ fn rloo_advantages(
     trainer: &mut Trainer,
     beta: f64,
     normalize: bool,
-    batch: &mut [Rollouts],
+    batch: &mut [Group],
 ) -> Result<()> {
     let setup = trainer.setup();
     let total = |x: f64| setup.data.sum(x).map_err(TrainError::from);
     for r in batch.iter_mut() {
-        let mut rewards = r.rewards.clone();
-        if let Some(kls) = &r.kls {
-            rewards
-                .iter_mut()
-                .zip(kls)
-                .for_each(|(r, kl)| *r -= beta * kl);
-        }
+        let rewards = less_kl(&r.rewards, r.kls.as_deref(), beta);
         r.advantages = leave_one_out(&rewards, rewards.len());
     }
     if beta != 0.0 {
@@ -570,14 +569,10 @@ fn rloo_advantages(
         trainer.add_metric("kl", kl / tokens.max(1.0));
     }
     if normalize {
-        let advantages = batch.iter().flat_map(|r| r.advantages.iter());
-        let (sum, squares, n) =
-            advantages.fold((0.0, 0.0, 0.0), |(s, q, n), &a| (s + a, q + a * a, n + 1.0));
-        let (sum, squares, n) = (total(sum)?, total(squares)?, total(n)?);
-        let (mean, std) = (sum / n, std_from_sums(sum, squares, n));
-        for a in batch.iter_mut().flat_map(|r| r.advantages.iter_mut()) {
-            *a = normalized(*a, mean, std);
-        }
+        let mut all: Vec<f64> = batch.iter().flat_map(|r| r.advantages.clone()).collect();
+        normalize_advantages(&mut all, total)?;
+        let places = batch.iter_mut().flat_map(|r| r.advantages.iter_mut());
+        places.zip(all).for_each(|(a, normalized)| *a = normalized);
     }
     Ok(())
 }
@@ -591,11 +586,12 @@ fn reward_specs(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Vec<String>> {
         // The built-in task's answers: exactly right or not.
         (true, true) => vec!["exact:completion".into()],
         (true, false) => {
+            let job = g.algorithm.recipe().name().to_uppercase();
             return Err(TrainError::flag(
                 "--reward",
                 "(none)",
-                "GRPO needs at least one --reward (exact:COLUMN or format:REGEX)",
-            ))
+                format!("{job} needs at least one --reward (exact:COLUMN or format:REGEX)"),
+            ));
         }
     })
 }
@@ -622,7 +618,7 @@ fn fresh_rollouts(
     job: (&GrpoConfig, &RecordStore, &[Box<dyn Reward>]),
     step: usize,
     reference_scores: Option<&mut Scorer>,
-) -> Result<(Vec<Rollouts>, usize)> {
+) -> Result<(Vec<Group>, usize)> {
     // Each rank samples its own prompts' groups; a group stays on one rank.
     let picked = trainer.data.take(trainer.global_step_items()?);
     let (mine, first) = trainer.local(&picked);
@@ -630,7 +626,8 @@ fn fresh_rollouts(
     let local = (mine.as_slice(), first);
     let start = Instant::now();
     let pending = draw_rollouts(trainer, job, local, step_seed, reference_scores)?;
-    // Sampling, rewards and (with several iterations) the old policy's log-probs.
+    // Sampling, rewards, and (with several iterations, or RLOO's KL) the old policy's and the
+    // reference's log-probs.
     trainer.add_metric("time/rollouts", start.elapsed().as_secs_f64());
     Ok((pending, first))
 }
@@ -641,7 +638,7 @@ fn fresh_rollouts(
 fn loss_scale(
     setup: &Setup,
     g: &GrpoConfig,
-    pending: &[Rollouts],
+    pending: &[Group],
     micro_batches: usize,
 ) -> Result<(f64, Option<f64>)> {
     // RLOO's loss is a mean over each micro-batch's completions, as GRPO's per-completion types.
@@ -658,16 +655,16 @@ fn loss_scale(
 fn train_on_rollouts(
     trainer: &mut Trainer,
     g: &GrpoConfig,
-    pending: &[Rollouts],
+    pending: &[Group],
     first_group: usize,
     mut reference_scores: Option<&mut Scorer>,
 ) -> Result<()> {
     let (setup, cfg) = (trainer.setup(), trainer.config());
     let (mut scoring, mut backward) = (0.0, 0.0);
-    // One backward per micro-batch of --batch-size prompts' groups. dapo and cispo divide
-    // its summed loss by the completion tokens of the step's whole batch (all micro-batches,
-    // all ranks: TRL's num_items_in_batch); the other loss types give the micro-batch's mean,
-    // which the step averages over every rank's micro-batches.
+    // One backward per micro-batch of --batch-size prompts' groups. GRPO's dapo, cispo and vespo
+    // divide its summed loss by the completion tokens of the step's whole batch (all
+    // micro-batches, all ranks: TRL's num_items_in_batch); its other loss types and RLOO give
+    // the micro-batch's mean, which the step averages over every rank's micro-batches.
     let micro_batches: Vec<MicroBatch> = pending
         .chunks(cfg.batch_size.max(1))
         .map(|groups| MicroBatch::of(groups, setup.tokenizer.pad_id))
@@ -755,10 +752,7 @@ impl RewardHistory {
 /// Trains `cfg`'s model with GRPO or RLOO (`g.algorithm`) on its prompts (the built-in arithmetic
 /// prompts by default).
 pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
-    let recipe = match g.algorithm {
-        Algorithm::Grpo => Recipe::Grpo,
-        Algorithm::Rloo { .. } => Recipe::Rloo,
-    };
+    let recipe = g.algorithm.recipe();
     cfg.validate(recipe)?;
     g.validate(cfg)?;
     let reward_specs = reward_specs(cfg, g)?;
@@ -791,7 +785,7 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         .flatten();
     let before = trainer.held_out_before(|| eval_accuracy(&setup, &eval))?;
     let mut reference_scores = reference.as_ref().map(|m| setup.scorer(cfg, m));
-    let mut pending: Vec<Rollouts> = Vec::new();
+    let mut pending: Vec<Group> = Vec::new();
     let mut history = RewardHistory::default();
     let mut first_group = 0;
     for step in trainer.start_step..trainer.max_steps {
