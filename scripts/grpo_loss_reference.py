@@ -109,6 +109,7 @@ def bare_trainer(model, batch, **overrides):
     t.aux_loss_enabled, t.current_gradient_accumulation_steps = False, 1
     t._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     t.accelerator = types.SimpleNamespace(num_processes=1, is_main_process=True, autocast=contextlib.nullcontext,
+                                          sync_gradients=True, pad_across_processes=lambda x, dim, pad_index: x,
                                           gather=lambda x: x, reduce=lambda x, reduction: x)
     return t
 

@@ -13,7 +13,7 @@ trainer of grpo_loss_reference.py (one process, one accumulation step, no vLLM),
     tests/fixtures/<family>/grpo_trl.safetensors    (float64)
         "<variant>.loss"          [1]
         "<variant>.<metric>"      [1]  TRL's logged kl, clip_ratio/region_mean (or cispo_clip_ratio),
-                                       vespo/phi_seq_mean where it logs them, '/' written '_'
+                                       vespo/phi_seq_mean where it logs them, and entropy, '/' written '_'
         "<variant>.grad.<param>"  d loss / d param, HF parameter names
         "off_policy.threshold"    [1]  the off-policy variant's threshold (below)
     tests/fixtures/<family>/lora/grpo_trl.safetensors
@@ -65,10 +65,15 @@ VARIANTS = {
     "off_policy": ({"loss_type": "grpo", "off_policy_mask_threshold": None}, {}),
     "off_policy_gspo": ({"loss_type": "dapo", "importance_sampling_level": "sequence",
                          "off_policy_mask_threshold": None}, {"num_items_scale": 3}),
+    "entropy_bonus": ({"loss_type": "grpo", "entropy_coef": 0.05}, {}),
+    "top_entropy": ({"loss_type": "dapo", "top_entropy_quantile": 0.3}, {"num_items_scale": 3}),
+    "top_entropy_bonus": ({"loss_type": "bnpo", "top_entropy_quantile": 0.5, "entropy_coef": -0.1}, {}),
+    "entropy_gspo": ({"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": GSPO_EPSILON,
+                      "entropy_coef": 0.02, "top_entropy_quantile": 0.0}, {}),
 }
 # Those run on the PEFT adapter too (one per kind of term).
-LORA_VARIANTS = ("gspo", "luspo", "vespo", "off_policy_gspo")
-METRICS = ("kl", "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean")
+LORA_VARIANTS = ("gspo", "luspo", "vespo", "off_policy_gspo", "top_entropy_bonus")
+METRICS = ("kl", "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean", "entropy")
 
 
 def off_policy_threshold(model, batch):

@@ -141,7 +141,8 @@ fn assert_two_ranks_match_one(args_with_batch: impl Fn(usize) -> String, b: usiz
 /// DPO with its NLL term (a loss of whole sequences), GRPO with a KL term and two iterations (its
 /// reference and old policy scored on the split sequences too; three prompts a micro-batch, sampled
 /// two on one rank and one on the other and shared; with vespo's, the sequence level's and the
-/// off-policy mask's terms of whole rows; RLOO's ratio of whole rows), a LoRA adapter with dropout (its masks drawn
+/// off-policy mask's terms of whole rows; RLOO's ratio of whole rows; the entropies of the split
+/// rows' positions, their bonus and their high-entropy mask), a LoRA adapter with dropout (its masks drawn
 /// by position in the whole row), and packed rows of 23 tokens (spans of 12 and 11, documents
 /// crossing between them).
 #[test]
@@ -157,6 +158,8 @@ fn sequences_split_over_two_ranks_train_as_one_process() {
          --loss-type vespo --importance-sampling-level sequence --off-policy-mask-threshold 0.01",
         "rloo --max-steps 2 --batch-size 3 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7 \
          --normalize-advantages",
+        "grpo --max-steps 2 --batch-size 3 --group-size 4 --num-iterations 2 --seed 7 \
+         --entropy-coef 0.1 --top-entropy-quantile 0.5",
         "sft --max-steps 2 --batch-size 2 --chunk 2 --lora-r 4 --lora-dropout 0.3 --lr 1e-2 --seed 3",
         "sft --max-steps 2 --batch-size 2 --packing --max-length 23 --chunk 4 --seed 6",
     ] {
@@ -227,6 +230,8 @@ fn orpo_and_cpo_on_two_ranks_are_one_process() {
 /// scaled by the whole batch's standard deviation (both summed over the ranks); with truncated
 /// completions masked out of completions of at most 2 tokens (groups left without any run at
 /// weight 0, so the ranks' calls stay paired); and GSPO's weights under luspo (a mean over rows).
+/// (The entropy bonus is not here: as TRL's, it is a token mean per micro-batch, so two ranks'
+/// halves are not one process's whole, as two GPUs are not one under TRL.)
 #[test]
 fn grpo_on_two_ranks_is_one_process() {
     if !mpi_available() {

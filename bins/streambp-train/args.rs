@@ -450,6 +450,14 @@ pub struct GrpoArgs {
     /// [default: none].
     #[arg(long, allow_negative_numbers = true)]
     off_policy_mask_threshold: Option<f64>,
+    /// Subtract this times the completion tokens' mean entropy (of the sampling distribution) from
+    /// the loss, whatever the loss type: an exploration bonus [default: 0, none].
+    #[arg(long, allow_negative_numbers = true)]
+    entropy_coef: Option<f64>,
+    /// Only the completion tokens in this top quantile by entropy (of the micro-batch's) keep their
+    /// policy term ("Beyond the 80/20 rule": 0.2), in [0, 1] [default: 1, every token].
+    #[arg(long, allow_negative_numbers = true)]
+    top_entropy_quantile: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -623,6 +631,8 @@ impl GrpoArgs {
                 ),
             },
             off_policy_mask_threshold: self.off_policy_mask_threshold,
+            entropy_coef: self.entropy_coef.unwrap_or(d.entropy_coef),
+            top_entropy_quantile: self.top_entropy_quantile.unwrap_or(d.top_entropy_quantile),
             ..d
         }
     }

@@ -86,6 +86,8 @@ pub(crate) fn workload(
                     importance_sampling: Default::default(),
                     vespo_gamma: Default::default(),
                     off_policy_mask_threshold: None,
+                    entropy_coef: 0.0,
+                    top_entropy_quantile: 1.0,
                 },
                 vocab,
                 dev,

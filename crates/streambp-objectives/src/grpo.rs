@@ -94,6 +94,17 @@ impl GrpoLossType {
     }
 }
 
+/// The `q` quantile of sorted `values` by linear interpolation between the nearest ranks (as
+/// `torch.quantile`'s default); `+∞` for none (nothing reaches it).
+fn quantile(values: &[f64], q: f64) -> f64 {
+    let Some(last) = values.len().checked_sub(1) else {
+        return f64::INFINITY;
+    };
+    let at = q * last as f64;
+    let (below, above) = (at.floor() as usize, at.ceil() as usize);
+    values[below] + (values[above] - values[below]) * (at - below as f64)
+}
+
 impl crate::LossSettings for GrpoLossType {
     const TYPES: &'static [Self] = &Self::ALL;
     const SETTINGS: &'static [&'static str] = &[
@@ -248,6 +259,14 @@ pub struct GrpoBatch<'a> {
     /// this leave the policy term (TRL's `off_policy_mask_threshold`, DeepSeek-V3.2's sequence
     /// mask); `None`: every row stays.
     pub off_policy_mask_threshold: Option<f64>,
+    /// The weight of the batch's mean entropy over its completion tokens subtracted from the loss
+    /// (TRL's `entropy_coef`, as a share of this batch's loss: a caller whose batches each weigh 1
+    /// divides it by their number); 0: none.
+    pub entropy_coef: f64,
+    /// Only the completion tokens whose entropy is in the batch's top `top_entropy_quantile`
+    /// (`[0, 1]`, TRL's; 1: every token, 0: the highest) keep their policy term and count in the
+    /// entropy bonus.
+    pub top_entropy_quantile: f64,
 }
 
 /// The GRPO objective of one batch, built from a [`GrpoBatch`].
@@ -277,6 +296,8 @@ pub struct Grpo {
     importance_sampling: ImportanceSampling,
     vespo_gamma: VespoGamma,
     off_policy_mask_threshold: Option<f64>,
+    entropy_coef: f64,
+    top_entropy_quantile: f64,
 }
 
 impl GrpoBatch<'_> {
@@ -305,6 +326,16 @@ impl GrpoBatch<'_> {
             if !(value >= 0.0 && value.is_finite()) {
                 return Err(bad(format!("{name} {value} must be a number at least 0")));
             }
+        }
+        if !self.entropy_coef.is_finite() {
+            return Err(bad(format!(
+                "entropy_coef {} must be a number",
+                self.entropy_coef
+            )));
+        }
+        let q = self.top_entropy_quantile;
+        if !(0.0..=1.0).contains(&q) {
+            return Err(bad(format!("top_entropy_quantile {q} must be in [0, 1]")));
         }
         if let Some(t) = self.off_policy_mask_threshold.filter(|t| !t.is_finite()) {
             return Err(bad(format!(
@@ -407,6 +438,8 @@ impl Grpo {
             importance_sampling: batch.importance_sampling,
             vespo_gamma: batch.vespo_gamma,
             off_policy_mask_threshold: batch.off_policy_mask_threshold,
+            entropy_coef: batch.entropy_coef,
+            top_entropy_quantile: batch.top_entropy_quantile,
         })
     }
 
@@ -475,33 +508,14 @@ impl Grpo {
         Ok(Some(self.row_constants(&keep, log_ratio.dtype())?))
     }
 
-    /// `[G, 1]` constants of `dtype` on the batch's device.
-    fn row_constants(&self, values: &[f64], dtype: DType) -> Result<Tensor> {
-        let t = Tensor::from_vec(values.to_vec(), (values.len(), 1), self.advantages.device())?;
-        Ok(t.to_dtype(dtype)?)
-    }
-}
-
-impl Objective for Grpo {
-    fn name(&self) -> &str {
-        "grpo"
-    }
-
-    fn targets(&self) -> &Tensor {
-        &self.targets
-    }
-
-    fn separable(&self) -> bool {
-        self.importance_sampling == ImportanceSampling::Token
-            && self.loss_type != GrpoLossType::Vespo
-            && self.off_policy_mask_threshold.is_none()
-    }
-
-    fn temperature(&self) -> f64 {
-        self.temperature
-    }
-
-    fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor> {
+    /// The loss of positions `cols` from their log-probs and, where the objective reads them, their
+    /// entropies (all positions when the loss is not separable).
+    fn total_loss(
+        &self,
+        logp: &Tensor,
+        entropy: Option<&Tensor>,
+        cols: Range<usize>,
+    ) -> Result<Tensor> {
         let dt = logp.dtype();
         let (log_ratio, kl_arg) = self.log_ratios(logp, &cols)?;
         let r = self.importance_weights(&log_ratio)?;
@@ -533,6 +547,15 @@ impl Objective for Grpo {
         if let Some(keep) = self.off_policy_mask(&log_ratio)? {
             per_token = per_token.broadcast_mul(&keep)?;
         }
+        // TRL's high-entropy mask: only the batch's top `top_entropy_quantile` of completion tokens
+        // by entropy (held constant) keep their policy term.
+        let kept = match entropy {
+            Some(h) if self.top_entropy_quantile < 1.0 => Some(self.high_entropy_mask(h)?),
+            _ => None,
+        };
+        if let Some(kept) = &kept {
+            per_token = per_token.broadcast_mul(&kept.to_dtype(dt)?)?;
+        }
         if let Some(d) = kl_arg {
             let mut kl = ((d.exp()? - &d)? - 1.0)?;
             if self.bias_corrected_kl {
@@ -544,9 +567,127 @@ impl Objective for Grpo {
             .weights
             .narrow(1, cols.start, cols.len())?
             .to_dtype(dt)?;
-        Ok(per_token.broadcast_mul(&w)?.sum_all()?)
+        let loss = per_token.broadcast_mul(&w)?.sum_all()?;
+        match entropy {
+            // The entropy bonus: a token mean over the tokens the policy term acts on, whatever
+            // the loss type's reduction (TRL's `entropy_coef`).
+            Some(h) if self.entropy_coef != 0.0 => {
+                let bonus = self.entropy_bonus(h, kept.as_ref(), &cols)?;
+                Ok((loss - (bonus * self.entropy_coef)?)?)
+            }
+            _ => Ok(loss),
+        }
     }
 
+    /// `Σ m·x` over the completion tokens of `x` (`[G, cols]` from column `cols.start`, f64) and
+    /// their count, the tokens further restricted to `kept`'s where given.
+    fn masked_sum_and_count(&self, x: &Tensor, kept: Option<&Tensor>) -> Result<(f64, f64)> {
+        let mut mask = self.mask.to_dtype(DType::F64)?;
+        if let Some(kept) = kept {
+            mask = (mask * kept.to_dtype(DType::F64)?)?;
+        }
+        let sum = (x * &mask)?.sum_all()?.to_scalar::<f64>()?;
+        Ok((sum, mask.sum_all()?.to_scalar::<f64>()?))
+    }
+
+    /// TRL's `get_high_entropy_mask` (one process): `[G, T]` u8, 1 at the completion tokens whose
+    /// entropy is at least the `1 − top_entropy_quantile` quantile (linear interpolation, as
+    /// `torch.quantile`) of the batch's completion tokens' entropies.
+    fn high_entropy_mask(&self, entropy: &Tensor) -> Result<Tensor> {
+        let h = entropy.detach().to_dtype(DType::F64)?;
+        let values = h.flatten_all()?.to_vec1::<f64>()?;
+        let mask = self.mask.flatten_all()?.to_vec1::<u8>()?;
+        let mut tokens: Vec<f64> = values
+            .iter()
+            .zip(&mask)
+            .filter(|(_, &m)| m == 1)
+            .map(|(&v, _)| v)
+            .collect();
+        tokens.sort_by(f64::total_cmp);
+        let threshold = quantile(&tokens, 1.0 - self.top_entropy_quantile);
+        let kept: Vec<u8> = values
+            .iter()
+            .zip(&mask)
+            .map(|(&v, &m)| u8::from(m == 1 && v >= threshold))
+            .collect();
+        Ok(Tensor::from_vec(kept, h.shape(), h.device())?)
+    }
+
+    /// The entropy bonus of positions `cols`: `Σ H·m·e / max(Σ m·e, 1)` over the whole batch's
+    /// completion tokens (restricted to `kept`, the high-entropy mask, where given).
+    fn entropy_bonus(
+        &self,
+        entropy: &Tensor,
+        kept: Option<&Tensor>,
+        cols: &Range<usize>,
+    ) -> Result<Tensor> {
+        let (_, count) = self.masked_sum_and_count(&self.mask.to_dtype(DType::F64)?, kept)?;
+        let mut mask = self.mask.narrow(1, cols.start, cols.len())?;
+        if let Some(kept) = kept {
+            mask = (mask * kept.narrow(1, cols.start, cols.len())?)?;
+        }
+        let zeros = entropy.zeros_like()?;
+        let sum = mask.where_cond(entropy, &zeros)?.sum_all()?;
+        Ok((sum / count.max(1.0))?)
+    }
+
+    /// `[G, 1]` constants of `dtype` on the batch's device.
+    fn row_constants(&self, values: &[f64], dtype: DType) -> Result<Tensor> {
+        let t = Tensor::from_vec(values.to_vec(), (values.len(), 1), self.advantages.device())?;
+        Ok(t.to_dtype(dtype)?)
+    }
+}
+
+impl Objective for Grpo {
+    fn name(&self) -> &str {
+        "grpo"
+    }
+
+    fn targets(&self) -> &Tensor {
+        &self.targets
+    }
+
+    fn separable(&self) -> bool {
+        self.importance_sampling == ImportanceSampling::Token
+            && self.loss_type != GrpoLossType::Vespo
+            && self.off_policy_mask_threshold.is_none()
+            && self.top_entropy_quantile == 1.0
+    }
+
+    fn temperature(&self) -> f64 {
+        self.temperature
+    }
+
+    fn loss(&self, logp: &Tensor, cols: Range<usize>) -> Result<Tensor> {
+        self.total_loss(logp, None, cols)
+    }
+
+    fn reads_entropy(&self) -> bool {
+        self.entropy_coef != 0.0 || self.top_entropy_quantile < 1.0
+    }
+
+    fn loss_with_entropy(
+        &self,
+        logp: &Tensor,
+        entropy: &Tensor,
+        cols: Range<usize>,
+    ) -> Result<Tensor> {
+        self.total_loss(logp, Some(entropy), cols)
+    }
+
+    fn metrics_with_entropy(
+        &self,
+        logp: &Tensor,
+        entropy: Option<&Tensor>,
+    ) -> Result<Vec<(String, f64)>> {
+        let mut out = self.metrics(logp)?;
+        if let Some(entropy) = entropy {
+            // TRL's `entropy`: the mean over the completion tokens.
+            let (sum, count) = self.masked_sum_and_count(&entropy.to_dtype(DType::F64)?, None)?;
+            out.push(("entropy".into(), sum / count.max(1.0)));
+        }
+        Ok(out)
+    }
     fn metrics(&self, logp: &Tensor) -> Result<Vec<(String, f64)>> {
         let t = logp.dim(1)?;
         let (log_ratio, kl_arg) = self.log_ratios(logp, &(0..t))?;

@@ -99,6 +99,35 @@ pub trait Objective: Send + Sync {
         Ok(Vec::new())
     }
 
+    /// Whether the loss reads each position's entropy beside its target log-prob (GRPO's entropy
+    /// bonus and high-entropy token mask): the engine then computes `H = −Σ_v p_v log p_v` of
+    /// `p = softmax(logits / temperature)` at every position, chunk by chunk as the log-probs, and
+    /// backpropagates through it too (`dH/dz = −p ⊙ (log p + H)`).
+    fn reads_entropy(&self) -> bool {
+        false
+    }
+
+    /// [`Objective::loss`] of an objective that [reads the entropy](Objective::reads_entropy):
+    /// from `logp` and `entropy` of positions `cols` (both `[batch, cols.len()]`), differentiable in
+    /// both.
+    fn loss_with_entropy(
+        &self,
+        logp: &Tensor,
+        _entropy: &Tensor,
+        cols: Range<usize>,
+    ) -> Result<Tensor> {
+        self.loss(logp, cols)
+    }
+
+    /// [`Objective::metrics`] with the final `[batch, T]` entropies where the objective reads them.
+    fn metrics_with_entropy(
+        &self,
+        logp: &Tensor,
+        _entropy: Option<&Tensor>,
+    ) -> Result<Vec<(String, f64)>> {
+        self.metrics(logp)
+    }
+
     /// The temperature the log-probs are taken at: `log softmax(logits / temperature)`, as TRL's
     /// GRPO scores completions at the temperature it sampled them with. 1 for the others.
     fn temperature(&self) -> f64 {

@@ -283,6 +283,15 @@ struct GrpoFile {
     vespo_k_neg: Option<f64>,
     vespo_lambda_neg: Option<f64>,
     off_policy_mask_threshold: Option<f64>,
+    #[serde(default)]
+    entropy_coef: f64,
+    #[serde(default = "default_top_entropy_quantile")]
+    top_entropy_quantile: f64,
+}
+
+/// TRL's default: every completion token keeps its policy term.
+fn default_top_entropy_quantile() -> f64 {
+    1.0
 }
 
 /// An RLOO batch file: GRPO's rows with rewards in place of advantages.
@@ -758,6 +767,8 @@ fn prepare_grpo(
                 ),
             },
             off_policy_mask_threshold: file.off_policy_mask_threshold,
+            entropy_coef: file.entropy_coef,
+            top_entropy_quantile: file.top_entropy_quantile,
         },
         vocab_size,
         device,

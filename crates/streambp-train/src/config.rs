@@ -190,6 +190,12 @@ pub struct GrpoConfig {
     /// Completions with a negative advantage that drifted further than this from the policy that
     /// sampled them leave the policy term (TRL's `off_policy_mask_threshold`).
     pub off_policy_mask_threshold: Option<f64>,
+    /// The weight of the completion tokens' mean entropy subtracted from the loss (TRL's
+    /// `entropy_coef`).
+    pub entropy_coef: f64,
+    /// Only the completion tokens in this top quantile by entropy keep their policy term (TRL's
+    /// `top_entropy_quantile`, in [0, 1]).
+    pub top_entropy_quantile: f64,
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first).
     pub num_iterations: usize,
 }
@@ -311,6 +317,8 @@ impl GrpoConfig {
             importance_sampling: ImportanceSampling::Token,
             vespo_gamma: VespoGamma::default(),
             off_policy_mask_threshold: None,
+            entropy_coef: 0.0,
+            top_entropy_quantile: 1.0,
             num_iterations: 1,
         }
     }
@@ -908,6 +916,18 @@ impl GrpoConfig {
                 "must be a number",
             )?;
         }
+        require(
+            self.entropy_coef.is_finite(),
+            "--entropy-coef",
+            self.entropy_coef,
+            "must be a number",
+        )?;
+        require(
+            (0.0..=1.0).contains(&self.top_entropy_quantile),
+            "--top-entropy-quantile",
+            self.top_entropy_quantile,
+            "must be in [0, 1]",
+        )?;
         if let Some(high) = self.epsilon_high {
             require(
                 high.is_finite() && high > 0.0,

@@ -206,7 +206,7 @@ fn grpo_sequence_options_and_rloo_match_trl_with_lora() {
         let grpo = load("grpo_trl.safetensors");
         let threshold = grpo["off_policy.threshold"].to_vec1::<f64>().unwrap()[0];
         for (r, variants, count) in [
-            (grpo, trl_variants::variants(threshold), 4),
+            (grpo, trl_variants::variants(threshold), 5),
             (load("rloo.safetensors"), trl_variants::rloo_variants(), 1),
         ] {
             let in_fixture: Vec<_> = variants

@@ -18,18 +18,29 @@ use super::required;
 use super::sequence::Shard;
 
 /// Target log-probs `[batch, T]` of the last layer's output `last` under a detached model's final norm
-/// and head at `temperature`, computed logits chunk by logits chunk (`ranges`), without a graph.
+/// and head at `temperature`, computed logits chunk by logits chunk (`ranges`), without a graph;
+/// `with_entropy`: each position's entropy too.
 pub(super) fn head_logprobs(
     detached: &Model,
     last: &Tensor,
     targets: &Tensor,
     ranges: &[Range<usize>],
-    temperature: f64,
-) -> Result<Tensor> {
+    (temperature, with_entropy): (f64, bool),
+) -> Result<(Tensor, Option<Tensor>)> {
     let mut parts = Vec::with_capacity(ranges.len());
+    let mut entropies = Vec::new();
     for r in ranges {
         let normed = detached.final_norm(&last.narrow(1, r.start, r.len())?)?;
         let chunk_targets = targets.narrow(1, r.start, r.len())?;
+        if with_entropy {
+            let (b, c, d) = normed.dims3()?;
+            let (z, _) = chunk_logits(detached, &normed.reshape((b * c, d))?)?;
+            let idx = chunk_targets.reshape((b * c, 1))?.contiguous()?;
+            let rows = EntropyRows::of(&tempered(z, temperature)?, &idx)?;
+            parts.push(rows.logp.reshape((b, c))?);
+            entropies.push(rows.entropy.reshape((b, c))?);
+            continue;
+        }
         parts.push(chunk_logprobs(
             detached,
             &normed,
@@ -37,7 +48,50 @@ pub(super) fn head_logprobs(
             temperature,
         )?);
     }
-    Ok(Tensor::cat(&parts, 1)?)
+    let entropy = match with_entropy {
+        true => Some(Tensor::cat(&entropies, 1)?),
+        false => None,
+    };
+    Ok((Tensor::cat(&parts, 1)?, entropy))
+}
+
+/// The log-softmax of tempered logits `z` (`[n, V]`) kept whole, for an objective that reads each
+/// position's entropy ([`Objective::reads_entropy`]): composed tensor ops, a few `[n, V]` buffers
+/// per logits chunk.
+struct EntropyRows {
+    /// `[n]`: the targets' log-probs.
+    logp: Tensor,
+    /// `[n]`: `H = −Σ_v p_v log p_v`.
+    entropy: Tensor,
+    /// `[n, V]`: `log p`.
+    log_probs: Tensor,
+}
+
+impl EntropyRows {
+    /// The rows of `z` and their targets `idx` (`[n, 1]`).
+    fn of(z: &Tensor, idx: &Tensor) -> Result<Self> {
+        let lse = z.log_sum_exp(D::Minus1)?;
+        let log_probs = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?;
+        let entropy = (log_probs.exp()? * &log_probs)?.sum(D::Minus1)?.neg()?;
+        let logp = log_probs.gather(idx, D::Minus1)?.squeeze(D::Minus1)?;
+        Ok(Self {
+            logp,
+            entropy,
+            log_probs,
+        })
+    }
+
+    /// `dLoss/dz` from the gradients `g` of the targets' log-probs and `g_entropy` of the
+    /// entropies (`[n, 1]` each): `g ⊙ (onehot − p) − g_entropy ⊙ p ⊙ (log p + H)`.
+    fn logit_grad(&self, idx: &Tensor, g: &Tensor, g_entropy: &Tensor) -> Result<Tensor> {
+        let p = self.log_probs.exp()?;
+        let from_logp = p.broadcast_mul(&g.neg()?)?.scatter_add(idx, g, D::Minus1)?;
+        let centred = self
+            .log_probs
+            .broadcast_add(&self.entropy.unsqueeze(D::Minus1)?)?;
+        let from_entropy = (p * centred)?.broadcast_mul(&g_entropy.neg()?)?;
+        Ok((from_logp + from_entropy)?)
+    }
 }
 
 /// [`head_outputs`] of one chunk of normed rows `normed` (`[b, c, d]`), without a graph: on the
@@ -103,8 +157,15 @@ pub(super) fn tempered(logits: Tensor, temperature: f64) -> Result<Tensor> {
     })
 }
 
+/// Each position's entropy `−Σ_v p_v log p_v` of `p = softmax(z)` for tempered logits `z`
+/// (`[b, c, V]`), differentiable in them (the plain backward's).
+pub(super) fn entropies(z: &Tensor) -> Result<Tensor> {
+    let log_probs = z.broadcast_sub(&z.log_sum_exp(D::Minus1)?.unsqueeze(D::Minus1)?)?;
+    Ok((log_probs.exp()? * &log_probs)?.sum(D::Minus1)?.neg()?)
+}
+
 /// What the head's outputs are computed in: f32, f64 for f64 models.
-fn compute_dtype(dtype: DType) -> DType {
+pub(super) fn compute_dtype(dtype: DType) -> DType {
     match dtype {
         DType::F64 => DType::F64,
         _ => DType::F32,
@@ -122,22 +183,30 @@ pub fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     Ok((picked - lse)?)
 }
 
-/// The objective's loss on `logp` of positions `cols` and its gradient `dLoss/dlogp` (autograd on the
-/// tiny `[batch, cols]` tensor).
+/// The objective's loss on `logp` (and `entropy`, where it reads them) of positions `cols` and its
+/// gradients `dLoss/dlogp` and `dLoss/dentropy` (autograd on the tiny `[batch, cols]` tensors).
 fn loss_and_grad(
     objective: &dyn Objective,
-    logp: &Tensor,
+    (logp, entropy): (&Tensor, Option<&Tensor>),
     cols: Range<usize>,
-) -> Result<(f64, Tensor)> {
+) -> Result<(f64, Tensor, Option<Tensor>)> {
     let lp = Var::from_tensor(&logp.detach())?;
-    let loss = objective.loss(lp.as_tensor(), cols)?;
-    let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    // An objective that does not read these positions (all ignored) has a zero gradient there.
-    let grad = match loss.backward()?.get(lp.as_tensor()) {
-        Some(g) => g.detach(),
-        None => lp.as_tensor().zeros_like()?,
+    let h = entropy.map(|e| Var::from_tensor(&e.detach())).transpose()?;
+    let loss = match &h {
+        Some(h) => objective.loss_with_entropy(lp.as_tensor(), h.as_tensor(), cols)?,
+        None => objective.loss(lp.as_tensor(), cols)?,
     };
-    Ok((value, grad))
+    let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let store = loss.backward()?;
+    // An objective that does not read these positions (all ignored) has a zero gradient there.
+    let grad_of = |x: &Var| -> Result<Tensor> {
+        Ok(match store.get(x.as_tensor()) {
+            Some(g) => g.detach(),
+            None => x.as_tensor().zeros_like()?,
+        })
+    };
+    let grad_entropy = h.as_ref().map(grad_of).transpose()?;
+    Ok((value, grad_of(&lp)?, grad_entropy))
 }
 
 /// Phase 2: final norm, LM head and loss over logits chunks. Returns the loss, the `[batch, T]` target
@@ -150,52 +219,62 @@ fn loss_and_grad(
 ///
 /// `last` and the returned gradient hold the `shard`'s positions. A separable loss is the sum of
 /// every shard's terms; another reads the whole rows' log-probs, gathered (the same loss and gradient
-/// on every rank, each keeping its own positions'). The returned log-probs are the whole rows'.
+/// on every rank, each keeping its own positions'). The returned log-probs (and entropies, for an
+/// objective that reads them) are the whole rows'.
 pub(super) fn head_backward(
     model: &Model,
     last: &Tensor,
     objective: &dyn Objective,
     (logits_chunk, shard): (usize, &Shard),
     sink: &mut GradSink,
-) -> Result<(f64, Tensor, Tensor)> {
+) -> Result<HeadResult> {
     let targets = shard.local(objective.targets(), 1)?;
     let chunks = shard.chunks(logits_chunk);
     let ranges: Vec<Range<usize>> = chunks.iter().map(|c| c.local.clone()).collect();
     let detached = model.detached();
     let temperature = objective.temperature();
+    let with_entropy = objective.reads_entropy();
     let whole = if objective.separable() {
         None
     } else {
-        let logp = head_logprobs(&detached, last, &targets, &ranges, temperature)?;
+        let settings = (temperature, with_entropy);
+        let (logp, entropy) = head_logprobs(&detached, last, &targets, &ranges, settings)?;
         let logp = shard.gather(&logp, 1)?;
-        let (loss, grad) = loss_and_grad(objective, &logp, 0..shard.total)?;
-        Some((loss, shard.local(&grad, 1)?))
+        let entropy = entropy.map(|e| shard.gather(&e, 1)).transpose()?;
+        let (loss, grad, grad_entropy) =
+            loss_and_grad(objective, (&logp, entropy.as_ref()), 0..shard.total)?;
+        let grad_entropy = grad_entropy.map(|g| shard.local(&g, 1)).transpose()?;
+        Some((loss, shard.local(&grad, 1)?, grad_entropy))
     };
 
     // The head's weight gradient only where the head is trained (not under LoRA).
     let head = model.head_parameter().map(|(name, _)| name);
     let grad_last = last.zeros_like()?;
     let mut logp_parts = Vec::with_capacity(ranges.len());
+    let mut entropy_parts = Vec::new();
     let mut loss = 0.0;
     for c in chunks {
         let r = c.local.clone();
         let x = Var::from_tensor(&last.narrow(1, r.start, r.len())?)?;
         let h = model.final_norm(x.as_tensor())?;
         let chunk_targets = targets.narrow(1, r.start, r.len())?;
-        let grad_of = |logp: &Tensor| -> Result<Tensor> {
+        let grad_of = |logp: &Tensor, entropy: Option<&Tensor>| -> Result<ChunkGrads> {
             Ok(match &whole {
-                Some((_, g)) => g.narrow(1, r.start, r.len())?,
+                Some((_, g, g_entropy)) => {
+                    let here = |g: &Tensor| g.narrow(1, r.start, r.len());
+                    (here(g)?, g_entropy.as_ref().map(here).transpose()?)
+                }
                 None => {
-                    let (l, g) = loss_and_grad(objective, logp, c.global())?;
+                    let (l, g, g_entropy) = loss_and_grad(objective, (logp, entropy), c.global())?;
                     loss += l;
-                    g
+                    (g, g_entropy)
                 }
             })
         };
         let out = head_chunk(
             &detached,
             &h.detach(),
-            (&chunk_targets, temperature),
+            (&chunk_targets, temperature, with_entropy),
             grad_of,
         )?;
         if let Some(name) = head {
@@ -217,19 +296,45 @@ pub(super) fn head_backward(
         )?;
         sink.absorb(&store, model.final_norm_parameter().into_iter())?;
         logp_parts.push(out.logp);
+        entropy_parts.extend(out.entropy);
     }
     let loss = match whole {
-        Some((l, _)) => l,
+        Some((l, _, _)) => l,
         None => shard.sum(loss)?,
     };
-    let logp = shard.gather(&Tensor::cat(&logp_parts, 1)?, 1)?;
-    Ok((loss, logp, grad_last))
+    let whole_rows = |parts: &[Tensor]| shard.gather(&Tensor::cat(parts, 1)?, 1);
+    Ok(HeadResult {
+        loss,
+        logp: whole_rows(&logp_parts)?,
+        entropy: match with_entropy {
+            true => Some(whole_rows(&entropy_parts)?),
+            false => None,
+        },
+        grad_last,
+    })
 }
+
+/// What [`head_backward`] yields.
+pub(super) struct HeadResult {
+    /// The objective's loss.
+    pub loss: f64,
+    /// `[batch, T]` target log-probs of the whole rows.
+    pub logp: Tensor,
+    /// `[batch, T]` entropies of the whole rows, for an objective that reads them.
+    pub entropy: Option<Tensor>,
+    /// The gradient of the last layer's output (the shard's positions).
+    pub grad_last: Tensor,
+}
+
+/// The gradients of a chunk's target log-probs and, where the objective reads them, its entropies.
+type ChunkGrads = (Tensor, Option<Tensor>);
 
 /// What one LM-head chunk yields.
 struct HeadChunk {
     /// `[b, c]` target log-probs.
     logp: Tensor,
+    /// `[b, c]` entropies, where the objective reads them.
+    entropy: Option<Tensor>,
     /// `[b, c, d]` gradient of the normed hidden states.
     grad_hidden: Tensor,
     /// `[b·c, V]` gradient of the logits, in the model's dtype or, for a bf16 head on the host,
@@ -239,8 +344,9 @@ struct HeadChunk {
 }
 
 /// The LM head's forward and explicit VJP on one chunk of normed hidden states `h` (`[b, c, d]`,
-/// detached), its log-probs of `targets` taken at `temperature`. `grad_of` maps the chunk's `logp`
-/// to `dLoss/dlogp`.
+/// detached), its log-probs of `targets` taken at `temperature` (and `with_entropy`, each
+/// position's entropy). `grad_of` maps the chunk's `logp` (and entropies) to `dLoss/dlogp` (and
+/// `dLoss/dentropy`).
 ///
 /// With `z` the (soft-capped) logits in f32/f64 divided by the temperature `τ` and `p = softmax(z)`,
 /// `d logp / dz = onehot − p`, and `1/τ` and a soft-cap's slope (the model's [`Model::soft_cap`])
@@ -249,8 +355,8 @@ struct HeadChunk {
 fn head_chunk(
     detached: &Model,
     h: &Tensor,
-    (targets, temperature): (&Tensor, f64),
-    mut grad_of: impl FnMut(&Tensor) -> Result<Tensor>,
+    (targets, temperature, with_entropy): (&Tensor, f64, bool),
+    mut grad_of: impl FnMut(&Tensor, Option<&Tensor>) -> Result<ChunkGrads>,
 ) -> Result<HeadChunk> {
     let (b, c, d) = h.dims3()?;
     let n = b * c;
@@ -264,9 +370,10 @@ fn head_chunk(
     if detached.scores_positions() {
         // A reward model: the `[n, 1]` scores are what the objective reads; their gradient is its.
         let scores = z.reshape((b, c))?;
-        let dz = grad_of(&scores)?.to_dtype(dtype)?.reshape((n, 1))?;
+        let dz = grad_of(&scores, None)?.0.to_dtype(dtype)?.reshape((n, 1))?;
         return Ok(HeadChunk {
             logp: scores,
+            entropy: None,
             grad_hidden: matmul::matmul(&dz, weight)?.reshape((b, c, d))?,
             grad_logits: dz,
         });
@@ -278,25 +385,36 @@ fn head_chunk(
     // On the CPU two passes per row in `z`'s buffer (streambp_kernels::ops::head_softmax); elsewhere the same with
     // tensor ops.
     // Timed with the objective's loss and gradient of the chunk, which `grad_of` computes.
-    let (logp, mut dz) = op_times::timed("head.softmax", device, || {
-        Ok::<_, crate::EngineError>(
+    let (logp, entropy, mut dz) = op_times::timed("head.softmax", device, || {
+        if with_entropy {
+            let rows = EntropyRows::of(&z, &idx)?;
+            let (logp, entropy) = (rows.logp.reshape((b, c))?, rows.entropy.reshape((b, c))?);
+            let (g, g_entropy) = grad_of(&logp, Some(&entropy))?;
+            let column = |g: Tensor| g.to_dtype(compute)?.reshape((n, 1));
+            let g_entropy = g_entropy.ok_or_else(|| {
+                crate::EngineError::MissingGradient("the entropy's gradient".into())
+            })?;
+            let dz = rows.logit_grad(&idx, &column(g)?, &column(g_entropy)?)?;
+            return Ok::<_, crate::EngineError>((logp, Some(entropy), dz));
+        }
+        Ok(
             match streambp_kernels::ops::head_softmax::log_softmax_rows(&z, &idx)? {
                 Some(rows) => {
                     let logp = rows.logp.reshape((b, c))?;
-                    let g = grad_of(&logp)?.to_dtype(compute)?;
+                    let g = grad_of(&logp, None)?.0.to_dtype(compute)?;
                     let dz = rows.logit_grad(&g)?;
-                    (logp, dz)
+                    (logp, None, dz)
                 }
                 None => {
                     let lse = z.log_sum_exp(D::Minus1)?;
                     let logp =
                         (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
-                    let g = grad_of(&logp)?.to_dtype(compute)?.reshape((n, 1))?;
+                    let g = grad_of(&logp, None)?.0.to_dtype(compute)?.reshape((n, 1))?;
                     let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
                     let dz = p
                         .broadcast_mul(&g.neg()?)?
                         .scatter_add(&idx, &g, D::Minus1)?;
-                    (logp, dz)
+                    (logp, None, dz)
                 }
             },
         )
@@ -320,6 +438,7 @@ fn head_chunk(
     })?;
     Ok(HeadChunk {
         logp,
+        entropy,
         grad_hidden: grad_hidden.reshape((b, c, d))?,
         grad_logits: dz,
     })

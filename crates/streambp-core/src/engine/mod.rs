@@ -388,7 +388,7 @@ fn backward_impl(
     let mut peaks = PhaseLog::start_on(device);
 
     let mut checkpoint_io = CheckpointIo::default();
-    let (loss, logp) = match mode {
+    let (loss, logp, entropy) = match mode {
         Mode::Full => {
             let out = on_workers(device, || {
                 full_backward(model, batch, &layout, objective, &mut sink)
@@ -417,9 +417,10 @@ fn backward_impl(
                 Mode::Stream => chunks.logits_chunk,
                 _ => t,
             };
-            let (loss, logp, mut grad) = on_workers(device, || {
+            let head = on_workers(device, || {
                 head_backward(model, &last, objective, (logits_chunk, &shard), &mut sink)
             })?;
+            let mut grad = head.grad_last;
             drop(last);
             // The final norm and an untied head are done; a tied head still gets the embedding
             // phase's gradient.
@@ -458,10 +459,10 @@ fn backward_impl(
                 embedding_backward(model, &input_ids, &grad, &mut sink)
             })?;
             peaks.record("embedding");
-            (loss, logp)
+            (head.loss, head.logp, head.entropy)
         }
     };
-    let metrics = objective.metrics(&logp)?;
+    let metrics = objective.metrics_with_entropy(&logp, entropy.as_ref())?;
     let mut grads = sink.finish(model)?;
     if let Some(hook) = finished {
         hook.take(std::mem::take(&mut grads))?;
@@ -573,12 +574,12 @@ fn forward_logprobs_impl(
         for layer in &detached.layers {
             h = layer_forward_streamed(layer, &h, &layout, chunks.chunk, shard)?;
         }
-        let logp = head_logprobs(
+        let (logp, _) = head_logprobs(
             &detached,
             &h,
             &shard.local(targets, 1)?,
             &chunk_ranges(h.dim(1)?, chunks.logits_chunk),
-            temperature,
+            (temperature, false),
         )?;
         shard.gather(&logp, 1)
     })
@@ -590,14 +591,15 @@ fn chunk_ranges(t: usize, size: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// `full`: one graph over the model and the loss.
+/// `full`: one graph over the model and the loss. Returns the loss, the target log-probs and
+/// (for an objective that reads them) the entropies.
 fn full_backward(
     model: &Model,
     batch: Batch,
     layout: &Layout,
     objective: &dyn Objective,
     sink: &mut GradSink,
-) -> Result<(f64, Tensor)> {
+) -> Result<(f64, Tensor, Option<Tensor>)> {
     let mut h = model.embed(batch.input_ids)?;
     // A half-precision layer on the host computes in f32 (`DecoderLayer::computed_in_f32`): its
     // trained weights' gradients land on f32 stand-ins, which `params` then lists. (The graph holds
@@ -617,13 +619,25 @@ fn full_backward(
         h = cast(&y, h.dtype())?;
     }
     let logits = model.logits(&model.final_norm(&h)?)?;
-    let logp = head::head_outputs(model, logits, objective.targets(), objective.temperature())?;
+    let temperature = objective.temperature();
+    // The entropies of softmax(logits / temperature), for an objective that reads them.
+    let entropy = match objective.reads_entropy() {
+        true => Some(head::entropies(&head::tempered(
+            logits.to_dtype(head::compute_dtype(logits.dtype()))?,
+            temperature,
+        )?)?),
+        false => None,
+    };
+    let logp = head::head_outputs(model, logits, objective.targets(), temperature)?;
     let t = logp.dim(1)?;
-    let loss = objective.loss(&logp, 0..t)?;
+    let loss = match &entropy {
+        Some(entropy) => objective.loss_with_entropy(&logp, entropy, 0..t)?,
+        None => objective.loss(&logp, 0..t)?,
+    };
     let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     let store = op_times::timed("full.backward", loss.device(), || loss.backward())?;
     sink.absorb(&store, params.iter())?;
-    Ok((value, logp.detach()))
+    Ok((value, logp.detach(), entropy.map(|e| e.detach())))
 }
 
 fn required(store: &GradStore, t: &Tensor, what: &str) -> Result<Tensor> {

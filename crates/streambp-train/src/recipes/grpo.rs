@@ -89,7 +89,7 @@ impl MicroBatch {
         cfg: &TrainConfig,
         g: &GrpoConfig,
         ref_logps: Option<&[Vec<f64>]>,
-        (weight, num_items): (f64, Option<f64>),
+        (weight, num_items, bonus_share): LossScale,
     ) -> Result<(Box<dyn Objective>, f64)> {
         // A micro-batch whose every completion was masked out (truncated) adds nothing; it
         // still runs, its completions unmasked at weight 0, so that every rank makes the same
@@ -141,6 +141,8 @@ impl MicroBatch {
                 importance_sampling: g.importance_sampling,
                 vespo_gamma: g.vespo_gamma,
                 off_policy_mask_threshold: g.off_policy_mask_threshold,
+                entropy_coef: g.entropy_coef * bonus_share,
+                top_entropy_quantile: g.top_entropy_quantile,
             },
             vocab_size,
             device,
@@ -632,20 +634,26 @@ fn fresh_rollouts(
     Ok((pending, first))
 }
 
-/// The weight of each of the step's `micro_batches` losses and GRPO's dapo's, cispo's and vespo's
-/// `num_items_in_batch` (the completion tokens of every rank's `pending` rollouts; `None` for the
-/// other loss types and RLOO).
+/// How a micro-batch's loss enters the step: its weight, GRPO's dapo's, cispo's and vespo's
+/// `num_items_in_batch`, and the share of the entropy bonus (a mean per micro-batch, as TRL's, that
+/// the weight does not already average over the step).
+type LossScale = (f64, Option<f64>, f64);
+
+/// The [`LossScale`] of each of the step's `micro_batches`: weight 1 and `num_items_in_batch` the
+/// completion tokens of every rank's `pending` rollouts for GRPO's dapo, cispo and vespo; for the
+/// other loss types and RLOO, one over every rank's micro-batches and no `num_items_in_batch`.
 fn loss_scale(
     setup: &Setup,
     g: &GrpoConfig,
     pending: &[Group],
     micro_batches: usize,
-) -> Result<(f64, Option<f64>)> {
+) -> Result<LossScale> {
     // RLOO's loss is a mean over each micro-batch's completions, as GRPO's per-completion types.
     let global = g.algorithm == Algorithm::Grpo && g.loss_type.global_normaliser();
+    let mean = 1.0 / (micro_batches * setup.data.world_size()) as f64;
     Ok(match global {
-        true => (1.0, Some(global_tokens(setup, pending)?)),
-        false => (1.0 / (micro_batches * setup.data.world_size()) as f64, None),
+        true => (1.0, Some(global_tokens(setup, pending)?), mean),
+        false => (mean, None, 1.0),
     })
 }
 
@@ -761,6 +769,15 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         .map(|s| parse_reward(s))
         .collect::<Result<Vec<_>>>()?;
     let setup = Setup::new(cfg, recipe)?;
+    if g.top_entropy_quantile < 1.0 && setup.data.world_size() > 1 {
+        // TRL's quantile spans every rank's completion tokens of the micro-batch, which the
+        // objective (computed on each rank's own rows) cannot see.
+        return Err(TrainError::flag(
+            "--top-entropy-quantile",
+            g.top_entropy_quantile,
+            "needs one data-parallel rank (its quantile over every rank's tokens is not built yet)",
+        ));
+    }
     let data = setup.data_source(cfg, "train.jsonl")?;
     let prompts = load_prompts(&data, &setup, cfg, g, &rewards)?;
     let reference = (cfg.beta != 0.0)
@@ -849,6 +866,8 @@ impl GrpoConfig {
                 "--off-policy-mask-threshold",
                 self.off_policy_mask_threshold.into(),
             ),
+            ("--entropy-coef", self.entropy_coef.into()),
+            ("--top-entropy-quantile", self.top_entropy_quantile.into()),
             (
                 "--mask-truncated-completions",
                 self.mask_truncated_completions.into(),

@@ -56,6 +56,7 @@ pub fn variants(threshold: f64) -> Vec<Variant> {
     };
     let kl_clip: &'static [&'static str] = &["kl", "clip_ratio"];
     let kl_phi: &'static [&'static str] = &["kl", "vespo/phi_seq_mean"];
+    let with_entropy: &'static [&'static str] = &["kl", "clip_ratio", "entropy"];
     vec![
         variant(
             "gspo",
@@ -126,6 +127,39 @@ pub fn variants(threshold: f64) -> Vec<Variant> {
             "off_policy_gspo",
             third(set(vec![loss("dapo"), sequence(), off_policy()])),
             kl_clip,
+        ),
+        variant(
+            "entropy_bonus",
+            set(vec![loss("grpo"), ("entropy_coef", 0.05.into())]),
+            with_entropy,
+        ),
+        variant(
+            "top_entropy",
+            third(set(vec![
+                loss("dapo"),
+                ("top_entropy_quantile", 0.3.into()),
+            ])),
+            with_entropy,
+        ),
+        variant(
+            "top_entropy_bonus",
+            set(vec![
+                loss("bnpo"),
+                ("top_entropy_quantile", 0.5.into()),
+                ("entropy_coef", (-0.1).into()),
+            ]),
+            with_entropy,
+        ),
+        variant(
+            "entropy_gspo",
+            set(vec![
+                loss("grpo"),
+                sequence(),
+                gspo_epsilon(),
+                ("entropy_coef", 0.02.into()),
+                ("top_entropy_quantile", 0.0.into()),
+            ]),
+            with_entropy,
         ),
     ]
 }
