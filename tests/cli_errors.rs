@@ -924,7 +924,9 @@ fn every_unread_loss_setting_is_refused() {
 #[test]
 fn every_jobs_help_groups_its_flags() {
     let root = tempfile::tempdir().unwrap();
-    for job in ["sft", "dpo", "kto", "orpo", "cpo", "reward", "grpo", "rloo"] {
+    for job in [
+        "sft", "dpo", "kto", "orpo", "cpo", "reward", "grpo", "rloo", "grad",
+    ] {
         let (status, text) = train(root.path(), &[job.to_string(), "--help".to_string()]);
         assert_eq!(status, 0, "{job}: {text}");
         let at = |heading: &str| text.find(&format!("\n{heading}:\n"));

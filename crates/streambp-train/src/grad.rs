@@ -29,56 +29,56 @@ pub const DEFAULT_LOGITS_CHUNK: usize = 128;
 /// The flags of `grad`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct GradArgs {
-    /// Model directory (HF format) or hub id.
-    #[arg(long)]
-    pub model: String,
     /// Batch file (JSON; see docs/grad.md).
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     pub batch: PathBuf,
-    /// stream (StreamBP), checkpoint (per-layer gradient checkpointing) or full (plain backprop).
-    #[arg(long, default_value = "stream")]
-    pub mode: Mode,
-    /// Query chunk of the streamed layer backward, in tokens [default: 512, or from --memory-budget].
-    #[arg(long)]
-    pub chunk: Option<usize>,
-    /// Positions per LM-head chunk [default: 128, or from --memory-budget].
-    #[arg(long)]
-    pub logits_chunk: Option<usize>,
-    /// Pick the largest chunks whose estimated peak fits this budget (e.g. 8GiB).
-    #[arg(long, value_parser = crate::device::parse_budget)]
-    pub memory_budget: Option<u64>,
-    /// With --memory-budget on an accelerator: host memory the plan may keep checkpoints in.
-    #[arg(long, value_parser = crate::device::parse_budget)]
-    pub host_memory_budget: Option<u64>,
+    /// Model directory (HF format) or hub id.
+    #[arg(long, help_heading = "Model")]
+    pub model: String,
     /// Compute dtype: f64, f32 or bf16.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", help_heading = "Model")]
     pub dtype: String,
     /// cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", help_heading = "Model")]
     pub device: String,
-    /// Output safetensors file.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Reference model for DPO / GRPO batches that carry no reference log-probs [default: the policy
-    /// itself, as TRL's reference is the initial policy].
-    #[arg(long)]
-    pub ref_model: Option<String>,
-    /// Keep layer checkpoints in host memory (accelerator memory then no longer grows with L × T × d).
-    #[arg(long)]
-    pub offload_checkpoints: bool,
-    /// Store every K-th layer's input only and recompute the others' in the backward, a segment at
-    /// a time (`sqrt`: K = ⌈√layers⌉); the same gradients.
-    #[arg(long, default_value = "1")]
-    pub checkpoint_every: CheckpointEvery,
-    /// Keep the stored checkpoints in a scratch file in this directory instead of memory.
-    #[arg(long)]
-    pub checkpoint_dir: Option<PathBuf>,
     /// LoRA: the gradient of an adapter's matrices (under their PEFT keys) instead of every weight's.
     #[command(flatten)]
     pub lora: LoraArgs,
     /// Seeds a fresh adapter's initialisation and its dropout masks.
-    #[arg(long, default_value_t = 42)]
+    #[arg(long, default_value_t = 42, help_heading = "Model")]
     pub seed: u64,
+    /// Reference model for DPO / GRPO batches that carry no reference log-probs [default: the policy
+    /// itself, as TRL's reference is the initial policy].
+    #[arg(long, help_heading = "Objective")]
+    pub ref_model: Option<String>,
+    /// stream (StreamBP), checkpoint (per-layer gradient checkpointing) or full (plain backprop).
+    #[arg(long, default_value = "stream", help_heading = "Memory")]
+    pub mode: Mode,
+    /// Query chunk of the streamed layer backward, in tokens [default: 512, or from --memory-budget].
+    #[arg(long, help_heading = "Memory")]
+    pub chunk: Option<usize>,
+    /// Positions per LM-head chunk [default: 128, or from --memory-budget].
+    #[arg(long, help_heading = "Memory")]
+    pub logits_chunk: Option<usize>,
+    /// Pick the largest chunks whose estimated peak fits this budget (e.g. 8GiB).
+    #[arg(long, value_parser = crate::device::parse_budget, help_heading = "Memory")]
+    pub memory_budget: Option<u64>,
+    /// With --memory-budget on an accelerator: host memory the plan may keep checkpoints in.
+    #[arg(long, value_parser = crate::device::parse_budget, help_heading = "Memory")]
+    pub host_memory_budget: Option<u64>,
+    /// Keep layer checkpoints in host memory (accelerator memory then no longer grows with L × T × d).
+    #[arg(long, help_heading = "Memory")]
+    pub offload_checkpoints: bool,
+    /// Store every K-th layer's input only and recompute the others' in the backward, a segment at
+    /// a time (`sqrt`: K = ⌈√layers⌉); the same gradients.
+    #[arg(long, default_value = "1", help_heading = "Memory")]
+    pub checkpoint_every: CheckpointEvery,
+    /// Keep the stored checkpoints in a scratch file in this directory instead of memory.
+    #[arg(long, help_heading = "Memory")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Output safetensors file.
+    #[arg(long, help_heading = "Output")]
+    pub out: PathBuf,
 }
 
 /// The one JSON line `grad` prints.
