@@ -3,6 +3,10 @@
 //! what went wrong with the files it was given. No row may panic, print an OS error twice, or exit 0
 //! having trained nothing.
 
+#[path = "../crates/streambp-train/tests/common/trl_variants.rs"]
+#[allow(dead_code)]
+mod trl_variants;
+
 use std::path::{Path, PathBuf};
 
 /// One bad input: the arguments (`{dir}` is a fresh directory of the row, `{fixtures}` the test
@@ -143,6 +147,21 @@ const CASES: &[Case] = &[
         "epsilon applies to loss_type grpo, bnpo, dr_grpo, dapo and luspo, not sapo",
     ),
     case(
+        "grad --model {fixtures}/qwen3 --batch {dir}/distill.json --out {dir}/g.safetensors",
+        1,
+        "objective distill needs a teacher (grad --teacher DIR_OR_HUB_ID)",
+    ),
+    case(
+        "grad --model {fixtures}/qwen3 --teacher {fixtures}/qwen3/reward --batch {dir}/distill.json --out {dir}/g.safetensors",
+        2,
+        "--teacher {fixtures}/qwen3/reward: a reward model (a sequence classifier); a teacher is a causal LM",
+    ),
+    case(
+        "grad --model {fixtures}/qwen3 --teacher {fixtures}/teacher --batch {dir}/distill_beta.json --out {dir}/g.safetensors",
+        1,
+        "beta 1.5 must be in [0, 1]",
+    ),
+    case(
         "grad --model {fixtures}/qwen3 --batch {dir}/rloo_groups.json --out {dir}/g.safetensors",
         1,
         "num_generations 3 must be at least 2 and divide the batch's 4 completions",
@@ -161,7 +180,7 @@ const CASES: &[Case] = &[
     case(
         "grad --model {fixtures}/qwen3 --batch {dir}/reward_upper.json --out {dir}/g.safetensors",
         1,
-        "unknown objective \"REWARD\" (expected sft, dpo, orpo, cpo, kto, reward, grpo or rloo)",
+        "unknown objective \"REWARD\" (expected sft, dpo, orpo, cpo, kto, reward, grpo, rloo or distill)",
     ),
     case(
         "grad --model {fixtures}/qwen3 --batch {dir}/negative_epsilon_high.json --out {dir}/g.safetensors",
@@ -604,6 +623,16 @@ fn prepare(dir: &Path) {
     });
     edited("qwen3/grpo-batch.json", "rloo_advantages.json", &|j| {
         as_rloo(j, 2)
+    });
+    // Distillation: the GRPO batch's rows (as the parity tests make them), and one with a
+    // divergence beyond the JSD family.
+    let distill = trl_variants::distill_variants().remove(0);
+    let as_distill = |j: &mut serde_json::Value| (distill.edit)(j);
+
+    edited("qwen3/grpo-batch.json", "distill.json", &as_distill);
+    edited("qwen3/grpo-batch.json", "distill_beta.json", &|j| {
+        as_distill(j);
+        j["beta"] = 1.5.into();
     });
     edited("qwen3/dpo-batch.json", "dpo_discopop.json", &|j| {
         j["loss_type"] = "hinge".into();

@@ -29,6 +29,7 @@ use candle_core::Tensor;
 
 mod checks;
 pub mod cpo;
+pub mod distill;
 pub mod dpo;
 pub mod dpo_loss;
 pub mod grpo;
@@ -43,6 +44,7 @@ pub mod sft;
 mod targets;
 
 pub use cpo::{Cpo, CpoLoss, CpoLossType};
+pub use distill::{Distill, DistillBatch, TeacherLogits};
 pub use dpo::Dpo;
 pub use dpo_loss::{DpoLoss, DpoLossType};
 pub use grpo::{Grpo, GrpoBatch, GrpoLossType, ImportanceSampling, VespoGamma};
@@ -119,7 +121,25 @@ pub trait Objective: Send + Sync {
         self.loss(logp, cols)
     }
 
-    /// [`Objective::metrics`] with the final `[batch, T]` entropies where the objective reads them.
+    /// Whether the loss reads the student's whole next-token distribution at each position
+    /// (distillation), not only its targets' log-probs: the engine then hands
+    /// [`Objective::logits_loss`] each chunk's logits divided by the temperature, and backpropagates
+    /// through them. Such a loss is separable.
+    fn reads_logits(&self) -> bool {
+        false
+    }
+
+    /// The loss of positions `cols` from their tempered logits (`[batch, cols.len(), V]`),
+    /// differentiable in them, for an objective that [reads the logits](Objective::reads_logits).
+    fn logits_loss(&self, _logits: &Tensor, _cols: Range<usize>) -> Result<Tensor> {
+        Err(ObjectiveError::Loss(format!(
+            "{} reads target log-probs, not logits",
+            self.name()
+        )))
+    }
+
+    /// [`Objective::metrics`] with the final `[batch, T]` entropies where the objective reads them
+    /// (or, for one that reads the logits, the student's entropies, for its metrics).
     fn metrics_with_entropy(
         &self,
         logp: &Tensor,

@@ -11,9 +11,9 @@ use serde::Deserialize;
 use streambp_models::ModelConfig;
 use streambp_objectives::pooled_positions;
 use streambp_objectives::{
-    Cpo, CpoLoss, Dpo, DpoLoss, Grpo, GrpoBatch, GrpoLossType, Kto, KtoLoss, KtoLossType,
-    LossSettings, Objective, Orpo, RewardModel, Rloo, RlooBatch, Rollouts, Sft, VespoGamma,
-    IGNORE_INDEX,
+    Cpo, CpoLoss, Distill, DistillBatch, Dpo, DpoLoss, Grpo, GrpoBatch, GrpoLossType, Kto, KtoLoss,
+    KtoLossType, LossSettings, Objective, Orpo, RewardModel, Rloo, RlooBatch, Rollouts, Sft,
+    TeacherLogits, VespoGamma, IGNORE_INDEX,
 };
 
 use crate::batch::{masked_labels, padded, to_u32_tensor};
@@ -319,6 +319,27 @@ struct RlooFile {
     temperature: f64,
 }
 
+/// A distillation batch file: rows whose completions the student learns the teacher's
+/// distributions on (TRL's `DistillationConfig` names and defaults).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DistillFile {
+    #[allow(dead_code)]
+    objective: String,
+    input_ids: Vec<Vec<i64>>,
+    attention_mask: Option<Vec<Vec<i64>>>,
+    completion_mask: Vec<Vec<i64>>,
+    #[serde(default = "default_distill_beta")]
+    beta: f64,
+    #[serde(default = "default_temperature")]
+    temperature: f64,
+}
+
+/// TRL 1.16's `DistillationConfig.beta`: the reverse KL.
+fn default_distill_beta() -> f64 {
+    1.0
+}
+
 /// TRL 1.16's `RLOOConfig.num_generations`.
 fn default_rloo_generations() -> usize {
     2
@@ -361,14 +382,29 @@ fn default_loss_type() -> String {
 /// The largest batch file read: a batch of eight 128K-token rows in JSON is about 10 MiB.
 pub const MAX_BYTES: u64 = 256 << 20;
 
+/// Makes the teacher's logits of a distillation batch's rows (`input_ids`, attention mask).
+pub type Teacher<'a> = dyn FnMut(&Tensor, Option<&Tensor>) -> Result<TeacherLogits> + 'a;
+
 /// Reads and validates a batch file for the model `config` describes (its vocabulary, and for a
 /// reward model its pad token, which says where rows are read). `reference` supplies reference
-/// log-probs that DPO / GRPO files leave out.
+/// log-probs that DPO / GRPO files leave out. A distillation file needs a teacher:
+/// [`load_batch_with_teacher`].
 pub fn load_batch(
     path: &Path,
     config: &ModelConfig,
     device: &Device,
     reference: &mut Scorer,
+) -> Result<PreparedBatch> {
+    load_batch_with_teacher(path, config, device, reference, None)
+}
+
+/// [`load_batch`] with the `teacher` a distillation file compares against.
+pub fn load_batch_with_teacher(
+    path: &Path,
+    config: &ModelConfig,
+    device: &Device,
+    reference: &mut Scorer,
+    teacher: Option<&mut Teacher>,
 ) -> Result<PreparedBatch> {
     let vocab_size = config.vocab_size;
     let name = path.display().to_string();
@@ -435,12 +471,22 @@ pub fn load_batch(
                 .map_err(|e| fail(format!("bad rloo batch: {e}")))?;
             prepare_rloo(file, vocab_size, device, reference).map_err(named)
         }
+        "distill" => {
+            let file: DistillFile = serde_json::from_value(value.clone())
+                .map_err(|e| fail(format!("bad distill batch: {e}")))?;
+            let teacher = teacher.ok_or_else(|| {
+                fail("objective distill needs a teacher (grad --teacher DIR_OR_HUB_ID)".into())
+            })?;
+            prepare_distill(file, (vocab_size, device), reference, teacher).map_err(named)
+        }
         _ => Err(unknown()),
     }
 }
 
 /// The objectives a batch file may name.
-const OBJECTIVE_NAMES: [&str; 8] = ["sft", "dpo", "orpo", "cpo", "kto", "reward", "grpo", "rloo"];
+const OBJECTIVE_NAMES: [&str; 9] = [
+    "sft", "dpo", "orpo", "cpo", "kto", "reward", "grpo", "rloo", "distill",
+];
 /// [`OBJECTIVE_NAMES`] in a message: "sft, dpo, … or grpo".
 fn objectives() -> String {
     let (last, rest) = OBJECTIVE_NAMES.split_last().unwrap_or((&"", &[]));
@@ -774,6 +820,39 @@ fn prepare_grpo(
         device,
     )?;
     Ok(rows.with(Box::new(grpo)))
+}
+
+/// A distillation file's batch, its teacher's logits from `teacher`.
+fn prepare_distill(
+    file: DistillFile,
+    (vocab_size, device): (usize, &Device),
+    reference: &mut Scorer,
+    teacher: &mut Teacher,
+) -> Result<PreparedBatch> {
+    let rows = completion_rows(
+        RowArrays {
+            ids: &file.input_ids,
+            attention_mask: file.attention_mask.as_ref(),
+            completion_mask: &file.completion_mask,
+            ref_logps: None,
+            // No reference: beta is the divergence's.
+            beta: 0.0,
+            temperature: file.temperature,
+        },
+        (vocab_size, device),
+        reference,
+    )?;
+    let batch = DistillBatch {
+        input_ids: &file.input_ids,
+        completion_mask: &file.completion_mask,
+        beta: file.beta,
+        temperature: file.temperature,
+    };
+    // The file's settings first: the teacher's forward is the expensive part.
+    batch.check(vocab_size)?;
+    let logits = teacher(&rows.input_ids, rows.attention_mask.as_ref())?;
+    let distill = Distill::new(&batch, logits, vocab_size, device)?;
+    Ok(rows.with(Box::new(distill)))
 }
 
 /// An RLOO file's batch (TRL's `RLOOConfig` names and defaults).

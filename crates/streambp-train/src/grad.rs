@@ -12,11 +12,12 @@ use streambp_core::{
 };
 use streambp_models::{load_model, resolve_adapter_dir, resolve_model_dir, save_safetensors};
 
-use crate::batch_file::load_batch;
+use crate::batch_file::{load_batch_with_teacher, Teacher};
 use crate::config::LoraArgs;
 use crate::device::{parse_device, parse_dtype};
 use crate::logprobs::scorer;
 use crate::setup::{attach_lora, load_reference};
+use crate::teacher::{load_teacher, teacher_of};
 use crate::trainer::dropout_key;
 use crate::{Result, TrainError};
 use streambp_models::lora::DropoutKey;
@@ -51,6 +52,10 @@ pub struct GradArgs {
     /// itself, as TRL's reference is the initial policy].
     #[arg(long, help_heading = "Objective")]
     pub ref_model: Option<String>,
+    /// The teacher of a distillation batch (objective distill): a causal LM directory or hub id with
+    /// the model's vocabulary, any size; forward only.
+    #[arg(long, help_heading = "Objective")]
+    pub teacher: Option<String>,
     /// stream (StreamBP), checkpoint (per-layer gradient checkpointing) or full (plain backprop).
     #[arg(long, default_value = "stream", help_heading = "Memory")]
     pub mode: Mode,
@@ -248,7 +253,20 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         |_| Ok(reference_chunks),
         None,
     );
-    let batch = load_batch(&args.batch, &model.config, &device, &mut reference)?;
+    let teacher = args
+        .teacher
+        .as_deref()
+        .map(|spec| load_teacher(spec, &model))
+        .transpose()?;
+    let mut make_teacher = teacher.as_ref().map(|t| teacher_of(t, reference_chunks));
+    let with_teacher = make_teacher.as_mut().map(|t| t as &mut Teacher);
+    let batch = load_batch_with_teacher(
+        &args.batch,
+        &model.config,
+        &device,
+        &mut reference,
+        with_teacher,
+    )?;
     let (b, t) = batch.input_ids.dims2()?;
     let (chunks, options) = plan(args, &model, (b, t), reference_chunks)?;
     let start = Instant::now();

@@ -48,6 +48,7 @@ pub mod recipes;
 pub mod rewards;
 pub mod sampling;
 pub mod setup;
+pub mod teacher;
 pub mod tensorboard;
 pub mod token_store;
 pub mod tokenizer;

@@ -191,12 +191,13 @@ fn adapter_gradients_match_full_backward_and_peft() {
     }
 }
 
-/// GRPO's sequence-level weights (grpo and luspo), vespo and the off-policy mask, and RLOO, through
-/// the adapters, against TRL's own `_compute_loss` on PEFT's float64 model
-/// (scripts/make_grpo_trl_fixtures.py and make_rloo_fixtures.py: `lora/grpo_trl.safetensors`,
-/// `lora/rloo.safetensors`, the variants each holds).
+/// GRPO's sequence-level weights (grpo and luspo), vespo, the off-policy mask and the entropy
+/// terms, RLOO, and distillation from a wider teacher, through the adapters, against TRL's own
+/// `_compute_loss` on PEFT's float64 model (scripts/make_grpo_trl_fixtures.py,
+/// make_rloo_fixtures.py, make_distill_fixtures.py: `lora/grpo_trl.safetensors`,
+/// `lora/rloo.safetensors`, `lora/distill.safetensors`, the variants each holds).
 #[test]
-fn grpo_sequence_options_and_rloo_match_trl_with_lora() {
+fn trl_objectives_match_trl_with_lora() {
     for family in FAMILIES {
         let model = lora_model(family, 0.0);
         let load = |file: &str| {
@@ -208,6 +209,11 @@ fn grpo_sequence_options_and_rloo_match_trl_with_lora() {
         for (r, variants, count) in [
             (grpo, trl_variants::variants(threshold), 5),
             (load("rloo.safetensors"), trl_variants::rloo_variants(), 1),
+            (
+                load("distill.safetensors"),
+                trl_variants::distill_variants(),
+                1,
+            ),
         ] {
             let in_fixture: Vec<_> = variants
                 .iter()

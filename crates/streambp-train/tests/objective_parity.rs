@@ -315,6 +315,21 @@ fn rloo_matches_trl() {
     }
 }
 
+/// Distillation against TRL 1.16's own `DistillationTrainer._compute_loss`
+/// (scripts/make_distill_fixtures.py): a teacher of another width (48 against the students' 32) and
+/// family, the reverse KL (TRL's default), the forward KL, the generalized JSD, and a temperature,
+/// every family (Gemma3's soft-capped logits included); the streamed head compares the two
+/// distributions a logits chunk at a time, and each mode equals the full backward.
+#[test]
+fn distill_matches_trl() {
+    for family in FAMILIES {
+        let dir = fixture_dir(family);
+        let r = candle_core::safetensors::load(dir.join("distill.safetensors"), &Device::Cpu)
+            .expect("fixture distill.safetensors");
+        assert_variants_match(family, &trl_variants::distill_variants(), &r);
+    }
+}
+
 /// Every DPO loss type of TRL 1.16 (the objective's values are checked against TRL's own code in
 /// streambp-objectives' `dpo_loss_types` test): streamed and checkpointed gradients equal the plain
 /// backward's, every family, chunkings that do not divide T.

@@ -233,7 +233,16 @@ pub(super) fn head_backward(
     let ranges: Vec<Range<usize>> = chunks.iter().map(|c| c.local.clone()).collect();
     let detached = model.detached();
     let temperature = objective.temperature();
-    let with_entropy = objective.reads_entropy();
+    let reads = Reads::of(objective);
+    let with_entropy = reads != Reads::Targets;
+    if reads == Reads::Logits && !objective.separable() {
+        return Err(crate::EngineError::Objective(
+            streambp_objectives::ObjectiveError::Loss(format!(
+                "{} reads the logits and is not a sum over positions, which no engine mode runs",
+                objective.name()
+            )),
+        ));
+    }
     let whole = if objective.separable() {
         None
     } else {
@@ -258,23 +267,28 @@ pub(super) fn head_backward(
         let x = Var::from_tensor(&last.narrow(1, r.start, r.len())?)?;
         let h = model.final_norm(x.as_tensor())?;
         let chunk_targets = targets.narrow(1, r.start, r.len())?;
-        let grad_of = |logp: &Tensor, entropy: Option<&Tensor>| -> Result<ChunkGrads> {
-            Ok(match &whole {
-                Some((_, g, g_entropy)) => {
+        let grad_of = |view: ChunkView| -> Result<ChunkGrads> {
+            Ok(match (&whole, view) {
+                (Some((_, g, g_entropy)), _) => {
                     let here = |g: &Tensor| g.narrow(1, r.start, r.len());
                     (here(g)?, g_entropy.as_ref().map(here).transpose()?)
                 }
-                None => {
+                (None, ChunkView::Targets { logp, entropy }) => {
                     let (l, g, g_entropy) = loss_and_grad(objective, (logp, entropy), c.global())?;
                     loss += l;
                     (g, g_entropy)
+                }
+                (None, ChunkView::Logits(z)) => {
+                    let (l, dz) = logits_loss_and_grad(objective, z, c.global())?;
+                    loss += l;
+                    (dz, None)
                 }
             })
         };
         let out = head_chunk(
             &detached,
             &h.detach(),
-            (&chunk_targets, temperature, with_entropy),
+            (&chunk_targets, temperature, reads),
             grad_of,
         )?;
         if let Some(name) = head {
@@ -326,8 +340,59 @@ pub(super) struct HeadResult {
     pub grad_last: Tensor,
 }
 
-/// The gradients of a chunk's target log-probs and, where the objective reads them, its entropies.
+/// The gradients of a chunk's target log-probs and, where the objective reads them, its entropies;
+/// or of its logits, for an objective that reads them.
 type ChunkGrads = (Tensor, Option<Tensor>);
+
+/// What an objective reads of each logits chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Reads {
+    /// The targets' log-probs.
+    Targets,
+    /// The targets' log-probs and each position's entropy ([`Objective::reads_entropy`]).
+    TargetsAndEntropy,
+    /// The whole tempered logits ([`Objective::reads_logits`]).
+    Logits,
+}
+
+impl Reads {
+    /// What `objective` reads.
+    pub(super) fn of(objective: &dyn Objective) -> Self {
+        match (objective.reads_logits(), objective.reads_entropy()) {
+            (true, _) => Reads::Logits,
+            (false, true) => Reads::TargetsAndEntropy,
+            (false, false) => Reads::Targets,
+        }
+    }
+}
+
+/// A logits chunk as the objective reads it.
+enum ChunkView<'t> {
+    /// `[b, c]` target log-probs, and entropies where read.
+    Targets {
+        logp: &'t Tensor,
+        entropy: Option<&'t Tensor>,
+    },
+    /// `[b, c, V]` tempered logits.
+    Logits(&'t Tensor),
+}
+
+/// The loss of an objective that reads the logits on a chunk's tempered logits `z` (positions
+/// `cols`) and its gradient `dLoss/dz` (autograd on the chunk).
+fn logits_loss_and_grad(
+    objective: &dyn Objective,
+    z: &Tensor,
+    cols: Range<usize>,
+) -> Result<(f64, Tensor)> {
+    let zv = Var::from_tensor(&z.detach())?;
+    let loss = objective.logits_loss(zv.as_tensor(), cols)?;
+    let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let grad = match loss.backward()?.get(zv.as_tensor()) {
+        Some(g) => g.detach(),
+        None => zv.as_tensor().zeros_like()?,
+    };
+    Ok((value, grad))
+}
 
 /// What one LM-head chunk yields.
 struct HeadChunk {
@@ -355,8 +420,8 @@ struct HeadChunk {
 fn head_chunk(
     detached: &Model,
     h: &Tensor,
-    (targets, temperature, with_entropy): (&Tensor, f64, bool),
-    mut grad_of: impl FnMut(&Tensor, Option<&Tensor>) -> Result<ChunkGrads>,
+    (targets, temperature, reads): (&Tensor, f64, Reads),
+    mut grad_of: impl FnMut(ChunkView) -> Result<ChunkGrads>,
 ) -> Result<HeadChunk> {
     let (b, c, d) = h.dims3()?;
     let n = b * c;
@@ -370,7 +435,11 @@ fn head_chunk(
     if detached.scores_positions() {
         // A reward model: the `[n, 1]` scores are what the objective reads; their gradient is its.
         let scores = z.reshape((b, c))?;
-        let dz = grad_of(&scores, None)?.0.to_dtype(dtype)?.reshape((n, 1))?;
+        let view = ChunkView::Targets {
+            logp: &scores,
+            entropy: None,
+        };
+        let dz = grad_of(view)?.0.to_dtype(dtype)?.reshape((n, 1))?;
         return Ok(HeadChunk {
             logp: scores,
             entropy: None,
@@ -386,10 +455,23 @@ fn head_chunk(
     // tensor ops.
     // Timed with the objective's loss and gradient of the chunk, which `grad_of` computes.
     let (logp, entropy, mut dz) = op_times::timed("head.softmax", device, || {
-        if with_entropy {
+        if reads == Reads::Logits {
+            // The targets' log-probs and the entropies for the metrics; the loss of the logits.
             let rows = EntropyRows::of(&z, &idx)?;
             let (logp, entropy) = (rows.logp.reshape((b, c))?, rows.entropy.reshape((b, c))?);
-            let (g, g_entropy) = grad_of(&logp, Some(&entropy))?;
+            let vocab = z.dim(1)?;
+            let (dz, _) = grad_of(ChunkView::Logits(&z.reshape((b, c, vocab))?))?;
+            let dz = dz.to_dtype(compute)?.reshape((n, vocab))?;
+            return Ok::<_, crate::EngineError>((logp, Some(entropy), dz));
+        }
+        if reads == Reads::TargetsAndEntropy {
+            let rows = EntropyRows::of(&z, &idx)?;
+            let (logp, entropy) = (rows.logp.reshape((b, c))?, rows.entropy.reshape((b, c))?);
+            let view = ChunkView::Targets {
+                logp: &logp,
+                entropy: Some(&entropy),
+            };
+            let (g, g_entropy) = grad_of(view)?;
             let column = |g: Tensor| g.to_dtype(compute)?.reshape((n, 1));
             let g_entropy = g_entropy.ok_or_else(|| {
                 crate::EngineError::MissingGradient("the entropy's gradient".into())
@@ -401,7 +483,11 @@ fn head_chunk(
             match streambp_kernels::ops::head_softmax::log_softmax_rows(&z, &idx)? {
                 Some(rows) => {
                     let logp = rows.logp.reshape((b, c))?;
-                    let g = grad_of(&logp, None)?.0.to_dtype(compute)?;
+                    let view = ChunkView::Targets {
+                        logp: &logp,
+                        entropy: None,
+                    };
+                    let g = grad_of(view)?.0.to_dtype(compute)?;
                     let dz = rows.logit_grad(&g)?;
                     (logp, None, dz)
                 }
@@ -409,7 +495,11 @@ fn head_chunk(
                     let lse = z.log_sum_exp(D::Minus1)?;
                     let logp =
                         (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
-                    let g = grad_of(&logp, None)?.0.to_dtype(compute)?.reshape((n, 1))?;
+                    let view = ChunkView::Targets {
+                        logp: &logp,
+                        entropy: None,
+                    };
+                    let g = grad_of(view)?.0.to_dtype(compute)?.reshape((n, 1))?;
                     let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
                     let dz = p
                         .broadcast_mul(&g.neg()?)?

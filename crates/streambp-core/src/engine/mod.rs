@@ -547,6 +547,22 @@ pub fn forward_logprobs(
     )
 }
 
+/// The final-normed hidden states `[batch, T, d]` of `model`, without any graph and streamed like
+/// the backward (one layer's hidden states at a time, query chunks): a distillation teacher's, whose
+/// head the loss applies a logits chunk at a time.
+pub fn forward_hidden(model: &Model, batch: Batch, chunks: Chunks) -> Result<Tensor> {
+    let shard = Shard::whole(batch.input_ids.dim(1)?);
+    let detached = model.detached();
+    let layout = batch.layout()?;
+    on_workers(model.device(), || {
+        let mut h = detached.embed(batch.input_ids)?;
+        for layer in &detached.layers {
+            h = layer_forward_streamed(layer, &h, &layout, chunks.chunk, &shard)?;
+        }
+        Ok(detached.final_norm(&h)?)
+    })
+}
+
 /// [`forward_logprobs`] on one rank of a sequence group ([`backward_sequence_parallel`]): each rank
 /// runs its positions; every rank returns the whole rows' log-probs.
 pub fn forward_logprobs_sequence_parallel(
@@ -620,19 +636,23 @@ fn full_backward(
     }
     let logits = model.logits(&model.final_norm(&h)?)?;
     let temperature = objective.temperature();
-    // The entropies of softmax(logits / temperature), for an objective that reads them.
-    let entropy = match objective.reads_entropy() {
-        true => Some(head::entropies(&head::tempered(
-            logits.to_dtype(head::compute_dtype(logits.dtype()))?,
-            temperature,
-        )?)?),
-        false => None,
+    let reads = head::Reads::of(objective);
+    let compute = head::compute_dtype(logits.dtype());
+    let tempered = head::tempered(logits.to_dtype(compute)?, temperature)?;
+    // The entropies of softmax(logits / temperature), for an objective that reads them (or, for
+    // one that reads the logits, for its metrics).
+    let entropy = match reads {
+        head::Reads::Targets => None,
+        _ => Some(head::entropies(&tempered)?),
     };
     let logp = head::head_outputs(model, logits, objective.targets(), temperature)?;
     let t = logp.dim(1)?;
-    let loss = match &entropy {
-        Some(entropy) => objective.loss_with_entropy(&logp, entropy, 0..t)?,
-        None => objective.loss(&logp, 0..t)?,
+    let loss = match (reads, &entropy) {
+        (head::Reads::Logits, _) => objective.logits_loss(&tempered, 0..t)?,
+        (head::Reads::TargetsAndEntropy, Some(entropy)) => {
+            objective.loss_with_entropy(&logp, entropy, 0..t)?
+        }
+        _ => objective.loss(&logp, 0..t)?,
     };
     let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     let store = op_times::timed("full.backward", loss.device(), || loss.backward())?;

@@ -45,7 +45,8 @@ pub fn arithmetic_tokenizer_with_template(dir: &std::path::Path, template: &str)
 }
 
 /// `family`'s batch file `file` after `edit`, loaded for `config` on the CPU (its reference
-/// log-probs given in the file).
+/// log-probs given in the file; a distillation batch's teacher the fixtures' `teacher`, in f64 as
+/// the tests' models).
 pub fn edited_batch(
     family: &str,
     file: &str,
@@ -65,5 +66,27 @@ pub fn edited_batch(
             panic!("the fixture batches carry their reference log-probs")
         };
     let device = candle_core::Device::Cpu;
-    streambp_train::batch_file::load_batch(&path, config, &device, &mut no_reference).unwrap()
+    // A distillation batch's teacher: the fixtures' wider one (scripts/make_distill_fixtures.py).
+    let teacher = (json["objective"] == "distill").then(|| {
+        streambp_models::load_model(&fixture_dir("teacher"), candle_core::DType::F64, &device)
+            .unwrap()
+    });
+    let chunks = streambp_core::Chunks {
+        chunk: 3,
+        logits_chunk: 4,
+    };
+    let mut make_teacher = teacher
+        .as_ref()
+        .map(|t| streambp_train::teacher::teacher_of(t, chunks));
+    let with_teacher = make_teacher
+        .as_mut()
+        .map(|t| t as &mut streambp_train::batch_file::Teacher);
+    streambp_train::batch_file::load_batch_with_teacher(
+        &path,
+        config,
+        &device,
+        &mut no_reference,
+        with_teacher,
+    )
+    .unwrap()
 }

@@ -234,3 +234,42 @@ pub fn rloo_variants() -> Vec<Variant> {
         ),
     ]
 }
+
+/// Every distillation variant of scripts/make_distill_fixtures.py: the GRPO batch's rows with their
+/// completion mask, TRL's defaults (beta 1, the reverse KL; temperature 1), then the variant's.
+pub fn distill_variants() -> Vec<Variant> {
+    use serde_json::Value;
+    let distill = |beta: Option<f64>, temperature: Option<f64>| -> Edit {
+        Box::new(move |j: &mut Value| {
+            let o = j.as_object_mut().unwrap();
+            for key in [
+                "advantages",
+                "old_logps",
+                "ref_logps",
+                "beta",
+                "epsilon",
+                "max_completion_length",
+            ] {
+                o.remove(key);
+            }
+            o.insert("objective".into(), "distill".into());
+            if let Some(beta) = beta {
+                o.insert("beta".into(), beta.into());
+            }
+            if let Some(t) = temperature {
+                o.insert("temperature".into(), t.into());
+            }
+        })
+    };
+    let variant = |name, edit| Variant {
+        name,
+        edit,
+        metrics: &["entropy"],
+    };
+    vec![
+        variant("reverse_kl", distill(None, None)),
+        variant("forward_kl", distill(Some(0.0), None)),
+        variant("jsd", distill(Some(0.5), None)),
+        variant("jsd_temperature", distill(Some(0.3), Some(0.7))),
+    ]
+}
