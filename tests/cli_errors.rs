@@ -157,6 +157,11 @@ const CASES: &[Case] = &[
         "--teacher {fixtures}/qwen3/reward: a reward model (a sequence classifier); a teacher is a causal LM",
     ),
     case(
+        "grad --model {fixtures}/qwen3 --teacher {fixtures}/teacher --batch {fixtures}/qwen3/grpo-batch.json --out {dir}/g.safetensors",
+        2,
+        "applies to objective distill only, not grpo",
+    ),
+    case(
         "grad --model {fixtures}/qwen3 --teacher {fixtures}/teacher --batch {dir}/distill_beta.json --out {dir}/g.safetensors",
         1,
         "beta 1.5 must be in [0, 1]",

@@ -95,7 +95,8 @@ impl GrpoLossType {
 }
 
 /// The `q` quantile of sorted `values` by linear interpolation between the nearest ranks (as
-/// `torch.quantile`'s default); `+∞` for none (nothing reaches it).
+/// `torch.quantile`'s default), in f64 (TRL's runs on its entropies in f32: only ties at the
+/// threshold can fall otherwise); `+∞` for none (nothing reaches it).
 fn quantile(values: &[f64], q: f64) -> f64 {
     let Some(last) = values.len().checked_sub(1) else {
         return f64::INFINITY;
@@ -292,6 +293,8 @@ pub struct Grpo {
     sapo_temperatures: Tensor,
     /// Each row's completion tokens, at least 1 (the sequence-level means' divisor).
     lengths: Vec<f64>,
+    /// The batch's completion tokens.
+    completion_tokens: f64,
     advantage_values: Vec<f64>,
     importance_sampling: ImportanceSampling,
     vespo_gamma: VespoGamma,
@@ -430,6 +433,7 @@ impl Grpo {
                 (g, 1),
                 device,
             )?,
+            completion_tokens: completion_lengths.iter().sum::<usize>() as f64,
             lengths: completion_lengths
                 .iter()
                 .map(|&n| n.max(1) as f64)
@@ -621,7 +625,13 @@ impl Grpo {
         kept: Option<&Tensor>,
         cols: &Range<usize>,
     ) -> Result<Tensor> {
-        let (_, count) = self.masked_sum_and_count(&self.mask.to_dtype(DType::F64)?, kept)?;
+        let count = match kept {
+            Some(kept) => {
+                self.masked_sum_and_count(&self.mask.to_dtype(DType::F64)?, Some(kept))?
+                    .1
+            }
+            None => self.completion_tokens,
+        };
         let mut mask = self.mask.narrow(1, cols.start, cols.len())?;
         if let Some(kept) = kept {
             mask = (mask * kept.narrow(1, cols.start, cols.len())?)?;

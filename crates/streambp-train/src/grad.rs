@@ -267,6 +267,16 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         &mut reference,
         with_teacher,
     )?;
+    if let (Some(spec), false) = (&args.teacher, batch.objective.reads_logits()) {
+        return Err(TrainError::flag(
+            "--teacher",
+            spec,
+            format!(
+                "applies to objective distill only, not {}",
+                batch.objective.name()
+            ),
+        ));
+    }
     let (b, t) = batch.input_ids.dims2()?;
     let (chunks, options) = plan(args, &model, (b, t), reference_chunks)?;
     let start = Instant::now();

@@ -409,9 +409,10 @@ struct HeadChunk {
 }
 
 /// The LM head's forward and explicit VJP on one chunk of normed hidden states `h` (`[b, c, d]`,
-/// detached), its log-probs of `targets` taken at `temperature` (and `with_entropy`, each
-/// position's entropy). `grad_of` maps the chunk's `logp` (and entropies) to `dLoss/dlogp` (and
-/// `dLoss/dentropy`).
+/// detached), its log-probs of `targets` taken at `temperature`, and what the objective `reads`
+/// beside them (each position's entropy, or the whole logits). `grad_of` maps the chunk as the
+/// objective reads it to the gradient of its loss (`dLoss/dlogp` and `dLoss/dentropy`, or
+/// `dLoss/dlogits`).
 ///
 /// With `z` the (soft-capped) logits in f32/f64 divided by the temperature `τ` and `p = softmax(z)`,
 /// `d logp / dz = onehot − p`, and `1/τ` and a soft-cap's slope (the model's [`Model::soft_cap`])
@@ -459,6 +460,7 @@ fn head_chunk(
             // The targets' log-probs and the entropies for the metrics; the loss of the logits.
             let rows = EntropyRows::of(&z, &idx)?;
             let (logp, entropy) = (rows.logp.reshape((b, c))?, rows.entropy.reshape((b, c))?);
+            drop(rows);
             let vocab = z.dim(1)?;
             let (dz, _) = grad_of(ChunkView::Logits(&z.reshape((b, c, vocab))?))?;
             let dz = dz.to_dtype(compute)?.reshape((n, vocab))?;

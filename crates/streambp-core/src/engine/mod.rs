@@ -637,21 +637,25 @@ fn full_backward(
     let logits = model.logits(&model.final_norm(&h)?)?;
     let temperature = objective.temperature();
     let reads = head::Reads::of(objective);
-    let compute = head::compute_dtype(logits.dtype());
-    let tempered = head::tempered(logits.to_dtype(compute)?, temperature)?;
-    // The entropies of softmax(logits / temperature), for an objective that reads them (or, for
-    // one that reads the logits, for its metrics).
-    let entropy = match reads {
+    // Where the objective reads more than the targets' log-probs: the tempered logits, and their
+    // entropies (read by the loss, or for a logits-reading loss's metrics, outside its graph).
+    let tempered = match reads {
         head::Reads::Targets => None,
-        _ => Some(head::entropies(&tempered)?),
+        _ => {
+            let compute = head::compute_dtype(logits.dtype());
+            Some(head::tempered(logits.to_dtype(compute)?, temperature)?)
+        }
+    };
+    let entropy = match (reads, &tempered) {
+        (head::Reads::TargetsAndEntropy, Some(z)) => Some(head::entropies(z)?),
+        (head::Reads::Logits, Some(z)) => Some(head::entropies(&z.detach())?),
+        _ => None,
     };
     let logp = head::head_outputs(model, logits, objective.targets(), temperature)?;
     let t = logp.dim(1)?;
-    let loss = match (reads, &entropy) {
-        (head::Reads::Logits, _) => objective.logits_loss(&tempered, 0..t)?,
-        (head::Reads::TargetsAndEntropy, Some(entropy)) => {
-            objective.loss_with_entropy(&logp, entropy, 0..t)?
-        }
+    let loss = match (&tempered, &entropy) {
+        (Some(z), _) if reads == head::Reads::Logits => objective.logits_loss(z, 0..t)?,
+        (_, Some(entropy)) => objective.loss_with_entropy(&logp, entropy, 0..t)?,
         _ => objective.loss(&logp, 0..t)?,
     };
     let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
