@@ -17,7 +17,6 @@ use candle_core::{DType, Device, Tensor};
 use streambp_core::{backward_with, Batch, Chunks, Gradients, Mode, Options, Plan};
 use streambp_models::adapter::{load_adapter, save_adapter};
 use streambp_models::{load_model, LoraConfig, Model};
-use streambp_train::batch_file::load_batch;
 
 fn lora_dir(family: &str) -> PathBuf {
     fixture_dir(family).join("lora")
@@ -57,7 +56,6 @@ fn backward(
         dropout: dropout.map(|key| streambp_models::lora::DropoutKey { key, first_row: 0 }),
         ..Default::default()
     };
-    let dir = fixture_dir(family);
     let (file, edit): (&str, fn(&mut serde_json::Value)) = match objective {
         "sft" => {
             let r = reference(family);
@@ -139,17 +137,7 @@ fn backward(
         }),
         other => panic!("no objective {other}"),
     };
-    let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join(file)).unwrap()).unwrap();
-    edit(&mut json);
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join(file);
-    std::fs::write(&path, json.to_string()).unwrap();
-    let mut no_reference =
-        |_: &Tensor, _: Option<&Tensor>, _: &Tensor, _: f64| -> streambp_train::Result<Tensor> {
-            panic!("the fixture batches carry their reference log-probs")
-        };
-    let batch = load_batch(&path, &model.config, &Device::Cpu, &mut no_reference).unwrap();
+    let batch = edited_batch(family, file, &edit, &model.config);
     let input = Batch::new(&batch.input_ids, batch.attention_mask.as_ref());
     backward_with(
         model,
