@@ -25,6 +25,7 @@ import torch
 import transformers
 import trl
 from trl import GRPOConfig, GRPOTrainer
+from accelerate.utils import is_peft_model
 from trl.trainer.utils import add_fused_lm_head
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -134,16 +135,24 @@ def trl_inputs(batch, num_items_scale=1, drop_old=False, masked_row=None):
     }
 
 
+@contextlib.contextmanager
+def fused_head(model, temperature):
+    """TRL's fused LM head on `model` (a PEFT model's on its base model) as the trainers' `__init__`
+    adds it, for the duration; the class's forward again after."""
+    head_model = model.get_base_model() if is_peft_model(model) else model
+    add_fused_lm_head(head_model, temperature=temperature, outputs=("log_probs", "entropy"))
+    try:
+        yield
+    finally:
+        del head_model.forward
+
+
 def check(name, model, batch, tensors, variant, overrides, edits):
     trainer = bare_trainer(model, batch, **overrides)
-    add_fused_lm_head(model, temperature=trainer.temperature, outputs=("log_probs", "entropy"))  # as __init__ does
-    try:
+    with fused_head(model, trainer.temperature), exact_float64_trl():
         model.zero_grad()
-        with exact_float64_trl():
-            loss = trainer._compute_loss(model, trl_inputs(batch, **edits))
-            loss.backward()
-    finally:
-        del model.forward  # back to the class's forward
+        loss = trainer._compute_loss(model, trl_inputs(batch, **edits))
+        loss.backward()
     key = f"grpo.{variant}"
     loss_diff = abs(loss.item() - tensors[f"{key}.loss"].item())
     grad_diff = 0.0

@@ -36,14 +36,13 @@ import transformers
 import trl
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
-from trl.trainer.utils import add_fused_lm_head
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fixture_tools  # noqa: E402
 import peft  # noqa: E402
 from peft import PeftModel  # noqa: E402
 from make_lora_fixtures import load_base, saved_key  # noqa: E402
-from grpo_loss_reference import PROMPT_LEN, bare_trainer, exact_float64_trl, trl_inputs  # noqa: E402
+from grpo_loss_reference import PROMPT_LEN, bare_trainer, exact_float64_trl, fused_head, trl_inputs  # noqa: E402
 from make_fixtures import F64, token_logps  # noqa: E402
 
 # A row's mean log-ratio is small: a tighter clip than the batch's 0.2 makes some sequence weights clip.
@@ -92,16 +91,10 @@ def off_policy_threshold(model, batch):
 def trl_loss(model, batch, overrides, edits, key=lambda name: name):
     """TRL's loss, its logged metrics and the gradient of every trainable parameter (keyed by `key`)."""
     trainer = bare_trainer(model, batch, **overrides)
-    # as __init__ does (on a PEFT model, on its base model)
-    head_model = model.get_base_model() if isinstance(model, PeftModel) else model
-    add_fused_lm_head(head_model, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
-    try:
+    with fused_head(model, trainer.temperature), exact_float64_trl():
         model.zero_grad()
-        with exact_float64_trl():
-            loss = trainer._compute_loss(model, trl_inputs(batch, **edits))
-            loss.backward()
-    finally:
-        del head_model.forward  # back to the class's forward
+        loss = trainer._compute_loss(model, trl_inputs(batch, **edits))
+        loss.backward()
     return {"loss": loss.detach().reshape(1).to(F64), **fixture_tools.logged_and_grads(trainer, METRICS, model, key)}
 
 

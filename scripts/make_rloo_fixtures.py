@@ -49,11 +49,11 @@ from peft import PeftModel
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 from trl import RLOOConfig, RLOOTrainer
-from trl.trainer.utils import add_fused_lm_head, nanstd
+from trl.trainer.utils import nanstd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fixture_tools  # noqa: E402
-from grpo_loss_reference import PROMPT_LEN, exact_float64_trl  # noqa: E402
+from grpo_loss_reference import PROMPT_LEN, exact_float64_trl, fused_head  # noqa: E402
 from make_fixtures import F64  # noqa: E402
 from make_lora_fixtures import load_base, saved_key  # noqa: E402
 
@@ -112,31 +112,26 @@ def rloo_advantages(trainer, rewards, old_per_token, ref_per_token, completion_m
 def trl_loss(model, batch, overrides, drop_old, key=lambda name: name):
     """TRL's advantages, loss, logged metrics and every trainable parameter's gradient (keyed by `key`)."""
     trainer = bare_trainer(model, **overrides)
-    head_model = model.get_base_model() if isinstance(model, PeftModel) else model
-    add_fused_lm_head(head_model, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
-    try:
-        ids, attention = torch.tensor(batch["input_ids"]), torch.tensor(batch["attention_mask"])
-        completion_mask = torch.tensor(batch["completion_mask"])[:, PROMPT_LEN:]
-        assert attention[:, :PROMPT_LEN].all() and torch.equal(attention[:, PROMPT_LEN:], completion_mask)
-        per_token = lambda k: torch.tensor(batch[k], dtype=F64)[:, PROMPT_LEN:]  # aligned with completion_ids
-        logits_to_keep = completion_mask.size(1)
-        with exact_float64_trl():
-            if drop_old:  # the policy that sampled is the one trained: TRL's own old log-probs
-                with torch.no_grad():
-                    old_per_token, _, _ = trainer._get_per_token_logps_and_entropies(
-                        model, ids, attention, logits_to_keep)
-            else:
-                old_per_token = per_token("old_logps")
-            advantages, kl_metric = rloo_advantages(trainer, torch.tensor(REWARDS, dtype=F64), old_per_token,
-                                         per_token("ref_logps"), completion_mask)
-            inputs = {"prompt_ids": ids[:, :PROMPT_LEN], "prompt_mask": attention[:, :PROMPT_LEN],
-                      "completion_ids": ids[:, PROMPT_LEN:], "completion_mask": completion_mask,
-                      "old_logps": (old_per_token * completion_mask).sum(1), "advantages": advantages}
-            model.zero_grad()
-            loss = trainer._compute_loss(model, inputs)
-            loss.backward()
-    finally:
-        del head_model.forward  # back to the class's forward
+    ids, attention = torch.tensor(batch["input_ids"]), torch.tensor(batch["attention_mask"])
+    completion_mask = torch.tensor(batch["completion_mask"])[:, PROMPT_LEN:]
+    assert attention[:, :PROMPT_LEN].all() and torch.equal(attention[:, PROMPT_LEN:], completion_mask)
+    per_token = lambda k: torch.tensor(batch[k], dtype=F64)[:, PROMPT_LEN:]  # aligned with completion_ids
+    logits_to_keep = completion_mask.size(1)
+    with fused_head(model, trainer.temperature), exact_float64_trl():
+        if drop_old:  # the policy that sampled is the one trained: TRL's own old log-probs
+            with torch.no_grad():
+                old_per_token, _, _ = trainer._get_per_token_logps_and_entropies(
+                    model, ids, attention, logits_to_keep)
+        else:
+            old_per_token = per_token("old_logps")
+        advantages, kl_metric = rloo_advantages(trainer, torch.tensor(REWARDS, dtype=F64), old_per_token,
+                                                per_token("ref_logps"), completion_mask)
+        inputs = {"prompt_ids": ids[:, :PROMPT_LEN], "prompt_mask": attention[:, :PROMPT_LEN],
+                  "completion_ids": ids[:, PROMPT_LEN:], "completion_mask": completion_mask,
+                  "old_logps": (old_per_token * completion_mask).sum(1), "advantages": advantages}
+        model.zero_grad()
+        loss = trainer._compute_loss(model, inputs)
+        loss.backward()
     out = {"loss": loss.detach().reshape(1).to(F64), "advantages": advantages.to(F64)}
     if kl_metric is not None:
         out["kl"] = kl_metric.to(F64)
