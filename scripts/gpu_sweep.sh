@@ -6,17 +6,20 @@
 #   CARGO_TARGET_DIR=target-cuda cargo build --release -p streambp-bench -p streambp-train \
 #       --features streambp-bench/cuda,streambp-train/cuda
 #   CARGO_TARGET_DIR=target-cuda cargo test --release -p streambp-core --features cuda --test cuda_parity --no-run
+#   CARGO_TARGET_DIR=target-cuda cargo test --release -p streambp-kernels --features cuda --test cuda_attention --no-run
+#   CARGO_TARGET_DIR=target-cuda cargo build --release -p streambp-kernels --features cuda --example attention_card
 #   scripts/gpu_sweep.sh pack        # -> gpu/*.xz (ignored by git), plus the transformers peer script
 #
 # then carry `gpu` and run one step per device call (each stays under the 10-minute limit), from the
-# repository root: `scripts/gpu_sweep.sh parity|train|time|maxt|long|peer|disk|profile|cpu`, or, for
+# repository root: `scripts/gpu_sweep.sh parity|train|time|maxt|long|peer|disk|profile|cpu|attention`
+# (`attention`: the fused kernels' step of issue 59, all in one call), or, for
 # the host CPU alone, `pack-cpu` here and `cpu-profile` there (carry gpu-cpu), or `pack-cpu` and
 # `pack-suite` here and `host-session` there (the whole test suite too). Results go to $OUT (or
 # gpu-out), JSON lines written as each point finishes, so a step cut off by the time limit keeps what
 # it measured.
 set -euo pipefail
 
-step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile|cpu|pack-cpu|cpu-profile|pack-suite|suite|session|host-session}
+step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile|cpu|attention|pack-cpu|cpu-profile|pack-suite|suite|session|host-session}
 out=${OUT:-gpu-out}
 config=benches/configs/qwen3-8b.json
 bench=${BENCH:-gpu/streambp-bench}
@@ -30,7 +33,8 @@ unpack() {
         [ -e "${f%.xz}" ] || xz -dk "$f"
     done
     # Each binary only where it was carried (the working tree that travels is limited in size).
-    for f in gpu/streambp-bench gpu/streambp-bench-pageable gpu/streambp-train gpu/cuda_parity; do
+    for f in gpu/streambp-bench gpu/streambp-bench-pageable gpu/streambp-train gpu/cuda_parity \
+        gpu/cuda_attention gpu/attention_card; do
         [ ! -e "$f" ] || chmod +x "$f"
     done
     mkdir -p "$out"
@@ -114,6 +118,9 @@ pack)
     xz -T2 -6 -c target-cuda/release/streambp-train > gpu/streambp-train.xz
     test_bin=$(ls -t target-cuda/release/deps/cuda_parity-* | grep -v '\.d$' | head -1)
     xz -T2 -6 -c "$test_bin" > gpu/cuda_parity.xz
+    test_bin=$(ls -t target-cuda/release/deps/cuda_attention-* | grep -v '\.d$' | head -1)
+    xz -T2 -6 -c "$test_bin" > gpu/cuda_attention.xz
+    xz -T2 -6 -c target-cuda/release/examples/attention_card > gpu/attention_card.xz
     cp ../shared/cuda/peer_transformers.py gpu/
     du -sh gpu
     ;;
@@ -217,6 +224,22 @@ profile)
         --chunk 2048 --logits-chunk 1024 --modes stream --repeats 1 > "$out/profile.txt" 2>&1 || true
     "$nsys" stats --report cuda_gpu_kern_sum --report cuda_gpu_mem_time_sum --report cuda_api_sum \
         --format csv --output - /tmp/streambp-profile.nsys-rep 2>/dev/null | head -120 >> "$out/profile.txt" || true
+    ;;
+attention)
+    # Issue 59 in one device call (under 10 minutes; results.tgz in $OUT): the fused kernels against
+    # the CPU and the composed ops (cuda_attention), the whole model's parity with them in force
+    # (cuda_parity), one chunk's attention timed beside PyTorch's SDPA on the same shapes, and one
+    # Qwen3-8B layer's step at 4K and 16K with --op-times (stream and checkpoint).
+    unpack
+    start_session
+    trap bundle EXIT
+    timeout "$(limit 120)" gpu/cuda_attention --nocapture > "$out/cuda_attention.txt" 2>&1 || true
+    STREAMBP_FIXTURES=tests/fixtures timeout "$(limit 150)" gpu/cuda_parity --nocapture \
+        > "$out/cuda_parity.txt" 2>&1 || true
+    timeout "$(limit 90)" gpu/attention_card > "$out/attention_card.jsonl" 2> "$out/attention_card.err" || true
+    timeout "$(limit 90)" "$(peer_python)" scripts/sdpa_peer.py > "$out/sdpa_peer.jsonl" \
+        2> "$out/sdpa_peer.err" || true
+    LIMIT=200 "$0" profile > "$out/profile.log" 2>&1 || true
     ;;
 cpu)
     # Issue 25 on this host's CPU: the qwen3-small step beside transformers, both sides on the same

@@ -16,7 +16,9 @@ use crate::lora::Projection;
 use crate::norm::RmsNorm;
 use crate::rope::{apply_rope, Rotary};
 use crate::weights::MapWeights;
-use streambp_kernels::ops::attention::{attention_in_layer, EarlierKeys, KeyMask, Products};
+use streambp_kernels::ops::attention::{
+    attention_in_layer, EarlierKeys, KeyMask, MaskStructure, Products,
+};
 use streambp_kernels::ops::cast::cast;
 use streambp_kernels::ops::geglu::{geglu, Gelu};
 pub use streambp_kernels::ops::geglu::{gelu_erf, gelu_tanh};
@@ -166,6 +168,16 @@ impl KeyMask for ChunkMask {
             other => candle_core::Error::Msg(format!("attention mask: {other}")),
         })?;
         Ok(Some(allowed.to_dtype(dtype)?.affine(-floor, floor)?))
+    }
+
+    fn structure(&self) -> Option<MaskStructure> {
+        Some(MaskStructure {
+            q_start: self.q_start,
+            k_start: self.k_start,
+            window: self.sliding_window,
+            doc_start: self.layout.doc_start().cloned(),
+            key_valid: self.layout.key_valid.clone(),
+        })
     }
 }
 

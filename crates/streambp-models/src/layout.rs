@@ -181,6 +181,11 @@ impl Layout {
         self.packing.is_some()
     }
 
+    /// `[batch, T]` i64 for packed rows: the index of the first token of each token's document.
+    pub fn doc_start(&self) -> Option<&Tensor> {
+        self.packing.as_ref().map(|p| &p.doc_start)
+    }
+
     /// The first key that any query at index `q_start` or later can see across document boundaries.
     pub fn first_key_of_document(&self, q_start: usize) -> usize {
         self.packing

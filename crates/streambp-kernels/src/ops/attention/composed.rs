@@ -160,7 +160,8 @@ impl Attention {
                         .reshape(s.shape())?;
                     Ok::<_, candle_core::Error>((s, mask, grad_p))
                 })?;
-            let normalizer = (&saved.normalizer.max, &saved.normalizer.log_sum);
+            let n = saved.stats.normalizer()?;
+            let normalizer = (&n.max, &n.log_sum);
             let (p, grad_s) = op_times::timed("attention.backward.softmax", device, || {
                 let fused = softmax_block::backward(&s, mask.as_ref(), normalizer, &grad_p, &dot)?;
                 if let Some(fused) = fused {

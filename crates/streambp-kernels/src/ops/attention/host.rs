@@ -6,7 +6,7 @@ use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor, WithDType};
 
 use super::kernel::{self, KernelFloat, Multiply};
 use super::op::{poisoned, Attention, HeadsLayout, Saved};
-use super::{Blocks, EarlierKeys, KeyRange, Normalizer, Products, KERNEL_OFF};
+use super::{Blocks, EarlierKeys, KeyRange, Normalizer, Products, Stats, KERNEL_OFF};
 use crate::backend::Backend;
 use crate::host::half_product::Kernel;
 use crate::host::storage::{host_float, host_slice, input_data, storage_id, with_data_mut};
@@ -368,7 +368,7 @@ impl Attention {
             false => (fwd.out, ql.shape().clone(), None),
         };
         let saved = Saved {
-            normalizer,
+            stats: Stats::Blocks(normalizer),
             inner_out,
         };
         *self.saved.lock().map_err(|_| poisoned())? = Some(saved);

@@ -83,11 +83,25 @@ pub fn backward_bytes(s: Sizes, backend: Backend) -> u64 {
             let shares = s.batch * s.heads * c * s.head_dim * wave * s.element;
             running * task + shares
         }
+        // The fused kernels (a card's, where they have the head dim and dtype): no score is ever
+        // stored; the forward's log-sum-exp and the backward's delta, one f32 per query and head.
+        Backend::Cuda if fused_kernels_take(s) => 2 * s.batch * s.heads * c * 4,
         // The composed ops: about four score tensors of a block at once (fitted: 4.1).
         Backend::Cuda | Backend::Composed => {
             41 * s.batch * s.heads * score_area(t, c, key_block) * s.element.max(4) / 10
         }
     }
+}
+
+/// Whether the card's fused kernels were compiled for the op's head dim and dtype (on a card whose
+/// architecture has none, the composed ops run and hold more than planned: logged when it happens).
+fn fused_kernels_take(s: Sizes) -> bool {
+    let dtype = match s.element {
+        2 => "bf16",
+        4 => "fp32",
+        _ => return false,
+    };
+    super::cuda_table::find("attention_forward", 90, dtype, s.head_dim as usize).is_some()
 }
 
 /// The bytes a bf16 layer's forward on the CPU kernel adds (`Products::Bf16`): each running task

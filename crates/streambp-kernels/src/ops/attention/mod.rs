@@ -16,7 +16,14 @@
 //! each query may read comes from a [`KeyMask`] one key block at a time, so not even the mask is ever
 //! `c × t`.
 
+// The card's kernels' table and argument lists: in the CPU build for their tests alone.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod compiled;
 mod composed;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod cuda_table;
+#[cfg(feature = "cuda")]
+mod fused;
 mod host;
 pub mod kernel;
 pub mod memory;
@@ -28,6 +35,9 @@ use candle_core::{DType, Tensor};
 use crate::ops::cast::through_f32;
 
 use op::record;
+
+#[cfg(feature = "cuda")]
+pub use fused::launches as fused_launches;
 
 thread_local! {
     /// Set by [`with_fused_softmax_blocks`].
@@ -66,6 +76,30 @@ pub trait KeyMask: Send + Sync {
     /// 0 where a query may read the key, the dtype's minimum where not; `None` when every query may
     /// read every key of the block (nothing to add).
     fn bias(&self, start: usize, n: usize, dtype: DType) -> CResult<Option<Tensor>>;
+
+    /// The mask in the form the card's fused kernels take it, where it is of that form; `None`
+    /// (the default) where it is not, and the composed path runs.
+    fn structure(&self) -> Option<MaskStructure> {
+        None
+    }
+}
+
+/// A chunk's mask by rule rather than by tensor: query `q_start + i` reads key `k_start + j` (indices
+/// in the sequence; the earlier keys first) when `j ≤ i`, within the sliding window if any
+/// (`key > query − window`), in the query's document (`key ≥ doc_start[row, query]`) and not padding
+/// (`key_valid[row, key] ≠ 0`).
+#[derive(Debug, Clone)]
+pub struct MaskStructure {
+    /// Sequence index of the first query.
+    pub q_start: usize,
+    /// Sequence index of the first key.
+    pub k_start: usize,
+    /// The sliding window's width.
+    pub window: Option<usize>,
+    /// `[b, T]` integers: the first index of each token's document, for packed rows.
+    pub doc_start: Option<Tensor>,
+    /// `[b, T]`: nonzero for real tokens, for padded rows.
+    pub key_valid: Option<Tensor>,
 }
 
 /// A mask given whole, as an additive `[rows, 1, 1, c, t]` tensor.
@@ -179,6 +213,29 @@ impl Blocks {
             _ => (k, v),
         };
         Ok((k.narrow(2, r.start, r.n)?, v.narrow(2, r.start, r.n)?))
+    }
+}
+
+/// What the forward leaves for the backward to recompute the probabilities from.
+#[derive(Clone)]
+enum Stats {
+    /// The block path's normalizer (the CPU kernel, the composed tensor ops).
+    Blocks(Normalizer),
+    /// The card's fused kernels, and each row's log-sum-exp `[b, heads, c]` f32.
+    #[cfg(feature = "cuda")]
+    Fused(std::sync::Arc<fused::Fused>, Tensor),
+}
+
+impl Stats {
+    /// The block path's normalizer (an error for the fused kernels' statistics).
+    fn normalizer(&self) -> CResult<&Normalizer> {
+        match self {
+            Stats::Blocks(n) => Ok(n),
+            #[cfg(feature = "cuda")]
+            Stats::Fused(..) => {
+                candle_core::bail!("attention: the fused forward's statistics in a block backward")
+            }
+        }
     }
 }
 

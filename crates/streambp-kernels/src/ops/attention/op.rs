@@ -8,7 +8,7 @@ use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 
 use super::host::{rows_are_contiguous, rows_contiguous};
 use super::kernel::{KernelFloat, Multiply};
-use super::{Blocks, Normalizer};
+use super::{Blocks, Normalizer, Stats};
 use crate::backend::Backend;
 use crate::op_times;
 use crate::ops::cast::cast;
@@ -39,7 +39,7 @@ pub(super) enum Forward {
 #[derive(Clone)]
 pub(super) struct Saved {
     /// To recompute the probabilities.
-    pub(super) normalizer: Normalizer,
+    pub(super) stats: Stats,
     /// Over heads ([`HeadsLayout`]): the output in the inner layout.
     pub(super) inner_out: Option<Tensor>,
 }
@@ -149,6 +149,14 @@ impl CustomOp3 for Attention {
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (k, v) = (k.detach(), v.detach());
         let saved = self.saved()?;
+        #[cfg(feature = "cuda")]
+        if let Stats::Fused(fused, lse) = &saved.stats {
+            let inputs = (&q.detach(), &k, &v);
+            let earlier = self.blocks.earlier.as_ref();
+            let (dq, dk, dv) =
+                fused.backward(inputs, (&out.detach(), &grad.detach(), lse), earlier)?;
+            return Ok((Some(dq), Some(dk), Some(dv)));
+        }
         let (dq, dk, dv) = match &saved.inner_out {
             None => self.inner_bwd(&q.detach(), &k, &v, &out.detach(), &grad.detach())?,
             Some(inner_out) => {
@@ -242,7 +250,7 @@ impl Attention {
             earlier,
             out,
             grad,
-            normalizer: self.saved()?.normalizer,
+            normalizer: self.saved()?.stats.normalizer()?.clone(),
             multiply,
             key_grads: Mutex::new(None),
         };
@@ -332,6 +340,23 @@ pub(super) fn record(
         false => q.detach(),
     };
     let (k0, v0) = (k.detach(), v.detach());
+    #[cfg(feature = "cuda")]
+    if Backend::of(q) == Backend::Cuda {
+        let q0 = q.detach();
+        if let Some(fused) = super::fused::Fused::new(&blocks, &q0, &k0, over_heads)? {
+            let (out, lse) = fused.forward(&q0, &k0, &v0, blocks.earlier.as_ref())?;
+            let saved = Saved {
+                stats: Stats::Fused(std::sync::Arc::new(fused), lse),
+                inner_out: None,
+            };
+            let forward = Forward::Composed(Precomputed::new(out));
+            return q.apply_op3(
+                k,
+                v,
+                Attention::new(blocks, forward, over_heads, Some(saved)),
+            );
+        }
+    }
     let as_they_are = q.is_contiguous() && rows_are_contiguous(k) && rows_are_contiguous(v);
     let multiply = match Backend::of(q) {
         Backend::Cpu if as_they_are => blocks.kernel_multiply(&inner_q, &k0, &v0)?,
@@ -358,7 +383,7 @@ pub(super) fn record(
                 false => (inner_out, None),
             };
             let saved = Saved {
-                normalizer,
+                stats: Stats::Blocks(normalizer),
                 inner_out,
             };
             let forward = Forward::Composed(Precomputed::new(out));
