@@ -76,7 +76,7 @@ const CASES: &[Case] = &[
     case("sft --dtype f16", 2, "--dtype f16: unknown dtype"),
     case("sft --device tpu", 2, "--device tpu: unknown device"),
     // Flags that do not apply.
-    case("sft --beta 0.1", 2, "--beta: applies to dpo, grpo, orpo, cpo, kto and rloo only, not sft"),
+    case("sft --beta 0.1", 2, "--beta: applies to dpo, grpo, orpo, cpo, kto, rloo and distill only, not sft"),
     case("sft --ref-model x/y", 2, "--ref-model: applies to dpo and kto only, not sft"),
     case("grpo --sft-weight 1", 2, "--sft-weight: applies to dpo only, not grpo"),
     case("dpo --packing", 2, "--packing: applies to sft only"),
@@ -234,6 +234,12 @@ const CASES: &[Case] = &[
     case("rloo --loss-type dapo", 2, "unexpected argument '--loss-type' found"),
     case("rloo --sft-weight 1", 2, "--sft-weight: applies to dpo only, not rloo"),
     case("rloo --data {dir}/prompts.jsonl", 2, "RLOO needs at least one --reward"),
+    case("distill --beta 1.5", 2, "--beta 1.5: must be in [0, 1]"),
+    case("distill --group-size 2", 2, "unexpected argument '--group-size' found"),
+    case("distill --reward exact:answer", 2, "unexpected argument '--reward' found"),
+    case("distill --temperature 0", 2, "--temperature 0: must be a number above 0"),
+    case("distill --max-new-tokens 16", 2, "--max-new-tokens 16: must be below --max-length (16)"),
+    case("distill --teacher {dir}/a_file", 2, "a_file: a file; --teacher takes a model directory or a hub id"),
     case("grpo --reward length:3", 2, "--reward length:3: unknown reward"),
     case("grpo --reward format:(", 2, "not a valid regular expression"),
     case("grpo --reward format:", 2, "--reward format:: format: needs a pattern"),
@@ -959,7 +965,7 @@ fn every_unread_loss_setting_is_refused() {
 fn every_jobs_help_groups_its_flags() {
     let root = tempfile::tempdir().unwrap();
     for job in [
-        "sft", "dpo", "kto", "orpo", "cpo", "reward", "grpo", "rloo", "grad",
+        "sft", "dpo", "kto", "orpo", "cpo", "reward", "grpo", "rloo", "distill", "grad",
     ] {
         let (status, text) = train(root.path(), &[job.to_string(), "--help".to_string()]);
         assert_eq!(status, 0, "{job}: {text}");

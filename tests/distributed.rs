@@ -273,6 +273,20 @@ fn rloo_on_two_ranks_is_one_process() {
     );
 }
 
+/// Distillation: the divergences of both ranks' completions over their count (TRL's
+/// num_items_in_batch across processes), as on one process; the teacher is the shipped SFT
+/// checkpoint on every rank.
+#[test]
+fn distill_on_two_ranks_is_one_process() {
+    if !mpi_available() {
+        return;
+    }
+    assert_two_ranks_match_one(
+        |b| format!("distill --max-steps 3 --batch-size {b} --beta 0.5 --seed 7"),
+        2,
+    );
+}
+
 /// Element counts of each tensor group in a checkpoint's optimizer file(s).
 fn elements(files: &[PathBuf]) -> usize {
     files

@@ -59,6 +59,16 @@ pub enum Command {
         #[command(flatten)]
         rloo: RlooArgs,
     },
+    /// On-policy distillation (TRL's DistillationTrainer): sample one completion per prompt from
+    /// the model, which learns the --teacher's next-token distributions on it (--beta 1: reverse
+    /// KL, 0: forward KL, between: generalized JSD). With no arguments: a randomly initialised
+    /// model learns the arithmetic task from the shipped SFT checkpoint as teacher.
+    Distill {
+        #[command(flatten)]
+        train: TrainArgs,
+        #[command(flatten)]
+        distill: DistillArgs,
+    },
     /// ORPO (TRL's ORPOTrainer): the chosen sequences' NLL plus β × an odds-ratio term on
     /// prompt/chosen/rejected rows, no reference model. With no arguments: the built-in arithmetic
     /// pairs, from the shipped SFT checkpoint of the task.
@@ -154,7 +164,9 @@ pub struct TrainArgs {
     #[arg(long, help_heading = "Model")]
     merge: bool,
     /// DPO β, above 0 [default: 0.1]; GRPO's KL weight β, at least 0 [default: 0, as in TRL];
-    /// RLOO's KL weight in the reward, at least 0 [default: 0.05, as in TRL].
+    /// RLOO's KL weight in the reward, at least 0 [default: 0.05, as in TRL]; distill's divergence,
+    /// in [0, 1]: 1 the reverse KL, 0 the forward KL, between the generalized JSD [default: 1, as
+    /// in TRL].
     #[arg(long, help_heading = "Objective", allow_negative_numbers = true)]
     beta: Option<f64>,
     /// DPO: add this weight times the chosen completions' mean token NLL to the loss (TRL's
@@ -348,6 +360,34 @@ fn kto_loss_type(s: &str) -> Result<KtoLossType, String> {
         .map_err(|_| "expected kto or apo_zero_unpaired".to_string())
 }
 
+/// The sampling flags of the jobs that sample completions from the model (grpo, rloo, distill).
+#[derive(clap::Args)]
+pub struct SamplingArgs {
+    /// Sampling temperature (above 0; distill's loss reads both distributions at it too)
+    /// [default: 1].
+    #[arg(long, allow_negative_numbers = true)]
+    temperature: Option<f64>,
+    /// Nucleus sampling: the smallest set of tokens with this much probability, in (0, 1]
+    /// [default: 1].
+    #[arg(long, allow_negative_numbers = true)]
+    top_p: Option<f64>,
+    /// Longest completion, below --max-length [default: grpo and rloo 256, distill 512, as TRL's;
+    /// built-in task: 5].
+    #[arg(long)]
+    max_new_tokens: Option<usize>,
+}
+
+impl SamplingArgs {
+    /// `d` with the flags given.
+    fn into_config(self, d: SamplingConfig) -> SamplingConfig {
+        SamplingConfig {
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            max_new_tokens: self.max_new_tokens.unwrap_or(d.max_new_tokens),
+        }
+    }
+}
+
 /// The flags of the jobs that sample completions and learn from their rewards (grpo, rloo).
 #[derive(clap::Args)]
 #[command(next_help_heading = "Objective")]
@@ -355,16 +395,8 @@ pub struct RolloutArgs {
     /// Completions sampled per prompt (at least 2) [default: grpo 8, rloo 2; built-in task: 8].
     #[arg(long)]
     group_size: Option<usize>,
-    /// Sampling temperature (above 0) [default: 1].
-    #[arg(long, allow_negative_numbers = true)]
-    temperature: Option<f64>,
-    /// Nucleus sampling: the smallest set of tokens with this much probability, in (0, 1]
-    /// [default: 1].
-    #[arg(long, allow_negative_numbers = true)]
-    top_p: Option<f64>,
-    /// Longest completion, below --max-length [default: 256; built-in task: 5].
-    #[arg(long)]
-    max_new_tokens: Option<usize>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Reward functions, summed: exact:COLUMN (completion equals the row's COLUMN) or format:REGEX
     /// (the whole completion matches). Repeat the flag for several.
     #[arg(long = "reward")]
@@ -390,11 +422,7 @@ impl RolloutArgs {
     fn into_config(self, d: GrpoConfig) -> GrpoConfig {
         GrpoConfig {
             group_size: self.group_size.unwrap_or(d.group_size),
-            sampling: SamplingConfig {
-                temperature: self.temperature.unwrap_or(d.sampling.temperature),
-                top_p: self.top_p.unwrap_or(d.sampling.top_p),
-                max_new_tokens: self.max_new_tokens.unwrap_or(d.sampling.max_new_tokens),
-            },
+            sampling: self.sampling.into_config(d.sampling),
             rewards: self.rewards,
             epsilon: self.epsilon.unwrap_or(d.epsilon),
             epsilon_high: self.epsilon_high.or(d.epsilon_high),
@@ -477,6 +505,30 @@ impl RlooArgs {
     pub fn into_config(self, builtin: bool) -> GrpoConfig {
         let d = GrpoConfig::rloo_defaults(builtin, self.normalize_advantages);
         self.rollouts.into_config(d)
+    }
+}
+
+/// Distillation's flags.
+#[derive(clap::Args)]
+#[command(next_help_heading = "Objective")]
+pub struct DistillArgs {
+    /// The teacher: a causal LM directory or hub id with the model's vocabulary (any hidden size
+    /// or family), run forward only [default on the built-in task: its shipped SFT checkpoint].
+    #[arg(long)]
+    teacher: Option<String>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+impl DistillArgs {
+    /// Distillation's settings: the flags given, the defaults (the built-in task's when `builtin`)
+    /// for the rest.
+    pub fn into_config(self, builtin: bool) -> GrpoConfig {
+        let d = GrpoConfig::distill_defaults(builtin, self.teacher);
+        GrpoConfig {
+            sampling: self.sampling.into_config(d.sampling),
+            ..d
+        }
     }
 }
 

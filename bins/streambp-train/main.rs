@@ -284,6 +284,18 @@ fn run() -> anyhow::Result<()> {
                 &run_grpo(&cfg, &g).map_err(located).context("rloo failed")?,
             );
         }
+        Command::Distill { train, distill } => {
+            let builtin = train.model.is_none() && train.data.is_none();
+            let cfg = train.into_config(Recipe::Distill).map_err(located)?;
+            let g = distill.into_config(builtin);
+            let _ranks = start(&cfg.device)?;
+            report(
+                "distill",
+                &run_grpo(&cfg, &g)
+                    .map_err(located)
+                    .context("distill failed")?,
+            );
+        }
         Command::Grad(args) => {
             if streambp_dist::launched_ranks().is_some_and(|n| n > 1) {
                 anyhow::bail!("grad runs in one process: start it without mpiexec");

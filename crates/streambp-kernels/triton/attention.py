@@ -25,7 +25,7 @@ precision, not TF32). `WIDEN` multiplies in f32 whatever the inputs: for Triton'
 bf16 `tl.dot` is wrong (triton issue 11584); bf16 products are exact in f32, so the sums match.
 
 Compiled ahead of time by `scripts/compile_triton.py`; tested under the interpreter against float64 by
-`test_attention.py` beside this file; launched from Rust by `src/ops/attention/cuda.rs`.
+`test_attention.py` beside this file; launched from Rust by `src/ops/attention/fused.rs`.
 """
 
 import triton

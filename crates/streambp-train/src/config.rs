@@ -133,7 +133,7 @@ pub struct TrainConfig {
     pub sp: usize,
 }
 
-/// Which policy-gradient loss a run on sampled completions trains with.
+/// Which loss a run on sampled completions trains with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Algorithm {
     /// GRPO: group-normalised advantages, `--loss-type` and its settings, the KL in the loss.
@@ -144,6 +144,10 @@ pub enum Algorithm {
         /// TRL's `normalize_advantages`.
         normalize_advantages: bool,
     },
+    /// On-policy distillation (TRL's `DistillationTrainer`): one completion per prompt from the
+    /// student, which learns the teacher's next-token distributions on it (`--beta` selects the
+    /// divergence).
+    Distill,
 }
 
 impl Algorithm {
@@ -152,17 +156,21 @@ impl Algorithm {
         match self {
             Algorithm::Grpo => Recipe::Grpo,
             Algorithm::Rloo { .. } => Recipe::Rloo,
+            Algorithm::Distill => Recipe::Distill,
         }
     }
 }
 
-/// The settings of the jobs that sample completions and learn from their rewards (`grpo`,
-/// `rloo`) beyond the shared ones.
+/// The settings of the jobs that sample completions from the policy and learn from them (`grpo`,
+/// `rloo` from their rewards, `distill` from a teacher) beyond the shared ones.
 #[derive(Debug, Clone)]
 pub struct GrpoConfig {
-    /// GRPO or RLOO.
+    /// GRPO, RLOO or distillation.
     pub algorithm: Algorithm,
-    /// Completions sampled per prompt (at least 2).
+    /// `distill`'s teacher (a model directory or hub id); on the built-in task, the shipped SFT
+    /// checkpoint where none is given.
+    pub teacher: Option<String>,
+    /// Completions sampled per prompt (at least 2; distillation's 1).
     pub group_size: usize,
     /// Temperature, top-p and the longest completion.
     pub sampling: SamplingConfig,
@@ -258,7 +266,7 @@ impl TrainConfig {
             eval_every: 0,
             resume: None,
             beta: match recipe.facts().beta {
-                Beta::Positive(b) | Beta::NonNegative(b) => b,
+                Beta::Positive(b) | Beta::NonNegative(b) | Beta::UnitInterval(b) => b,
                 // A job without β keeps DPO's, so that its configuration can be turned into a DPO
                 // run's by changing the fields DPO reads.
                 Beta::Unused => crate::recipes::DPO_BETA,
@@ -300,6 +308,7 @@ impl GrpoConfig {
     pub fn defaults(builtin: bool) -> Self {
         GrpoConfig {
             algorithm: Algorithm::Grpo,
+            teacher: None,
             group_size: 8,
             sampling: SamplingConfig {
                 temperature: 1.0,
@@ -332,6 +341,22 @@ impl GrpoConfig {
             },
             group_size: if builtin { 8 } else { 2 },
             ..Self::defaults(builtin)
+        }
+    }
+
+    /// Distillation's settings with nothing given (TRL's `DistillationConfig` defaults: one
+    /// completion per prompt of at most 512 tokens; the built-in task's, 5), from `teacher`.
+    pub fn distill_defaults(builtin: bool, teacher: Option<String>) -> Self {
+        let d = Self::defaults(builtin);
+        GrpoConfig {
+            algorithm: Algorithm::Distill,
+            teacher,
+            group_size: 1,
+            sampling: SamplingConfig {
+                max_new_tokens: if builtin { 5 } else { 512 },
+                ..d.sampling
+            },
+            ..d
         }
     }
 }
@@ -605,6 +630,12 @@ impl TrainConfig {
                 self.beta,
                 "must be a number above 0",
             )?,
+            Beta::UnitInterval(_) => require(
+                (0.0..=1.0).contains(&self.beta),
+                "--beta",
+                self.beta,
+                "must be in [0, 1] (0: forward KL, 1: reverse KL, between: generalized JSD)",
+            )?,
             Beta::NonNegative(_) | Beta::Unused => require(
                 non_negative(self.beta),
                 "--beta",
@@ -828,7 +859,7 @@ impl GrpoConfig {
     /// always zero) and parses the reward specs.
     pub fn validate(&self, train: &TrainConfig) -> Result<()> {
         require(
-            self.group_size >= 2,
+            self.group_size >= 2 || self.algorithm == Algorithm::Distill,
             "--group-size",
             self.group_size,
             "must be at least 2 (advantages compare completions within a group, as in TRL)",

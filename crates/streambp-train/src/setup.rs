@@ -265,6 +265,13 @@ impl Setup {
         }
     }
 
+    /// The built-in task's shipped SFT checkpoint, where the run uses the built-in task.
+    pub fn builtin_sft_model(&self) -> Option<PathBuf> {
+        self.builtin
+            .as_ref()
+            .map(|dir| dir.join(builtin::SFT_MODEL_DIR))
+    }
+
     /// The model the run started from, frozen: TRL's default reference. For LoRA the base with the
     /// adapters off (no second copy of the weights); otherwise a copy, since training updates the
     /// policy's weights in place (or, resumed, the starting model loaded again).

@@ -15,6 +15,13 @@ use crate::{Result, TrainError};
 /// with the same vocabulary size (any hidden size or family), in the student's dtype and on its
 /// device.
 pub fn load_teacher(spec: &str, student: &Model) -> Result<Model> {
+    if std::path::Path::new(spec).is_file() {
+        return Err(TrainError::flag(
+            "--teacher",
+            spec,
+            "a file; --teacher takes a model directory or a hub id",
+        ));
+    }
     let dir = resolve_model_dir(spec)?;
     let teacher = load_model(&dir, student.dtype(), student.device())?;
     if teacher.scores_positions() {

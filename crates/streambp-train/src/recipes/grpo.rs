@@ -1,17 +1,21 @@
-//! The GRPO and RLOO recipe (TRL's losses): per prompt, sample a group of completions with the
-//! KV-cache sampler, score them with the reward functions, turn the rewards into advantages, and take
-//! `num_iterations` optimizer steps on those rollouts (old log-probs fixed before the first one).
-//! GRPO normalises rewards within the group and adds its KL to the loss; RLOO takes the KL from the
-//! reward (scored when the rollouts are drawn), uses each completion's leave-one-out baseline, and
-//! clips one ratio per completion.
+//! The on-policy recipe of GRPO, RLOO and distillation (TRL's losses): per prompt, sample a group
+//! of completions with the KV-cache sampler, score them with the reward functions, turn the rewards
+//! into advantages, and take `num_iterations` optimizer steps on those rollouts (old log-probs fixed
+//! before the first one). GRPO normalises rewards within the group and adds its KL to the loss;
+//! RLOO takes the KL from the reward (scored when the rollouts are drawn), uses each completion's
+//! leave-one-out baseline, and clips one ratio per completion. Distillation samples one completion
+//! per prompt, scores nothing, and learns the teacher's next-token distributions on it.
 
 use std::time::Instant;
 
 use candle_core::Tensor;
 use serde_json::Value;
 use streambp_models::init::NormalRng;
+use streambp_models::Model;
 use streambp_objectives::rloo::{leave_one_out, less_kl, normalize_advantages};
-use streambp_objectives::{rollouts, Grpo, GrpoBatch, Objective, Rloo};
+use streambp_objectives::{
+    rollouts, Distill, DistillBatch, Grpo, GrpoBatch, Objective, Rloo, TeacherLogits,
+};
 
 use crate::batch::{collate, padded, Collated};
 use crate::checkpoint::{Digest, Fingerprint, RunRecord};
@@ -27,6 +31,7 @@ use crate::rewards::{
 };
 use crate::sampling::sample_groups;
 use crate::setup::Setup;
+use crate::teacher::{load_teacher, teacher_logits};
 use crate::token_store::{RecordStore, RecordWriter};
 use crate::tokenizer::Keep;
 use crate::trainer::{Summary, Trainer, TrainingData};
@@ -81,14 +86,14 @@ impl MicroBatch {
     }
 
     /// The micro-batch's objective (GRPO's with the reference's log-probs `ref_logps` where
-    /// `--beta` is not 0; RLOO's took its KL into the advantages) and the weight of its loss, from
-    /// the step's weight and `num_items_in_batch`.
+    /// `--beta` is not 0; RLOO's took its KL into the advantages; distillation's against the
+    /// `teacher`'s logits) and the weight of its loss, from the step's weight and
+    /// `num_items_in_batch`.
     fn objective(
         &self,
         setup: &Setup,
-        cfg: &TrainConfig,
-        g: &GrpoConfig,
-        ref_logps: Option<&[Vec<f64>]>,
+        (cfg, g): (&TrainConfig, &GrpoConfig),
+        (ref_logps, teacher): (Option<&[Vec<f64>]>, Option<TeacherLogits>),
         (weight, num_items, bonus_share): LossScale,
     ) -> Result<(Box<dyn Objective>, f64)> {
         // A micro-batch whose every completion was masked out (truncated) adds nothing; it
@@ -110,6 +115,24 @@ impl MicroBatch {
             ref_logps,
         };
         let (vocab_size, device) = (setup.model.config.vocab_size, &setup.device);
+        if let Some(teacher) = teacher {
+            let batch = DistillBatch {
+                input_ids: &self.rows.input_ids,
+                completion_mask,
+                beta: cfg.beta,
+                temperature: g.sampling.temperature,
+            };
+            let distill = Distill::new(&batch, teacher, vocab_size, device)?;
+            // TRL's loss: the divergences summed over the step's completion tokens (every
+            // micro-batch, every rank) over their number; the objective gives this micro-batch's
+            // mean.
+            let tokens = completion_mask.iter().flatten().sum::<i64>() as f64;
+            let weight = match num_items {
+                Some(n) => weight * tokens / n.max(1.0),
+                None => weight,
+            };
+            return Ok((Box::new(distill), weight));
+        }
         let epsilons = (g.epsilon, g.epsilon_high.unwrap_or(g.epsilon));
         if let Algorithm::Rloo { .. } = g.algorithm {
             let temperature = g.sampling.temperature;
@@ -495,18 +518,21 @@ fn draw_rollouts(
         Algorithm::Rloo {
             normalize_advantages,
         } => rloo_advantages(trainer, cfg.beta, normalize_advantages, &mut batch)?,
+        Algorithm::Distill => {}
     }
-    let completions = (picked.len() * g.group_size) as f64;
-    for (r, total) in rewards.iter().zip(&totals) {
-        trainer.add_metric(r.name(), total / completions);
+    if !rewards.is_empty() {
+        let completions = (picked.len() * g.group_size) as f64;
+        for (r, total) in rewards.iter().zip(&totals) {
+            trainer.add_metric(r.name(), total / completions);
+        }
+        let all: Vec<f64> = batch.iter().flat_map(|r| r.rewards.clone()).collect();
+        trainer.add_metric("reward", all.iter().sum::<f64>() / all.len() as f64);
+        let flat = batch.iter().filter(|r| group_without_signal(&r.rewards));
+        trainer.add_metric(
+            "frac_reward_zero_std",
+            flat.count() as f64 / batch.len().max(1) as f64,
+        );
     }
-    let all: Vec<f64> = batch.iter().flat_map(|r| r.rewards.clone()).collect();
-    trainer.add_metric("reward", all.iter().sum::<f64>() / all.len() as f64);
-    let flat = batch.iter().filter(|r| group_without_signal(&r.rewards));
-    trainer.add_metric(
-        "frac_reward_zero_std",
-        flat.count() as f64 / batch.len().max(1) as f64,
-    );
     let lengths: Vec<usize> = batch.iter().flat_map(|r| r.lengths.clone()).collect();
     trainer.add_metric(
         "completion_length",
@@ -582,6 +608,9 @@ fn rloo_advantages(
 /// The `--reward` specs of the run: its own, or on the built-in task the exact match of its answers;
 /// an error when a run on its own data names none.
 fn reward_specs(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Vec<String>> {
+    if g.algorithm == Algorithm::Distill {
+        return Ok(Vec::new());
+    }
     let builtin = cfg.data.is_none();
     Ok(match (g.rewards.is_empty(), builtin) {
         (false, _) => g.rewards.clone(),
@@ -640,8 +669,9 @@ fn fresh_rollouts(
 type LossScale = (f64, Option<f64>, f64);
 
 /// The [`LossScale`] of each of the step's `micro_batches`: weight 1 and `num_items_in_batch` the
-/// completion tokens of every rank's `pending` rollouts for GRPO's dapo, cispo and vespo; for the
-/// other loss types and RLOO, one over every rank's micro-batches and no `num_items_in_batch`.
+/// completion tokens of every rank's `pending` rollouts for GRPO's dapo, cispo and vespo and for
+/// distillation; for the other loss types and RLOO, one over every rank's micro-batches and no
+/// `num_items_in_batch`.
 fn loss_scale(
     setup: &Setup,
     g: &GrpoConfig,
@@ -649,7 +679,11 @@ fn loss_scale(
     micro_batches: usize,
 ) -> Result<LossScale> {
     // RLOO's loss is a mean over each micro-batch's completions, as GRPO's per-completion types.
-    let global = g.algorithm == Algorithm::Grpo && g.loss_type.global_normaliser();
+    let global = match g.algorithm {
+        Algorithm::Grpo => g.loss_type.global_normaliser(),
+        Algorithm::Rloo { .. } => false,
+        Algorithm::Distill => true,
+    };
     let mean = 1.0 / (micro_batches * setup.data.world_size()) as f64;
     Ok(match global {
         true => (1.0, Some(global_tokens(setup, pending)?), mean),
@@ -658,14 +692,14 @@ fn loss_scale(
 }
 
 /// Runs the step's backwards on its `pending` rollouts (this rank's first group at place
-/// `first_group` of the step), scoring each micro-batch with the reference where there is one, and
-/// adds the time the reference and the backwards took to the step's metrics.
+/// `first_group` of the step), scoring each micro-batch with the reference, or the teacher, where
+/// there is one, and adds the time they and the backwards took to the step's metrics.
 fn train_on_rollouts(
     trainer: &mut Trainer,
     g: &GrpoConfig,
-    pending: &[Group],
-    first_group: usize,
+    (pending, first_group): (&[Group], usize),
     mut reference_scores: Option<&mut Scorer>,
+    teacher: Option<&Model>,
 ) -> Result<()> {
     let (setup, cfg) = (trainer.setup(), trainer.config());
     let (mut scoring, mut backward) = (0.0, 0.0);
@@ -692,9 +726,17 @@ fn train_on_rollouts(
             )?),
             None => None,
         };
+        let teacher = match teacher {
+            Some(model) => {
+                let chunks = cfg.chunks_for(model, &t.input_ids)?;
+                Some(teacher_logits(model, t.batch(), chunks)?)
+            }
+            None => None,
+        };
         scoring += start.elapsed().as_secs_f64();
         let start = Instant::now();
-        let (objective, weight) = m.objective(setup, cfg, g, ref_logps.as_deref(), scale)?;
+        let scores = (ref_logps.as_deref(), teacher);
+        let (objective, weight) = m.objective(setup, (cfg, g), scores, scale)?;
         // Dropout masks by each row's place in the step, whatever the ranks and micro-batches.
         let place = (0, first_row);
         first_row += m.advantages.len();
@@ -780,9 +822,14 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     }
     let data = setup.data_source(cfg, "train.jsonl")?;
     let prompts = load_prompts(&data, &setup, cfg, g, &rewards)?;
-    let reference = (cfg.beta != 0.0)
+    // Distillation's β selects its divergence; the others' weighs a KL to the reference.
+    let reference = (cfg.beta != 0.0 && g.algorithm != Algorithm::Distill)
         .then(|| setup.initial_reference(cfg))
         .transpose()?;
+    let teacher = match g.algorithm {
+        Algorithm::Distill => Some(distillation_teacher(&setup, g)?),
+        Algorithm::Grpo | Algorithm::Rloo { .. } => None,
+    };
     let job = recipe.name();
     tracing::info!(prompts = prompts.len(), group = g.group_size, rewards = ?reward_specs, "{job}");
     let training = TrainingData {
@@ -811,14 +858,15 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         // GRPO scores the reference with each micro-batch; RLOO when it draws the rollouts.
         let reference = reference_scores.as_mut().map(|s| s as &mut Scorer);
         let (at_draw, in_loss) = match g.algorithm {
-            Algorithm::Grpo => (None, reference),
+            Algorithm::Grpo | Algorithm::Distill => (None, reference),
             Algorithm::Rloo { .. } => (reference, None),
         };
         if fresh {
             let job = (g, &prompts, rewards.as_slice());
             (pending, first_group) = fresh_rollouts(&mut trainer, job, step, at_draw)?;
         }
-        train_on_rollouts(&mut trainer, g, &pending, first_group, in_loss)?;
+        let rollouts = (pending.as_slice(), first_group);
+        train_on_rollouts(&mut trainer, g, rollouts, in_loss, teacher.as_ref())?;
         let metrics = trainer.finish_step()?;
         if fresh {
             history.note(&metrics);
@@ -828,13 +876,41 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     history.warn_if_no_signal(&reward_specs);
     let (first_reward, last_reward) = history.first_and_last();
     let mut before = before;
-    before.push(("reward".into(), first_reward));
+    let rewarded = !reward_specs.is_empty();
+    if rewarded {
+        before.push(("reward".into(), first_reward));
+    }
     // The training reward joins the summary, not the held-out metrics logged at the end.
     let mut summary = trainer.finish(before, || eval_accuracy(&setup, &eval))?;
-    if trainer.is_main() {
+    if trainer.is_main() && rewarded {
         summary.after.push(("reward".into(), last_reward));
     }
     Ok(summary)
+}
+
+/// Distillation's teacher: `--teacher`, or on the built-in task the shipped SFT checkpoint; refused
+/// with sequences split over ranks (the teacher's logits are of whole rows).
+fn distillation_teacher(setup: &Setup, g: &GrpoConfig) -> Result<Model> {
+    if setup.sequence.is_some() {
+        return Err(TrainError::flag(
+            "--sp",
+            "",
+            "distill needs whole sequences on each rank (the teacher's logits are of whole rows)",
+        ));
+    }
+    let spec = match (&g.teacher, setup.builtin_sft_model()) {
+        (Some(spec), _) => spec.clone(),
+        (None, Some(dir)) => dir.display().to_string(),
+        (None, None) => {
+            return Err(TrainError::flag(
+                "--teacher",
+                "(none)",
+                "distill needs a teacher: a causal LM directory or hub id with the model's \
+                 vocabulary",
+            ))
+        }
+    };
+    load_teacher(&spec, &setup.model)
 }
 
 impl GrpoConfig {
@@ -873,6 +949,7 @@ impl GrpoConfig {
                 self.mask_truncated_completions.into(),
             ),
             ("--reward", rewards.into()),
+            ("--teacher", self.teacher.clone().into()),
         ] {
             run.insert(flag.into(), value);
         }

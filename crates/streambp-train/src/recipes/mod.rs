@@ -35,6 +35,8 @@ pub enum Recipe {
     Reward,
     /// REINFORCE leave-one-out on sampled completions (`grpo.rs`, with GRPO).
     Rloo,
+    /// On-policy distillation from a teacher on the student's sampled completions (`grpo.rs`).
+    Distill,
 }
 
 /// What `--beta` is to a job.
@@ -46,6 +48,8 @@ pub enum Beta {
     Positive(f64),
     /// A weight that may be 0 (GRPO's KL term), with its default.
     NonNegative(f64),
+    /// A mixing weight in [0, 1] (distillation's divergence), with its default.
+    UnitInterval(f64),
 }
 
 /// One job's row of the table.
@@ -89,7 +93,7 @@ pub const JOB_FLAGS: &[&str] = &[
 ];
 
 /// Every job's row, in [`Recipe`]'s order.
-static RECIPES: [RecipeFacts; 8] = [
+static RECIPES: [RecipeFacts; 9] = [
     RecipeFacts {
         recipe: Recipe::Sft,
         name: "sft",
@@ -244,7 +248,27 @@ static RECIPES: [RecipeFacts; 8] = [
             run.insert("--beta".into(), cfg.beta.into());
         },
     },
+    RecipeFacts {
+        recipe: Recipe::Distill,
+        name: "distill",
+        flags: &["--beta"],
+        // TRL's DistillationConfig: the reverse KL.
+        beta: Beta::UnitInterval(1.0),
+        // A randomly initialised student learns the shipped SFT checkpoint's answers from its
+        // distributions on the student's own completions: SFT's run, longer.
+        builtin: |task| TrainConfig {
+            max_steps: Some(DISTILL_BUILTIN_STEPS),
+            ..(RECIPES[Recipe::Sft as usize].builtin)(task)
+        },
+        // The teacher and sampling settings are recorded by its loop.
+        record: |cfg, run| {
+            run.insert("--beta".into(), cfg.beta.into());
+        },
+    },
 ];
+
+/// Steps of the built-in distillation run.
+const DISTILL_BUILTIN_STEPS: usize = 1000;
 
 /// The built-in task's run of the other preference jobs: DPO's, from the shipped SFT checkpoint on
 /// the same pairs (KTO's unpaired).
@@ -260,7 +284,7 @@ fn preference_builtin(task: TrainConfig) -> TrainConfig {
 
 impl Recipe {
     /// Every job, in the table's order.
-    pub const ALL: [Recipe; 8] = [
+    pub const ALL: [Recipe; 9] = [
         Recipe::Sft,
         Recipe::Dpo,
         Recipe::Grpo,
@@ -269,6 +293,7 @@ impl Recipe {
         Recipe::Kto,
         Recipe::Reward,
         Recipe::Rloo,
+        Recipe::Distill,
     ];
 
     /// This job's row of the table.
@@ -276,7 +301,8 @@ impl Recipe {
         &RECIPES[self as usize]
     }
 
-    /// The subcommand's name: `sft`, `dpo`, `grpo`, `orpo`, `cpo`, `kto`, `reward` or `rloo`.
+    /// The subcommand's name: `sft`, `dpo`, `grpo`, `orpo`, `cpo`, `kto`, `reward`, `rloo` or
+    /// `distill`.
     pub fn name(self) -> &'static str {
         self.facts().name
     }
@@ -332,7 +358,7 @@ mod tests {
         let message = refused.unwrap_err().to_string();
         assert_eq!(
             message,
-            "--beta: applies to dpo, grpo, orpo, cpo, kto and rloo only, not sft"
+            "--beta: applies to dpo, grpo, orpo, cpo, kto, rloo and distill only, not sft"
         );
         assert!(Recipe::Grpo.check_job_flags(&["--beta"]).is_ok());
     }

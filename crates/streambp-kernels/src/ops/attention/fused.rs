@@ -2,9 +2,11 @@
 //! cubins by `scripts/compile_triton.py`), launched on candle's stream so they are ordered with its
 //! own kernels. The forward leaves each row's log-sum-exp; the backward recomputes every score block
 //! from it in on-chip memory, so no `heads × rows × keys` tensor exists at any point. Where the
-//! kernels do not apply (another architecture, dtype or head dim, a mask not of the chunk's form,
-//! views the compiled kernels were not specialised for), [`Fused::new`] answers `None` and the op
-//! takes the composed path, with one warning per reason.
+//! kernels do not apply (another architecture, dtype or head dim, a card with less shared memory than
+//! a kernel needs, a mask not of the chunk's form, views the compiled kernels were not specialised
+//! for, more batch rows × heads than a grid holds), [`Fused::new`] answers `None` and the op takes the
+//! composed path, with one warning per reason. A row that reads no key (only left padding gives one)
+//! gets output 0, where the composed path averages every value; the loss never reads such rows.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,14 +15,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::{DType, Device, Storage, Tensor};
-use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute_enum};
 use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::cuda_table::{
     arch_for, check, delta_args, find, forward_args, keys_args, queries_args, Args, Chunk,
     Compiled, Grads, KeySegment, Reads, Row, Value, View,
 };
-use super::{Blocks, EarlierKeys, MaskStructure};
+use super::{Blocks, EarlierKeys};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -32,10 +34,14 @@ pub(super) struct Fused {
     keys: &'static Compiled,
     device: CudaDevice,
     chunk: Chunk,
-    mask: MaskStructure,
+    /// The mask's per-token tables (document starts as i64, key validity as u8) on the card.
+    tables: [Option<Tensor>; 2],
     /// Whether q and the output are in the layer's layout (`[b, heads, c, hd]` and `[b, c, heads·hd]`).
     over_heads: bool,
 }
+
+/// The most blocks a grid's second dimension holds (CUDA's limit).
+const GRID_Y: usize = 65_535;
 
 /// Kernel launches so far in this process (for tests that the fused path ran).
 static LAUNCHES: AtomicUsize = AtomicUsize::new(0);
@@ -71,14 +77,13 @@ impl Fused {
     /// (`[b, kv_heads, n, hd]`), or `None` where they do not apply (logged once).
     pub(super) fn new(
         blocks: &Blocks,
-        q: &Tensor,
-        k: &Tensor,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
         over_heads: bool,
     ) -> CResult<Option<Self>> {
         let Device::Cuda(device) = q.device() else {
             return Ok(None);
         };
-        let (_, kv_heads, own, hd) = k.dims4()?;
+        let (b, kv_heads, own, hd) = k.dims4()?;
         let heads = kv_heads * blocks.group;
         let rows = match over_heads {
             true => q.dim(2)?,
@@ -116,6 +121,26 @@ impl Fused {
         ) else {
             return Ok(composed_because(format!("no kernels for head dim {hd}")));
         };
+        let context = device.cuda_stream().context().clone();
+        let opt_in = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+        let shared = context
+            .attribute(opt_in)
+            .map_err(candle_core::Error::wrap)?;
+        let most = [forward, delta, queries, keys]
+            .map(|k| k.shared)
+            .into_iter()
+            .max();
+        if most.is_some_and(|m| m as i64 > shared as i64) {
+            return Ok(composed_because(format!(
+                "{dtype} head dim {hd} needs {} B of shared memory per block, this card has {shared}",
+                most.unwrap_or(0)
+            )));
+        }
+        if b * heads > GRID_Y {
+            return Ok(composed_because(format!(
+                "{b} rows × {heads} heads: more than a grid's {GRID_Y} blocks"
+            )));
+        }
         let Some(mask) = blocks.mask.structure() else {
             return Ok(composed_because("a mask not of a chunk's form".into()));
         };
@@ -131,16 +156,38 @@ impl Fused {
             window: mask.window.unwrap_or(0),
             scale: blocks.scale as f32,
         };
-        Ok(Some(Self {
+        let on_card = |t: &Option<Tensor>, dtype: DType| -> CResult<Option<Tensor>> {
+            t.as_ref()
+                .map(|t| t.to_dtype(dtype)?.to_device(q.device())?.contiguous())
+                .transpose()
+        };
+        let tables = [
+            on_card(&mask.doc_start, DType::I64)?,
+            on_card(&mask.key_valid, DType::U8)?,
+        ];
+        let fused = Self {
             forward,
             delta,
             queries,
             keys,
             device: device.clone(),
             chunk,
-            mask,
+            tables,
             over_heads,
-        }))
+        };
+        // The inputs as the kernels would read them: laid out and aligned as they were compiled for.
+        let fits = fused
+            .reads(q, k, v, blocks.earlier.as_ref())
+            .map(|r| check(forward, &forward_args(&r, r.q, r.q.ptr, &fused.chunk)));
+        match fits {
+            Ok(Ok(())) => Ok(Some(fused)),
+            Ok(Err(why)) => Ok(composed_because(format!(
+                "inputs the kernels do not take ({why})"
+            ))),
+            Err(why) => Ok(composed_because(format!(
+                "inputs the kernels do not take ({why})"
+            ))),
+        }
     }
 
     /// The output (shaped as the op's: `[b, c, heads·hd]` over heads, else like q) and each row's
@@ -154,14 +201,12 @@ impl Fused {
     ) -> CResult<(Tensor, Tensor)> {
         let c = &self.chunk;
         let b = k.dim(0)?;
-        let out = Tensor::zeros(q.shape(), q.dtype(), q.device())?;
         let out = match self.over_heads {
             true => Tensor::zeros((b, c.rows, c.heads * k.dim(3)?), q.dtype(), q.device())?,
-            false => out,
+            false => Tensor::zeros(q.shape(), q.dtype(), q.device())?,
         };
         let lse = Tensor::zeros((b, c.heads, c.rows), DType::F32, q.device())?;
-        let tables = self.tables()?;
-        let reads = self.reads(q, k, v, earlier, &tables)?;
+        let reads = self.reads(q, k, v, earlier)?;
         let args = forward_args(&reads, self.rows_view(&out)?, address(&lse)?, c);
         self.launch(self.forward, self.row_grid(self.forward, b), &args)?;
         Ok((out, lse))
@@ -177,8 +222,11 @@ impl Fused {
     ) -> CResult<(Tensor, Tensor, Tensor)> {
         let c = &self.chunk;
         let b = k.dim(0)?;
-        let grad = match grad.stride().last() {
-            Some(1) => grad.clone(),
+        // The gradient as it comes where the kernels read it so (the layer's is), else a copy.
+        let grad = match self.rows_view(grad) {
+            Ok(view) if view.strides.iter().all(|s| s % 16 == 0) && view.ptr % 16 == 0 => {
+                grad.clone()
+            }
             _ => grad.contiguous()?,
         };
         let delta = Tensor::zeros((b, c.heads, c.rows), DType::F32, q.device())?;
@@ -190,8 +238,7 @@ impl Fused {
             lse: address(lse)?,
             delta: address(&delta)?,
         };
-        let tables = self.tables()?;
-        let reads = self.reads(q, k, v, earlier, &tables)?;
+        let reads = self.reads(q, k, v, earlier)?;
         let dq = Tensor::zeros(q.shape(), q.dtype(), q.device())?;
         let args = queries_args(&reads, &grads, self.rows_view(&dq)?, c);
         self.launch(self.queries, self.row_grid(self.queries, b), &args)?;
@@ -230,23 +277,6 @@ impl Fused {
         Ok((dq, dk, dv))
     }
 
-    /// The per-token tables on the card, kept alive while the kernels read them.
-    fn tables(&self) -> CResult<[Option<Tensor>; 2]> {
-        let on_card = |t: &Option<Tensor>, dtype: DType| -> CResult<Option<Tensor>> {
-            t.as_ref()
-                .map(|t| {
-                    t.to_dtype(dtype)?
-                        .to_device(&Device::Cuda(self.device.clone()))?
-                        .contiguous()
-                })
-                .transpose()
-        };
-        Ok([
-            on_card(&self.mask.doc_start, DType::I64)?,
-            on_card(&self.mask.key_valid, DType::U8)?,
-        ])
-    }
-
     /// The tensors the forward and the queries' backward read.
     fn reads(
         &self,
@@ -254,8 +284,8 @@ impl Fused {
         k: &Tensor,
         v: &Tensor,
         earlier: Option<&EarlierKeys>,
-        [doc, valid]: &[Option<Tensor>; 2],
     ) -> CResult<Reads> {
+        let [doc, valid] = &self.tables;
         let (k2, v2) = (keys_view(k)?, keys_view(v)?);
         let (k1, v1) = match earlier {
             Some(e) => (keys_view(&e.keys)?, keys_view(&e.values)?),

@@ -214,7 +214,7 @@ impl Attention {
         }
         let multiply = match Backend::of(q) {
             Backend::Cpu => b.kernel_multiply(q, k, v)?,
-            // A card's kernel goes here, as in [`record`].
+            // The card's fused kernels ran from `bwd` where the forward was theirs; else composed.
             Backend::Cuda | Backend::Composed => None,
         };
         match multiply {
@@ -335,32 +335,29 @@ pub(super) fn record(
     over_heads: bool,
 ) -> CResult<Tensor> {
     let (heads, kv_heads) = (q.dim(1)?, k.dim(1)?);
-    let inner_q = match over_heads {
-        true => HeadsLayout::inner_q(&q.detach(), kv_heads)?,
-        false => q.detach(),
-    };
     let (k0, v0) = (k.detach(), v.detach());
     #[cfg(feature = "cuda")]
     if Backend::of(q) == Backend::Cuda {
         let q0 = q.detach();
-        if let Some(fused) = super::fused::Fused::new(&blocks, &q0, &k0, over_heads)? {
+        if let Some(fused) = super::fused::Fused::new(&blocks, (&q0, &k0, &v0), over_heads)? {
             let (out, lse) = fused.forward(&q0, &k0, &v0, blocks.earlier.as_ref())?;
             let saved = Saved {
                 stats: Stats::Fused(std::sync::Arc::new(fused), lse),
                 inner_out: None,
             };
             let forward = Forward::Composed(Precomputed::new(out));
-            return q.apply_op3(
-                k,
-                v,
-                Attention::new(blocks, forward, over_heads, Some(saved)),
-            );
+            let op = Attention::new(blocks, forward, over_heads, Some(saved));
+            return q.apply_op3(k, v, op);
         }
     }
+    let inner_q = match over_heads {
+        true => HeadsLayout::inner_q(&q.detach(), kv_heads)?,
+        false => q.detach(),
+    };
     let as_they_are = q.is_contiguous() && rows_are_contiguous(k) && rows_are_contiguous(v);
     let multiply = match Backend::of(q) {
         Backend::Cpu if as_they_are => blocks.kernel_multiply(&inner_q, &k0, &v0)?,
-        // A card's kernel goes here (docs/architecture.md, "A kernel for an op on a backend").
+        // The card's fused kernels took it above where they apply.
         Backend::Cpu | Backend::Cuda | Backend::Composed => None,
     };
     let op = match multiply {
