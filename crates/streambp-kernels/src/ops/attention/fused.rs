@@ -178,12 +178,13 @@ impl Fused {
         // The inputs as the kernels would read them: laid out and aligned as they were compiled for.
         let fits = fused
             .reads(q, k, v, blocks.earlier.as_ref())
-            .map(|r| check(forward, &forward_args(&r, r.q, r.q.ptr, &fused.chunk)));
+            .map_err(|e| e.to_string())
+            .and_then(|r| {
+                let args = forward_args(&r, r.q, r.q.ptr, &fused.chunk);
+                check(forward, &args).map_err(|e| e.to_string())
+            });
         match fits {
-            Ok(Ok(())) => Ok(Some(fused)),
-            Ok(Err(why)) => Ok(composed_because(format!(
-                "inputs the kernels do not take ({why})"
-            ))),
+            Ok(()) => Ok(Some(fused)),
             Err(why) => Ok(composed_because(format!(
                 "inputs the kernels do not take ({why})"
             ))),
@@ -222,15 +223,25 @@ impl Fused {
     ) -> CResult<(Tensor, Tensor, Tensor)> {
         let c = &self.chunk;
         let b = k.dim(0)?;
-        // The gradient as it comes where the kernels read it so (the layer's is), else a copy.
-        let grad = match self.rows_view(grad) {
-            Ok(view) if view.strides.iter().all(|s| s % 16 == 0) && view.ptr % 16 == 0 => {
-                grad.clone()
-            }
-            _ => grad.contiguous()?,
-        };
         let delta = Tensor::zeros((b, c.heads, c.rows), DType::F32, q.device())?;
-        let (o_view, do_view) = (self.rows_view(out)?, self.rows_view(&grad)?);
+        let o_view = self.rows_view(out)?;
+        // The gradient as it comes where the kernels take it so (the layer's is), else a copy.
+        let takes = |g: &Tensor| -> CResult<Option<View>> {
+            let Ok(view) = self.rows_view(g) else {
+                return Ok(None);
+            };
+            let args = delta_args(o_view, view, address(&delta)?, c);
+            Ok(check(self.delta, &args).is_ok().then_some(view))
+        };
+        // (The copy must live while the kernels that read it are queued.)
+        let (_grad_read, do_view) = match takes(grad)? {
+            Some(view) => (grad.clone(), view),
+            None => {
+                let copy = grad.contiguous()?;
+                let view = self.rows_view(&copy)?;
+                (copy, view)
+            }
+        };
         let args = delta_args(o_view, do_view, address(&delta)?, c);
         self.launch(self.delta, self.row_grid(self.delta, b), &args)?;
         let grads = Grads {
