@@ -6,7 +6,7 @@
 #   CARGO_TARGET_DIR=target-cuda cargo build --release -p streambp-bench -p streambp-train \
 #       --features streambp-bench/cuda,streambp-train/cuda
 #   CARGO_TARGET_DIR=target-cuda cargo test --release -p streambp-core --features cuda --test cuda_parity --no-run
-#   CARGO_TARGET_DIR=target-cuda cargo test --release -p streambp-kernels --features cuda --test cuda_attention --no-run
+#   CARGO_TARGET_DIR=target-cuda cargo test --release -p streambp-kernels --features cuda --test cuda_attention --test cuda_elementwise --no-run
 #   CARGO_TARGET_DIR=target-cuda cargo build --release -p streambp-kernels --features cuda --example attention_card
 #   scripts/gpu_sweep.sh pack        # -> gpu/*.xz (ignored by git), plus the transformers peer script
 #
@@ -34,7 +34,7 @@ unpack() {
     done
     # Each binary only where it was carried (the working tree that travels is limited in size).
     for f in gpu/streambp-bench gpu/streambp-bench-pageable gpu/streambp-train gpu/cuda_parity \
-        gpu/cuda_attention gpu/attention_card; do
+        gpu/cuda_attention gpu/cuda_elementwise gpu/attention_card; do
         [ ! -e "$f" ] || chmod +x "$f"
     done
     mkdir -p "$out"
@@ -118,8 +118,10 @@ pack)
     xz -T2 -6 -c target-cuda/release/streambp-train > gpu/streambp-train.xz
     test_bin=$(ls -t target-cuda/release/deps/cuda_parity-* | grep -v '\.d$' | head -1)
     xz -T2 -6 -c "$test_bin" > gpu/cuda_parity.xz
-    test_bin=$(ls -t target-cuda/release/deps/cuda_attention-* | grep -v '\.d$' | head -1)
-    xz -T2 -6 -c "$test_bin" > gpu/cuda_attention.xz
+    for test in cuda_attention cuda_elementwise; do
+        test_bin=$(ls -t target-cuda/release/deps/$test-* | grep -v '\.d$' | head -1)
+        xz -T2 -6 -c "$test_bin" > gpu/$test.xz
+    done
     xz -T2 -6 -c target-cuda/release/examples/attention_card > gpu/attention_card.xz
     cp ../shared/cuda/peer_transformers.py gpu/
     du -sh gpu
@@ -226,14 +228,16 @@ profile)
         --format csv --output - /tmp/streambp-profile.nsys-rep 2>/dev/null | head -120 >> "$out/profile.txt" || true
     ;;
 attention)
-    # Issue 59 in one device call (under 10 minutes; results.tgz in $OUT): the fused kernels against
-    # the CPU and the composed ops (cuda_attention), the whole model's parity with them in force
+    # Issues 59 and 60 in one device call (under 10 minutes; results.tgz in $OUT): the fused kernels
+    # against the CPU and the composed ops (cuda_attention; RMSNorm and the gated activations:
+    # cuda_elementwise), the whole model's parity with them in force
     # (cuda_parity), one chunk's attention timed beside PyTorch's SDPA on the same shapes, and one
     # Qwen3-8B layer's step at 4K and 16K with --op-times (stream and checkpoint).
     unpack
     start_session
     trap bundle EXIT
     timeout "$(limit 120)" gpu/cuda_attention --nocapture > "$out/cuda_attention.txt" 2>&1 || true
+    timeout "$(limit 60)" gpu/cuda_elementwise --nocapture > "$out/cuda_elementwise.txt" 2>&1 || true
     STREAMBP_FIXTURES=tests/fixtures timeout "$(limit 150)" gpu/cuda_parity --nocapture \
         > "$out/cuda_parity.txt" 2>&1 || true
     timeout "$(limit 90)" gpu/attention_card > "$out/attention_card.jsonl" 2> "$out/attention_card.err" || true

@@ -19,6 +19,9 @@
 //!   of a few rows ([`host::skinny`]), transposed operands copied into rows ([`host::transpose`])
 //!   and bf16 operands ([`host::half_product`], on the widened, dot-product or AMX kernel). Public
 //!   for this crate's tests, examples and the kernels' benchmarks, not for the other crates.
+//! - `triton`: the card's Triton kernels as their launchers see them (the compiled tables each op
+//!   keeps in its `compiled.rs`, the argument checks) and, under the `cuda` feature, their launch on
+//!   candle's stream.
 //! - [`op_times`]: where a step's time goes, op part by op part; [`precomputed`]: a composed
 //!   forward handed to the op that records its written backward.
 //!
@@ -35,5 +38,9 @@ pub mod ops;
 pub mod precomputed;
 #[cfg(test)]
 mod testing;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod triton;
 
 pub use backend::Backend;
+#[cfg(feature = "cuda")]
+pub use triton::launch::launches as card_launches;

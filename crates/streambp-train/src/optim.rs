@@ -2,6 +2,7 @@
 //! gradient clipping, and the warmup + cosine/linear learning-rate schedules of transformers.
 
 use candle_core::{DType, Tensor, Var};
+use streambp_kernels::ops::adamw::{update_in_place, AdamWStep};
 use streambp_kernels::ops::cast::cast;
 use streambp_kernels::ops::grad_norm;
 
@@ -92,6 +93,22 @@ impl AdamWConfig {
         Ok((p - (update * lr)?)?)
     }
 
+    /// The constants of one update at rate `lr` with bias corrections `bc`, with or without decay,
+    /// as the kernels that update in place take them.
+    fn step_constants(&self, lr: f64, bc: (f64, f64), decay: bool) -> AdamWStep {
+        AdamWStep {
+            lr,
+            decay: match decay && self.weight_decay != 0.0 {
+                true => 1.0 - lr * self.weight_decay,
+                false => 1.0,
+            },
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            bias_corrections: bc,
+        }
+    }
+
     /// The bias corrections of update number `step` (from 1).
     pub fn bias_corrections(&self, step: usize) -> (f64, f64) {
         (
@@ -161,6 +178,12 @@ impl AdamW {
                     "gradient {name} where {} was expected",
                     slot.name
                 )));
+            }
+            // One pass in place where the device has a kernel for it (the card); else composed.
+            let constants = c.step_constants(lr, (bc1, bc2), slot.decay);
+            let p = slot.var.as_tensor();
+            if update_in_place(p, g, (&slot.m, &slot.v), &constants)? {
+                continue;
             }
             let sd = slot.m.dtype();
             // (`cast`: between bf16 and f32 on the host over rayon's threads; candle's `to_dtype`

@@ -4,9 +4,10 @@
 //! backend").
 
 pub mod accumulate;
+pub mod adamw;
 pub mod attention;
 pub mod cast;
-mod gated;
+pub(crate) mod gated;
 pub mod geglu;
 pub mod grad_norm;
 pub mod head_softmax;

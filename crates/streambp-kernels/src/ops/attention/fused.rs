@@ -8,21 +8,18 @@
 //! composed path, with one warning per reason. A row that reads no key (only left padding gives one)
 //! gets output 0, where the composed path averages every value; the loss never reads such rows.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
-use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::{CudaDevice, CudaStorage};
-use candle_core::{DType, Device, Storage, Tensor};
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute_enum};
-use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{DType, Device, Tensor};
 
 use super::cuda_table::{
-    arch_for, check, delta_args, find, forward_args, keys_args, queries_args, Args, Chunk,
-    Compiled, Grads, KeySegment, Reads, Row, Value, View,
+    delta_args, find, forward_args, keys_args, queries_args, Chunk, Grads, KeySegment, Reads, Row,
+    View,
 };
 use super::{Blocks, EarlierKeys};
+use crate::triton::launch::{self, address};
+use crate::triton::{check, dtype_name, Args, Compiled};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -43,12 +40,9 @@ pub(super) struct Fused {
 /// The most blocks a grid's second dimension holds (CUDA's limit).
 const GRID_Y: usize = 65_535;
 
-/// Kernel launches so far in this process (for tests that the fused path ran).
-static LAUNCHES: AtomicUsize = AtomicUsize::new(0);
-
-/// How many fused attention kernels this process has launched.
+/// How many fused attention kernels this process has launched (for tests that the fused path ran).
 pub fn launches() -> usize {
-    LAUNCHES.load(Ordering::Relaxed)
+    launch::launches("attention_")
 }
 
 /// Logs `reason` once per process: why the fused kernels did not take a chunk.
@@ -62,14 +56,6 @@ fn composed_because(reason: String) -> Option<Fused> {
         }
     }
     None
-}
-
-fn dtype_name(dtype: DType) -> Option<&'static str> {
-    match dtype {
-        DType::BF16 => Some("bf16"),
-        DType::F32 => Some("fp32"),
-        _ => None,
-    }
 }
 
 impl Fused {
@@ -102,15 +88,10 @@ impl Fused {
                 "queries, keys and their gradients in different dtypes".into(),
             ));
         }
-        let (major, minor) = device
-            .cuda_stream()
-            .context()
-            .compute_capability()
-            .map_err(candle_core::Error::wrap)?;
-        let Some(arch) = arch_for(major as u32, minor as u32) else {
-            return Ok(composed_because(format!(
-                "no kernels compiled for compute capability {major}.{minor}"
-            )));
+        let Some(arch) = launch::arch(device)? else {
+            return Ok(composed_because(
+                "no kernels compiled for this card's compute capability".into(),
+            ));
         };
         let find = |kernel| find(kernel, arch, dtype, hd);
         let (Some(forward), Some(delta), Some(queries), Some(keys)) = (
@@ -121,16 +102,12 @@ impl Fused {
         ) else {
             return Ok(composed_because(format!("no kernels for head dim {hd}")));
         };
-        let context = device.cuda_stream().context().clone();
-        let opt_in = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
-        let shared = context
-            .attribute(opt_in)
-            .map_err(candle_core::Error::wrap)?;
+        let shared = launch::shared_opt_in(device)?;
         let most = [forward, delta, queries, keys]
             .map(|k| k.shared)
             .into_iter()
             .max();
-        if most.is_some_and(|m| m as i64 > shared as i64) {
+        if most.is_some_and(|m| m as i64 > shared) {
             return Ok(composed_because(format!(
                 "{dtype} head dim {hd} needs {} B of shared memory per block, this card has {shared}",
                 most.unwrap_or(0)
@@ -348,43 +325,9 @@ impl Fused {
         )
     }
 
-    /// Launches `kernel` over `grid` with `args` on candle's stream, once they match what it was
-    /// compiled for.
+    /// Launches `kernel` over `grid` with `args` on candle's stream.
     fn launch(&self, kernel: &'static Compiled, grid: (usize, usize), args: &Args) -> CResult<()> {
-        check(kernel, args).map_err(candle_core::Error::wrap)?;
-        if grid.0 == 0 || grid.1 == 0 {
-            return Ok(());
-        }
-        let grid_dim = (
-            u32::try_from(grid.0).map_err(candle_core::Error::wrap)?,
-            u32::try_from(grid.1).map_err(candle_core::Error::wrap)?,
-            1,
-        );
-        let function = function(&self.device, kernel)?;
-        let stream = self.device.cuda_stream();
-        let mut builder = stream.launch_builder(&function);
-        for (_, value) in args {
-            match value {
-                Value::Pointer(p) => builder.arg(p),
-                Value::I32(x) => builder.arg(x),
-                Value::I64(x) => builder.arg(x),
-                Value::F32(x) => builder.arg(x),
-            };
-        }
-        // Triton's global and profile scratch pointers, which these kernels do not use (the script
-        // refuses kernels that need them).
-        let no_scratch = 0u64;
-        builder.arg(&no_scratch).arg(&no_scratch);
-        let config = LaunchConfig {
-            grid_dim,
-            block_dim: (32 * kernel.warps, 1, 1),
-            shared_mem_bytes: kernel.shared,
-        };
-        // SAFETY: the arguments are the kernel's, in order and of its types (`check`), every pointer
-        // addresses a live tensor of the extent the shapes say, and the grid covers what they say.
-        unsafe { builder.launch(config) }.map_err(candle_core::Error::wrap)?;
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        launch::launch(&self.device, kernel, grid, args)
     }
 }
 
@@ -406,63 +349,4 @@ fn at_key(view: View, index: usize, bytes: usize) -> View {
         ptr: view.ptr + (index as i64 * view.strides[2]) as u64 * bytes as u64,
         ..view
     }
-}
-
-/// The device address of `t`'s first element (the tensor must outlive the launches that read it).
-fn address(t: &Tensor) -> CResult<u64> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cuda(storage) = &*storage else {
-        candle_core::bail!("attention on the card: a tensor off the card");
-    };
-    let base = base_address(storage)?;
-    Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
-}
-
-fn base_address(storage: &CudaStorage) -> CResult<u64> {
-    let stream = storage.device.cuda_stream();
-    Ok(match storage.dtype() {
-        DType::F32 => storage.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
-        DType::BF16 => storage.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
-        DType::I64 => storage.as_cuda_slice::<i64>()?.device_ptr(&stream).0,
-        DType::U8 => storage.as_cuda_slice::<u8>()?.device_ptr(&stream).0,
-        other => candle_core::bail!("attention on the card: no kernel reads {other:?}"),
-    })
-}
-
-/// `kernel`'s function on `device`'s context, its module loaded once per context.
-fn function(device: &CudaDevice, kernel: &'static Compiled) -> CResult<CudaFunction> {
-    type Loaded = HashMap<(usize, usize), CudaFunction>;
-    static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
-    let context = device.cuda_stream().context().clone();
-    let key = (
-        Arc::as_ptr(&context) as usize,
-        kernel as *const Compiled as usize,
-    );
-    let loaded = LOADED.get_or_init(|| Mutex::new(HashMap::new()));
-    let mut loaded = loaded
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("attention on the card: poisoned lock".into()))?;
-    if let Some(f) = loaded.get(&key) {
-        return Ok(f.clone());
-    }
-    tracing::debug!(
-        "attention on the card: loading {} for sm_{} (cubin sha256 {})",
-        kernel.symbol,
-        kernel.arch,
-        kernel.sha256
-    );
-    let image = cudarc::nvrtc::Ptx::from_binary(kernel.cubin.to_vec());
-    let module = context
-        .load_module(image)
-        .map_err(candle_core::Error::wrap)?;
-    let f = module
-        .load_function(kernel.symbol)
-        .map_err(candle_core::Error::wrap)?;
-    if kernel.shared > 48 * 1024 {
-        let max = CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        f.set_attribute(max, kernel.shared as i32)
-            .map_err(candle_core::Error::wrap)?;
-    }
-    loaded.insert(key, f.clone());
-    Ok(f)
 }

@@ -18,7 +18,7 @@
 
 // The card's kernels' table and argument lists: in the CPU build for their tests alone.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-mod compiled;
+pub(crate) mod compiled;
 mod composed;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod cuda_table;

@@ -147,4 +147,12 @@ impl GatedKernel for Geglu {
     fn backward_f64(self, gate: &[f64], up: &[f64], g: &[f64]) -> Vec<f64> {
         self.backward(gate, up, g)
     }
+    /// The card's kernels round a bf16 input's activation themselves, and an f32 one's not at all.
+    fn card_variant(self) -> Option<usize> {
+        match (self.round_to, self.gelu) {
+            (Some(_), _) => None,
+            (None, Gelu::Tanh) => Some(1),
+            (None, Gelu::Erf) => Some(2),
+        }
+    }
 }

@@ -4,7 +4,9 @@
 //! [`geglu`] picks the implementation by [`Backend`]: on the CPU the forward and the backward are
 //! each one op of one pass ([`cpu`]), where composed the activation alone is eight tensor ops with
 //! a buffer each, and autograd's backward about as many again; half precision on the CPU runs them
-//! in f32. [`composed`] is the reference and every other device's path. candle's own fused `gelu`
+//! in f32. On the card (bf16, f32) each is one Triton kernel computing what the CPU's does, a bf16
+//! activation rounded as bf16's arithmetic rounds it (`triton/gated.py`). [`composed`] is the
+//! reference and every other device's path. candle's own fused `gelu`
 //! is not used: its backward has 6-digit constants (relative error ~1e-6), which breaks exact
 //! gradients.
 
@@ -46,7 +48,17 @@ pub fn geglu(gate: &Tensor, up: &Tensor, gelu: Gelu, round_to: Option<DType>) ->
                 None => composed(gate, up, gelu, round_to),
             }
         }
-        Backend::Cuda | Backend::Composed => composed(gate, up, gelu, round_to),
+        Backend::Cuda => {
+            let on_card = match cpu::Geglu::new(gelu, round_to, gate.dtype()) {
+                Ok(kernel) => gated::on_card(kernel, gate, up)?,
+                Err(_) => None,
+            };
+            match on_card {
+                Some(out) => Ok(out),
+                None => composed(gate, up, gelu, round_to),
+            }
+        }
+        Backend::Composed => composed(gate, up, gelu, round_to),
     }
 }
 
@@ -86,6 +98,17 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
     use streambp_testkit::{grads, max_diff};
+
+    /// Both GELUs have the card's kernels for unrounded activations (a bf16 input's rounds in them).
+    #[test]
+    fn the_card_has_geglus_kernels() {
+        for gelu in [Gelu::Tanh, Gelu::Erf] {
+            let kernel = cpu::Geglu::new(gelu, None, DType::BF16).unwrap();
+            assert!(gated::has_card_kernels(kernel), "{gelu:?}");
+            let rounding = cpu::Geglu::new(gelu, Some(DType::BF16), DType::F32).unwrap();
+            assert!(!gated::has_card_kernels(rounding), "{gelu:?}");
+        }
+    }
 
     /// The CPU ops and the composed ops: equal outputs and gradients for both GELUs, in f64 to
     /// 1e-12 and in f32 to 1e-5, with the activation rounded to bf16 in f32 as the composed path

@@ -13,9 +13,9 @@ const ROWS_PER_TASK: usize = 16;
 /// A norm's constants, as both passes read them.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Norm {
-    eps: f64,
+    pub(super) eps: f64,
     /// `s = 1 + w` (Gemma) rather than `w`.
-    one_plus: bool,
+    pub(super) one_plus: bool,
 }
 
 impl Norm {

@@ -5,9 +5,17 @@
 //! each one op making one pass per row ([`cpu`]), where the composed ops make eight passes forward and
 //! about a dozen in autograd's backward, each with its own buffer; half precision on the CPU runs them
 //! in f32, rounded once (transformers rounds the normed rows before scaling them). [`composed`] is the
-//! reference and every other device's path; the two agree to rounding (tested in f64).
+//! reference and every other device's path; the two agree to rounding (tested in f64). On the card
+//! (bf16, f32, rows a multiple of 16 wide) the forward is one Triton kernel and the backward three
+//! (`triton/rms_norm.py`), computing what the CPU's do (`cuda.rs`).
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod compiled;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod cuda_table;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor, D};
 
@@ -42,8 +50,26 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, style: NormStyle) -> CRes
                 None => composed(x, weight, eps, style),
             }
         }
-        Backend::Cuda | Backend::Composed => composed(x, weight, eps, style),
+        Backend::Cuda => match on_card(x, weight, eps, style)? {
+            Some(out) => Ok(out),
+            None => composed(x, weight, eps, style),
+        },
+        Backend::Composed => composed(x, weight, eps, style),
     }
+}
+
+/// [`rms_norm`] by the card's kernels, or `None` where they do not apply (another device, dtype or
+/// card, a weight in another dtype, rows not a multiple of 16 wide).
+fn on_card(x: &Tensor, weight: &Tensor, eps: f64, style: NormStyle) -> CResult<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if weight.dtype() == x.dtype() && cuda::takes(x, weight)? {
+        let op = Forward(cpu::Norm::new(eps, style));
+        let aligned = crate::triton::contiguous_for_kernels;
+        let (x, weight) = (aligned(x)?, aligned(weight)?);
+        return x.apply_op2(&weight, op).map(Some);
+    }
+    let _ = (x, weight, eps, style);
+    Ok(None)
 }
 
 /// [`rms_norm`] from tensor ops (every device and dtype; autograd differentiates it).
@@ -96,6 +122,17 @@ impl CustomOp2 for Forward {
         Ok((y, xl.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        cuda::forward(self.0, (xs, xl), (ws, wl))
+    }
+
     /// [`Backward`], on the backend of the forward's inputs.
     fn bwd(
         &self,
@@ -104,7 +141,7 @@ impl CustomOp2 for Forward {
         _y: &Tensor,
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let (x, g) = (x.detach(), g.contiguous()?);
+        let (x, g) = (x.detach(), crate::triton::contiguous_for_kernels(g)?);
         let both = x.apply_op3_no_bwd(&w.detach(), &g, &Backward(self.0))?;
         // `[rows + 1, dim]`: the rows of dx, then dw (copied out: it must not hold dx's buffer).
         let rows = both.dim(0)? - 1;
@@ -153,6 +190,19 @@ impl CustomOp3 for Backward {
             _ => candle_core::bail!("rms norm backward: inputs not all f32 or f64"),
         };
         Ok((out, Shape::from((xl.shape().elem_count() / dim + 1, dim))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        cuda::backward(self.0, (xs, xl), (ws, wl), (gs, gl))
     }
 }
 

@@ -4,10 +4,17 @@
 //!
 //! [`apply_rope`] picks the implementation by [`Backend`]: on the CPU the rotation and its
 //! transpose (the backward) are each one op of one pass ([`cpu`]); half precision on the CPU runs
-//! them in f32. [`composed`] (seven tensor ops, each with a buffer, and their backward) is the
-//! reference and every other device's path.
+//! them in f32. On the card (bf16, f32; head dims 64, 128, 256) each is one Triton kernel computing
+//! what the CPU's does (`triton/rope.py`, `cuda.rs`). [`composed`] (seven tensor ops, each with a
+//! buffer, and their backward) is the reference and every other device's path.
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod compiled;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod cuda_table;
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
 
@@ -22,16 +29,16 @@ type CResult<T> = candle_core::Result<T>;
 /// `x·cos + rotate_half(x)·sin`. Differentiable in `x` (candle's fused rope records no backward).
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> CResult<Tensor> {
     let (_, heads, len, head_dim) = x.dims4()?;
+    let rotation = cpu::Rotation {
+        head_dim,
+        rows_per_batch: heads * len,
+        len,
+        per_batch: cos.rank() == 4,
+    };
     match Backend::of(x) {
         Backend::Cpu => {
             let tables_like_x = cos.dtype() == x.dtype() && sin.dtype() == x.dtype();
             if matches!(x.dtype(), DType::F32 | DType::F64) && head_dim > 0 && tables_like_x {
-                let rotation = cpu::Rotation {
-                    head_dim,
-                    rows_per_batch: heads * len,
-                    len,
-                    per_batch: cos.rank() == 4,
-                };
                 let (cos, sin) = (cos.detach().contiguous()?, sin.detach().contiguous()?);
                 return x.contiguous()?.apply_op3(&cos, &sin, Forward(rotation));
             }
@@ -41,8 +48,35 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> CResult<Tensor> {
                 None => composed(x, cos, sin),
             }
         }
-        Backend::Cuda | Backend::Composed => composed(x, cos, sin),
+        Backend::Cuda => match on_card(x, cos, sin, rotation)? {
+            Some(out) => Ok(out),
+            None => composed(x, cos, sin),
+        },
+        Backend::Composed => composed(x, cos, sin),
     }
+}
+
+/// [`apply_rope`] by the card's kernel, or `None` where it does not apply (another device, dtype,
+/// card or head dim, tables in another dtype).
+fn on_card(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    rotation: cpu::Rotation,
+) -> CResult<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    {
+        let tables_like_x = cos.dtype() == x.dtype() && sin.dtype() == x.dtype();
+        if tables_like_x && cuda::takes(x, rotation.head_dim)? {
+            let aligned = crate::triton::contiguous_for_kernels;
+            let (cos, sin) = (aligned(&cos.detach())?, aligned(&sin.detach())?);
+            return aligned(x)?
+                .apply_op3(&cos, &sin, Forward(rotation))
+                .map(Some);
+        }
+    }
+    let _ = (x, cos, sin, rotation);
+    Ok(None)
 }
 
 /// [`apply_rope`] from tensor ops (every device and dtype; autograd differentiates it).
@@ -97,6 +131,19 @@ impl CustomOp3 for Forward {
         rotate_storage(&self.0, false, (xs, xl), (cs, cl), (ss, sl))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        cs: &candle_core::CudaStorage,
+        cl: &Layout,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        cuda::rotate(&self.0, false, (xs, xl), (cs, cl), (ss, sl))
+    }
+
     /// [`Backward`], on the backend of the forward's inputs; the tables are constants.
     fn bwd(
         &self,
@@ -106,9 +153,8 @@ impl CustomOp3 for Forward {
         _y: &Tensor,
         g: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dx = g
-            .contiguous()?
-            .apply_op3_no_bwd(cos, sin, &Backward(self.0))?;
+        let g = crate::triton::contiguous_for_kernels(g)?;
+        let dx = g.apply_op3_no_bwd(cos, sin, &Backward(self.0))?;
         Ok((Some(dx), None, None))
     }
 }
@@ -131,6 +177,19 @@ impl CustomOp3 for Backward {
         sl: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
         rotate_storage(&self.0, true, (gs, gl), (cs, cl), (ss, sl))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+        cs: &candle_core::CudaStorage,
+        cl: &Layout,
+        ss: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        cuda::rotate(&self.0, true, (gs, gl), (cs, cl), (ss, sl))
     }
 }
 

@@ -4,7 +4,8 @@
 //! [`swiglu`] picks the implementation by [`Backend`]: on the CPU the forward and the backward are
 //! each one op of one pass ([`cpu`]), where composed the activation and the product are two ops
 //! with a buffer each and autograd's backward makes about seven passes; half precision on the CPU
-//! runs them in f32. [`composed`] is the reference and every other device's path.
+//! runs them in f32. On the card (bf16, f32) each is one Triton kernel computing what the CPU's
+//! does (`triton/gated.py`). [`composed`] is the reference and every other device's path.
 
 mod cpu;
 
@@ -29,7 +30,11 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
                 None => composed(gate, up),
             }
         }
-        Backend::Cuda | Backend::Composed => composed(gate, up),
+        Backend::Cuda => match gated::on_card(Silu, gate, up)? {
+            Some(out) => Ok(out),
+            None => composed(gate, up),
+        },
+        Backend::Composed => composed(gate, up),
     }
 }
 
@@ -57,6 +62,9 @@ impl GatedKernel for Silu {
     fn backward_f64(self, gate: &[f64], up: &[f64], g: &[f64]) -> Vec<f64> {
         cpu::backward(gate, up, g)
     }
+    fn card_variant(self) -> Option<usize> {
+        Some(0)
+    }
 }
 
 #[cfg(test)]
@@ -64,6 +72,11 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
     use streambp_testkit::{grads, max_diff};
+
+    #[test]
+    fn the_card_has_swiglus_kernels() {
+        assert!(gated::has_card_kernels(Silu));
+    }
 
     /// The CPU ops and the composed ops: equal outputs and gradients, in f64 to 1e-12 and in f32
     /// (the CPU's vectorized exponential against the library's) to 1e-5, on a strided gate and

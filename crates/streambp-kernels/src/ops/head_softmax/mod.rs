@@ -10,9 +10,18 @@
 //! logits and the rounded gradient), and each exponential is computed once.
 //!
 //! The arithmetic follows the composed ops (`lse = log Σ exp(z − max) + max`, `dz = p·(−g)`, plus `g`
-//! at the target) but for `p`, `exp(z − max) / Σ` here and `exp(z − lse)` there: equal to rounding. CPU
-//! only, f32 and f64; elsewhere [`log_softmax_rows`] answers `None` and the head keeps its composed
-//! path (which CUDA runs).
+//! at the target) but for `p`, `exp(z − max) / Σ` here and `exp(z − lse)` there: equal to rounding. On
+//! the CPU f32 and f64; on the card (f32 and bf16 logits, rows a multiple of 16 wide) two Triton
+//! kernels (`triton/head_softmax.py`, `cuda.rs`): the first leaves `z` as it is and keeps each row's
+//! log-sum-exp, the second writes `dz` over `z`. Elsewhere [`log_softmax_rows`] answers `None` and
+//! the head keeps its composed path.
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod compiled;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod cuda_table;
 
 use crate::backend::Backend;
 use crate::host::exp::BulkExp;
@@ -25,25 +34,43 @@ use rayon::prelude::*;
 
 type CResult<T> = candle_core::Result<T>;
 
-/// One logits chunk after [`log_softmax_rows`]: each row's target log-prob, and its exponentials
-/// (in the logits' buffer) waiting to become the logits' gradient.
+/// One logits chunk after [`log_softmax_rows`]: each row's target log-prob, and the chunk's buffer
+/// waiting to become the logits' gradient.
 pub struct HeadRows {
     /// `[n]`: `log softmax(z)[target]` per row.
     pub logp: Tensor,
-    /// The logits chunk, now holding `exp(z − max)` per row.
-    exps: Tensor,
-    /// `1 / Σ exp(z − max)` per row, in the logits' dtype (held in f64, exactly).
-    inv_sums: Vec<f64>,
-    targets: Vec<u32>,
+    /// The logits chunk: on the host now holding `exp(z − max)` per row, on the card `z` itself.
+    chunk: Tensor,
+    stats: Stats,
+}
+
+/// What the gradient's pass reads beside the chunk.
+enum Stats {
+    /// The host's: `1 / Σ exp(z − max)` per row, in the logits' dtype (held in f64, exactly), and
+    /// the targets.
+    Host {
+        inv_sums: Vec<f64>,
+        targets: Vec<u32>,
+    },
+    /// The card's: each row's log-sum-exp (f32) and the targets (i64), on the card.
+    #[cfg(feature = "cuda")]
+    Card { lse: Tensor, targets: Tensor },
 }
 
 /// `log softmax(z)` at each row's target, for `z` `[n, V]` and `targets` `[n]` (u32), leaving
-/// `exp(z − max)` in `z`'s buffer: the caller hands over a logits chunk nothing else reads. `None`
-/// off the CPU or for other dtypes (`z` untouched).
+/// `exp(z − max)` in `z`'s buffer on the host: the caller hands over a logits chunk nothing else
+/// reads. `None` where no kernel applies (another device or dtype; `z` untouched).
 pub fn log_softmax_rows(z: &Tensor, targets: &Tensor) -> CResult<Option<HeadRows>> {
-    if Backend::of(z) != Backend::Cpu || !host_float(z) || !z.is_contiguous() {
-        return Ok(None);
+    match Backend::of(z) {
+        Backend::Cpu if host_float(z) && z.is_contiguous() => host_rows(z, targets),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => cuda::rows(z, targets),
+        _ => Ok(None),
     }
+}
+
+/// [`log_softmax_rows`] on the host.
+fn host_rows(z: &Tensor, targets: &Tensor) -> CResult<Option<HeadRows>> {
     let targets = targets
         .flatten_all()?
         .to_dtype(candle_core::DType::U32)?
@@ -64,9 +91,8 @@ pub fn log_softmax_rows(z: &Tensor, targets: &Tensor) -> CResult<Option<HeadRows
     };
     Ok(Some(HeadRows {
         logp: Tensor::from_vec(logp, n, &Device::Cpu)?.to_dtype(z.dtype())?,
-        exps: z.clone(),
-        inv_sums,
-        targets,
+        chunk: z.clone(),
+        stats: Stats::Host { inv_sums, targets },
     }))
 }
 
@@ -107,29 +133,42 @@ impl HeadRows {
     /// `dz = g·(onehot(target) − p)` (`[n, V]`, in the logits' dtype) for `g` = dLoss/dlogp (`[n]`),
     /// written over the exponentials (the probabilities `exp(z − max)·(1/Σ)` formed on the way).
     pub fn logit_grad(self, g: &Tensor) -> CResult<Tensor> {
+        let (inv_sums, targets) = match &self.stats {
+            Stats::Host { inv_sums, targets } => (inv_sums, targets),
+            #[cfg(feature = "cuda")]
+            Stats::Card { lse, targets } => {
+                cuda::logit_grad(&self.chunk, (lse, targets), g)?;
+                return Ok(self.chunk);
+            }
+        };
         let g = g.flatten_all()?.to_dtype(candle_core::DType::F64)?;
         let g = g.to_device(&Device::Cpu)?.to_vec1::<f64>()?;
-        if g.len() != self.targets.len() {
+        if g.len() != targets.len() {
             candle_core::bail!(
                 "head softmax: {} gradients for {} rows",
                 g.len(),
-                self.targets.len()
+                targets.len()
             );
         }
-        match self.exps.dtype() {
-            candle_core::DType::F32 => self.grad_in_place::<f32>(&g)?,
-            _ => self.grad_in_place::<f64>(&g)?,
+        match self.chunk.dtype() {
+            candle_core::DType::F32 => self.grad_in_place::<f32>(&g, inv_sums, targets)?,
+            _ => self.grad_in_place::<f64>(&g, inv_sums, targets)?,
         };
-        Ok(self.exps)
+        Ok(self.chunk)
     }
 
     /// `p·(−g)` per row, then `+ g` at the row's target, in place.
-    fn grad_in_place<T: WithDType + Float + std::ops::AddAssign>(&self, g: &[f64]) -> CResult<()> {
-        let vocab = self.exps.dims2()?.1.max(1);
-        with_rows::<T, _>(&self.exps, |p| {
+    fn grad_in_place<T: WithDType + Float + std::ops::AddAssign>(
+        &self,
+        g: &[f64],
+        inv_sums: &[f64],
+        targets: &[u32],
+    ) -> CResult<()> {
+        let vocab = self.chunk.dims2()?.1.max(1);
+        with_rows::<T, _>(&self.chunk, |p| {
             p.par_chunks_mut(vocab)
                 .zip(g.par_iter())
-                .zip(self.inv_sums.par_iter().zip(self.targets.par_iter()))
+                .zip(inv_sums.par_iter().zip(targets.par_iter()))
                 .for_each(|((row, &g), (&inv, &target))| {
                     let (g, inv) = (T::from_f64(g), T::from_f64(inv));
                     let minus_g = -g;
