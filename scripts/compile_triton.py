@@ -153,7 +153,8 @@ def signature(fn, dtype, types):
             sig[name] = "*" + dtype
         elif name.startswith("stride_") or name == "n":
             sig[name] = "i64"
-        elif name in ("scale", "eps", "lr", "decay", "beta1", "beta2", "bc1", "bc2"):
+        elif name in ("scale", "eps", "lr", "decay", "beta1", "beta2", "rest1", "rest2", "inv_bc1",
+                      "inv_bc2"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"

@@ -183,7 +183,8 @@ def check_adamw(n, step, wd, dtype, rng, block=256):
     v_arr, v = stored(np.zeros(n) if first else rng.uniform(0, 1e-4, n), F32)
     ptr = interpret.pointer
     adamw.adamw[(-(-n // block),)](ptr(p_arr, dtype), ptr(g_arr, dtype), ptr(m_arr, F32), ptr(v_arr, F32), n,
-                                   lr, h["decay"], beta1, beta2, h["bc1"], h["bc2"], eps, BLOCK=block)
+                                   lr, h["decay"], beta1, beta2, 1 - beta1, 1 - beta2, 1 / h["bc1"],
+                                   1 / h["bc2"], eps, BLOCK=block)
     want = adamw_reference(p, g, m, v, h)
     got = (values(p_arr, dtype), values(m_arr, F32), values(v_arr, F32))
     # f32 measured against the step (about lr), bf16 against p (its rounding dominates).

@@ -14,7 +14,8 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
+use streambp_kernels::ops::divergence::generalized_jsd;
 
 use crate::rollouts::{bad, shift};
 use crate::{Objective, ObjectiveError, Result};
@@ -113,30 +114,6 @@ impl Distill {
         })
     }
 
-    /// `[b, c]`: the divergence at each position of the tempered logits `student` and `teacher`.
-    fn divergence(&self, student: &Tensor, teacher: &Tensor) -> Result<Tensor> {
-        let log_softmax = |z: &Tensor| -> Result<Tensor> {
-            Ok(z.broadcast_sub(&z.log_sum_exp(D::Minus1)?.unsqueeze(D::Minus1)?)?)
-        };
-        let (log_ps, log_pt) = (log_softmax(student)?, log_softmax(teacher)?);
-        // KL(p ‖ q) at each position from log p and log q.
-        let kl = |log_p: &Tensor, log_q: &Tensor| -> Result<Tensor> {
-            Ok((log_p.exp()? * (log_p - log_q)?)?.sum(D::Minus1)?)
-        };
-        let beta = self.beta;
-        if beta == 0.0 {
-            return kl(&log_pt, &log_ps);
-        }
-        if beta == 1.0 {
-            return kl(&log_ps, &log_pt);
-        }
-        // log m = logaddexp(log p_s + ln(1 − β), log p_t + ln β).
-        let (a, b) = ((&log_ps + (1.0 - beta).ln())?, (&log_pt + beta.ln())?);
-        let top = a.maximum(&b)?.detach();
-        let log_m = (((&a - &top)?.exp()? + (&b - &top)?.exp()?)?.log()? + &top)?;
-        Ok(((kl(&log_pt, &log_m)? * beta)? + (kl(&log_ps, &log_m)? * (1.0 - beta))?)?)
-    }
-
     /// `Σ m·x / count` over positions `cols` of `x` (`[b, cols.len()]`).
     fn share(&self, x: &Tensor, cols: &Range<usize>) -> Result<Tensor> {
         let mask = self.mask.narrow(1, cols.start, cols.len())?;
@@ -180,7 +157,9 @@ impl Objective for Distill {
             true => teacher,
             false => teacher.affine(1.0 / self.temperature, 0.0)?,
         };
-        let divergence = self.divergence(logits, &teacher)?;
+        // One op whose backward writes the student's gradient out (on the host): the chunk holds
+        // two logits and one gradient rather than autograd's log-softmaxes and mixture.
+        let divergence = generalized_jsd(logits, &teacher, self.beta)?;
         self.share(&divergence, &cols)
     }
 

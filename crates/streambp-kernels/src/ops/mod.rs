@@ -7,6 +7,7 @@ pub mod accumulate;
 pub mod adamw;
 pub mod attention;
 pub mod cast;
+pub mod divergence;
 pub(crate) mod gated;
 pub mod geglu;
 pub mod grad_norm;

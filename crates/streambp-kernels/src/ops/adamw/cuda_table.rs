@@ -22,8 +22,11 @@ pub(crate) fn adamw_args((p, g, m, v): (u64, u64, u64, u64), n: usize, s: &AdamW
         ("decay", f(s.decay)),
         ("beta1", f(s.beta1)),
         ("beta2", f(s.beta2)),
-        ("bc1", f(s.bias_corrections.0)),
-        ("bc2", f(s.bias_corrections.1)),
+        // As the composed update has them: formed in f64, rounded once.
+        ("rest1", f(1.0 - s.beta1)),
+        ("rest2", f(1.0 - s.beta2)),
+        ("inv_bc1", f(1.0 / s.bias_corrections.0)),
+        ("inv_bc2", f(1.0 / s.bias_corrections.1)),
         ("eps", f(s.eps)),
     ]
 }

@@ -63,10 +63,13 @@ pub(crate) fn on_card<K: GatedKernel>(
     up: &Tensor,
 ) -> CResult<Option<Tensor>> {
     #[cfg(feature = "cuda")]
-    if gate.dtype() == up.dtype() && gate.shape() == up.shape() && cuda::takes(kernel, gate)? {
-        let aligned = crate::triton::contiguous_for_kernels;
-        let (gate, up) = (aligned(gate)?, aligned(up)?);
-        return gate.apply_op2(&up, Forward(kernel)).map(Some);
+    {
+        let alike = gate.dtype() == up.dtype() && gate.shape() == up.shape();
+        if alike && gate.elem_count() > 0 && cuda::takes(kernel, gate)? {
+            let aligned = crate::triton::contiguous_for_kernels;
+            let (gate, up) = (aligned(gate)?, aligned(up)?);
+            return gate.apply_op2(&up, Forward(kernel)).map(Some);
+        }
     }
     let _ = (kernel, gate, up);
     Ok(None)

@@ -30,8 +30,10 @@ fn column(t: &Tensor, dtype: DType, z: &Tensor, n: usize, what: &str) -> CResult
     aligned(&t.to_dtype(dtype)?.to_device(z.device())?)
 }
 
-/// The first pass, or `None` where the kernels do not take `z` (another card or dtype, rows not
-/// contiguous from an aligned address or not a multiple of 16 wide).
+/// The first pass, or `None` where the kernels do not take `z` (another card or dtype, no rows,
+/// rows not contiguous from an aligned address or not a multiple of 16 wide). Unlike the host's, it
+/// does not read the targets back to check them (that would stop the card each chunk): a target
+/// outside the vocabulary gives a NaN log-prob, which the loss carries.
 pub(super) fn rows(z: &Tensor, targets: &Tensor) -> CResult<Option<HeadRows>> {
     let offset = z.layout().start_offset() * z.dtype().size_in_bytes();
     let (Some(first), Some(_)) = (
@@ -40,7 +42,7 @@ pub(super) fn rows(z: &Tensor, targets: &Tensor) -> CResult<Option<HeadRows>> {
     ) else {
         return Ok(None);
     };
-    if !z.is_contiguous() || !offset.is_multiple_of(ALIGN) {
+    if !z.is_contiguous() || !offset.is_multiple_of(ALIGN) || z.elem_count() == 0 {
         return Ok(None);
     }
     let (n, vocab) = z.dims2()?;

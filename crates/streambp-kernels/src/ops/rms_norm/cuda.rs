@@ -46,7 +46,8 @@ pub(super) fn takes(x: &Tensor, weight: &Tensor) -> CResult<bool> {
         return Ok(false);
     };
     let dim = weight.elem_count();
-    if dim == 0 || !dim.is_multiple_of(16) || x.dims().last() != Some(&dim) {
+    let shapes = x.elem_count() > 0 && x.dims().last() == Some(&dim);
+    if !shapes || !dim.is_multiple_of(16) {
         return Ok(false);
     }
     Ok(kernel(device, "rms_norm_forward", x.dtype(), dim)?.is_some())

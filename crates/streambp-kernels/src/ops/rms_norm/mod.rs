@@ -143,10 +143,14 @@ impl CustomOp2 for Forward {
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         let (x, g) = (x.detach(), crate::triton::contiguous_for_kernels(g)?);
         let both = x.apply_op3_no_bwd(&w.detach(), &g, &Backward(self.0))?;
-        // `[rows + 1, dim]`: the rows of dx, then dw (copied out: it must not hold dx's buffer).
+        // `[rows + 1, dim]`: the rows of dx, then dw (copied out: it must not hold dx's buffer;
+        // `copy` would clone the whole storage).
         let rows = both.dim(0)? - 1;
         let dx = both.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let dw = both.narrow(0, rows, 1)?.reshape(w.shape())?.copy()?;
+        let dw = both
+            .narrow(0, rows, 1)?
+            .reshape(w.shape())?
+            .force_contiguous()?;
         Ok((Some(dx), Some(dw)))
     }
 }

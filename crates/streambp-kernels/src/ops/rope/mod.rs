@@ -66,8 +66,16 @@ fn on_card(
 ) -> CResult<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
-        let tables_like_x = cos.dtype() == x.dtype() && sin.dtype() == x.dtype();
-        if tables_like_x && cuda::takes(x, rotation.head_dim)? {
+        // The tables as the kernel reads them: one row per position (per batch row when packed).
+        let (b, len, hd) = (x.dim(0)?, rotation.len, rotation.head_dim);
+        let rows = match rotation.per_batch {
+            true => vec![b, 1, len, hd],
+            false => vec![len, hd],
+        };
+        let tables = [cos, sin]
+            .iter()
+            .all(|t| t.dtype() == x.dtype() && t.dims() == rows.as_slice());
+        if tables && x.elem_count() > 0 && cuda::takes(x, rotation.head_dim)? {
             let aligned = crate::triton::contiguous_for_kernels;
             let (cos, sin) = (aligned(&cos.detach())?, aligned(&sin.detach())?);
             return aligned(x)?
