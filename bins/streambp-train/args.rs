@@ -633,6 +633,7 @@ impl TrainArgs {
             logits_chunk: self.logits_chunk.unwrap_or(d.logits_chunk),
             memory_budget: self.memory_budget,
             host_memory_budget: self.host_memory_budget,
+            frozen: Default::default(),
             offload_checkpoints: self.offload_checkpoints,
             checkpoint_every: self.checkpoint_every.unwrap_or(d.checkpoint_every),
             checkpoint_dir: self.checkpoint_dir,

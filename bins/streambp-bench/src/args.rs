@@ -182,6 +182,7 @@ pub(crate) fn problem<'a>(
             || args.checkpoint_dir.is_some(),
         checkpoint_every: args.checkpoint_every.layers(config.num_layers()),
         host: args.device == "cpu",
+        frozen: Default::default(),
     }
 }
 

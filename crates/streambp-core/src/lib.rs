@@ -53,6 +53,6 @@ pub use engine::{
 pub use error::{EngineError, Result};
 pub use planner::{
     estimate, plan_for_budget, plan_with_checkpoints, CheckpointPlace, ChunkPolicy, Estimate,
-    Planned, Problem, Tiers,
+    Frozen, Planned, Problem, Tiers,
 };
 pub use workers::{host_threads, on_workers, settle_thread_settings};

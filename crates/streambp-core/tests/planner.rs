@@ -121,6 +121,7 @@ impl Case {
             checkpoint_every: self.every,
             lora,
             host: true,
+            frozen: Default::default(),
         }
     }
 

@@ -83,6 +83,9 @@ pub struct TrainConfig {
     pub memory_budget: Option<u64>,
     /// Host memory the memory budget may move the stored checkpoints into, off an accelerator.
     pub host_memory_budget: Option<u64>,
+    /// What frozen models the objective reads hold beside the policy during its backward, counted
+    /// against `memory_budget` (distillation's teacher; set by the job that loads it).
+    pub frozen: streambp_core::Frozen,
     /// Keep layer checkpoints in host memory during the backward.
     pub offload_checkpoints: bool,
     /// Store every K-th layer's input only, recomputing the others' a segment at a time in the
@@ -257,6 +260,7 @@ impl TrainConfig {
             logits_chunk: 128,
             memory_budget: None,
             host_memory_budget: None,
+            frozen: Default::default(),
             offload_checkpoints: false,
             checkpoint_every: CheckpointEvery::default(),
             checkpoint_dir: None,

@@ -8,7 +8,8 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use serde::Serialize;
 use streambp_core::{
-    backward_with, Batch, CheckpointEvery, ChunkPolicy, Chunks, Mode, Options, Plan, Problem, Tiers,
+    backward_with, Batch, CheckpointEvery, ChunkPolicy, Chunks, Frozen, Mode, Options, Plan,
+    Problem, Tiers,
 };
 use streambp_models::{load_model, resolve_adapter_dir, resolve_model_dir, save_safetensors};
 
@@ -17,7 +18,7 @@ use crate::config::LoraArgs;
 use crate::device::{parse_device, parse_dtype};
 use crate::logprobs::scorer;
 use crate::setup::{attach_lora, load_reference};
-use crate::teacher::{load_teacher, teacher_of};
+use crate::teacher::{frozen_memory, load_teacher, teacher_of};
 use crate::trainer::dropout_key;
 use crate::{Result, TrainError};
 use streambp_models::lora::DropoutKey;
@@ -174,6 +175,7 @@ fn plan(
     model: &streambp_models::Model,
     (b, t): (usize, usize),
     given: Chunks,
+    frozen: Frozen,
 ) -> Result<(Chunks, Options)> {
     let options = Options {
         offload_checkpoints: args.offload_checkpoints,
@@ -191,7 +193,7 @@ fn plan(
         }
         _ => ChunkPolicy::Fixed(given),
     };
-    let planned = policy.plan_for(Problem::of(model, b, t, &options))?;
+    let planned = policy.plan_for(Problem::of(model, b, t, &options).with_frozen(frozen))?;
     let (chunks, options) = (planned.chunks, planned.options(options));
     tracing::info!(
         ?chunks,
@@ -278,7 +280,10 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         ));
     }
     let (b, t) = batch.input_ids.dims2()?;
-    let (chunks, options) = plan(args, &model, (b, t), reference_chunks)?;
+    let frozen = teacher
+        .as_ref()
+        .map_or(Frozen::default(), |t| frozen_memory(t, &model));
+    let (chunks, options) = plan(args, &model, (b, t), reference_chunks, frozen)?;
     let start = Instant::now();
     let out = backward_with(
         &model,

@@ -351,7 +351,8 @@ impl TrainConfig {
             None => ChunkPolicy::Fixed(self.chunks()),
         };
         let (batch, seq_len) = input_ids.dims2()?;
-        Ok(policy.plan_for(Problem::of(model, batch, seq_len, &self.options()))?)
+        let problem = Problem::of(model, batch, seq_len, &self.options()).with_frozen(self.frozen);
+        Ok(policy.plan_for(problem)?)
     }
 
     /// The chunk sizes of [`TrainConfig::plan_for`] (for forwards, which store no checkpoints).

@@ -276,7 +276,8 @@ fn resident(s: &Sizes, held: &Held) -> u64 {
         false => 0,
     };
     let tokens = s.b * s.t * 48;
-    held.weights + rope + slabs + tokens
+    let frozen = s.p.frozen.bytes + s.b * s.t * s.p.frozen.per_token;
+    held.weights + rope + slabs + tokens + frozen
 }
 
 /// The forward: the checkpoints, one layer's keys and values, a chunk's activations (no graph:
@@ -338,6 +339,7 @@ fn head_phase(s: &Sizes, held: &Held, checkpoints: &Checkpoints) -> u64 {
         + logits
         + head_rows
         + head_share
+        + b * lc * s.p.frozen.per_logits_row
         + s.workspace(&products, true)
 }
 

@@ -67,6 +67,41 @@ pub struct Problem<'a> {
     /// The device is the host CPU, where the head's softmax runs as hand-written passes that hold
     /// fewer logits-sized buffers than the tensor ops other devices run.
     pub host: bool,
+    /// What frozen models the objective reads hold beside the model planned (a distillation
+    /// teacher's); none by default.
+    pub frozen: Frozen,
+}
+
+/// The memory of a frozen model an objective reads during the backward, in the planner's terms.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Frozen {
+    /// Held throughout: its weights.
+    pub bytes: u64,
+    /// Held throughout, per token of the batch: its final hidden states.
+    pub per_token: u64,
+    /// In the head, per row of a logits chunk: what the objective makes of it beside the model's
+    /// own logits (the frozen model's logits and the gradient the divergence writes).
+    pub per_logits_row: u64,
+}
+
+impl Frozen {
+    /// A distillation teacher of architecture `teacher` in `dtype`, read by the divergence of a
+    /// student computing its head in `compute`: its weights, its final hidden states, and per
+    /// logits row its logits (cast to `compute` where that differs) and its normed rows, with what
+    /// the student's head holds for a whole-distribution objective beyond the softmax's one buffer
+    /// (fitted on the CPU: four more of the logits' size, for the entropies' terms, the logits
+    /// autograd differentiates and their gradient; docs/benchmarks.md, "With the divergence as one
+    /// op").
+    pub fn teacher(teacher: &ModelConfig, dtype: DType, compute: DType) -> Self {
+        let (e, c) = (dtype.size_in_bytes() as u64, compute.size_in_bytes() as u64);
+        let (vocab, d) = (teacher.vocab_size as u64, teacher.hidden_size as u64);
+        let cast = if dtype == compute { 0 } else { vocab * c };
+        Self {
+            bytes: parameter_count(teacher) * e,
+            per_token: d * e,
+            per_logits_row: vocab * (e + 4 * c) + cast + 2 * d * c,
+        }
+    }
 }
 
 impl<'a> Problem<'a> {
@@ -86,7 +121,13 @@ impl<'a> Problem<'a> {
             checkpoint_every: options.checkpoint_every.layers(model.layers.len()),
             lora: model.lora(),
             host: model.device().is_cpu(),
+            frozen: Frozen::default(),
         }
+    }
+
+    /// The problem with `frozen` held beside the model.
+    pub fn with_frozen(self, frozen: Frozen) -> Self {
+        Self { frozen, ..self }
     }
 }
 
@@ -413,7 +454,50 @@ mod tests {
             checkpoint_every: 1,
             lora: None,
             host,
+            frozen: Frozen::default(),
         }
+    }
+
+    /// A frozen teacher adds its weights and hidden states to every phase and its logits rows to
+    /// the head's, so a budget leaves it room: smaller chunks, or none where it cannot fit.
+    #[test]
+    fn a_teacher_counts_against_the_budget() {
+        let cfg = qwen3_8b();
+        let chunks = Chunks {
+            chunk: 1024,
+            logits_chunk: 512,
+        };
+        let t = 16_384;
+        let teacher = Frozen::teacher(&cfg, DType::BF16, DType::F32);
+        assert_eq!(teacher.bytes, parameter_count(&cfg) * 2);
+        assert_eq!(teacher.per_token, cfg.hidden_size as u64 * 2);
+        let alone = estimate(problem(&cfg, t, false), chunks);
+        let taught = estimate(problem(&cfg, t, false).with_frozen(teacher), chunks);
+        let held = teacher.bytes + t as u64 * teacher.per_token;
+        assert_eq!(taught.resident - alone.resident, held);
+        assert_eq!(taught.layer_phase - alone.layer_phase, 0);
+        let rows = chunks.logits_chunk as u64 * teacher.per_logits_row;
+        assert_eq!(taught.head_phase - alone.head_phase, rows);
+        assert!(taught.peak() >= alone.peak() + held);
+        let budget = 80 << 30;
+        let tiers = Tiers::default();
+        let own = plan_with_checkpoints(problem(&cfg, t, false), budget, tiers).unwrap();
+        let with =
+            plan_with_checkpoints(problem(&cfg, t, false).with_frozen(teacher), budget, tiers);
+        let with = with.unwrap();
+        assert!(with.chunks.logits_chunk <= own.chunks.logits_chunk);
+        assert!(
+            estimate(problem(&cfg, t, false).with_frozen(teacher), with.chunks).peak() <= budget
+        );
+        let small = plan_with_checkpoints(
+            problem(&cfg, t, false).with_frozen(teacher),
+            20 << 30,
+            tiers,
+        );
+        assert!(
+            small.is_err(),
+            "a budget below the teacher's weights is refused"
+        );
     }
 
     /// A budget takes the fastest way of storing the checkpoints that keeps the layer chunk at 128 or

@@ -31,7 +31,7 @@ use crate::rewards::{
 };
 use crate::sampling::sample_groups;
 use crate::setup::Setup;
-use crate::teacher::{load_teacher, teacher_logits};
+use crate::teacher::{frozen_memory, load_teacher, teacher_logits};
 use crate::token_store::{RecordStore, RecordWriter};
 use crate::tokenizer::Keep;
 use crate::trainer::{Summary, Trainer, TrainingData};
@@ -829,6 +829,18 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     let teacher = match g.algorithm {
         Algorithm::Distill => Some(distillation_teacher(&setup, g)?),
         Algorithm::Grpo | Algorithm::Rloo { .. } => None,
+    };
+    // The teacher's weights, hidden states and logits count against --memory-budget.
+    let with_teacher;
+    let cfg = match &teacher {
+        Some(t) => {
+            with_teacher = TrainConfig {
+                frozen: frozen_memory(t, &setup.model),
+                ..cfg.clone()
+            };
+            &with_teacher
+        }
+        None => cfg,
     };
     let job = recipe.name();
     tracing::info!(prompts = prompts.len(), group = g.group_size, rewards = ?reward_specs, "{job}");
