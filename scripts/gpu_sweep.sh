@@ -228,7 +228,7 @@ profile)
         --format csv --output - /tmp/streambp-profile.nsys-rep 2>/dev/null | head -120 >> "$out/profile.txt" || true
     ;;
 attention)
-    # Issues 59 and 60 in one device call (under 10 minutes; results.tgz in $OUT): the fused kernels
+    # Issues 59 and 60 in one device call (within one call's time limit; results.tgz in $OUT): the fused kernels
     # against the CPU and the composed ops (cuda_attention; RMSNorm and the gated activations:
     # cuda_elementwise), the whole model's parity with them in force
     # (cuda_parity), one chunk's attention timed beside PyTorch's SDPA on the same shapes, and one

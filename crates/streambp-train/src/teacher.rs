@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use streambp_core::{forward_hidden, Batch, Chunks, Frozen};
 use streambp_models::{load_model, resolve_model_dir, Model};
 use streambp_objectives::{ObjectiveError, TeacherLogits};
@@ -60,14 +60,9 @@ pub fn teacher_logits(teacher: &Model, batch: Batch, chunks: Chunks) -> Result<T
 }
 
 /// What `teacher` holds beside `student` during the student's backward, for the planner: its
-/// weights, its final hidden states, and its share of each logits chunk (the student's head
-/// computes in f32, f64 for an f64 model).
+/// weights, its final hidden states, and its share of each logits chunk.
 pub fn frozen_memory(teacher: &Model, student: &Model) -> Frozen {
-    let compute = match student.dtype() {
-        DType::F64 => DType::F64,
-        _ => DType::F32,
-    };
-    Frozen::teacher(&teacher.config, teacher.dtype(), compute)
+    Frozen::teacher(&teacher.config, teacher.dtype(), student.dtype())
 }
 
 /// A [`crate::batch_file::Teacher`] of `teacher` with `chunks`.

@@ -165,7 +165,7 @@ pub(super) fn entropies(z: &Tensor) -> Result<Tensor> {
 }
 
 /// What the head's outputs are computed in: f32, f64 for f64 models.
-pub(super) fn compute_dtype(dtype: DType) -> DType {
+pub(crate) fn compute_dtype(dtype: DType) -> DType {
     match dtype {
         DType::F64 => DType::F64,
         _ => DType::F32,

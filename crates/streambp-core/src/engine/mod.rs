@@ -45,6 +45,7 @@ use crate::memory::PhaseLog;
 use crate::workers::on_workers;
 
 use grad_sink::GradSink;
+pub(crate) use head::compute_dtype;
 pub use head::target_logprobs;
 use head::{head_backward, head_logprobs};
 use layers::{

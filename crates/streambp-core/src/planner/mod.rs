@@ -86,13 +86,14 @@ pub struct Frozen {
 
 impl Frozen {
     /// A distillation teacher of architecture `teacher` in `dtype`, read by the divergence of a
-    /// student computing its head in `compute`: its weights, its final hidden states, and per
+    /// student in `student` (whose head computes in f32, f64 for f64): its weights, its final hidden states, and per
     /// logits row its logits (cast to `compute` where that differs) and its normed rows, with what
     /// the student's head holds for a whole-distribution objective beyond the softmax's one buffer
     /// (fitted on the CPU: four more of the logits' size, for the entropies' terms, the logits
     /// autograd differentiates and their gradient; docs/benchmarks.md, "With the divergence as one
     /// op").
-    pub fn teacher(teacher: &ModelConfig, dtype: DType, compute: DType) -> Self {
+    pub fn teacher(teacher: &ModelConfig, dtype: DType, student: DType) -> Self {
+        let compute = crate::engine::compute_dtype(student);
         let (e, c) = (dtype.size_in_bytes() as u64, compute.size_in_bytes() as u64);
         let (vocab, d) = (teacher.vocab_size as u64, teacher.hidden_size as u64);
         let cast = if dtype == compute { 0 } else { vocab * c };
@@ -468,7 +469,7 @@ mod tests {
             logits_chunk: 512,
         };
         let t = 16_384;
-        let teacher = Frozen::teacher(&cfg, DType::BF16, DType::F32);
+        let teacher = Frozen::teacher(&cfg, DType::BF16, DType::BF16);
         assert_eq!(teacher.bytes, parameter_count(&cfg) * 2);
         assert_eq!(teacher.per_token, cfg.hidden_size as u64 * 2);
         let alone = estimate(problem(&cfg, t, false), chunks);

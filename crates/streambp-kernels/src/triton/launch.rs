@@ -11,7 +11,7 @@ use candle_core::{DType, Layout, Storage, Tensor};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute_enum};
 use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
 
-use super::{arch_for, check, Args, Compiled, Value};
+use super::{arch_for, check, dtype_name, find, Args, Compiled, Value};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -40,6 +40,38 @@ pub(crate) fn arch(device: &CudaDevice) -> CResult<Option<u32>> {
         .compute_capability()
         .map_err(candle_core::Error::wrap)?;
     Ok(arch_for(major as u32, minor as u32))
+}
+
+/// The kernel `name` of `table` compiled for `device`'s architecture, `dtype` and `variant`, if
+/// there is one.
+pub(crate) fn compiled_for(
+    table: &'static [Compiled],
+    device: &CudaDevice,
+    (name, dtype, variant): (&str, DType, usize),
+) -> CResult<Option<&'static Compiled>> {
+    Ok(match (arch(device)?, dtype_name(dtype)) {
+        (Some(arch), Some(dtype)) => find(table, name, arch, dtype, variant),
+        _ => None,
+    })
+}
+
+/// [`compiled_for`] where the op's dispatch has already found it: an error naming it otherwise.
+pub(crate) fn required(
+    table: &'static [Compiled],
+    device: &CudaDevice,
+    (name, dtype, variant): (&str, DType, usize),
+) -> CResult<&'static Compiled> {
+    compiled_for(table, device, (name, dtype, variant))?.ok_or_else(|| {
+        candle_core::Error::Msg(format!("no card kernel {name} for {dtype:?} ({variant})"))
+    })
+}
+
+/// The address of an input the kernels read as contiguous elements (an error for other layouts).
+pub(crate) fn contiguous_address(storage: &CudaStorage, layout: &Layout) -> CResult<u64> {
+    if !layout.is_contiguous() {
+        candle_core::bail!("a kernel for the card given an input laid out as {layout:?}");
+    }
+    storage_address(storage, layout)
 }
 
 /// The most dynamic shared memory a block may opt into on `device`, bytes.
@@ -122,10 +154,15 @@ pub(crate) fn storage_address(storage: &CudaStorage, layout: &Layout) -> CResult
     Ok(base + (layout.start_offset() * storage.dtype().size_in_bytes()) as u64)
 }
 
+/// Whether `t` is contiguous from an [`ALIGN`]ed address, as the kernels read their buffers.
+pub(crate) fn is_aligned(t: &Tensor) -> bool {
+    let offset = t.layout().start_offset() * t.dtype().size_in_bytes();
+    t.is_contiguous() && offset.is_multiple_of(ALIGN)
+}
+
 /// `t` contiguous from an [`ALIGN`]ed address: itself where it is, else a copy.
 pub(crate) fn aligned(t: &Tensor) -> CResult<Tensor> {
-    let offset = t.layout().start_offset() * t.dtype().size_in_bytes();
-    match t.is_contiguous() && offset.is_multiple_of(ALIGN) {
+    match is_aligned(t) {
         true => Ok(t.clone()),
         false => t.force_contiguous(),
     }

@@ -58,7 +58,7 @@ impl Arg {
 pub(crate) struct Compiled {
     /// The Triton function's name.
     pub kernel: &'static str,
-    /// Compute capability (80: A100/A800 and later 8.x; 90: H100/H200).
+    /// Compute capability the cubin was built for (80: every 8.x; 90: 9.0 only, see [`arch_for`]).
     pub arch: u32,
     /// The inputs' dtype: "bf16" or "fp32".
     pub dtype: &'static str,

@@ -831,16 +831,11 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         Algorithm::Grpo | Algorithm::Rloo { .. } => None,
     };
     // The teacher's weights, hidden states and logits count against --memory-budget.
-    let with_teacher;
-    let cfg = match &teacher {
-        Some(t) => {
-            with_teacher = TrainConfig {
-                frozen: frozen_memory(t, &setup.model),
-                ..cfg.clone()
-            };
-            &with_teacher
-        }
-        None => cfg,
+    let cfg = &TrainConfig {
+        frozen: teacher
+            .as_ref()
+            .map_or(cfg.frozen, |t| frozen_memory(t, &setup.model)),
+        ..cfg.clone()
     };
     let job = recipe.name();
     tracing::info!(prompts = prompts.len(), group = g.group_size, rewards = ?reward_specs, "{job}");

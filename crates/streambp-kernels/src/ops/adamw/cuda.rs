@@ -6,15 +6,13 @@ use candle_core::{DType, Device, Tensor};
 
 use super::cuda_table::{adamw_args, variant};
 use super::AdamWStep;
-use crate::triton::launch::{self, address, ALIGN};
-use crate::triton::{dtype_name, find};
+use crate::triton::launch::{self, address, compiled_for, is_aligned};
 
 type CResult<T> = candle_core::Result<T>;
 
-/// Whether `t` is contiguous from an [`ALIGN`]ed address with `n` elements.
+/// Whether `t` is laid out as the kernel reads it, with `n` elements.
 fn laid_out(t: &Tensor, n: usize) -> bool {
-    let offset = t.layout().start_offset() * t.dtype().size_in_bytes();
-    t.is_contiguous() && offset.is_multiple_of(ALIGN) && t.elem_count() == n
+    is_aligned(t) && t.elem_count() == n
 }
 
 /// The update, or `false` where the kernel does not take these tensors.
@@ -35,16 +33,8 @@ pub(super) fn update(
     if !dtypes || !on_card || ![p, g, m, v].iter().all(|t| laid_out(t, n)) {
         return Ok(false);
     }
-    let (Some(arch), Some(dtype)) = (launch::arch(device)?, dtype_name(p.dtype())) else {
-        return Ok(false);
-    };
-    let Some(kernel) = find(
-        super::compiled::KERNELS,
-        "adamw",
-        arch,
-        dtype,
-        variant(grad_f32),
-    ) else {
+    let what = ("adamw", p.dtype(), variant(grad_f32));
+    let Some(kernel) = compiled_for(super::compiled::KERNELS, device, what)? else {
         return Ok(false);
     };
     let buffers = (address(p)?, address(g)?, address(m)?, address(v)?);

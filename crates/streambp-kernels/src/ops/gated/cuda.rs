@@ -1,58 +1,45 @@
 //! The gated activations on the card: the Triton kernels of `triton/gated.py` (compiled into
 //! [`super::compiled`]) over contiguous runs of elements, launched from the ops' `cuda_fwd`.
 
-use candle_core::cuda_backend::{CudaDevice, CudaStorage};
-use candle_core::{DType, Layout, Shape, Tensor};
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::{Layout, Shape, Tensor};
 
 use super::cuda_table::{backward_args, forward_args};
 use super::GatedKernel;
-use crate::triton::launch::{self, alloc, storage_address, ALIGN};
-use crate::triton::{dtype_name, find, Compiled};
+use crate::triton::launch::{
+    self, alloc, compiled_for, contiguous_address, required, storage_address, ALIGN,
+};
+use crate::triton::Compiled;
 
 type CResult<T> = candle_core::Result<T>;
-
-/// The compiled kernel `name` of `variant` for `device` and `dtype`, if any.
-fn kernel(
-    device: &CudaDevice,
-    name: &str,
-    dtype: DType,
-    variant: usize,
-) -> CResult<Option<&'static Compiled>> {
-    let (Some(arch), Some(dtype)) = (launch::arch(device)?, dtype_name(dtype)) else {
-        return Ok(None);
-    };
-    Ok(find(super::compiled::KERNELS, name, arch, dtype, variant))
-}
 
 /// Whether `k`'s card kernels take `t` (on a card that has them, in their dtype).
 pub(super) fn takes<K: GatedKernel>(k: K, t: &Tensor) -> CResult<bool> {
     let (candle_core::Device::Cuda(device), Some(variant)) = (t.device(), k.card_variant()) else {
         return Ok(false);
     };
-    let found = |name| kernel(device, name, t.dtype(), variant).map(|k| k.is_some());
+    let found = |name| {
+        compiled_for(super::compiled::KERNELS, device, (name, t.dtype(), variant))
+            .map(|k| k.is_some())
+    };
     Ok(found("gated_forward")? && found("gated_backward")?)
 }
 
-/// The address of a contiguous input.
-fn input(storage: &CudaStorage, layout: &Layout) -> CResult<u64> {
-    if !layout.is_contiguous() {
-        candle_core::bail!("gated activation on the card: an input laid out as {layout:?}");
-    }
-    storage_address(storage, layout)
-}
-
-/// The kernel `name` of `variant` for `storage`'s device and dtype.
-fn kernel_for(
+/// The kernel `name` of `k`'s variant for `storage`'s device and dtype.
+fn kernel_for<K: GatedKernel>(
     storage: &CudaStorage,
     name: &str,
-    variant: Option<usize>,
+    k: K,
 ) -> CResult<&'static Compiled> {
     let dtype = candle_core::backend::BackendStorage::dtype(storage);
-    match variant {
-        Some(variant) => kernel(&storage.device, name, dtype, variant)?,
-        None => None,
-    }
-    .ok_or_else(|| candle_core::Error::Msg(format!("no card kernel {name} for {dtype:?}")))
+    let Some(variant) = k.card_variant() else {
+        candle_core::bail!("no card kernel {name} for this activation");
+    };
+    required(
+        super::compiled::KERNELS,
+        &storage.device,
+        (name, dtype, variant),
+    )
 }
 
 /// `act(gate) ⊙ up`.
@@ -61,12 +48,17 @@ pub(super) fn forward<K: GatedKernel>(
     (gs, gl): (&CudaStorage, &Layout),
     (us, ul): (&CudaStorage, &Layout),
 ) -> CResult<(CudaStorage, Shape)> {
-    let kernel = kernel_for(gs, "gated_forward", k.card_variant())?;
+    let kernel = kernel_for(gs, "gated_forward", k)?;
     let n = gl.shape().elem_count();
     let dtype = candle_core::backend::BackendStorage::dtype(gs);
     let y = alloc(&gs.device, dtype, n)?;
     let y_at = storage_address(&y, &Layout::contiguous(n))?;
-    let args = forward_args(input(gs, gl)?, input(us, ul)?, y_at, n);
+    let args = forward_args(
+        contiguous_address(gs, gl)?,
+        contiguous_address(us, ul)?,
+        y_at,
+        n,
+    );
     launch::launch(&gs.device, kernel, (n.div_ceil(kernel.block_m), 1), &args)?;
     Ok((y, gl.shape().clone()))
 }
@@ -78,13 +70,17 @@ pub(super) fn backward<K: GatedKernel>(
     (us, ul): (&CudaStorage, &Layout),
     (dys, dyl): (&CudaStorage, &Layout),
 ) -> CResult<(CudaStorage, Shape)> {
-    let kernel = kernel_for(gs, "gated_backward", k.card_variant())?;
+    let kernel = kernel_for(gs, "gated_backward", k)?;
     let n = gl.shape().elem_count();
     let dtype = candle_core::backend::BackendStorage::dtype(gs);
     let row = n.next_multiple_of(ALIGN / dtype.size_in_bytes());
     let out = alloc(&gs.device, dtype, 2 * row)?;
     let base = storage_address(&out, &Layout::contiguous(2 * row))?;
-    let inputs = (input(gs, gl)?, input(us, ul)?, input(dys, dyl)?);
+    let inputs = (
+        contiguous_address(gs, gl)?,
+        contiguous_address(us, ul)?,
+        contiguous_address(dys, dyl)?,
+    );
     let d_up = base + (row * dtype.size_in_bytes()) as u64;
     let args = backward_args(inputs, (base, d_up), n);
     launch::launch(&gs.device, kernel, (n.div_ceil(kernel.block_m), 1), &args)?;

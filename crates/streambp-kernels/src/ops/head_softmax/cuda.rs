@@ -5,8 +5,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::cuda_table::{log_softmax_args, logit_grad_args, Chunk, BLOCK};
 use super::{HeadRows, Stats};
-use crate::triton::launch::{self, address, aligned, ALIGN};
-use crate::triton::{check, dtype_name, find, Compiled};
+use crate::triton::launch::{self, address, aligned, compiled_for, is_aligned, required};
+use crate::triton::{check, Compiled};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -15,10 +15,7 @@ fn kernel(z: &Tensor, name: &str) -> CResult<Option<&'static Compiled>> {
     let Device::Cuda(device) = z.device() else {
         return Ok(None);
     };
-    let (Some(arch), Some(dtype)) = (launch::arch(device)?, dtype_name(z.dtype())) else {
-        return Ok(None);
-    };
-    Ok(find(super::compiled::KERNELS, name, arch, dtype, BLOCK))
+    compiled_for(super::compiled::KERNELS, device, (name, z.dtype(), BLOCK))
 }
 
 /// `[n]` values of `t` in `dtype` on `z`'s card, contiguous and aligned.
@@ -35,14 +32,13 @@ fn column(t: &Tensor, dtype: DType, z: &Tensor, n: usize, what: &str) -> CResult
 /// does not read the targets back to check them (that would stop the card each chunk): a target
 /// outside the vocabulary gives a NaN log-prob, which the loss carries.
 pub(super) fn rows(z: &Tensor, targets: &Tensor) -> CResult<Option<HeadRows>> {
-    let offset = z.layout().start_offset() * z.dtype().size_in_bytes();
     let (Some(first), Some(_)) = (
         kernel(z, "head_log_softmax")?,
         kernel(z, "head_logit_grad")?,
     ) else {
         return Ok(None);
     };
-    if !z.is_contiguous() || !offset.is_multiple_of(ALIGN) || z.elem_count() == 0 {
+    if !is_aligned(z) || z.elem_count() == 0 {
         return Ok(None);
     }
     let (n, vocab) = z.dims2()?;
@@ -73,8 +69,9 @@ pub(super) fn logit_grad(
     (lse, targets): (&Tensor, &Tensor),
     g: &Tensor,
 ) -> CResult<()> {
-    let kernel = kernel(z, "head_logit_grad")?
-        .ok_or_else(|| candle_core::Error::Msg("head softmax: no card kernel".into()))?;
+    let device = z.device().as_cuda_device()?;
+    let what = ("head_logit_grad", z.dtype(), BLOCK);
+    let kernel = required(super::compiled::KERNELS, device, what)?;
     let (n, vocab) = z.dims2()?;
     let g = column(g, DType::F32, z, n, "gradients")?;
     let c = Chunk {
@@ -84,5 +81,5 @@ pub(super) fn logit_grad(
         vocab,
     };
     let args = logit_grad_args(&c, address(&g)?);
-    launch::launch(z.device().as_cuda_device()?, kernel, (n, 1), &args)
+    launch::launch(device, kernel, (n, 1), &args)
 }

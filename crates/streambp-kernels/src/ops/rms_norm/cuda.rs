@@ -9,8 +9,10 @@ use candle_core::{DType, Layout, Shape, Tensor};
 
 use super::cpu::Norm;
 use super::cuda_table::{backward_args, block, forward_args, groups, sum_args, weight_args, Rows};
-use crate::triton::launch::{self, alloc, storage_address};
-use crate::triton::{dtype_name, find, Compiled};
+use crate::triton::launch::{
+    self, alloc, compiled_for, contiguous_address, required, storage_address,
+};
+use crate::triton::Compiled;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -21,22 +23,12 @@ fn kernel(
     dtype: DType,
     dim: usize,
 ) -> CResult<Option<&'static Compiled>> {
-    let (Some(arch), Some(dtype)) = (launch::arch(device)?, dtype_name(dtype)) else {
-        return Ok(None);
-    };
-    Ok(find(
-        super::compiled::KERNELS,
-        name,
-        arch,
-        dtype,
-        block(dim),
-    ))
+    compiled_for(super::compiled::KERNELS, device, (name, dtype, block(dim)))
 }
 
 fn kernel_for(storage: &CudaStorage, name: &str, dim: usize) -> CResult<&'static Compiled> {
-    kernel(&storage.device, name, storage.dtype(), dim)?.ok_or_else(|| {
-        candle_core::Error::Msg(format!("no card kernel {name} for {:?}", storage.dtype()))
-    })
+    let what = (name, storage.dtype(), block(dim));
+    required(super::compiled::KERNELS, &storage.device, what)
 }
 
 /// Whether the card's kernels take `x` normed by `weight`: a card that has them, their dtype, and
@@ -51,14 +43,6 @@ pub(super) fn takes(x: &Tensor, weight: &Tensor) -> CResult<bool> {
         return Ok(false);
     }
     Ok(kernel(device, "rms_norm_forward", x.dtype(), dim)?.is_some())
-}
-
-/// The address of a contiguous input.
-fn input(storage: &CudaStorage, layout: &Layout) -> CResult<u64> {
-    if !layout.is_contiguous() {
-        candle_core::bail!("rms norm on the card: an input laid out as {layout:?}");
-    }
-    storage_address(storage, layout)
 }
 
 fn address(storage: &CudaStorage, len: usize) -> CResult<u64> {
@@ -84,7 +68,12 @@ pub(super) fn forward(
     let kernel = kernel_for(xs, "rms_norm_forward", r.dim)?;
     let n = r.rows * r.dim;
     let y = alloc(&xs.device, xs.dtype(), n)?;
-    let args = forward_args(&r, input(xs, xl)?, input(ws, wl)?, address(&y, n)?);
+    let args = forward_args(
+        &r,
+        contiguous_address(xs, xl)?,
+        contiguous_address(ws, wl)?,
+        address(&y, n)?,
+    );
     launch::launch(&xs.device, kernel, (r.rows, 1), &args)?;
     Ok((y, xl.shape().clone()))
 }
@@ -106,8 +95,8 @@ pub(super) fn backward(
     let dx = address(&out, len)?;
     let inv_rms = alloc(device, DType::F32, r.rows.max(1))?;
     let inv_rms_at = address(&inv_rms, r.rows.max(1))?;
-    let (x, g) = (input(xs, xl)?, input(gs, gl)?);
-    let args = backward_args(&r, (x, input(ws, wl)?, g), dx, inv_rms_at);
+    let (x, g) = (contiguous_address(xs, xl)?, contiguous_address(gs, gl)?);
+    let args = backward_args(&r, (x, contiguous_address(ws, wl)?, g), dx, inv_rms_at);
     launch::launch(device, rows_kernel, (r.rows, 1), &args)?;
     let groups = groups(r.rows).1;
     let partial = alloc(device, DType::F32, groups * r.dim)?;

@@ -7,43 +7,34 @@ use candle_core::{Layout, Shape, Tensor};
 
 use super::cpu::Rotation;
 use super::cuda_table::{rope_args, HEAD_DIMS};
-use crate::triton::launch::{self, alloc, storage_address};
-use crate::triton::{dtype_name, find, Compiled};
+use crate::triton::launch::{
+    self, alloc, compiled_for, contiguous_address, required, storage_address,
+};
 
 type CResult<T> = candle_core::Result<T>;
 
-/// The compiled kernel for `x`'s card, dtype and head dim, if any.
+/// Whether there is a compiled kernel for `x`'s card, dtype and head dim.
 pub(super) fn takes(x: &Tensor, head_dim: usize) -> CResult<bool> {
     let candle_core::Device::Cuda(device) = x.device() else {
         return Ok(false);
     };
-    if !HEAD_DIMS.contains(&head_dim) {
-        return Ok(false);
-    }
-    let (Some(arch), Some(dtype)) = (launch::arch(device)?, dtype_name(x.dtype())) else {
-        return Ok(false);
-    };
-    Ok(find(super::compiled::KERNELS, "rope", arch, dtype, head_dim).is_some())
-}
-
-fn kernel(storage: &CudaStorage, head_dim: usize) -> CResult<&'static Compiled> {
-    let dtype = storage.dtype();
-    let found = match (launch::arch(&storage.device)?, dtype_name(dtype)) {
-        (Some(arch), Some(name)) => find(super::compiled::KERNELS, "rope", arch, name, head_dim),
-        _ => None,
-    };
-    found
-        .ok_or_else(|| candle_core::Error::Msg(format!("no card rope for {dtype:?} hd {head_dim}")))
+    let found = compiled_for(
+        super::compiled::KERNELS,
+        device,
+        ("rope", x.dtype(), head_dim),
+    )?;
+    Ok(HEAD_DIMS.contains(&head_dim) && found.is_some())
 }
 
 /// The address of a contiguous input of at least `len` elements.
 fn input(storage: &CudaStorage, layout: &Layout, len: usize) -> CResult<u64> {
-    if !layout.is_contiguous() || layout.shape().elem_count() < len {
+    if layout.shape().elem_count() < len {
         candle_core::bail!(
-            "rope on the card: an input laid out as {layout:?}, {len} values needed"
+            "rope on the card: {} values where {len} are needed",
+            layout.shape().elem_count()
         );
     }
-    storage_address(storage, layout)
+    contiguous_address(storage, layout)
 }
 
 /// `x` rotated by the tables, forward or by the transpose.
@@ -54,7 +45,8 @@ pub(super) fn rotate(
     (cs, cl): (&CudaStorage, &Layout),
     (ss, sl): (&CudaStorage, &Layout),
 ) -> CResult<(CudaStorage, Shape)> {
-    let kernel = kernel(xs, r.head_dim)?;
+    let what = ("rope", xs.dtype(), r.head_dim);
+    let kernel = required(super::compiled::KERNELS, &xs.device, what)?;
     let n = xl.shape().elem_count();
     let rows = n / r.head_dim.max(1);
     let batches = match r.per_batch {
