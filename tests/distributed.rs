@@ -168,7 +168,8 @@ fn sequences_split_over_two_ranks_train_as_one_process() {
 }
 
 /// Data 2 x sequence 2 on four ranks: ranks {0, 1} and {2, 3} each split the sequences of their
-/// half of every global batch, and train as one process on the whole batches.
+/// half of every global batch, and train as one process on the whole batches (GRPO's high-entropy
+/// quantile too, over both data groups' tokens).
 #[test]
 fn data_groups_of_sequence_groups_train_as_one_process() {
     if !mpi_available() {
@@ -178,6 +179,7 @@ fn data_groups_of_sequence_groups_train_as_one_process() {
         "sft --max-steps 2 --grad-accum 2 --chunk 3 --seed 4",
         "dpo --max-steps 2 --sft-weight 0.5 --chunk 2 --seed 2",
         "grpo --max-steps 2 --group-size 4 --num-iterations 2 --beta 0.04 --seed 7",
+        "grpo --max-steps 2 --group-size 4 --seed 7 --top-entropy-quantile 0.4",
     ] {
         let four = |zero| format!("{job} --batch-size 1 --sp 2 --zero {zero}");
         assert_same_as_one_process(&format!("{job} --batch-size 2"), (4, four));
@@ -229,8 +231,9 @@ fn orpo_and_cpo_on_two_ranks_are_one_process() {
 /// GRPO with TRL's default dapo (one normaliser over both ranks' tokens); with cispo and rewards
 /// scaled by the whole batch's standard deviation (both summed over the ranks); with truncated
 /// completions masked out of completions of at most 2 tokens (groups left without any run at
-/// weight 0, so the ranks' calls stay paired); and GSPO's weights under luspo (a mean over rows).
-/// (The entropy bonus is not here: as TRL's, it is a token mean per micro-batch, so two ranks'
+/// weight 0, so the ranks' calls stay paired); GSPO's weights under luspo (a mean over rows); and the
+/// high-entropy mask, its quantile over both ranks' completion tokens (TRL gathers them across
+/// processes), with truncated completions masked out too. (The entropy bonus is not here: as TRL's, it is a token mean per micro-batch, so two ranks'
 /// halves are not one process's whole, as two GPUs are not one under TRL.)
 #[test]
 fn grpo_on_two_ranks_is_one_process() {
@@ -242,6 +245,7 @@ fn grpo_on_two_ranks_is_one_process() {
         " --loss-type cispo --epsilon-high 4 --scale-rewards batch",
         " --mask-truncated-completions --max-new-tokens 2",
         " --loss-type luspo --importance-sampling-level sequence --epsilon 0.05",
+        " --top-entropy-quantile 0.4 --mask-truncated-completions --max-new-tokens 3",
     ] {
         assert_two_ranks_match_one(
             |b| {

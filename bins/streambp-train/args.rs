@@ -482,8 +482,9 @@ pub struct GrpoArgs {
     /// the loss, whatever the loss type: an exploration bonus [default: 0, none].
     #[arg(long, allow_negative_numbers = true)]
     entropy_coef: Option<f64>,
-    /// Only the completion tokens in this top quantile by entropy (of the micro-batch's) keep their
-    /// policy term ("Beyond the 80/20 rule": 0.2), in [0, 1] [default: 1, every token].
+    /// Only the completion tokens in this top quantile by entropy (over every data-parallel rank's
+    /// micro-batch) keep their policy term ("Beyond the 80/20 rule": 0.2), in [0, 1] [default: 1,
+    /// every token].
     #[arg(long, allow_negative_numbers = true)]
     top_entropy_quantile: Option<f64>,
 }

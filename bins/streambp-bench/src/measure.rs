@@ -88,6 +88,7 @@ pub(crate) fn workload(
                     off_policy_mask_threshold: None,
                     entropy_coef: 0.0,
                     top_entropy_quantile: 1.0,
+                    entropy_pool: None,
                 },
                 vocab,
                 dev,

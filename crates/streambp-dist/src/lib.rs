@@ -17,7 +17,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 pub mod local;
 #[cfg(feature = "mpi")]
@@ -272,4 +272,32 @@ pub fn check_flat(x: &Tensor) -> Result<()> {
             shape: x.dims().to_vec(),
         }),
     }
+}
+
+/// Every rank's `local` numbers, of any length, concatenated in rank order, on every rank: the
+/// lengths are gathered first and each rank's numbers padded to the longest, as the collectives
+/// carry tensors of one length. The tensors live on `device` (the card's, for NCCL).
+pub fn gather_numbers(comm: &dyn Communicator, local: &[f64], device: &Device) -> Result<Vec<f64>> {
+    let length = Tensor::new(&[local.len() as f64], device)?;
+    let lengths: Vec<usize> = comm
+        .all_gather(&length)?
+        .to_vec1::<f64>()?
+        .into_iter()
+        .map(|n| n as usize)
+        .collect();
+    let longest = lengths.iter().copied().max().unwrap_or(0);
+    if longest == 0 {
+        return Ok(Vec::new());
+    }
+    let mut padded = local.to_vec();
+    padded.resize(longest, 0.0);
+    let all = comm
+        .all_gather(&Tensor::from_vec(padded, longest, device)?)?
+        .to_vec1::<f64>()?;
+    Ok(all
+        .chunks(longest)
+        .zip(&lengths)
+        .flat_map(|(numbers, &n)| &numbers[..n])
+        .copied()
+        .collect())
 }

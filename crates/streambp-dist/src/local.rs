@@ -229,4 +229,26 @@ mod tests {
             ]
         );
     }
+
+    #[test]
+    fn numbers_of_any_length_gather_in_rank_order() {
+        let ranks = LocalGroup::new(3);
+        // Rank r holds r numbers: none, one, two.
+        let out: Vec<Vec<f64>> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .iter()
+                .map(|comm| {
+                    s.spawn(move || {
+                        let r = comm.rank();
+                        let local: Vec<f64> = (0..r).map(|i| (10 * r + i) as f64).collect();
+                        crate::gather_numbers(comm, &local, &Device::Cpu).unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(out, vec![vec![10.0, 20.0, 21.0]; 3]);
+        let none = crate::gather_numbers(&crate::SingleProcess, &[], &Device::Cpu).unwrap();
+        assert!(none.is_empty());
+    }
 }

@@ -22,7 +22,9 @@
 //! off-policy mask the loss is a sum over positions, so it streams; otherwise a row's terms depend on
 //! its whole sum and the engine hands over all positions at once.
 
+use std::fmt;
 use std::ops::Range;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -224,6 +226,38 @@ impl VespoGamma {
     }
 }
 
+/// The completion tokens' entropies of every data-parallel rank's batch, given this rank's, in rank
+/// order: TRL's `get_high_entropy_mask` takes its quantile over all of them (it pads and gathers
+/// them across processes). Every rank's batch calls it once per loss, in the same order; an error
+/// is the collective's, in words.
+#[derive(Clone)]
+pub struct EntropyPool(Arc<PoolFn>);
+
+/// What an [`EntropyPool`] runs.
+type PoolFn = dyn Fn(&[f64]) -> std::result::Result<Vec<f64>, String> + Send + Sync;
+
+impl EntropyPool {
+    /// The pool that `gather` forms from this rank's entropies.
+    pub fn new(
+        gather: impl Fn(&[f64]) -> std::result::Result<Vec<f64>, String> + Send + Sync + 'static,
+    ) -> Self {
+        Self(Arc::new(gather))
+    }
+
+    /// Every rank's entropies, from this rank's `local` ones.
+    fn gather(&self, local: &[f64]) -> Result<Vec<f64>> {
+        (self.0)(local).map_err(|e| {
+            ObjectiveError::Loss(format!("gathering the ranks' entropies failed: {e}"))
+        })
+    }
+}
+
+impl fmt::Debug for EntropyPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("EntropyPool")
+    }
+}
+
 /// A GRPO batch.
 #[derive(Debug, Clone)]
 pub struct GrpoBatch<'a> {
@@ -268,6 +302,9 @@ pub struct GrpoBatch<'a> {
     /// (`[0, 1]`, TRL's; 1: every token, 0: the highest) keep their policy term and count in the
     /// entropy bonus.
     pub top_entropy_quantile: f64,
+    /// Where the quantile of `top_entropy_quantile` runs over every data-parallel rank's
+    /// completion tokens, as TRL's across processes; `None`: over this batch's alone.
+    pub entropy_pool: Option<EntropyPool>,
 }
 
 /// The GRPO objective of one batch, built from a [`GrpoBatch`].
@@ -301,6 +338,7 @@ pub struct Grpo {
     off_policy_mask_threshold: Option<f64>,
     entropy_coef: f64,
     top_entropy_quantile: f64,
+    entropy_pool: Option<EntropyPool>,
 }
 
 impl GrpoBatch<'_> {
@@ -444,6 +482,7 @@ impl Grpo {
             off_policy_mask_threshold: batch.off_policy_mask_threshold,
             entropy_coef: batch.entropy_coef,
             top_entropy_quantile: batch.top_entropy_quantile,
+            entropy_pool: batch.entropy_pool.clone(),
         })
     }
 
@@ -594,19 +633,23 @@ impl Grpo {
         Ok((sum, mask.sum_all()?.to_scalar::<f64>()?))
     }
 
-    /// TRL's `get_high_entropy_mask` (one process): `[G, T]` u8, 1 at the completion tokens whose
-    /// entropy is at least the `1 − top_entropy_quantile` quantile (linear interpolation, as
-    /// `torch.quantile`) of the batch's completion tokens' entropies.
+    /// TRL's `get_high_entropy_mask`: `[G, T]` u8, 1 at the completion tokens whose entropy is at
+    /// least the `1 − top_entropy_quantile` quantile (linear interpolation, as `torch.quantile`)
+    /// of the completion tokens' entropies: the batch's, or every rank's through the pool.
     fn high_entropy_mask(&self, entropy: &Tensor) -> Result<Tensor> {
         let h = entropy.detach().to_dtype(DType::F64)?;
         let values = h.flatten_all()?.to_vec1::<f64>()?;
         let mask = self.mask.flatten_all()?.to_vec1::<u8>()?;
-        let mut tokens: Vec<f64> = values
+        let local: Vec<f64> = values
             .iter()
             .zip(&mask)
             .filter(|(_, &m)| m == 1)
             .map(|(&v, _)| v)
             .collect();
+        let mut tokens = match &self.entropy_pool {
+            Some(pool) => pool.gather(&local)?,
+            None => local,
+        };
         tokens.sort_by(f64::total_cmp);
         let threshold = quantile(&tokens, 1.0 - self.top_entropy_quantile);
         let kept: Vec<u8> = values

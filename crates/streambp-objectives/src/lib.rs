@@ -47,7 +47,7 @@ pub use cpo::{Cpo, CpoLoss, CpoLossType};
 pub use distill::{Distill, DistillBatch, TeacherLogits};
 pub use dpo::Dpo;
 pub use dpo_loss::{DpoLoss, DpoLossType};
-pub use grpo::{Grpo, GrpoBatch, GrpoLossType, ImportanceSampling, VespoGamma};
+pub use grpo::{EntropyPool, Grpo, GrpoBatch, GrpoLossType, ImportanceSampling, VespoGamma};
 pub use kto::{Kto, KtoLoss, KtoLossType};
 pub use orpo::Orpo;
 pub use pairs::PairRows;

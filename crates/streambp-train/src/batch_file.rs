@@ -815,6 +815,7 @@ fn prepare_grpo(
             off_policy_mask_threshold: file.off_policy_mask_threshold,
             entropy_coef: file.entropy_coef,
             top_entropy_quantile: file.top_entropy_quantile,
+            entropy_pool: None,
         },
         vocab_size,
         device,

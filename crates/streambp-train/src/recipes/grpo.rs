@@ -14,7 +14,7 @@ use streambp_models::init::NormalRng;
 use streambp_models::Model;
 use streambp_objectives::rloo::{leave_one_out, less_kl, normalize_advantages};
 use streambp_objectives::{
-    rollouts, Distill, DistillBatch, Grpo, GrpoBatch, Objective, Rloo, TeacherLogits,
+    rollouts, Distill, DistillBatch, EntropyPool, Grpo, GrpoBatch, Objective, Rloo, TeacherLogits,
 };
 
 use crate::batch::{collate, padded, Collated};
@@ -100,14 +100,14 @@ impl MicroBatch {
         // still runs, its completions unmasked at weight 0, so that every rank makes the same
         // calls.
         let unmasked;
-        let (completion_mask, weight, num_items) =
-            match self.completion_mask.iter().flatten().any(|&v| v == 1) {
-                true => (&self.completion_mask, weight, num_items),
-                false => {
-                    unmasked = self.rows.target_mask();
-                    (&unmasked, 0.0, None)
-                }
-            };
+        let has_completions = self.completion_mask.iter().flatten().any(|&v| v == 1);
+        let (completion_mask, weight, num_items) = match has_completions {
+            true => (&self.completion_mask, weight, num_items),
+            false => {
+                unmasked = self.rows.target_mask();
+                (&unmasked, 0.0, None)
+            }
+        };
         let rollouts = rollouts::Rollouts {
             input_ids: &self.rows.input_ids,
             completion_mask,
@@ -166,12 +166,27 @@ impl MicroBatch {
                 off_policy_mask_threshold: g.off_policy_mask_threshold,
                 entropy_coef: g.entropy_coef * bonus_share,
                 top_entropy_quantile: g.top_entropy_quantile,
+                entropy_pool: entropy_pool(setup, has_completions),
             },
             vocab_size,
             device,
         )?;
         Ok((Box::new(objective), weight))
     }
+}
+
+/// The high-entropy mask's quantile over every data-parallel rank's micro-batch, as TRL's over
+/// every process's (none with one rank). A micro-batch whose completions were all masked out joins
+/// the gather with no tokens.
+fn entropy_pool(setup: &Setup, has_completions: bool) -> Option<EntropyPool> {
+    if setup.data.world_size() == 1 {
+        return None;
+    }
+    let (data, device) = (setup.data.clone(), setup.device.clone());
+    Some(EntropyPool::new(move |local| {
+        let local = if has_completions { local } else { &[] };
+        streambp_dist::gather_numbers(data.as_ref(), local, &device).map_err(|e| e.to_string())
+    }))
 }
 
 /// The completion tokens of every rank's `pending` rollouts: GRPO's dapo's, cispo's and vespo's
@@ -811,15 +826,6 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         .map(|s| parse_reward(s))
         .collect::<Result<Vec<_>>>()?;
     let setup = Setup::new(cfg, recipe)?;
-    if g.top_entropy_quantile < 1.0 && setup.data.world_size() > 1 {
-        // TRL's quantile spans every rank's completion tokens of the micro-batch, which the
-        // objective (computed on each rank's own rows) cannot see.
-        return Err(TrainError::flag(
-            "--top-entropy-quantile",
-            g.top_entropy_quantile,
-            "needs one data-parallel rank (its quantile over every rank's tokens is not built yet)",
-        ));
-    }
     let data = setup.data_source(cfg, "train.jsonl")?;
     let prompts = load_prompts(&data, &setup, cfg, g, &rewards)?;
     // Distillation's β selects its divergence; the others' weighs a KL to the reference.
