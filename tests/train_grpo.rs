@@ -4,12 +4,12 @@
 mod common;
 
 use common::*;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use streambp_models::init::NormalRng;
 use streambp_models::load_model;
-use streambp_train::config::{GrpoConfig, Recipe, TrainConfig};
+use streambp_train::config::{AdaptiveEntropy, GrpoConfig, Recipe, TrainConfig};
 use streambp_train::grpo::run_grpo;
 use streambp_train::optim::Schedule;
 use streambp_train::rewards::{
@@ -291,5 +291,72 @@ fn distillation_loss_is_one_mean_over_the_step() {
     for (name, x) in &wa {
         let e = rel_err(x, &wb[name]);
         assert!(e < 1e-4, "{name}: {e:.2e}");
+    }
+}
+
+/// Adaptive entropy control (TRL's `use_adaptive_entropy`): no bonus on the first step (nothing
+/// seen yet), then with a target no entropy exceeds the coefficient climbs by its delta each step
+/// to its bound and the bonus applies, while with a target below every entropy it falls to its
+/// floor and the run is the run without a bonus (the built-in model's f32 aside). A resumed run takes the coefficient from its
+/// checkpoint: the same losses and coefficients, to the last bit.
+#[test]
+fn adaptive_entropy_control_follows_trl_and_resumes_exactly() {
+    let adaptive = |target| GrpoConfig {
+        entropy_coef: 0.1,
+        adaptive_entropy: Some(AdaptiveEntropy {
+            min: 0.02,
+            max: 0.3,
+            delta: 0.05,
+            target,
+        }),
+        ..short_run(Path::new("")).1
+    };
+    let run = |g: &GrpoConfig, out: &Path, resume: Option<PathBuf>| {
+        let (mut cfg, _) = short_run(out);
+        cfg.max_steps = Some(5);
+        cfg.save_every = 2;
+        cfg.resume = resume;
+        run_grpo(&cfg, g).unwrap();
+    };
+    let (plain, high, low, resumed) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    run(&short_run(Path::new("")).1, plain.path(), None);
+    run(&adaptive(100.0), high.path(), None);
+    run(&adaptive(-1.0), low.path(), None);
+    let coefs = metric(high.path(), "entropy_coef");
+    let expected = [0.15, 0.2, 0.25, 0.3, 0.3];
+    assert_eq!(coefs.len(), 5, "{coefs:?}");
+    for (c, e) in coefs.iter().zip(expected) {
+        assert!((c - e).abs() < 1e-12, "{coefs:?}");
+    }
+    let low_coefs = metric(low.path(), "entropy_coef");
+    assert!((low_coefs[0] - 0.05).abs() < 1e-12, "{low_coefs:?}");
+    assert!(low_coefs[1..].iter().all(|&c| c == 0.02), "{low_coefs:?}");
+    let (plain_loss, high_loss) = (metric(plain.path(), "loss"), metric(high.path(), "loss"));
+    assert!(
+        (plain_loss[0] - high_loss[0]).abs() < 1e-6,
+        "no bonus on step 1: {plain_loss:?} {high_loss:?}"
+    );
+    assert!(
+        (plain_loss[1] - high_loss[1]).abs() > 1e-3,
+        "the bonus on step 2"
+    );
+    // The same run in f32 (the head reads the entropies too, so the roundings differ).
+    for (a, b) in plain_loss.iter().zip(metric(low.path(), "loss")) {
+        assert!((a - b).abs() < 1e-6, "never applied: {plain_loss:?}");
+    }
+    run(
+        &adaptive(100.0),
+        resumed.path(),
+        Some(high.path().join("checkpoint-2")),
+    );
+    for name in ["loss", "entropy_coef"] {
+        let (whole, part) = (metric(high.path(), name), metric(resumed.path(), name));
+        assert_eq!(part.len(), 3, "steps 3..=5");
+        assert_eq!(whole[2..], part[..], "{name}");
     }
 }

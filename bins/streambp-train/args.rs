@@ -8,7 +8,7 @@ use streambp_core::{CheckpointEvery, Mode};
 use streambp_objectives::{
     CpoLoss, DpoLoss, GrpoLossType, ImportanceSampling, KtoLoss, KtoLossType, VespoGamma,
 };
-use streambp_train::config::{GrpoConfig, LoraArgs, Recipe, TrainConfig};
+use streambp_train::config::{AdaptiveEntropy, GrpoConfig, LoraArgs, Recipe, TrainConfig};
 use streambp_train::data::Overflow;
 use streambp_train::grad::GradArgs;
 use streambp_train::optim::Schedule;
@@ -46,8 +46,9 @@ pub enum Command {
     Grpo {
         #[command(flatten)]
         train: TrainArgs,
+        /// Boxed: GRPO's many flags would make every command as large.
         #[command(flatten)]
-        grpo: GrpoArgs,
+        grpo: Box<GrpoArgs>,
     },
     /// RLOO (TRL's RLOOTrainer): sample a group per prompt, reward it less --beta × its KL to the
     /// reference, learn from each completion's reward less the mean of the others' with one
@@ -487,6 +488,24 @@ pub struct GrpoArgs {
     /// every token].
     #[arg(long, allow_negative_numbers = true)]
     top_entropy_quantile: Option<f64>,
+    /// Move --entropy-coef after each optimizer step (Skywork-OR1's adaptive entropy control, as
+    /// TRL's): up by --entropy-coef-delta while the step's mean entropy over the tokens the bonus
+    /// acts on is at most --entropy-target, down otherwise; the bonus applies only while it is.
+    #[arg(long)]
+    use_adaptive_entropy: bool,
+    /// The lowest coefficient of adaptive entropy control [default: 0].
+    #[arg(long, allow_negative_numbers = true, requires = "use_adaptive_entropy")]
+    entropy_coef_min: Option<f64>,
+    /// The highest coefficient of adaptive entropy control [default: 1].
+    #[arg(long, allow_negative_numbers = true, requires = "use_adaptive_entropy")]
+    entropy_coef_max: Option<f64>,
+    /// The coefficient's step under adaptive entropy control [default: 0.005].
+    #[arg(long, allow_negative_numbers = true, requires = "use_adaptive_entropy")]
+    entropy_coef_delta: Option<f64>,
+    /// The mean entropy per token, in nats, at or below which adaptive control applies the bonus
+    /// (set it near the `entropy` logged early in training) [default: 0.2].
+    #[arg(long, allow_negative_numbers = true, requires = "use_adaptive_entropy")]
+    entropy_target: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -687,6 +706,15 @@ impl GrpoArgs {
             off_policy_mask_threshold: self.off_policy_mask_threshold,
             entropy_coef: self.entropy_coef.unwrap_or(d.entropy_coef),
             top_entropy_quantile: self.top_entropy_quantile.unwrap_or(d.top_entropy_quantile),
+            adaptive_entropy: self.use_adaptive_entropy.then(|| {
+                let a = AdaptiveEntropy::default();
+                AdaptiveEntropy {
+                    min: self.entropy_coef_min.unwrap_or(a.min),
+                    max: self.entropy_coef_max.unwrap_or(a.max),
+                    delta: self.entropy_coef_delta.unwrap_or(a.delta),
+                    target: self.entropy_target.unwrap_or(a.target),
+                }
+            }),
             ..d
         }
     }

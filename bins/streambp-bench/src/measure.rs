@@ -89,6 +89,7 @@ pub(crate) fn workload(
                     entropy_coef: 0.0,
                     top_entropy_quantile: 1.0,
                     entropy_pool: None,
+                    entropy_stats: false,
                 },
                 vocab,
                 dev,

@@ -24,7 +24,7 @@
 
 use std::fmt;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
@@ -305,6 +305,10 @@ pub struct GrpoBatch<'a> {
     /// Where the quantile of `top_entropy_quantile` runs over every data-parallel rank's
     /// completion tokens, as TRL's across processes; `None`: over this batch's alone.
     pub entropy_pool: Option<EntropyPool>,
+    /// Reads the entropies even where no bonus applies, and reports as metrics the sum of the
+    /// entropies of the tokens the bonus acts on (`entropy_bonus/sum`) and their number
+    /// (`entropy_bonus/tokens`): what TRL's adaptive entropy control reads over an optimizer step.
+    pub entropy_stats: bool,
 }
 
 /// The GRPO objective of one batch, built from a [`GrpoBatch`].
@@ -339,6 +343,29 @@ pub struct Grpo {
     entropy_coef: f64,
     top_entropy_quantile: f64,
     entropy_pool: Option<EntropyPool>,
+    entropy_stats: bool,
+    /// The high-entropy mask of the last loss, for the metrics.
+    kept: KeptMask,
+}
+
+/// The high-entropy mask a loss used, kept for the batch's metrics (a clone starts without one).
+#[derive(Debug, Default)]
+struct KeptMask(Mutex<Option<Tensor>>);
+
+impl Clone for KeptMask {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl KeptMask {
+    fn set(&self, mask: &Tensor) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(mask.clone());
+    }
+
+    fn get(&self) -> Option<Tensor> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 impl GrpoBatch<'_> {
@@ -483,6 +510,8 @@ impl Grpo {
             entropy_coef: batch.entropy_coef,
             top_entropy_quantile: batch.top_entropy_quantile,
             entropy_pool: batch.entropy_pool.clone(),
+            entropy_stats: batch.entropy_stats,
+            kept: KeptMask::default(),
         })
     }
 
@@ -597,6 +626,7 @@ impl Grpo {
             _ => None,
         };
         if let Some(kept) = &kept {
+            self.kept.set(kept);
             per_token = per_token.broadcast_mul(&kept.to_dtype(dt)?)?;
         }
         if let Some(d) = kl_arg {
@@ -716,7 +746,7 @@ impl Objective for Grpo {
     }
 
     fn reads_entropy(&self) -> bool {
-        self.entropy_coef != 0.0 || self.top_entropy_quantile < 1.0
+        self.entropy_coef != 0.0 || self.top_entropy_quantile < 1.0 || self.entropy_stats
     }
 
     fn loss_with_entropy(
@@ -736,8 +766,19 @@ impl Objective for Grpo {
         let mut out = self.metrics(logp)?;
         if let Some(entropy) = entropy {
             // TRL's `entropy`: the mean over the completion tokens.
-            let (sum, count) = self.masked_sum_and_count(&entropy.to_dtype(DType::F64)?, None)?;
+            let entropy = entropy.to_dtype(DType::F64)?;
+            let (sum, count) = self.masked_sum_and_count(&entropy, None)?;
             out.push(("entropy".into(), sum / count.max(1.0)));
+            if self.entropy_stats {
+                // The tokens the bonus acts on: those the loss's high-entropy mask kept.
+                let kept = match self.top_entropy_quantile < 1.0 {
+                    true => self.kept.get(),
+                    false => None,
+                };
+                let (sum, count) = self.masked_sum_and_count(&entropy, kept.as_ref())?;
+                out.push(("entropy_bonus/sum".into(), sum));
+                out.push(("entropy_bonus/tokens".into(), count));
+            }
         }
         Ok(out)
     }
@@ -796,5 +837,68 @@ impl Objective for Grpo {
             out.push(("kl".into(), mean(&kl)?));
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two rows of 5 positions, 3 completion tokens each (logits positions 1..4 of each row).
+    fn objective(pool: Option<EntropyPool>) -> Grpo {
+        let input_ids = vec![vec![1, 2, 3, 4, 0], vec![1, 2, 4, 3, 2]];
+        let mask = vec![vec![0, 0, 1, 1, 1], vec![0, 0, 1, 1, 1]];
+        let batch = GrpoBatch {
+            rollouts: Rollouts {
+                input_ids: &input_ids,
+                completion_mask: &mask,
+                old_logps: None,
+                ref_logps: None,
+            },
+            advantages: &[1.0, -1.0],
+            beta: 0.0,
+            epsilon_low: 0.2,
+            epsilon_high: 0.2,
+            loss_type: GrpoLossType::Dapo,
+            max_completion_length: None,
+            temperature: 1.0,
+            num_items_in_batch: None,
+            use_bias_correction_kl: true,
+            sapo_temperatures: (1.0, 1.05),
+            importance_sampling: ImportanceSampling::Token,
+            vespo_gamma: VespoGamma::default(),
+            off_policy_mask_threshold: None,
+            entropy_coef: 0.0,
+            top_entropy_quantile: 0.5,
+            entropy_pool: pool,
+            entropy_stats: true,
+        };
+        Grpo::new(&batch, 8, &Device::Cpu).unwrap()
+    }
+
+    /// The entropy statistics adaptive control reads cover the tokens the loss's high-entropy
+    /// mask kept, whose quantile runs over what the pool gathers (here, another rank's tokens
+    /// that lift the threshold).
+    #[test]
+    fn entropy_stats_cover_the_kept_tokens_of_the_pooled_quantile() {
+        let entropy = Tensor::new(
+            &[[9.0, 0.1, 0.2, 0.3, 9.0], [9.0, 0.4, 0.5, 0.6, 9.0]],
+            &Device::Cpu,
+        )
+        .unwrap();
+        let logp = (entropy.zeros_like().unwrap() - 1.0).unwrap();
+        let stats = |grpo: &Grpo| {
+            grpo.loss_with_entropy(&logp, &entropy, 0..5).unwrap();
+            let metrics = grpo.metrics_with_entropy(&logp, Some(&entropy)).unwrap();
+            let get = |n: &str| metrics.iter().find(|(k, _)| k == n).unwrap().1;
+            (get("entropy_bonus/sum"), get("entropy_bonus/tokens"))
+        };
+        // Alone: the median of 0.1..0.6 is 0.35, so 0.4, 0.5 and 0.6 stay.
+        let (sum, tokens) = stats(&objective(None));
+        assert!((sum - 1.5).abs() < 1e-12 && tokens == 3.0, "{sum} {tokens}");
+        // With another rank's 0.55, 0.55, 0.55 and 0.7: the median of the ten is 0.525.
+        let pool = EntropyPool::new(|local| Ok([local, &[0.55, 0.55, 0.55, 0.7]].concat()));
+        let (sum, tokens) = stats(&objective(Some(pool)));
+        assert!((sum - 0.6).abs() < 1e-12 && tokens == 1.0, "{sum} {tokens}");
     }
 }

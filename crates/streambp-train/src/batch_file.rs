@@ -816,6 +816,7 @@ fn prepare_grpo(
             entropy_coef: file.entropy_coef,
             top_entropy_quantile: file.top_entropy_quantile,
             entropy_pool: None,
+            entropy_stats: false,
         },
         vocab_size,
         device,

@@ -46,6 +46,10 @@ pub struct TrainerState {
     /// The run's settings (absent in checkpoints of older versions: then nothing is compared).
     #[serde(default)]
     pub run: RunRecord,
+    /// What the job carries from step to step beyond the optimizer and the data order (GRPO's
+    /// adaptive entropy coefficient), as the job wrote it; absent where it carries nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recipe_state: Option<serde_json::Value>,
 }
 
 impl TrainerState {

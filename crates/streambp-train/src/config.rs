@@ -207,8 +207,38 @@ pub struct GrpoConfig {
     /// Only the completion tokens in this top quantile by entropy keep their policy term (TRL's
     /// `top_entropy_quantile`, in [0, 1]).
     pub top_entropy_quantile: f64,
+    /// `entropy_coef` moved each optimizer step by the entropy seen (TRL's `use_adaptive_entropy`);
+    /// `None`: a fixed coefficient.
+    pub adaptive_entropy: Option<AdaptiveEntropy>,
     /// Optimizer steps per batch of rollouts (old log-probs fixed before the first).
     pub num_iterations: usize,
+}
+
+/// TRL's adaptive entropy control (Skywork-OR1): after each optimizer step the entropy
+/// coefficient rises by `delta` (to at most `max`) when the step's mean entropy over the tokens the
+/// bonus acts on is at most `target`, and falls by `delta` (to at least `min`) otherwise; the bonus
+/// applies only while that entropy is at most `target`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdaptiveEntropy {
+    /// The lowest coefficient (TRL's `entropy_coef_min`, 0).
+    pub min: f64,
+    /// The highest coefficient (`entropy_coef_max`, 1).
+    pub max: f64,
+    /// The step of the coefficient (`entropy_coef_delta`, 0.005).
+    pub delta: f64,
+    /// The entropy, in nats, at or below which the bonus applies (`entropy_target`, 0.2).
+    pub target: f64,
+}
+
+impl Default for AdaptiveEntropy {
+    fn default() -> Self {
+        Self {
+            min: 0.0,
+            max: 1.0,
+            delta: 0.005,
+            target: 0.2,
+        }
+    }
 }
 
 /// The model a run starts from when no `--model` is given.
@@ -332,6 +362,7 @@ impl GrpoConfig {
             off_policy_mask_threshold: None,
             entropy_coef: 0.0,
             top_entropy_quantile: 1.0,
+            adaptive_entropy: None,
             num_iterations: 1,
         }
     }
@@ -963,6 +994,26 @@ impl GrpoConfig {
             self.top_entropy_quantile,
             "must be in [0, 1]",
         )?;
+        if let Some(a) = self.adaptive_entropy {
+            for (flag, value) in [
+                ("--entropy-coef-min", a.min),
+                ("--entropy-target", a.target),
+            ] {
+                require(value.is_finite(), flag, value, "must be a number")?;
+            }
+            require(
+                a.delta.is_finite() && a.delta >= 0.0,
+                "--entropy-coef-delta",
+                a.delta,
+                "must be a number at least 0",
+            )?;
+            require(
+                a.max.is_finite() && a.max >= a.min,
+                "--entropy-coef-max",
+                a.max,
+                &format!("must be a number at least --entropy-coef-min ({})", a.min),
+            )?;
+        }
         if let Some(high) = self.epsilon_high {
             require(
                 high.is_finite() && high > 0.0,

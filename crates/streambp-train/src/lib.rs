@@ -34,6 +34,7 @@ pub mod config_file;
 pub mod data;
 pub mod dataset;
 pub mod device;
+pub mod entropy_control;
 pub mod eval;
 pub mod generate;
 pub mod grad;

@@ -181,6 +181,9 @@ pub struct Trainer<'a> {
     pub data: DataOrder,
     /// The run's settings, written into every resumable checkpoint.
     run: RunRecord,
+    /// What the job carries from step to step (set by the job, written into every resumable
+    /// checkpoint; a resumed run's, from its checkpoint).
+    pub recipe_state: Option<serde_json::Value>,
     /// metrics.jsonl (rank 0).
     metrics: Option<MetricsLog>,
     bar: indicatif::ProgressBar,
@@ -249,10 +252,19 @@ impl<'a> Trainer<'a> {
             .max_steps
             .unwrap_or(((examples as f64 * cfg.epochs) / per_step as f64).ceil() as usize)
             .max(1);
-        let (start_step, epoch, cursor, seed, first_loss) = match &cfg.resume {
+        let state = match &cfg.resume {
             Some(dir) => resume(dir, &run, max_steps, &mut parallel, &setup.device)?,
-            None => (0, 0, 0, cfg.seed, f64::NAN),
+            None => TrainerState {
+                step: 0,
+                epoch: 0,
+                cursor: 0,
+                seed: cfg.seed,
+                first_loss: None,
+                run: RunRecord::new(),
+                recipe_state: None,
+            },
         };
+        let start_step = state.step;
         let continues = cfg
             .resume
             .as_ref()
@@ -270,13 +282,14 @@ impl<'a> Trainer<'a> {
             parallel,
             max_steps,
             start_step,
-            data: DataOrder::new(examples, seed, epoch, cursor)?,
+            data: DataOrder::new(examples, state.seed, state.epoch, state.cursor)?,
             run,
+            recipe_state: state.recipe_state,
             metrics,
             bar,
             started: Instant::now(),
             step_started: Instant::now(),
-            first_loss,
+            first_loss: state.first_loss.unwrap_or(f64::NAN),
             last_loss: f64::NAN,
             last_good: None,
             comm,
@@ -399,6 +412,21 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
+    /// The step's value so far of an objective's metric `name` over every rank's micro-batches
+    /// (as [`Trainer::finish_step`] will log it), `None` where no micro-batch weighs anything. A
+    /// collective: every data-parallel rank calls it with the same names.
+    pub fn step_metric(&self, name: &str) -> Result<Option<f64>> {
+        let data = &self.setup.data;
+        let local = self
+            .sums
+            .summed
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(0.0, |(_, v)| *v);
+        let (value, weight) = (data.sum(local)?, data.sum(self.sums.metric_weight)?);
+        Ok((weight > 0.0).then_some(value / weight))
+    }
+
     /// Adds this rank's value of a metric of the step (its mean over this rank's items); the step
     /// reports the mean over ranks.
     pub fn add_metric(&mut self, name: &str, value: f64) {
@@ -514,6 +542,7 @@ impl<'a> Trainer<'a> {
             seed: self.data.seed(),
             first_loss: Some(self.first_loss).filter(|l| l.is_finite()),
             run: self.run.clone(),
+            recipe_state: self.recipe_state.clone(),
         };
         let state = serde_json::to_string_pretty(&state)
             .map_err(|e| TrainError::Internal(format!("trainer state: {e}")))?;
@@ -641,7 +670,7 @@ fn resume(
     max_steps: usize,
     parallel: &mut DataParallel,
     device: &candle_core::Device,
-) -> Result<(usize, u64, usize, u64, f64)> {
+) -> Result<TrainerState> {
     let state = TrainerState::read(dir)?;
     check_resume(dir, &state.run, run)?;
     if state.step >= max_steps {
@@ -654,14 +683,7 @@ fn resume(
     }
     parallel.load_state(dir, state.step, device)?;
     tracing::info!(step = state.step, dir = %dir.display(), "resumed");
-    let first_loss = state.first_loss.unwrap_or(f64::NAN);
-    Ok((
-        state.step,
-        state.epoch,
-        state.cursor,
-        state.seed,
-        first_loss,
-    ))
+    Ok(state)
 }
 
 /// Whether `checkpoint` lies in `output_dir` (both existing): a resumed run that goes on writing

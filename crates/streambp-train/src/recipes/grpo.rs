@@ -22,6 +22,7 @@ use crate::checkpoint::{Digest, Fingerprint, RunRecord};
 use crate::config::{Algorithm, GrpoConfig, TrainConfig};
 use crate::data::{text_field, Example, LoadReport, Overflow, Row, Text};
 use crate::dataset::DataSource;
+use crate::entropy_control::EntropyControl;
 use crate::eval::{eval_accuracy, eval_rows};
 use crate::logprobs::{token_logps, Scorer};
 use crate::output::temporary;
@@ -94,7 +95,7 @@ impl MicroBatch {
         setup: &Setup,
         (cfg, g): (&TrainConfig, &GrpoConfig),
         (ref_logps, teacher): (Option<&[Vec<f64>]>, Option<TeacherLogits>),
-        (weight, num_items, bonus_share): LossScale,
+        (weight, num_items, entropy_coef): LossScale,
     ) -> Result<(Box<dyn Objective>, f64)> {
         // A micro-batch whose every completion was masked out (truncated) adds nothing; it
         // still runs, its completions unmasked at weight 0, so that every rank makes the same
@@ -164,9 +165,10 @@ impl MicroBatch {
                 importance_sampling: g.importance_sampling,
                 vespo_gamma: g.vespo_gamma,
                 off_policy_mask_threshold: g.off_policy_mask_threshold,
-                entropy_coef: g.entropy_coef * bonus_share,
+                entropy_coef,
                 top_entropy_quantile: g.top_entropy_quantile,
                 entropy_pool: entropy_pool(setup, has_completions),
+                entropy_stats: g.adaptive_entropy.is_some(),
             },
             vocab_size,
             device,
@@ -679,17 +681,18 @@ fn fresh_rollouts(
 }
 
 /// How a micro-batch's loss enters the step: its weight, GRPO's dapo's, cispo's and vespo's
-/// `num_items_in_batch`, and the share of the entropy bonus (a mean per micro-batch, as TRL's, that
-/// the weight does not already average over the step).
+/// `num_items_in_batch`, and the coefficient of its entropy bonus (a mean per micro-batch, as
+/// TRL's, so the step's coefficient times the share of the step that the weight does not already
+/// give).
 type LossScale = (f64, Option<f64>, f64);
 
-/// The [`LossScale`] of each of the step's `micro_batches`: weight 1 and `num_items_in_batch` the
-/// completion tokens of every rank's `pending` rollouts for GRPO's dapo, cispo and vespo and for
-/// distillation; for the other loss types and RLOO, one over every rank's micro-batches and no
-/// `num_items_in_batch`.
+/// The [`LossScale`] of each of the step's `micro_batches` with the step's entropy bonus
+/// coefficient `entropy_coef`: weight 1 and `num_items_in_batch` the completion tokens of every
+/// rank's `pending` rollouts for GRPO's dapo, cispo and vespo and for distillation; for the other
+/// loss types and RLOO, one over every rank's micro-batches and no `num_items_in_batch`.
 fn loss_scale(
     setup: &Setup,
-    g: &GrpoConfig,
+    (g, entropy_coef): (&GrpoConfig, f64),
     pending: &[Group],
     micro_batches: usize,
 ) -> Result<LossScale> {
@@ -701,17 +704,22 @@ fn loss_scale(
     };
     let mean = 1.0 / (micro_batches * setup.data.world_size()) as f64;
     Ok(match global {
-        true => (1.0, Some(global_tokens(setup, pending)?), mean),
-        false => (mean, None, 1.0),
+        true => (
+            1.0,
+            Some(global_tokens(setup, pending)?),
+            entropy_coef * mean,
+        ),
+        false => (mean, None, entropy_coef),
     })
 }
 
 /// Runs the step's backwards on its `pending` rollouts (this rank's first group at place
-/// `first_group` of the step), scoring each micro-batch with the reference, or the teacher, where
-/// there is one, and adds the time they and the backwards took to the step's metrics.
+/// `first_group` of the step) with the entropy bonus's coefficient `entropy_coef`, scoring each
+/// micro-batch with the reference, or the teacher, where there is one, and adds the time they and
+/// the backwards took to the step's metrics.
 fn train_on_rollouts(
     trainer: &mut Trainer,
-    g: &GrpoConfig,
+    (g, entropy_coef): (&GrpoConfig, f64),
     (pending, first_group): (&[Group], usize),
     mut reference_scores: Option<&mut Scorer>,
     teacher: Option<&Model>,
@@ -726,7 +734,7 @@ fn train_on_rollouts(
         .chunks(cfg.batch_size.max(1))
         .map(|groups| MicroBatch::of(groups, setup.tokenizer.pad_id))
         .collect();
-    let scale = loss_scale(setup, g, pending, micro_batches.len())?;
+    let scale = loss_scale(setup, (g, entropy_coef), pending, micro_batches.len())?;
     let mut first_row = first_group * g.group_size;
     for m in &micro_batches {
         let t = m.rows.tensors(&setup.device)?;
@@ -865,6 +873,13 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     let mut pending: Vec<Group> = Vec::new();
     let mut history = RewardHistory::default();
     let mut first_group = 0;
+    let mut control = g
+        .adaptive_entropy
+        .map(|a| {
+            let c = EntropyControl::resumed(trainer.recipe_state.as_ref(), g.entropy_coef)?;
+            Ok::<_, TrainError>((c, a))
+        })
+        .transpose()?;
     for step in trainer.start_step..trainer.max_steps {
         trainer.begin_step(step);
         let fresh = step.is_multiple_of(g.num_iterations) || pending.is_empty();
@@ -879,7 +894,26 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
             (pending, first_group) = fresh_rollouts(&mut trainer, job, step, at_draw)?;
         }
         let rollouts = (pending.as_slice(), first_group);
-        train_on_rollouts(&mut trainer, g, rollouts, in_loss, teacher.as_ref())?;
+        let entropy_coef = match &control {
+            Some((c, a)) => c.applied(a),
+            None => g.entropy_coef,
+        };
+        let job = (g, entropy_coef);
+        train_on_rollouts(&mut trainer, job, rollouts, in_loss, teacher.as_ref())?;
+        if let Some((c, a)) = &mut control {
+            // TRL's controller: the step's entropy over the tokens the bonus acted on moves the
+            // coefficient of the next step.
+            let sum = trainer.step_metric("entropy_bonus/sum")?;
+            let tokens = trainer.step_metric("entropy_bonus/tokens")?;
+            c.update(a, sum.unwrap_or(0.0), tokens.unwrap_or(0.0));
+            trainer.recipe_state = Some(c.to_state());
+        }
+        let coef = control
+            .as_ref()
+            .map_or(g.entropy_coef, |(c, _)| c.entropy_coef);
+        if coef != 0.0 || control.is_some() {
+            trainer.add_metric("entropy_coef", coef);
+        }
         let metrics = trainer.finish_step()?;
         if fresh {
             history.note(&metrics);
@@ -958,6 +992,10 @@ impl GrpoConfig {
             ("--entropy-coef", self.entropy_coef.into()),
             ("--top-entropy-quantile", self.top_entropy_quantile.into()),
             (
+                "--use-adaptive-entropy",
+                self.adaptive_entropy.is_some().into(),
+            ),
+            (
                 "--mask-truncated-completions",
                 self.mask_truncated_completions.into(),
             ),
@@ -971,6 +1009,16 @@ impl GrpoConfig {
         } = self.algorithm
         {
             run.insert("--normalize-advantages".into(), normalize_advantages.into());
+        }
+        if let Some(a) = self.adaptive_entropy {
+            for (flag, value) in [
+                ("--entropy-coef-min", a.min),
+                ("--entropy-coef-max", a.max),
+                ("--entropy-coef-delta", a.delta),
+                ("--entropy-target", a.target),
+            ] {
+                run.insert(flag.into(), value.into());
+            }
         }
         run
     }
