@@ -84,7 +84,7 @@ pub struct TrainConfig {
     /// Host memory the memory budget may move the stored checkpoints into, off an accelerator.
     pub host_memory_budget: Option<u64>,
     /// What frozen models the objective reads hold beside the policy during its backward, counted
-    /// against `memory_budget` (distillation's teacher; set by the job that loads it).
+    /// against `memory_budget` (distillation's teacher, a reference's weights; set by the job that loads it).
     pub frozen: streambp_core::Frozen,
     /// Keep layer checkpoints in host memory during the backward.
     pub offload_checkpoints: bool,

@@ -280,9 +280,12 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         ));
     }
     let (b, t) = batch.input_ids.dims2()?;
-    let frozen = teacher
-        .as_ref()
-        .map_or(Frozen::default(), |t| frozen_memory(t, &model));
+    // A --ref-model's weights stay loaded through the backward (LoRA's base is the model's own).
+    let frozen = match (&teacher, &args.ref_model, &ref_model) {
+        (Some(t), _, _) => frozen_memory(t, &model),
+        (None, Some(_), Some(r)) => Frozen::weights(&r.config, r.dtype()),
+        _ => Frozen::default(),
+    };
     let (chunks, options) = plan(args, &model, (b, t), reference_chunks, frozen)?;
     let start = Instant::now();
     let out = backward_with(

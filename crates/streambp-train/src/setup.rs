@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use streambp_core::{ChunkPolicy, Chunks, Options, Planned, Problem, Tiers};
+use streambp_core::{ChunkPolicy, Chunks, Frozen, Options, Planned, Problem, Tiers};
 use streambp_dist::Communicator;
 use streambp_models::adapter::load_adapter;
 use streambp_models::hub::ADAPTER_FILES;
@@ -282,6 +282,22 @@ impl Setup {
             (None, Some(_)) => self.initial.load(self.dtype, &self.device)?.detached(),
             (None, None) => self.model.frozen_copy()?,
         })
+    }
+
+    /// The reference of a job that scores one against the policy (`--ref-model`, else the model
+    /// the run started from) and what it holds beside the policy during the backward, for
+    /// `--memory-budget`: its weights, unless they are the policy's own (LoRA's base).
+    pub fn reference(&self, cfg: &TrainConfig) -> Result<(Model, Frozen)> {
+        let reference = match &cfg.ref_model {
+            Some(spec) => self.load_reference(spec)?,
+            None => self.initial_reference(cfg)?,
+        };
+        let shared = cfg.ref_model.is_none() && self.model.lora().is_some();
+        let frozen = match shared {
+            true => Frozen::default(),
+            false => Frozen::weights(&reference.config, reference.dtype()),
+        };
+        Ok((reference, frozen))
     }
 
     /// A reference model (DPO's `--ref-model`), checked to fit the policy: the same vocabulary, the

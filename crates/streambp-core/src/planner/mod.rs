@@ -68,7 +68,7 @@ pub struct Problem<'a> {
     /// fewer logits-sized buffers than the tensor ops other devices run.
     pub host: bool,
     /// What frozen models the objective reads hold beside the model planned (a distillation
-    /// teacher's); none by default.
+    /// teacher's, a reference's weights); none by default.
     pub frozen: Frozen,
 }
 
@@ -85,6 +85,16 @@ pub struct Frozen {
 }
 
 impl Frozen {
+    /// A frozen model of architecture `config` in `dtype` scored before the backward (a DPO, KTO
+    /// or GRPO reference): only its weights stay, its log-probs being a number per position.
+    pub fn weights(config: &ModelConfig, dtype: DType) -> Self {
+        Self {
+            bytes: parameter_count(config) * dtype.size_in_bytes() as u64,
+            per_token: 0,
+            per_logits_row: 0,
+        }
+    }
+
     /// A distillation teacher of architecture `teacher` in `dtype`, read by the divergence of a
     /// student in `student` (whose head computes in f32, f64 for f64): its weights, its final hidden states, and per
     /// logits row its logits (cast to `compute` where that differs) and its normed rows, with what
@@ -499,6 +509,23 @@ mod tests {
             small.is_err(),
             "a budget below the teacher's weights is refused"
         );
+    }
+
+    /// A reference scored before the backward holds only its weights, through every phase.
+    #[test]
+    fn a_reference_counts_its_weights_only() {
+        let cfg = qwen3_8b();
+        let chunks = Chunks {
+            chunk: 1024,
+            logits_chunk: 512,
+        };
+        let reference = Frozen::weights(&cfg, DType::BF16);
+        assert_eq!(reference.bytes, parameter_count(&cfg) * 2);
+        let alone = estimate(problem(&cfg, 16_384, false), chunks);
+        let with = estimate(problem(&cfg, 16_384, false).with_frozen(reference), chunks);
+        assert_eq!(with.resident - alone.resident, reference.bytes);
+        assert_eq!(with.layer_phase, alone.layer_phase);
+        assert_eq!(with.head_phase, alone.head_phase);
     }
 
     /// A budget takes the fastest way of storing the checkpoints that keeps the layer chunk at 128 or

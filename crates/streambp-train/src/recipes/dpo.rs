@@ -60,9 +60,10 @@ impl PairJob for DpoJob {
 /// default, from the shipped SFT checkpoint).
 pub fn run_dpo(cfg: &TrainConfig) -> Result<Summary> {
     let setup = Setup::new(cfg, Recipe::Dpo)?;
-    let reference = match &cfg.ref_model {
-        Some(spec) => setup.load_reference(spec)?,
-        None => setup.initial_reference(cfg)?,
+    let (reference, frozen) = setup.reference(cfg)?;
+    let cfg = &TrainConfig {
+        frozen,
+        ..cfg.clone()
     };
     let job = DpoJob {
         reference,

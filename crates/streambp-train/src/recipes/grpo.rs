@@ -838,17 +838,22 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     let prompts = load_prompts(&data, &setup, cfg, g, &rewards)?;
     // Distillation's β selects its divergence; the others' weighs a KL to the reference.
     let reference = (cfg.beta != 0.0 && g.algorithm != Algorithm::Distill)
-        .then(|| setup.initial_reference(cfg))
+        .then(|| setup.reference(cfg))
         .transpose()?;
     let teacher = match g.algorithm {
         Algorithm::Distill => Some(distillation_teacher(&setup, g)?),
         Algorithm::Grpo | Algorithm::Rloo { .. } => None,
     };
-    // The teacher's weights, hidden states and logits count against --memory-budget.
+    // The teacher's weights, hidden states and logits, or the reference's weights, count
+    // against --memory-budget.
+    let frozen = match (&teacher, &reference) {
+        (Some(t), _) => frozen_memory(t, &setup.model),
+        (None, Some((_, frozen))) => *frozen,
+        (None, None) => cfg.frozen,
+    };
+    let reference = reference.map(|(model, _)| model);
     let cfg = &TrainConfig {
-        frozen: teacher
-            .as_ref()
-            .map_or(cfg.frozen, |t| frozen_memory(t, &setup.model)),
+        frozen,
         ..cfg.clone()
     };
     let job = recipe.name();

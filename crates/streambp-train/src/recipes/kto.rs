@@ -5,7 +5,6 @@
 //! from mismatched rows as TRL's collator builds them: every prompt with the previous row's
 //! completion, scored by the policy and the reference without a graph.
 
-use streambp_models::Model;
 use streambp_objectives::{Kto, KtoLoss};
 
 use super::pairs::{load_pairs_into, HeldOut};
@@ -112,9 +111,10 @@ fn completion_logps(
 /// unpaired, by default, from the shipped SFT checkpoint).
 pub fn run_kto(cfg: &TrainConfig) -> Result<Summary> {
     let setup = Setup::new(cfg, Recipe::Kto)?;
-    let reference: Model = match &cfg.ref_model {
-        Some(spec) => setup.load_reference(spec)?,
-        None => setup.initial_reference(cfg)?,
+    let (reference, frozen) = setup.reference(cfg)?;
+    let cfg = &TrainConfig {
+        frozen,
+        ..cfg.clone()
     };
     let data = setup.data_source(cfg, "dpo.jsonl")?;
     let mut store = StoreWriter::create(&temporary(&cfg.output_dir, "tokenized"))?;
