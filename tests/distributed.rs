@@ -142,7 +142,8 @@ fn assert_two_ranks_match_one(args_with_batch: impl Fn(usize) -> String, b: usiz
 /// reference and old policy scored on the split sequences too; three prompts a micro-batch, sampled
 /// two on one rank and one on the other and shared; with vespo's, the sequence level's and the
 /// off-policy mask's terms of whole rows; RLOO's ratio of whole rows; the entropies of the split
-/// rows' positions, their bonus and their high-entropy mask), a LoRA adapter with dropout (its masks drawn
+/// rows' positions, their bonus and their high-entropy mask; distillation, the teacher's forward
+/// split as the student's and its logits read at each rank's positions), a LoRA adapter with dropout (its masks drawn
 /// by position in the whole row), and packed rows of 23 tokens (spans of 12 and 11, documents
 /// crossing between them).
 #[test]
@@ -160,6 +161,7 @@ fn sequences_split_over_two_ranks_train_as_one_process() {
          --normalize-advantages",
         "grpo --max-steps 2 --batch-size 3 --group-size 4 --num-iterations 2 --seed 7 \
          --entropy-coef 0.1 --top-entropy-quantile 0.5",
+        "distill --max-steps 2 --batch-size 3 --beta 0.5 --seed 7",
         "sft --max-steps 2 --batch-size 2 --chunk 2 --lora-r 4 --lora-dropout 0.3 --lr 1e-2 --seed 3",
         "sft --max-steps 2 --batch-size 2 --packing --max-length 23 --chunk 4 --seed 6",
     ] {

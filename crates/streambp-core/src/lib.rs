@@ -48,7 +48,8 @@ pub mod workers;
 pub use engine::{
     backward, backward_into, backward_sequence_parallel, backward_with, forward_hidden,
     forward_logprobs, forward_logprobs_sequence_parallel, shard_ranges, target_logprobs, Batch,
-    CheckpointEvery, CheckpointIo, Chunks, FinishedGradients, Gradients, Mode, Options, Plan,
+    CheckpointEvery, CheckpointIo, Chunks, FinishedGradients, Gradients, HiddenStates, Mode,
+    Options, Plan,
 };
 pub use error::{EngineError, Result};
 pub use planner::{

@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use candle_core::Tensor;
 use streambp_core::{forward_hidden, Batch, Chunks, Frozen};
+use streambp_dist::Communicator;
 use streambp_models::{load_model, resolve_model_dir, Model};
 use streambp_objectives::{ObjectiveError, TeacherLogits};
 
@@ -46,16 +47,21 @@ pub fn load_teacher(spec: &str, student: &Model) -> Result<Model> {
 }
 
 /// The teacher's logits of `batch`'s positions: its forward without a graph (streamed over
-/// `chunks.chunk`) keeps its final-normed hidden states `[B, T, d]`; its head then runs on the
-/// positions the loss asks for.
-pub fn teacher_logits(teacher: &Model, batch: Batch, chunks: Chunks) -> Result<TeacherLogits> {
-    let hidden = forward_hidden(teacher, batch, chunks)?;
+/// `chunks.chunk`; each rank of a sequence `group` its spans of the rows, as the student's) keeps
+/// its final-normed hidden states `[B, positions held, d]`; its head then runs on the positions
+/// the loss asks for.
+pub fn teacher_logits(
+    teacher: &Model,
+    batch: Batch,
+    chunks: Chunks,
+    group: Option<&dyn Communicator>,
+) -> Result<TeacherLogits> {
+    let hidden = forward_hidden(teacher, batch, chunks, group)?;
     let teacher = teacher.detached();
+    let failed = |e: String| ObjectiveError::Loss(format!("the teacher's logits: {e}"));
     Ok(Box::new(move |cols: Range<usize>| {
-        let normed = hidden.narrow(1, cols.start, cols.len())?;
-        teacher
-            .logits(&normed)
-            .map_err(|e| ObjectiveError::Loss(format!("the teacher's logits: {e}")))
+        let normed = hidden.positions(cols).map_err(|e| failed(e.to_string()))?;
+        teacher.logits(&normed).map_err(|e| failed(e.to_string()))
     }))
 }
 
@@ -70,5 +76,5 @@ pub fn teacher_of(
     teacher: &Model,
     chunks: Chunks,
 ) -> impl FnMut(&Tensor, Option<&Tensor>) -> Result<TeacherLogits> + '_ {
-    move |ids, mask| teacher_logits(teacher, Batch::new(ids, mask), chunks)
+    move |ids, mask| teacher_logits(teacher, Batch::new(ids, mask), chunks, None)
 }

@@ -548,20 +548,62 @@ pub fn forward_logprobs(
     )
 }
 
-/// The final-normed hidden states `[batch, T, d]` of `model`, without any graph and streamed like
-/// the backward (one layer's hidden states at a time, query chunks): a distillation teacher's, whose
-/// head the loss applies a logits chunk at a time.
-pub fn forward_hidden(model: &Model, batch: Batch, chunks: Chunks) -> Result<Tensor> {
-    let shard = Shard::whole(batch.input_ids.dim(1)?);
+/// The final-normed hidden states of `model` at the positions this rank holds (all of them, or
+/// with a sequence `group` its spans, as [`backward_sequence_parallel`] splits the rows), without
+/// any graph and streamed like the backward (one layer's hidden states at a time, query chunks): a
+/// distillation teacher's, whose head the loss applies a logits chunk at a time.
+pub fn forward_hidden(
+    model: &Model,
+    batch: Batch,
+    chunks: Chunks,
+    group: Option<&dyn Communicator>,
+) -> Result<HiddenStates> {
+    let t = batch.input_ids.dim(1)?;
+    let shard = match group {
+        Some(group) => Shard::of(group, t)?,
+        None => Shard::whole(t),
+    };
     let detached = model.detached();
     let layout = batch.layout()?;
-    on_workers(model.device(), || {
-        let mut h = detached.embed(batch.input_ids)?;
+    let hidden = on_workers(model.device(), || {
+        let mut h = detached.embed(&shard.local(batch.input_ids, 1)?)?;
         for layer in &detached.layers {
             h = layer_forward_streamed(layer, &h, &layout, chunks.chunk, &shard)?;
         }
-        Ok(detached.final_norm(&h)?)
+        Ok::<_, EngineError>(detached.final_norm(&h)?)
+    })?;
+    Ok(HiddenStates {
+        hidden,
+        spans: shard.spans().to_vec(),
     })
+}
+
+/// A frozen model's final-normed hidden states `[batch, positions held, d]` of the positions a
+/// rank holds ([`forward_hidden`]), read by positions of the whole rows.
+#[derive(Debug, Clone)]
+pub struct HiddenStates {
+    hidden: Tensor,
+    /// The spans of the whole rows held, in the order they are stored.
+    spans: Vec<Range<usize>>,
+}
+
+impl HiddenStates {
+    /// The hidden states `[batch, cols.len(), d]` of positions `cols` of the whole rows, which lie
+    /// in one span this rank holds (as every chunk of the engine's head does).
+    pub fn positions(&self, cols: Range<usize>) -> Result<Tensor> {
+        let mut at = 0;
+        for span in &self.spans {
+            if span.start <= cols.start && cols.end <= span.end {
+                let start = at + cols.start - span.start;
+                return Ok(self.hidden.narrow(1, start, cols.len())?);
+            }
+            at += span.len();
+        }
+        Err(EngineError::Shape(format!(
+            "positions {cols:?} are not within one span held here ({:?})",
+            self.spans
+        )))
+    }
 }
 
 /// [`forward_logprobs`] on one rank of a sequence group ([`backward_sequence_parallel`]): each rank
@@ -670,4 +712,35 @@ fn required(store: &GradStore, t: &Tensor, what: &str) -> Result<Tensor> {
         .get(t)
         .map(Tensor::detach)
         .ok_or_else(|| EngineError::MissingGradient(what.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// A rank holding positions 2..4 and 6..8 of rows of 8 (rank 1 of 2's pieces) reads each
+    /// span's positions from where it stores them.
+    #[test]
+    fn hidden_states_are_read_by_whole_row_positions() {
+        let stored: Vec<f64> = [2.0, 3.0, 6.0, 7.0].to_vec();
+        let states = HiddenStates {
+            hidden: Tensor::from_vec(stored, (1, 4, 1), &Device::Cpu).unwrap(),
+            spans: vec![2..4, 6..8],
+        };
+        let read = |cols: Range<usize>| {
+            states
+                .positions(cols)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap()
+        };
+        assert_eq!(read(2..4), [2.0, 3.0]);
+        assert_eq!(read(7..8), [7.0]);
+        assert_eq!(read(6..8), [6.0, 7.0]);
+        assert!(states.positions(3..7).is_err(), "across spans");
+        assert!(states.positions(0..1).is_err(), "not held");
+    }
 }

@@ -112,6 +112,11 @@ impl<'a> Shard<'a> {
         })
     }
 
+    /// The spans of the whole rows held here, in the order they are stored.
+    pub fn spans(&self) -> &[Range<usize>] {
+        &self.spans
+    }
+
     /// Whether other ranks hold part of the rows.
     pub fn is_split(&self) -> bool {
         self.group.is_some()

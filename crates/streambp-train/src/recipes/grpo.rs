@@ -752,7 +752,8 @@ fn train_on_rollouts(
         let teacher = match teacher {
             Some(model) => {
                 let chunks = cfg.chunks_for(model, &t.input_ids)?;
-                Some(teacher_logits(model, t.batch(), chunks)?)
+                let group = setup.sequence.as_deref();
+                Some(teacher_logits(model, t.batch(), chunks, group)?)
             }
             None => None,
         };
@@ -940,16 +941,8 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
     Ok(summary)
 }
 
-/// Distillation's teacher: `--teacher`, or on the built-in task the shipped SFT checkpoint; refused
-/// with sequences split over ranks (the teacher's logits are of whole rows).
+/// Distillation's teacher: `--teacher`, or on the built-in task the shipped SFT checkpoint.
 fn distillation_teacher(setup: &Setup, g: &GrpoConfig) -> Result<Model> {
-    if setup.sequence.is_some() {
-        return Err(TrainError::flag(
-            "--sp",
-            "",
-            "distill needs whole sequences on each rank (the teacher's logits are of whole rows)",
-        ));
-    }
     let spec = match (&g.teacher, setup.builtin_sft_model()) {
         (Some(spec), _) => spec.clone(),
         (None, Some(dir)) => dir.display().to_string(),
