@@ -20,9 +20,28 @@ use streambp_kernels::ops::divergence::generalized_jsd;
 use crate::rollouts::{bad, shift};
 use crate::{Objective, ObjectiveError, Result};
 
-/// The teacher's logits `[batch, cols.len(), V]` (soft-capped, before the temperature) at logits
-/// positions `cols` (position `t` predicts `input_ids[t + 1]`).
-pub type TeacherLogits = Box<dyn Fn(Range<usize>) -> Result<Tensor> + Send + Sync>;
+/// Where a distillation batch's teacher logits come from (a closure of the positions is one).
+pub trait TeacherSource: Send + Sync {
+    /// The teacher's logits `[batch, cols.len(), V]` (soft-capped, before the temperature) at
+    /// logits positions `cols` (position `t` predicts `input_ids[t + 1]`).
+    fn logits(&self, cols: Range<usize>) -> Result<Tensor>;
+
+    /// Frees what only [`TeacherSource::logits`] reads (the teacher's hidden states), to be made
+    /// again if they are asked for later: the engine's head has read every chunk of its backward.
+    fn release(&self) {}
+}
+
+impl<F> TeacherSource for F
+where
+    F: Fn(Range<usize>) -> Result<Tensor> + Send + Sync,
+{
+    fn logits(&self, cols: Range<usize>) -> Result<Tensor> {
+        self(cols)
+    }
+}
+
+/// A distillation batch's teacher logits.
+pub type TeacherLogits = Box<dyn TeacherSource>;
 
 /// A distillation batch: rows whose completions the student learns the teacher's distributions on.
 pub struct DistillBatch<'a> {
@@ -152,7 +171,10 @@ impl Objective for Distill {
     }
 
     fn logits_loss(&self, logits: &Tensor, cols: Range<usize>) -> Result<Tensor> {
-        let teacher = (self.teacher)(cols.clone())?.to_dtype(logits.dtype())?;
+        let teacher = self
+            .teacher
+            .logits(cols.clone())?
+            .to_dtype(logits.dtype())?;
         let teacher = match self.temperature == 1.0 {
             true => teacher,
             false => teacher.affine(1.0 / self.temperature, 0.0)?,
@@ -161,6 +183,11 @@ impl Objective for Distill {
         // two logits and one gradient rather than autograd's log-softmaxes and mixture.
         let divergence = generalized_jsd(logits, &teacher, self.beta)?;
         self.share(&divergence, &cols)
+    }
+
+    /// The teacher's hidden states are read by the head alone: freed before the layers' backward.
+    fn head_done(&self) {
+        self.teacher.release();
     }
 
     /// TRL's `entropy`: the student's mean entropy over the counted positions.

@@ -44,7 +44,7 @@ pub mod sft;
 mod targets;
 
 pub use cpo::{Cpo, CpoLoss, CpoLossType};
-pub use distill::{Distill, DistillBatch, TeacherLogits};
+pub use distill::{Distill, DistillBatch, TeacherLogits, TeacherSource};
 pub use dpo::Dpo;
 pub use dpo_loss::{DpoLoss, DpoLossType};
 pub use grpo::{EntropyPool, Grpo, GrpoBatch, GrpoLossType, ImportanceSampling, VespoGamma};
@@ -137,6 +137,11 @@ pub trait Objective: Send + Sync {
             self.name()
         )))
     }
+
+    /// Called by a streaming engine once its head has read every logits chunk of a backward, before
+    /// the layers' backward: the objective may free what only the head reads (distillation's
+    /// teacher hidden states), making it again should a later backward ask for it.
+    fn head_done(&self) {}
 
     /// [`Objective::metrics`] with the final `[batch, T]` entropies where the objective reads them
     /// (or, for one that reads the logits, the student's entropies, for its metrics).

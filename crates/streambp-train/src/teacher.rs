@@ -3,12 +3,13 @@
 //! sequence at once.
 
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
-use streambp_core::{forward_hidden, Batch, Chunks, Frozen};
+use streambp_core::{forward_hidden, Batch, Chunks, Frozen, HiddenStates};
 use streambp_dist::Communicator;
 use streambp_models::{load_model, resolve_model_dir, Model};
-use streambp_objectives::{ObjectiveError, TeacherLogits};
+use streambp_objectives::{ObjectiveError, TeacherLogits, TeacherSource};
 
 use crate::{Result, TrainError};
 
@@ -49,20 +50,68 @@ pub fn load_teacher(spec: &str, student: &Model) -> Result<Model> {
 /// The teacher's logits of `batch`'s positions: its forward without a graph (streamed over
 /// `chunks.chunk`; each rank of a sequence `group` its spans of the rows, as the student's) keeps
 /// its final-normed hidden states `[B, positions held, d]`; its head then runs on the positions
-/// the loss asks for.
+/// the loss asks for. The engine frees the hidden states once its head is done (they are made
+/// again should another backward ask).
 pub fn teacher_logits(
     teacher: &Model,
     batch: Batch,
     chunks: Chunks,
-    group: Option<&dyn Communicator>,
+    group: Option<Arc<dyn Communicator>>,
 ) -> Result<TeacherLogits> {
-    let hidden = forward_hidden(teacher, batch, chunks, group)?;
-    let teacher = teacher.detached();
-    let failed = |e: String| ObjectiveError::Loss(format!("the teacher's logits: {e}"));
-    Ok(Box::new(move |cols: Range<usize>| {
+    let forward = TeacherForward {
+        teacher: teacher.detached(),
+        input_ids: batch.input_ids.clone(),
+        attention_mask: batch.attention_mask.cloned(),
+        position_ids: batch.position_ids.cloned(),
+        chunks,
+        group,
+        hidden: Mutex::new(None),
+    };
+    forward.hidden()?;
+    Ok(Box::new(forward))
+}
+
+/// A teacher's forward on one batch, its final hidden states kept until released.
+struct TeacherForward {
+    teacher: Model,
+    input_ids: Tensor,
+    attention_mask: Option<Tensor>,
+    position_ids: Option<Tensor>,
+    chunks: Chunks,
+    group: Option<Arc<dyn Communicator>>,
+    hidden: Mutex<Option<Arc<HiddenStates>>>,
+}
+
+impl TeacherForward {
+    /// The hidden states, made by the forward where none are kept.
+    fn hidden(&self) -> Result<Arc<HiddenStates>> {
+        let mut kept = self.hidden.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(hidden) = kept.as_ref() {
+            return Ok(hidden.clone());
+        }
+        let batch = Batch {
+            input_ids: &self.input_ids,
+            attention_mask: self.attention_mask.as_ref(),
+            position_ids: self.position_ids.as_ref(),
+        };
+        let made = forward_hidden(&self.teacher, batch, self.chunks, self.group.as_deref())?;
+        Ok(kept.insert(Arc::new(made)).clone())
+    }
+}
+
+impl TeacherSource for TeacherForward {
+    fn logits(&self, cols: Range<usize>) -> std::result::Result<Tensor, ObjectiveError> {
+        let failed = |e: String| ObjectiveError::Loss(format!("the teacher's logits: {e}"));
+        let hidden = self.hidden().map_err(|e| failed(e.to_string()))?;
         let normed = hidden.positions(cols).map_err(|e| failed(e.to_string()))?;
-        teacher.logits(&normed).map_err(|e| failed(e.to_string()))
-    }))
+        self.teacher
+            .logits(&normed)
+            .map_err(|e| failed(e.to_string()))
+    }
+
+    fn release(&self) {
+        *self.hidden.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
 }
 
 /// What `teacher` holds beside `student` during the student's backward, for the planner: its

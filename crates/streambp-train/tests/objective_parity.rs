@@ -330,6 +330,34 @@ fn distill_matches_trl() {
     }
 }
 
+/// The teacher's hidden states are freed once the streamed head is done with them, and made again
+/// when the same objective runs another backward: the second gives the first's gradients, bit for
+/// bit.
+#[test]
+fn a_distillation_objective_runs_again_after_its_teacher_states_are_freed() {
+    let model = load_model(&fixture_dir("qwen3"), DType::F64, &Device::Cpu).unwrap();
+    let variant = &trl_variants::distill_variants()[0];
+    let batch = edited_batch(
+        "qwen3",
+        "grpo-batch.json",
+        variant.edit.as_ref(),
+        &model.config,
+    );
+    let input = Batch::new(&batch.input_ids, batch.attention_mask.as_ref());
+    let chunks = Chunks {
+        chunk: 3,
+        logits_chunk: 4,
+    };
+    let objective = batch.objective.as_ref();
+    let first = backward(&model, input, objective, Mode::Stream, chunks).unwrap();
+    let again = backward(&model, input, objective, Mode::Stream, chunks).unwrap();
+    assert_eq!(first.loss, again.loss);
+    for ((name, a), (_, b)) in first.grads.iter().zip(&again.grads) {
+        let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(diff.to_scalar::<f64>().unwrap(), 0.0, "{name}");
+    }
+}
+
 /// Every DPO loss type of TRL 1.16 (the objective's values are checked against TRL's own code in
 /// streambp-objectives' `dpo_loss_types` test): streamed and checkpointed gradients equal the plain
 /// backward's, every family, chunkings that do not divide T.

@@ -421,6 +421,7 @@ fn backward_impl(
             let head = on_workers(device, || {
                 head_backward(model, &last, objective, (logits_chunk, &shard), &mut sink)
             })?;
+            objective.head_done();
             let mut grad = head.grad_last;
             drop(last);
             // The final norm and an untied head are done; a tied head still gets the embedding

@@ -147,6 +147,12 @@ impl<'a> Sizes<'a> {
         self.b * self.c * (of_d * d + of_q * q + of_kv * kv + of_ffn * ffn) * self.act
     }
 
+    /// A frozen model's per-token states (a teacher's final hidden states), held through the
+    /// forward and the head.
+    fn frozen_states(&self) -> u64 {
+        self.b * self.t * self.p.frozen.per_token
+    }
+
     /// The layer's keys and values of the whole sequence, in its activation dtype.
     fn keys_values(&self) -> u64 {
         2 * self.b * self.t * self.kv * self.act
@@ -276,8 +282,7 @@ fn resident(s: &Sizes, held: &Held) -> u64 {
         false => 0,
     };
     let tokens = s.b * s.t * 48;
-    let frozen = s.p.frozen.bytes + s.b * s.t * s.p.frozen.per_token;
-    held.weights + rope + slabs + tokens + frozen
+    held.weights + rope + slabs + tokens + s.p.frozen.bytes
 }
 
 /// The forward: the checkpoints, one layer's keys and values, a chunk's activations (no graph:
@@ -290,6 +295,7 @@ fn forward_phase(s: &Sizes, checkpoints: &Checkpoints) -> u64 {
         _ => 0,
     };
     checkpoints.forward
+        + s.frozen_states()
         + s.keys_values()
         + s.chunk_rows((5, 4, 1, 4))
         + s.projection_workspace()
@@ -339,6 +345,7 @@ fn head_phase(s: &Sizes, held: &Held, checkpoints: &Checkpoints) -> u64 {
         + logits
         + head_rows
         + head_share
+        + s.frozen_states()
         + b * lc * s.p.frozen.per_logits_row
         + s.workspace(&products, true)
 }

@@ -77,7 +77,8 @@ pub struct Problem<'a> {
 pub struct Frozen {
     /// Held throughout: its weights.
     pub bytes: u64,
-    /// Held throughout, per token of the batch: its final hidden states.
+    /// Per token of the batch, through the forward and the head (the objective frees them
+    /// before the layers' backward): its final hidden states.
     pub per_token: u64,
     /// In the head, per row of a logits chunk: what the objective makes of it beside the model's
     /// own logits (the frozen model's logits and the gradient the divergence writes).
@@ -469,8 +470,9 @@ mod tests {
         }
     }
 
-    /// A frozen teacher adds its weights and hidden states to every phase and its logits rows to
-    /// the head's, so a budget leaves it room: smaller chunks, or none where it cannot fit.
+    /// A frozen teacher adds its weights to every phase, its hidden states to the forward and the
+    /// head (freed before the layers), and its logits rows to the head's, so a budget leaves it
+    /// room: smaller chunks, or none where it cannot fit.
     #[test]
     fn a_teacher_counts_against_the_budget() {
         let cfg = qwen3_8b();
@@ -484,12 +486,16 @@ mod tests {
         assert_eq!(teacher.per_token, cfg.hidden_size as u64 * 2);
         let alone = estimate(problem(&cfg, t, false), chunks);
         let taught = estimate(problem(&cfg, t, false).with_frozen(teacher), chunks);
-        let held = teacher.bytes + t as u64 * teacher.per_token;
-        assert_eq!(taught.resident - alone.resident, held);
-        assert_eq!(taught.layer_phase - alone.layer_phase, 0);
+        let states = t as u64 * teacher.per_token;
+        assert_eq!(taught.resident - alone.resident, teacher.bytes);
+        assert_eq!(taught.forward_phase - alone.forward_phase, states);
+        assert_eq!(
+            taught.layer_phase, alone.layer_phase,
+            "freed before the layers"
+        );
         let rows = chunks.logits_chunk as u64 * teacher.per_logits_row;
-        assert_eq!(taught.head_phase - alone.head_phase, rows);
-        assert!(taught.peak() >= alone.peak() + held);
+        assert_eq!(taught.head_phase - alone.head_phase, states + rows);
+        assert!(taught.peak() >= alone.peak() + teacher.bytes);
         let budget = 80 << 30;
         let tiers = Tiers::default();
         let own = plan_with_checkpoints(problem(&cfg, t, false), budget, tiers).unwrap();

@@ -752,7 +752,7 @@ fn train_on_rollouts(
         let teacher = match teacher {
             Some(model) => {
                 let chunks = cfg.chunks_for(model, &t.input_ids)?;
-                let group = setup.sequence.as_deref();
+                let group = setup.sequence.clone();
                 Some(teacher_logits(model, t.batch(), chunks, group)?)
             }
             None => None,
