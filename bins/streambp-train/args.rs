@@ -480,7 +480,8 @@ pub struct GrpoArgs {
     #[arg(long, allow_negative_numbers = true)]
     off_policy_mask_threshold: Option<f64>,
     /// Subtract this times the completion tokens' mean entropy (of the sampling distribution) from
-    /// the loss, whatever the loss type: an exploration bonus [default: 0, none].
+    /// the loss, whatever the loss type: an exploration bonus (with --use-adaptive-entropy, the
+    /// starting coefficient) [default: 0, none].
     #[arg(long, allow_negative_numbers = true)]
     entropy_coef: Option<f64>,
     /// Only the completion tokens in this top quantile by entropy (over every data-parallel rank's

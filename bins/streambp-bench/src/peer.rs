@@ -2,7 +2,9 @@
 //! The peer (`scripts/peer_bench.py --serve`) stays up and answers one step at a time, so every round
 //! alternates the peer's steps (without and with gradient checkpointing) with ours (each `--modes`
 //! mode); each figure is the median over the rounds, and the ratios compare medians taken side by
-//! side. `--peer-doc FILE` writes the table into FILE between two marker lines.
+//! side. With `--plot` each side's heap peak above its weights is measured too (the peer's by
+//! `scripts/heap_peak.c`, preloaded into it). `--peer-doc FILE` writes the tables into FILE between
+//! two marker lines.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -11,7 +13,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use anyhow::{bail, Context};
 
 /// The peer's two settings, as the script names them.
-const PEER_MODES: [(&str, &str); 2] = [
+pub const PEER_MODES: [(&str, &str); 2] = [
     ("none", "transformers"),
     ("gc", "transformers + checkpointing"),
 ];
@@ -30,13 +32,20 @@ pub struct Peer {
 }
 
 impl Peer {
-    /// Starts `python script --config config --dtype dtype --serve` and waits until it is ready.
-    pub fn start(python: &Path, script: &Path, config: &Path, dtype: &str) -> anyhow::Result<Self> {
+    /// Starts `python script --config config --dtype dtype --serve` (and `--memory`: each step's
+    /// heap peak) and waits until it is ready.
+    pub fn start(
+        python: &Path,
+        script: &Path,
+        (config, dtype): (&Path, &str),
+        memory: bool,
+    ) -> anyhow::Result<Self> {
         let mut child = Command::new(python)
             .arg(script)
             .arg("--config")
             .arg(config)
             .args(["--dtype", dtype, "--serve"])
+            .args(memory.then_some("--memory"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -67,14 +76,18 @@ impl Peer {
         serde_json::from_str(&line).with_context(|| format!("the peer's answer {line:?}"))
     }
 
-    /// Seconds of one peer step at `t` tokens in `mode` (`none` or `gc`).
-    pub fn step(&mut self, t: usize, mode: &str) -> anyhow::Result<f64> {
+    /// One peer step at `t` tokens in `mode` (`none` or `gc`).
+    pub fn step(&mut self, t: usize, mode: &str) -> anyhow::Result<Step> {
         writeln!(self.input, "{t} {mode}")?;
         self.input.flush()?;
         let answer = self.answer()?;
-        answer["seconds"]
+        let seconds = answer["seconds"]
             .as_f64()
-            .with_context(|| format!("no seconds in the peer's answer {answer}"))
+            .with_context(|| format!("no seconds in the peer's answer {answer}"))?;
+        Ok(Step {
+            seconds,
+            peak: answer["peak_bytes"].as_f64(),
+        })
     }
 }
 
@@ -83,6 +96,15 @@ impl Drop for Peer {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// One step's seconds and, where measured, its peak bytes above what was live before it.
+#[derive(Debug, Clone, Copy)]
+pub struct Step {
+    /// Wall time.
+    pub seconds: f64,
+    /// Peak bytes above the weights.
+    pub peak: Option<f64>,
 }
 
 /// The median of `v` (the mean of the middle two for an even count).
@@ -100,10 +122,18 @@ pub fn median(v: &[f64]) -> f64 {
 pub struct Row {
     /// Tokens.
     pub t: usize,
-    /// The peer without and with checkpointing.
+    /// The peer without and with checkpointing: seconds.
     pub peer: [f64; 2],
-    /// Ours, per mode.
+    /// Ours, per mode: seconds.
     pub ours: Vec<(String, f64)>,
+    /// The peaks in bytes, where both sides measured them: the peer's two, then ours per mode.
+    pub peaks: Option<([f64; 2], Vec<f64>)>,
+}
+
+/// The median of each side's peaks (`None` where a step did not measure one).
+fn median_peaks(steps: &[Step]) -> Option<f64> {
+    let peaks: Option<Vec<f64>> = steps.iter().map(|s| s.peak).collect();
+    peaks.map(|p| median(&p))
 }
 
 /// Alternates, `rounds` times at each T: the peer's two steps, then `ours(t, mode)` for each mode.
@@ -112,7 +142,7 @@ pub fn compare(
     seq_lens: &[usize],
     modes: &[String],
     rounds: usize,
-    mut ours: impl FnMut(usize, &str) -> anyhow::Result<f64>,
+    mut ours: impl FnMut(usize, &str) -> anyhow::Result<Step>,
 ) -> anyhow::Result<Vec<Row>> {
     let mut rows = Vec::new();
     for &t in seq_lens {
@@ -123,36 +153,46 @@ pub fn compare(
         for mode in modes {
             ours(t, mode)?;
         }
-        let mut peer_times = [Vec::new(), Vec::new()];
-        let mut our_times = vec![Vec::new(); modes.len()];
+        let mut peer_steps = [Vec::new(), Vec::new()];
+        let mut our_steps = vec![Vec::new(); modes.len()];
         for round in 0..rounds {
             for (k, (mode, _)) in PEER_MODES.iter().enumerate() {
-                peer_times[k].push(peer.step(t, mode)?);
+                peer_steps[k].push(peer.step(t, mode)?);
             }
             for (k, mode) in modes.iter().enumerate() {
-                our_times[k].push(ours(t, mode)?);
+                our_steps[k].push(ours(t, mode)?);
             }
             eprintln!(
                 "T={t} round {}: peer {:.3} s / {:.3} s (gc), ours {}",
                 round + 1,
-                peer_times[0][round],
-                peer_times[1][round],
+                peer_steps[0][round].seconds,
+                peer_steps[1][round].seconds,
                 modes
                     .iter()
-                    .zip(&our_times)
-                    .map(|(m, v)| format!("{m} {:.3} s", v[round]))
+                    .zip(&our_steps)
+                    .map(|(m, v)| format!("{m} {:.3} s", v[round].seconds))
                     .collect::<Vec<_>>()
                     .join(", ")
             );
         }
+        let seconds = |steps: &[Step]| median(&steps.iter().map(|s| s.seconds).collect::<Vec<_>>());
+        let peaks = match (
+            median_peaks(&peer_steps[0]),
+            median_peaks(&peer_steps[1]),
+            our_steps.iter().map(|s| median_peaks(s)).collect(),
+        ) {
+            (Some(none), Some(gc), Some(ours)) => Some(([none, gc], ours)),
+            _ => None,
+        };
         rows.push(Row {
             t,
-            peer: [median(&peer_times[0]), median(&peer_times[1])],
+            peer: [seconds(&peer_steps[0]), seconds(&peer_steps[1])],
             ours: modes
                 .iter()
-                .zip(&our_times)
-                .map(|(m, v)| (m.clone(), median(v)))
+                .zip(&our_steps)
+                .map(|(m, v)| (m.clone(), seconds(v)))
                 .collect(),
+            peaks,
         });
     }
     Ok(rows)
@@ -185,6 +225,33 @@ pub fn table(rows: &[Row]) -> String {
     out
 }
 
+/// The peaks as a markdown table (MiB above the weights, and each of our modes over the peer's
+/// two), or nothing where they were not measured.
+pub fn memory_table(rows: &[Row]) -> String {
+    let Some(first) = rows.iter().find(|r| r.peaks.is_some()) else {
+        return String::new();
+    };
+    let modes: Vec<&str> = first.ours.iter().map(|(m, _)| m.as_str()).collect();
+    let mut head = vec!["T".to_string()];
+    head.extend(PEER_MODES.iter().map(|(_, name)| format!("{name} (MiB)")));
+    head.extend(modes.iter().map(|m| format!("streambp {m} (MiB)")));
+    for m in &modes {
+        head.push(format!("{m} / checkpointing"));
+    }
+    let mut out = format!("| {} |\n|{}\n", head.join(" | "), "---|".repeat(head.len()));
+    let mib = |b: f64| b / (1u64 << 20) as f64;
+    for row in rows {
+        let Some((peer, ours)) = &row.peaks else {
+            continue;
+        };
+        let mut cells = vec![row.t.to_string()];
+        cells.extend(peer.iter().chain(ours).map(|&b| format!("{:.1}", mib(b))));
+        cells.extend(ours.iter().map(|b| format!("{:.2}x", b / peer[1])));
+        out.push_str(&format!("| {} |\n", cells.join(" | ")));
+    }
+    out
+}
+
 /// Replaces the text between `key`'s markers in `doc` with `body` (appending the markers if
 /// absent): one table per key (the CPU and the dtype), so runs on other machines add theirs.
 pub fn write_into(doc: &Path, key: &str, body: &str) -> anyhow::Result<()> {
@@ -207,16 +274,33 @@ mod tests {
     fn medians_and_the_table() {
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
-        let rows = [Row {
+        let mut rows = [Row {
             t: 2048,
             peer: [1.0, 2.0],
             ours: vec![("stream".into(), 3.0)],
+            peaks: None,
         }];
         let t = table(&rows);
         assert!(
             t.contains("| 2048 | 1.000 | 2.000 | 3.000 | 1.50x | 3.00x |"),
             "{t}"
         );
+        assert_eq!(memory_table(&rows), "");
+        let mib = (1u64 << 20) as f64;
+        rows[0].peaks = Some(([400.0 * mib, 200.0 * mib], vec![50.0 * mib]));
+        let m = memory_table(&rows);
+        assert!(m.contains("| 2048 | 400.0 | 200.0 | 50.0 | 0.25x |"), "{m}");
+        let steps = |peaks: &[Option<f64>]| -> Vec<Step> {
+            peaks
+                .iter()
+                .map(|&peak| Step { seconds: 1.0, peak })
+                .collect()
+        };
+        assert_eq!(
+            median_peaks(&steps(&[Some(3.0), Some(1.0), Some(2.0)])),
+            Some(2.0)
+        );
+        assert_eq!(median_peaks(&steps(&[Some(3.0), None])), None);
     }
 
     #[test]

@@ -1,11 +1,14 @@
 //! `--peer PYTHON`: our SFT step measured at each T beside the peer's (the process and its table
-//! are [`crate::peer`]'s), and the table printed and written into `--peer-doc`.
+//! are [`crate::peer`]'s), and the tables printed and written into `--peer-doc`; with `--plot`, the
+//! heap peaks of both sides too, drawn against T.
 
 use std::path::PathBuf;
 
 use anyhow::bail;
 use streambp_core::Mode;
 use streambp_models::Model;
+
+use streambp_train::plots::{draw, Chart, Series};
 
 use crate::args::{given_chunks, options, Args};
 use crate::measure::{run, workload};
@@ -24,7 +27,9 @@ pub(crate) fn compare_with_peer(
         .peer_script
         .clone()
         .unwrap_or_else(|| PathBuf::from(peer::DEFAULT_SCRIPT));
-    let mut runner = peer::Peer::start(python, &script, &args.config, &args.dtype)?;
+    // Peaks are of host memory: measured on the CPU, for the plot.
+    let memory = args.plot.is_some() && model.device().is_cpu();
+    let mut runner = peer::Peer::start(python, &script, (&args.config, &args.dtype), memory)?;
     let modes: Vec<String> = args.modes.iter().map(|m| m.to_string()).collect();
     let vocab = model.config.vocab_size;
     let rows = peer::compare(
@@ -44,7 +49,10 @@ pub(crate) fn compare_with_peer(
                 options(args),
                 false,
             )?;
-            Ok(p.seconds)
+            Ok(peer::Step {
+                seconds: p.seconds,
+                peak: memory.then_some(p.peak as f64),
+            })
         },
     )?;
     let info = &runner.info;
@@ -67,12 +75,92 @@ pub(crate) fn compare_with_peer(
             _ => "",
         },
     );
-    let table = peer::table(&rows);
+    let table = peer::table(&rows) + &with_heading(&peer::memory_table(&rows));
     println!();
     print!("{heading}{table}");
+    if let Some(dir) = &args.plot {
+        let name = args
+            .config
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy();
+        let title = format!("SFT step, {name}, {}, {}", args.dtype, cpu.name());
+        plot_against_peer(&rows, &title, dir)?;
+    }
     if let Some(doc) = &args.peer_doc {
         let key = format!("{} ({}), {}", cpu.name(), cpu.flags.join(" "), args.dtype);
         peer::write_into(doc, &key, &format!("{heading}{table}"))?;
+    }
+    Ok(())
+}
+
+/// The memory table's lead-in, where there is one.
+fn with_heading(memory: &str) -> String {
+    match memory.is_empty() {
+        true => String::new(),
+        false => format!(
+            "\nHeap peak above the weights (ours: the counting allocator; the peer's: \
+             scripts/heap_peak.c preloaded; medians of the rounds):\n\n{memory}"
+        ),
+    }
+}
+
+/// `--plot DIR` with `--peer`: memory.svg (where the peaks were measured) and time.svg against T,
+/// a line per mode of ours and per setting of the peer's.
+fn plot_against_peer(rows: &[peer::Row], title: &str, dir: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let modes: Vec<String> = rows
+        .first()
+        .map(|r| r.ours.iter().map(|(m, _)| m.clone()).collect())
+        .unwrap_or_default();
+    // Series: the peer's two settings, then ours; `value(row, k)` the k-th's value at a row.
+    let series = |value: &dyn Fn(&peer::Row, usize) -> Option<f64>| -> Vec<Series> {
+        let labels = peer::PEER_MODES
+            .iter()
+            .map(|(_, name)| name.to_string())
+            .chain(modes.iter().map(|m| format!("streambp {m}")));
+        labels
+            .enumerate()
+            .map(|(k, label)| Series {
+                label,
+                points: rows
+                    .iter()
+                    .filter_map(|r| value(r, k).map(|v| (r.t as f64, v)))
+                    .collect(),
+            })
+            .collect()
+    };
+    let chart =
+        |y_label: &str, log_y: bool, value: &dyn Fn(&peer::Row, usize) -> Option<f64>| Chart {
+            title: title.to_string(),
+            x_label: "sequence length T".into(),
+            y_label: y_label.into(),
+            series: series(value),
+            log_y,
+        };
+    let seconds = |r: &peer::Row, k: usize| match k {
+        0 | 1 => Some(r.peer[k]),
+        _ => r.ours.get(k - 2).map(|(_, s)| *s),
+    };
+    draw(
+        &dir.join("time.svg"),
+        &[chart("seconds per step", false, &seconds)],
+        1,
+    )?;
+    if rows.iter().any(|r| r.peaks.is_some()) {
+        let mib = |r: &peer::Row, k: usize| {
+            let (peer, ours) = r.peaks.as_ref()?;
+            let bytes = match k {
+                0 | 1 => peer[k],
+                _ => *ours.get(k - 2)?,
+            };
+            Some(bytes / (1u64 << 20) as f64)
+        };
+        draw(
+            &dir.join("memory.svg"),
+            &[chart("heap peak above the weights (MiB)", true, &mib)],
+            1,
+        )?;
     }
     Ok(())
 }

@@ -206,20 +206,21 @@ pub(crate) fn plot(
             .collect()
     };
     let title = format!("{} backward, {}", args.objective, args.config.display());
-    let chart = |y_label: &str, value: &dyn Fn(&Point) -> f64| Chart {
+    let chart = |y_label: &str, log_y: bool, value: &dyn Fn(&Point) -> f64| Chart {
         title: title.clone(),
         x_label: "sequence length T".into(),
         y_label: y_label.into(),
         series: series(value),
+        log_y,
     };
     draw(
         &dir.join("memory.svg"),
-        &[chart("activation peak (MiB)", &|p| mib(p.peak))],
+        &[chart("activation peak (MiB)", true, &|p| mib(p.peak))],
         1,
     )?;
     draw(
         &dir.join("time.svg"),
-        &[chart("seconds per backward", &|p| p.seconds)],
+        &[chart("seconds per backward", false, &|p| p.seconds)],
         1,
     )?;
     Ok(())

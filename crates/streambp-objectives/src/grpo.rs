@@ -772,7 +772,13 @@ impl Objective for Grpo {
             if self.entropy_stats {
                 // The tokens the bonus acts on: those the loss's high-entropy mask kept.
                 let kept = match self.top_entropy_quantile < 1.0 {
-                    true => self.kept.get(),
+                    true => Some(self.kept.get().ok_or_else(|| {
+                        ObjectiveError::Loss(
+                            "the entropy statistics need the high-entropy mask of this batch's \
+                             loss, which has not run"
+                                .into(),
+                        )
+                    })?),
                     false => None,
                 };
                 let (sum, count) = self.masked_sum_and_count(&entropy, kept.as_ref())?;

@@ -50,9 +50,9 @@ impl EntropyControl {
     }
 
     /// After a step whose micro-batches saw `entropy_sum` over `tokens` (each the mean over the
-    /// step's micro-batches, all weighing alike, so their ratio is the step's token mean; `None`
-    /// where no micro-batch weighed anything: no tokens): the coefficient moves towards more
-    /// entropy when the mean is at most the target, towards less otherwise, within its bounds.
+    /// step's micro-batches, all weighing alike, so their ratio is the step's token mean; 0 and 0
+    /// where no micro-batch weighed anything): the coefficient moves towards more entropy when the
+    /// mean is at most the target, towards less otherwise, within its bounds.
     pub fn update(&mut self, settings: &AdaptiveEntropy, entropy_sum: f64, tokens: f64) {
         // TRL's `sum / count.clamp(min=1)`: a step without tokens reads as entropy 0.
         let world = match tokens > 0.0 {

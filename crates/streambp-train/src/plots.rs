@@ -3,6 +3,8 @@
 
 use std::path::Path;
 
+use plotters::coord::ranged1d::ValueFormatter;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 use crate::{Result, TrainError};
@@ -27,6 +29,9 @@ pub struct Chart {
     pub y_label: String,
     /// The lines, each in its own colour.
     pub series: Vec<Series>,
+    /// A logarithmic vertical axis (for values spanning orders of magnitude, as memory against T
+    /// across modes); points at or below 0 are then left out.
+    pub log_y: bool,
 }
 
 /// Draws `charts` into the SVG file `path`, in a grid of `columns` panels of 640 × 400 points.
@@ -59,6 +64,28 @@ fn draw_one<DB: DrawingBackend>(
     if x0 > x1 {
         (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
     }
+    let x1 = if x1 > x0 { x1 } else { x0 + 1.0 };
+    let mut builder = ChartBuilder::on(area);
+    builder
+        .caption(&chart.title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70);
+    if chart.log_y {
+        // From the smallest positive value to the largest, a margin of a fifth of a decade each way.
+        let positive = chart.series.iter().flat_map(|s| s.points.iter());
+        let (low, high) = positive
+            .filter(|(_, y)| y.is_finite() && *y > 0.0)
+            .fold((f64::MAX, f64::MIN), |(l, h), &(_, y)| (l.min(y), h.max(y)));
+        let (low, high) = match low <= high {
+            true => (low / 1.6, high * 1.6),
+            false => (1.0, 10.0),
+        };
+        let ctx = builder
+            .build_cartesian_2d(x0.min(0.0)..x1, (low..high).log_scale())
+            .map_err(|e| e.to_string())?;
+        return fill(ctx, chart, |y| y > 0.0);
+    }
     // Axes from zero where the data is positive (memory, time), a margin otherwise.
     let y0 = if y0 >= 0.0 {
         0.0
@@ -70,14 +97,22 @@ fn draw_one<DB: DrawingBackend>(
         true => y1 + 0.05 * (y1 - y0),
         false => y0 + 1.0,
     };
-    let x1 = if x1 > x0 { x1 } else { x0 + 1.0 };
-    let mut ctx = ChartBuilder::on(area)
-        .caption(&chart.title, ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
+    let ctx = builder
         .build_cartesian_2d(x0.min(0.0)..x1, y0..y1)
         .map_err(|e| e.to_string())?;
+    fill(ctx, chart, |_| true)
+}
+
+/// Draws `chart`'s mesh, lines (the points whose value `shown` keeps) and legend into `ctx`.
+fn fill<'a, DB, Y>(
+    mut ctx: ChartContext<'a, DB, Cartesian2d<RangedCoordf64, Y>>,
+    chart: &Chart,
+    shown: impl Fn(f64) -> bool + Copy,
+) -> std::result::Result<(), String>
+where
+    DB: DrawingBackend + 'a,
+    Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
     // Whole numbers (steps) without a decimal point.
     let x_text = |x: &f64| match x.fract() == 0.0 {
         true => format!("{x:.0}"),
@@ -96,7 +131,7 @@ fn draw_one<DB: DrawingBackend>(
             .points
             .iter()
             .copied()
-            .filter(|(x, y)| x.is_finite() && y.is_finite());
+            .filter(move |(x, y)| x.is_finite() && y.is_finite() && shown(*y));
         ctx.draw_series(LineSeries::new(line.clone(), colour.stroke_width(2)))
             .map_err(|e| e.to_string())?
             .label(s.label.as_str())
@@ -176,6 +211,7 @@ pub fn plot_metrics(metrics_jsonl: &Path, dir: &Path) -> Result<()> {
             x_label: "step".into(),
             y_label: s.label.clone(),
             series: vec![s],
+            log_y: false,
         })
         .collect();
     if charts.is_empty() {
@@ -209,5 +245,34 @@ mod tests {
         assert!(!svg.contains("\n200.0\n") && svg.contains("\n200\n"));
         let flat = &svg[svg.rfind("\nflat\n").unwrap()..];
         assert!(flat.contains("\n0.5\n"), "the flat panel spans 0..1");
+    }
+
+    /// A logarithmic axis spans lines orders of magnitude apart, leaving out what it cannot show.
+    #[test]
+    fn a_log_axis_spans_orders_of_magnitude() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.svg");
+        let line = |label: &str, ys: [f64; 3]| Series {
+            label: label.into(),
+            points: [1024.0, 2048.0, 4096.0].into_iter().zip(ys).collect(),
+        };
+        let chart = Chart {
+            title: "memory".into(),
+            x_label: "T".into(),
+            y_label: "MiB".into(),
+            series: vec![
+                line("small", [40.0, 45.0, 0.0]),
+                line("large", [700.0, 1500.0, 3000.0]),
+            ],
+            log_y: true,
+        };
+        draw(&path, &[chart], 1).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        // Decade ticks between the smallest and largest value, and five markers: the 0 is left out.
+        assert!(
+            svg.contains("\n100\n") || svg.contains("\n100.0\n"),
+            "{svg}"
+        );
+        assert_eq!(svg.matches("<circle").count(), 5);
     }
 }

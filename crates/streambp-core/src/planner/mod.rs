@@ -86,8 +86,8 @@ pub struct Frozen {
 }
 
 impl Frozen {
-    /// A frozen model of architecture `config` in `dtype` scored before the backward (a DPO, KTO
-    /// or GRPO reference): only its weights stay, its log-probs being a number per position.
+    /// A frozen model of architecture `config` in `dtype` scored before the backward (a DPO, KTO,
+    /// GRPO or RLOO reference): only its weights stay, its log-probs being a number per position.
     pub fn weights(config: &ModelConfig, dtype: DType) -> Self {
         Self {
             bytes: parameter_count(config) * dtype.size_in_bytes() as u64,

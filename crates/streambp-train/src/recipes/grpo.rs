@@ -913,6 +913,9 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
             let tokens = trainer.step_metric("entropy_bonus/tokens")?;
             c.update(a, sum.unwrap_or(0.0), tokens.unwrap_or(0.0));
             trainer.recipe_state = Some(c.to_state());
+        } else {
+            // A run resumed without adaptive control carries no stale controller forward.
+            trainer.recipe_state = None;
         }
         let coef = control
             .as_ref()
