@@ -452,6 +452,15 @@ fn head_chunk(
     // Before the softmax, which on the host writes its exponentials over `z`.
     let slope = detached.soft_cap_slope(&z)?;
     let z = tempered(z, temperature)?;
+    // `dz` is linear in the objective's gradients: the temperature's `1/τ` scales those `[n]`
+    // columns rather than the `[n, V]` gradient.
+    let column = |g: Tensor| -> Result<Tensor> {
+        let g = g.to_dtype(compute)?.reshape((n, 1))?;
+        Ok(match temperature == 1.0 {
+            true => g,
+            false => g.affine(1.0 / temperature, 0.0)?,
+        })
+    };
     // On the CPU two passes per row in `z`'s buffer (streambp_kernels::ops::head_softmax); elsewhere the same with
     // tensor ops.
     // Timed with the objective's loss and gradient of the chunk, which `grad_of` computes.
@@ -463,7 +472,7 @@ fn head_chunk(
             drop(rows);
             let vocab = z.dim(1)?;
             let (dz, _) = grad_of(ChunkView::Logits(&z.reshape((b, c, vocab))?))?;
-            let dz = dz.to_dtype(compute)?.reshape((n, vocab))?;
+            let dz = tempered(dz.to_dtype(compute)?.reshape((n, vocab))?, temperature)?;
             return Ok::<_, crate::EngineError>((logp, Some(entropy), dz));
         }
         if reads == Reads::TargetsAndEntropy {
@@ -474,7 +483,6 @@ fn head_chunk(
                 entropy: Some(&entropy),
             };
             let (g, g_entropy) = grad_of(view)?;
-            let column = |g: Tensor| g.to_dtype(compute)?.reshape((n, 1));
             let g_entropy = g_entropy.ok_or_else(|| {
                 crate::EngineError::MissingGradient("the entropy's gradient".into())
             })?;
@@ -489,7 +497,7 @@ fn head_chunk(
                         logp: &logp,
                         entropy: None,
                     };
-                    let g = grad_of(view)?.0.to_dtype(compute)?;
+                    let g = column(grad_of(view)?.0)?.reshape(n)?;
                     let dz = rows.logit_grad(&g)?;
                     (logp, None, dz)
                 }
@@ -501,7 +509,7 @@ fn head_chunk(
                         logp: &logp,
                         entropy: None,
                     };
-                    let g = grad_of(view)?.0.to_dtype(compute)?.reshape((n, 1))?;
+                    let g = column(grad_of(view)?.0)?;
                     let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
                     let dz = p
                         .broadcast_mul(&g.neg()?)?
@@ -513,9 +521,6 @@ fn head_chunk(
     })?;
     if let Some(slope) = slope {
         dz = (dz * slope)?;
-    }
-    if temperature != 1.0 {
-        dz = dz.affine(1.0 / temperature, 0.0)?;
     }
     // The gradient of bf16 logits is bf16: rounded in place where the logits were f32 values of
     // bf16 (the products read those values as bf16), else cast.
