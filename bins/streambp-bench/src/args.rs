@@ -183,6 +183,7 @@ pub(crate) fn problem<'a>(
         checkpoint_every: args.checkpoint_every.layers(config.num_layers()),
         host: args.device == "cpu",
         frozen: Default::default(),
+        reads_entropy: false,
     }
 }
 

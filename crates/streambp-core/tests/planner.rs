@@ -122,6 +122,7 @@ impl Case {
             lora,
             host: true,
             frozen: Default::default(),
+            reads_entropy: false,
         }
     }
 

@@ -175,7 +175,7 @@ fn plan(
     model: &streambp_models::Model,
     (b, t): (usize, usize),
     given: Chunks,
-    frozen: Frozen,
+    (frozen, reads_entropy): (Frozen, bool),
 ) -> Result<(Chunks, Options)> {
     let options = Options {
         offload_checkpoints: args.offload_checkpoints,
@@ -193,7 +193,10 @@ fn plan(
         }
         _ => ChunkPolicy::Fixed(given),
     };
-    let planned = policy.plan_for(Problem::of(model, b, t, &options).with_frozen(frozen))?;
+    let problem = Problem::of(model, b, t, &options)
+        .with_frozen(frozen)
+        .with_entropy(reads_entropy);
+    let planned = policy.plan_for(problem)?;
     let (chunks, options) = (planned.chunks, planned.options(options));
     tracing::info!(
         ?chunks,
@@ -286,7 +289,15 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         (None, Some(_), Some(r)) => Frozen::weights(&r.config, r.dtype()),
         _ => Frozen::default(),
     };
-    let (chunks, options) = plan(args, &model, (b, t), reference_chunks, frozen)?;
+    let objective = &batch.objective;
+    let reads_entropy = objective.reads_entropy() && !objective.reads_logits();
+    let (chunks, options) = plan(
+        args,
+        &model,
+        (b, t),
+        reference_chunks,
+        (frozen, reads_entropy),
+    )?;
     let start = Instant::now();
     let out = backward_with(
         &model,

@@ -367,7 +367,9 @@ impl TrainConfig {
             None => ChunkPolicy::Fixed(self.chunks()),
         };
         let (batch, seq_len) = input_ids.dims2()?;
-        let problem = Problem::of(model, batch, seq_len, &self.options()).with_frozen(self.frozen);
+        let problem = Problem::of(model, batch, seq_len, &self.options())
+            .with_frozen(self.frozen)
+            .with_entropy(self.reads_entropy);
         Ok(policy.plan_for(problem)?)
     }
 

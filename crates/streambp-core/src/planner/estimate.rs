@@ -347,7 +347,19 @@ fn head_phase(s: &Sizes, held: &Held, checkpoints: &Checkpoints) -> u64 {
         + head_share
         + s.frozen_states()
         + b * lc * s.p.frozen.per_logits_row
+        + entropy_rows(s)
         + s.workspace(&products, true)
+}
+
+/// What the head holds per logits chunk for an objective that reads the entropies, beside the
+/// softmax's own buffer: the log-probabilities, their exponentials and the gradient's terms, in the
+/// head's compute dtype (fitted: five `[rows, V]` buffers, 0.308 MiB per row at V = 16,384 in f32
+/// between logits chunks 128 and 512; docs/benchmarks.md, "GRPO's entropy terms in the budget").
+fn entropy_rows(s: &Sizes) -> u64 {
+    match s.p.reads_entropy {
+        true => 5 * s.b * s.lc * s.vocab * s.e.max(F32),
+        false => 0,
+    }
 }
 
 /// A layer's backward: the accumulators, the checkpoints, K and V with their pending gradients

@@ -70,6 +70,9 @@ pub struct Problem<'a> {
     /// What frozen models the objective reads hold beside the model planned (a distillation
     /// teacher's, a reference's weights); none by default.
     pub frozen: Frozen,
+    /// The objective reads each position's entropy beside its target's log-prob (GRPO's entropy
+    /// terms): the head then holds the chunk's log-probabilities and their gradient's terms.
+    pub reads_entropy: bool,
 }
 
 /// The memory of a frozen model an objective reads during the backward, in the planner's terms.
@@ -134,12 +137,21 @@ impl<'a> Problem<'a> {
             lora: model.lora(),
             host: model.device().is_cpu(),
             frozen: Frozen::default(),
+            reads_entropy: false,
         }
     }
 
     /// The problem with `frozen` held beside the model.
     pub fn with_frozen(self, frozen: Frozen) -> Self {
         Self { frozen, ..self }
+    }
+
+    /// The problem of an objective that reads the entropies (`reads_entropy`) or not.
+    pub fn with_entropy(self, reads_entropy: bool) -> Self {
+        Self {
+            reads_entropy,
+            ..self
+        }
     }
 }
 
@@ -467,6 +479,7 @@ mod tests {
             lora: None,
             host,
             frozen: Frozen::default(),
+            reads_entropy: false,
         }
     }
 
@@ -532,6 +545,22 @@ mod tests {
         assert_eq!(with.resident - alone.resident, reference.bytes);
         assert_eq!(with.layer_phase, alone.layer_phase);
         assert_eq!(with.head_phase, alone.head_phase);
+    }
+
+    /// Reading the entropies adds five logits-sized buffers per chunk to the head, nothing else.
+    #[test]
+    fn entropies_count_in_the_head() {
+        let cfg = qwen3_8b();
+        let chunks = Chunks {
+            chunk: 1024,
+            logits_chunk: 512,
+        };
+        let plain = estimate(problem(&cfg, 16_384, false), chunks);
+        let with = estimate(problem(&cfg, 16_384, false).with_entropy(true), chunks);
+        let rows = 5 * 512 * cfg.vocab_size as u64 * 4;
+        assert_eq!(with.head_phase - plain.head_phase, rows);
+        assert_eq!(with.layer_phase, plain.layer_phase);
+        assert_eq!(with.resident, plain.resident);
     }
 
     /// A budget takes the fastest way of storing the checkpoints that keeps the layer chunk at 128 or
