@@ -655,7 +655,6 @@ impl TrainArgs {
             memory_budget: self.memory_budget,
             host_memory_budget: self.host_memory_budget,
             frozen: Default::default(),
-            reads_entropy: false,
             offload_checkpoints: self.offload_checkpoints,
             checkpoint_every: self.checkpoint_every.unwrap_or(d.checkpoint_every),
             checkpoint_dir: self.checkpoint_dir,

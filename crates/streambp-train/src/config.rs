@@ -86,9 +86,6 @@ pub struct TrainConfig {
     /// What frozen models the objective reads hold beside the policy during its backward, counted
     /// against `memory_budget` (distillation's teacher, a reference's weights; set by the job that loads it).
     pub frozen: streambp_core::Frozen,
-    /// The objective reads each position's entropy (GRPO's entropy terms), which the head's
-    /// memory under `memory_budget` counts (set by the job).
-    pub reads_entropy: bool,
     /// Keep layer checkpoints in host memory during the backward.
     pub offload_checkpoints: bool,
     /// Store every K-th layer's input only, recomputing the others' a segment at a time in the
@@ -294,7 +291,6 @@ impl TrainConfig {
             memory_budget: None,
             host_memory_budget: None,
             frozen: Default::default(),
-            reads_entropy: false,
             offload_checkpoints: false,
             checkpoint_every: CheckpointEvery::default(),
             checkpoint_dir: None,

@@ -175,7 +175,7 @@ fn plan(
     model: &streambp_models::Model,
     (b, t): (usize, usize),
     given: Chunks,
-    (frozen, reads_entropy): (Frozen, bool),
+    (frozen, objective): (Frozen, &dyn streambp_objectives::Objective),
 ) -> Result<(Chunks, Options)> {
     let options = Options {
         offload_checkpoints: args.offload_checkpoints,
@@ -195,7 +195,7 @@ fn plan(
     };
     let problem = Problem::of(model, b, t, &options)
         .with_frozen(frozen)
-        .with_entropy(reads_entropy);
+        .with_objective(objective);
     let planned = policy.plan_for(problem)?;
     let (chunks, options) = (planned.chunks, planned.options(options));
     tracing::info!(
@@ -289,15 +289,8 @@ pub fn run_grad(args: &GradArgs) -> Result<GradReport> {
         (None, Some(_), Some(r)) => Frozen::weights(&r.config, r.dtype()),
         _ => Frozen::default(),
     };
-    let objective = &batch.objective;
-    let reads_entropy = objective.reads_entropy() && !objective.reads_logits();
-    let (chunks, options) = plan(
-        args,
-        &model,
-        (b, t),
-        reference_chunks,
-        (frozen, reads_entropy),
-    )?;
+    let objective = batch.objective.as_ref();
+    let (chunks, options) = plan(args, &model, (b, t), reference_chunks, (frozen, objective))?;
     let start = Instant::now();
     let out = backward_with(
         &model,

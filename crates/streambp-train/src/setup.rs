@@ -16,6 +16,7 @@ use streambp_models::lora::DropoutKey;
 use streambp_models::{
     load_model, resolve_adapter_dir, resolve_model_dir, LoraConfig, Model, ModelConfig,
 };
+use streambp_objectives::Objective;
 
 use crate::checkpoint::{CheckpointFiles, RunRecord};
 use crate::config::{BuiltinModel, Recipe, TrainConfig};
@@ -356,10 +357,16 @@ pub fn load_reference(
 }
 
 impl TrainConfig {
-    /// The chunk sizes and layers per stored checkpoint for a micro-batch `input_ids`: as given, or
-    /// what the memory budget allows for its shape (the largest chunks, and fewer stored
-    /// checkpoints where the chunks would otherwise be small).
-    pub fn plan_for(&self, model: &Model, input_ids: &Tensor) -> Result<Planned> {
+    /// The chunk sizes and layers per stored checkpoint for a micro-batch `input_ids` (the
+    /// backward of `objective`, whose head may hold more; `None`: a forward): as given, or what the
+    /// memory budget allows for its shape (the largest chunks, and fewer stored checkpoints where
+    /// the chunks would otherwise be small).
+    pub fn plan_for(
+        &self,
+        model: &Model,
+        input_ids: &Tensor,
+        objective: Option<&dyn Objective>,
+    ) -> Result<Planned> {
         let policy = match self.memory_budget {
             Some(budget) => {
                 ChunkPolicy::Budget(budget, Tiers::of(&self.options(), self.host_memory_budget))
@@ -367,15 +374,17 @@ impl TrainConfig {
             None => ChunkPolicy::Fixed(self.chunks()),
         };
         let (batch, seq_len) = input_ids.dims2()?;
-        let problem = Problem::of(model, batch, seq_len, &self.options())
-            .with_frozen(self.frozen)
-            .with_entropy(self.reads_entropy);
+        let mut problem =
+            Problem::of(model, batch, seq_len, &self.options()).with_frozen(self.frozen);
+        if let Some(objective) = objective {
+            problem = problem.with_objective(objective);
+        }
         Ok(policy.plan_for(problem)?)
     }
 
     /// The chunk sizes of [`TrainConfig::plan_for`] (for forwards, which store no checkpoints).
     pub fn chunks_for(&self, model: &Model, input_ids: &Tensor) -> Result<Chunks> {
-        Ok(self.plan_for(model, input_ids)?.chunks)
+        Ok(self.plan_for(model, input_ids, None)?.chunks)
     }
 
     /// The engine options of micro-batch `micro` of optimizer step `step`, whose rows start at

@@ -391,7 +391,7 @@ impl<'a> Trainer<'a> {
         weight: f64,
     ) -> Result<()> {
         let (cfg, model) = (self.cfg, &self.setup.model);
-        let planned = cfg.plan_for(model, batch.input_ids)?;
+        let planned = cfg.plan_for(model, batch.input_ids, Some(objective))?;
         let plan = Plan {
             mode: cfg.mode,
             chunks: planned.chunks,

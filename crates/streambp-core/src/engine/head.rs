@@ -346,7 +346,7 @@ type ChunkGrads = (Tensor, Option<Tensor>);
 
 /// What an objective reads of each logits chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Reads {
+pub(crate) enum Reads {
     /// The targets' log-probs.
     Targets,
     /// The targets' log-probs and each position's entropy ([`Objective::reads_entropy`]).
@@ -357,7 +357,7 @@ pub(super) enum Reads {
 
 impl Reads {
     /// What `objective` reads.
-    pub(super) fn of(objective: &dyn Objective) -> Self {
+    pub(crate) fn of(objective: &dyn Objective) -> Self {
         match (objective.reads_logits(), objective.reads_entropy()) {
             (true, _) => Reads::Logits,
             (false, true) => Reads::TargetsAndEntropy,

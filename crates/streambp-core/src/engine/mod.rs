@@ -47,6 +47,7 @@ use crate::workers::on_workers;
 use grad_sink::GradSink;
 pub(crate) use head::compute_dtype;
 pub use head::target_logprobs;
+pub(crate) use head::Reads;
 use head::{head_backward, head_logprobs};
 use layers::{
     embedding_backward, layer_backward_streamed, layer_backward_whole, layer_forward_streamed,

@@ -37,7 +37,7 @@
 use candle_core::DType;
 use streambp_models::{LoraConfig, ModelConfig, Projection};
 
-use crate::engine::Chunks;
+use crate::engine::{Chunks, Reads};
 
 mod estimate;
 use crate::error::{EngineError, Result};
@@ -146,10 +146,10 @@ impl<'a> Problem<'a> {
         Self { frozen, ..self }
     }
 
-    /// The problem of an objective that reads the entropies (`reads_entropy`) or not.
-    pub fn with_entropy(self, reads_entropy: bool) -> Self {
+    /// The problem of a backward of `objective`, whose head reads the entropies or not.
+    pub fn with_objective(self, objective: &dyn streambp_objectives::Objective) -> Self {
         Self {
-            reads_entropy,
+            reads_entropy: Reads::of(objective) == Reads::TargetsAndEntropy,
             ..self
         }
     }
@@ -556,7 +556,13 @@ mod tests {
             logits_chunk: 512,
         };
         let plain = estimate(problem(&cfg, 16_384, false), chunks);
-        let with = estimate(problem(&cfg, 16_384, false).with_entropy(true), chunks);
+        let with = estimate(
+            Problem {
+                reads_entropy: true,
+                ..problem(&cfg, 16_384, false)
+            },
+            chunks,
+        );
         let rows = 5 * 512 * cfg.vocab_size as u64 * 4;
         assert_eq!(with.head_phase - plain.head_phase, rows);
         assert_eq!(with.layer_phase, plain.layer_phase);

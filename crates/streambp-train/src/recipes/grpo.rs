@@ -853,11 +853,8 @@ pub fn run_grpo(cfg: &TrainConfig, g: &GrpoConfig) -> Result<Summary> {
         (None, None) => cfg.frozen,
     };
     let reference = reference.map(|(model, _)| model);
-    let reads_entropy = g.algorithm == Algorithm::Grpo
-        && (g.entropy_coef != 0.0 || g.top_entropy_quantile < 1.0 || g.adaptive_entropy.is_some());
     let cfg = &TrainConfig {
         frozen,
-        reads_entropy,
         ..cfg.clone()
     };
     let job = recipe.name();
