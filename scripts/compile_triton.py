@@ -106,11 +106,24 @@ def adamw_variants(dtype):
 
 
 def head_softmax_variants(dtype):
-    """The head's two passes, 4096 columns of a row per step."""
-    for kernel in ("head_log_softmax", "head_logit_grad"):
+    """The head's two passes, without and with the entropies, 4096 columns of a row per step."""
+    for kernel in ("head_log_softmax", "head_logit_grad", "head_log_softmax_entropy",
+                   "head_logit_grad_entropy"):
         yield dict(kernel=kernel, variant=4096, file=f"{kernel}_{dtype}", constants={"BLOCK": 4096},
-                   types=dict(TARGETS="*i64", LOGP="*fp32", G="*fp32"), block_m=4096, block_n=0,
-                   warps=8, stages=1)
+                   types=dict(TARGETS="*i64", LOGP="*fp32", G="*fp32", ENTROPY="*fp32",
+                              G_ENTROPY="*fp32"),
+                   block_m=4096, block_n=0, warps=8, stages=1)
+
+
+def accumulate_variants(dtype):
+    """The gradient (`X`, `ROWS`) in the dtype, the accumulator f32: the sum 1024 elements per
+    program, the rows' sum 256 columns per program."""
+    yield dict(kernel="accumulate_add", variant=1024, file=f"accumulate_add_{dtype}",
+               constants={"BLOCK": 1024}, types=dict(ACC="*fp32"), block_m=1024, block_n=0, warps=4,
+               stages=1)
+    yield dict(kernel="accumulate_add_rows", variant=256, file=f"accumulate_add_rows_{dtype}",
+               constants={"BLOCK": 256}, types=dict(ACC="*fp32", IDS="*i64", n_rows="i64"),
+               block_m=256, block_n=0, warps=2, stages=1)
 
 
 # Each kernel file (`triton/<source>.py`), its variants, and the Rust table it is launched from.
@@ -126,6 +139,8 @@ MODULES = (
          what="AdamW update's kernels"),
     dict(source="head_softmax", variants=head_softmax_variants, table="ops/head_softmax/compiled.rs",
          what="LM head softmax's kernels"),
+    dict(source="accumulate", variants=accumulate_variants, table="ops/accumulate/compiled.rs",
+         what="gradient accumulators' kernels"),
 )
 
 # Pointers to f32 whatever the inputs' dtype: statistics and partial sums.

@@ -6,8 +6,9 @@
 //! composed ops. AdamW's update in place equals its formula in float64 (f32 and bf16 parameters,
 //! gradients in the parameter's dtype or f32, with and without decay). The kernels must have run
 //! (their launches are counted). The head's softmax passes (log-probs, then the logits' gradient
-//! over the chunk) equal the CPU's on vocabularies of 16 × 7 and 151,936 columns, and a vocabulary
-//! not a multiple of 16 is left to the composed ops.
+//! over the chunk), without and with the rows' entropies, equal the CPU's on vocabularies of
+//! 16 × 7 and 151,936 columns, and a vocabulary not a multiple of 16 is left to the composed ops.
+//! The accumulators add into f32 in place from f32 and bf16 gradients as the CPU does, bit for bit.
 //!
 //! To run on the GPU machine: build with `CARGO_TARGET_DIR=target-cuda cargo test --release -p
 //! streambp-kernels --features cuda --test cuda_elementwise --no-run` and carry the binary.
@@ -15,9 +16,10 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use streambp_kernels::card_launches;
+use streambp_kernels::ops::accumulate::{add, add_rows};
 use streambp_kernels::ops::adamw::{update_in_place, AdamWStep};
 use streambp_kernels::ops::geglu::{geglu, Gelu};
-use streambp_kernels::ops::head_softmax::log_softmax_rows;
+use streambp_kernels::ops::head_softmax::{entropy_rows, log_softmax_rows};
 use streambp_kernels::ops::rms_norm::{rms_norm, NormStyle};
 use streambp_kernels::ops::rope::apply_rope;
 use streambp_kernels::ops::swiglu::swiglu;
@@ -223,7 +225,9 @@ fn the_cards_elementwise_kernels_equal_the_cpu() {
                 .unwrap()
                 .unwrap();
             let logp = rows.logp.to_device(&cpu).unwrap();
-            let dz = rows.logit_grad(&g.to_device(device).unwrap()).unwrap();
+            let dz = rows
+                .logit_grad(&g.to_device(device).unwrap(), None)
+                .unwrap();
             (logp, dz.to_device(&cpu).unwrap())
         };
         let before = card_launches("head_");
@@ -237,9 +241,42 @@ fn the_cards_elementwise_kernels_equal_the_cpu() {
         println!("head softmax {n}x{vocab}: logp {logp_err:.1e} dz {dz_err:.1e}");
         assert!(logp_err < 1e-5 && dz_err < 1e-5, "head softmax {n}x{vocab}");
     }
+    // With the entropies: log-probs, entropies and the logits' gradient from both gradients.
+    for (n, vocab) in [(1, 112), (5, 151_936)] {
+        let z = randn(4.0, &[n, vocab], DType::F32);
+        let targets: Vec<u32> = (0..n).map(|i| ((i * 104_729) % vocab) as u32).collect();
+        let idx = Tensor::from_vec(targets, (n, 1), &cpu).unwrap();
+        let (g, g_h) = (randn(1.0, &[n], DType::F32), randn(1.0, &[n], DType::F32));
+        let run = |device: &Device| {
+            let z = z.to_device(device).unwrap().copy().unwrap();
+            let rows = entropy_rows(&z, &idx.to_device(device).unwrap())
+                .unwrap()
+                .unwrap();
+            let logp = rows.logp.to_device(&cpu).unwrap();
+            let h = rows.entropy.clone().unwrap().to_device(&cpu).unwrap();
+            let (g, g_h) = (g.to_device(device).unwrap(), g_h.to_device(device).unwrap());
+            let dz = rows.logit_grad(&g, Some(&g_h)).unwrap();
+            (logp, h, dz.to_device(&cpu).unwrap())
+        };
+        let before = card_launches("head_");
+        let (card, host) = (run(&gpu), run(&cpu));
+        let what = format!("head softmax with entropies {n}x{vocab}");
+        assert_eq!(card_launches("head_"), before + 2, "{what}");
+        let errors = [
+            rel_err(&card.0, &host.0),
+            rel_err(&card.1, &host.1),
+            rel_err(&card.2, &host.2),
+        ];
+        println!(
+            "{what}: logp {:.1e} entropy {:.1e} dz {:.1e}",
+            errors[0], errors[1], errors[2]
+        );
+        assert!(errors.iter().all(|&e| e < 1e-5), "{what}");
+    }
     let odd = Tensor::zeros((2, 100), DType::F32, &gpu).unwrap();
     let idx = Tensor::zeros((2, 1), DType::U32, &gpu).unwrap();
     assert!(log_softmax_rows(&odd, &idx).unwrap().is_none());
+    assert!(entropy_rows(&odd, &idx).unwrap().is_none());
     // Rows 40 wide are not a multiple of 16: the composed ops, and still the CPU's values.
     let before = card_launches("rms_norm");
     let x = randn(1.0, &[3, 40], DType::F32).to_device(&gpu).unwrap();
@@ -254,4 +291,59 @@ fn the_cards_elementwise_kernels_equal_the_cpu() {
     )
     .unwrap();
     assert!(rel_err(&y.to_device(&cpu).unwrap(), &want) < 1e-5);
+}
+
+/// The accumulators on the card: `acc += x` and `acc[ids[i]] += rows[i]` into f32 accumulators
+/// from f32 and bf16 gradients equal the host's sums bit for bit (each element widened and added
+/// once, the rows in order: repeated ids included), by the kernels (their launches counted); an
+/// f64 accumulator is declined.
+#[test]
+fn the_cards_accumulators_equal_the_cpu() {
+    let gpu = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => return eprintln!("no CUDA device ({e}): skipped"),
+    };
+    let cpu = Device::Cpu;
+    let randn = |shape: &[usize], dtype: DType| {
+        Tensor::randn(0f64, 1.0, shape, &cpu)
+            .and_then(|t| t.to_dtype(dtype))
+            .unwrap()
+    };
+    let bits = |t: &Tensor| {
+        let t = t.to_device(&cpu).and_then(|t| t.flatten_all()).unwrap();
+        t.to_vec1::<f32>().unwrap()
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        for n in [1usize, 1000, 4097 * 3] {
+            let (held, x) = (randn(&[n], DType::F32), randn(&[n], dtype));
+            let sum = |device: &Device| {
+                let acc = held.to_device(device).unwrap();
+                assert!(add(&acc, &x.to_device(device).unwrap()).unwrap());
+                bits(&acc)
+            };
+            let before = card_launches("accumulate_add");
+            assert_eq!(sum(&gpu), sum(&cpu), "add {dtype:?} n {n}");
+            assert_eq!(card_launches("accumulate_add"), before + 1);
+        }
+        for (vocab, n, dim) in [(5, 3, 16), (100, 700, 4096)] {
+            let held = randn(&[vocab, dim], DType::F32);
+            let rows = randn(&[n, dim], dtype);
+            let ids: Vec<u32> = (0..n).map(|i| ((i * i) % vocab) as u32).collect();
+            let ids = Tensor::from_vec(ids, n, &cpu).unwrap();
+            let sum = |device: &Device| {
+                let acc = held.to_device(device).unwrap();
+                let (ids, rows) = (
+                    ids.to_device(device).unwrap(),
+                    rows.to_device(device).unwrap(),
+                );
+                assert!(add_rows(&acc, &ids, &rows).unwrap());
+                bits(&acc)
+            };
+            let before = card_launches("accumulate_add_rows");
+            assert_eq!(sum(&gpu), sum(&cpu), "add_rows {dtype:?} {n}x{dim}");
+            assert_eq!(card_launches("accumulate_add_rows"), before + 1);
+        }
+    }
+    let acc64 = Tensor::zeros(8, DType::F64, &gpu).unwrap();
+    assert!(!add(&acc64, &acc64.copy().unwrap()).unwrap());
 }

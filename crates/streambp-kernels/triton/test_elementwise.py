@@ -1,4 +1,5 @@
-"""The element-wise kernels (`rms_norm.py`, `gated.py`, `rope.py`, `adamw.py`, `head_softmax.py`) under Triton's interpreter (on the CPU, no GPU,
+"""The element-wise kernels (`rms_norm.py`, `gated.py`, `rope.py`, `adamw.py`, `head_softmax.py`,
+`accumulate.py`) under Triton's interpreter (on the CPU, no GPU,
 no torch) against a float64 reference: RMSNorm in both weight styles with rows longer than a block,
 dims that are not multiples of it, one row, strided rows and a row count the weight's groups do not
 divide; the gated activations on runs not a multiple of the block, one element, and gates far enough
@@ -8,7 +9,10 @@ that the comparison would see a kernel computing the neighbouring formula (the o
 gate and up swapped; the table's halves swapped; AdamW's bias corrections swapped). AdamW: runs not a
 multiple of the block, with and without decay, a first and a later step, bf16 and f32 parameters.
 The head's softmax: one row, a vocabulary not a multiple of the block and smaller than it, a row
-of equal logits, logits far apart, targets at both ends (the neighbour: the target one column off).
+of equal logits, logits far apart, targets at both ends (the neighbour: the target one column off);
+with the entropies the same cases and a row with masked (-inf) logits. The accumulators: runs not a
+multiple of the block, one element; rows into a table with an id repeated and one outside it (the
+neighbour: `x` one element over, each row one id over).
 
 Run: `TRITON_INTERPRET=1 python crates/streambp-kernels/triton/test_elementwise.py` (the variable is
 set here if absent). Needs `triton` and `numpy` only.
@@ -28,6 +32,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import interpret  # noqa: E402
+import accumulate  # noqa: E402
 import adamw  # noqa: E402
 import gated  # noqa: E402
 import head_softmax  # noqa: E402
@@ -229,6 +234,91 @@ def check_head(n, vocab, block, dtype, rng):
     return errors, relative(values(z_arr, dtype), grad((targets + 1) % vocab))
 
 
+def check_head_entropy(n, vocab, block, dtype, rng):
+    """One case of the head's passes with the entropies: the errors of the log-prob and the entropy
+    (against the largest), the log-sum-exp and the logits' gradient, and how far the reference with
+    each target one column over is. A fourth row, where there is one, has masked (-inf) logits."""
+    z64 = rng.normal(0, 4.0, (n, vocab))
+    z64[0] = 1.5  # a row of equal logits: the largest entropy, log V
+    if n > 1:
+        z64[1, :3] = [60.0, -60.0, 30.0]  # logits far apart: an entropy near 0
+    if n > 3:
+        z64[3, 1::3] = -np.inf
+    z_arr, z = stored(z64, dtype)
+    targets = rng.integers(0, vocab, n).astype(np.int64)
+    targets[0] = vocab - 1
+    if n > 2:
+        targets[2] = 0
+    if n > 3:
+        targets[3] = 0
+    g_arr = rng.normal(0, 1.0, n).astype(np.float32)
+    g_h_arr = rng.normal(0, 1.0, n).astype(np.float32)
+    lse_arr, logp_arr, h_arr = (np.zeros(n, np.float32) for _ in range(3))
+    p = interpret.pointer
+    head_softmax.head_log_softmax_entropy[(n,)](p(z_arr, dtype), p(targets, "i64"), p(lse_arr, F32),
+                                                p(logp_arr, F32), p(h_arr, F32), vocab, vocab,
+                                                BLOCK=block)
+    head_softmax.head_logit_grad_entropy[(n,)](p(z_arr, dtype), p(targets, "i64"), p(lse_arr, F32),
+                                               p(h_arr, F32), p(g_arr, F32), p(g_h_arr, F32), vocab,
+                                               vocab, BLOCK=block)
+    top = z.max(-1, keepdims=True)
+    lse = np.log(np.exp(z - top).sum(-1)) + top[:, 0]
+    with np.errstate(invalid="ignore"):
+        log_p = z - lse[:, None]
+        probs = np.exp(log_p)
+        entropy = -np.where(probs > 0, probs * log_p, 0.0).sum(-1)
+    rows = np.arange(n)
+    g, g_h = g_arr.astype(np.float64)[:, None], g_h_arr.astype(np.float64)[:, None]
+
+    def grad(t):
+        onehot = np.zeros_like(z)
+        onehot[rows, t] = 1.0
+        with np.errstate(invalid="ignore"):
+            from_entropy = np.where(probs > 0, probs * (log_p + entropy[:, None]), 0.0)
+        return g * (onehot - probs) - g_h * from_entropy
+
+    errors = {"logp": relative(logp_arr, z[rows, targets] - lse), "lse": relative(lse_arr, lse),
+              "entropy": relative(h_arr, entropy), "dz": relative(values(z_arr, dtype), grad(targets))}
+    return errors, relative(values(z_arr, dtype), grad((targets + 1) % vocab))
+
+
+def check_accumulate(n, block, dtype, rng):
+    """`acc += x` into an f32 accumulator: its error against float64 (one f32 rounding of the sum),
+    and how far the sum with `x` read one element over is."""
+    acc_arr = rng.normal(0, 1.0, n).astype(np.float32)
+    acc = acc_arr.astype(np.float64)
+    x_arr, x = stored(rng.normal(0, 1.0, n), dtype)
+    accumulate.accumulate_add[(-(-n // block),)](interpret.pointer(acc_arr, F32),
+                                                   interpret.pointer(x_arr, dtype), n, BLOCK=block)
+    want = acc + x
+    return {"acc": relative(acc_arr, want)}, relative(acc_arr, acc + np.roll(x, 1))
+
+
+def check_accumulate_rows(vocab, n_rows, dim, block, dtype, rng):
+    """`acc[ids[i]] += rows[i]` in order into an f32 `[vocab, dim]` accumulator, ids repeated (and
+    one outside the table, skipped): the error against float64, and how far the sum with each row
+    sent one id over is."""
+    acc_arr = rng.normal(0, 1.0, (vocab, dim)).astype(np.float32)
+    acc = acc_arr.astype(np.float64)
+    ids = rng.integers(0, vocab, n_rows).astype(np.int64)
+    ids[: min(n_rows, 3)] = ids[0]  # one id three times
+    ids[-1] = vocab  # outside the table
+    rows_arr, rows = stored(rng.normal(0, 1.0, (n_rows, dim)), dtype)
+    accumulate.accumulate_add_rows[(-(-dim // block),)](interpret.pointer(acc_arr, F32),
+                                                        interpret.pointer(ids, "i64"),
+                                                        interpret.pointer(rows_arr, dtype), n_rows, vocab,
+                                                        dim, BLOCK=block)
+
+    def summed(shift):
+        want = acc.copy()
+        for i, row in zip(ids, rows):
+            if row is not None and 0 <= i < vocab:
+                want[(i + shift) % vocab] += row
+        return want
+
+    return {"acc": relative(acc_arr, summed(0))}, relative(acc_arr, summed(1))
+
+
 def cases():
     for dtype in (F32, BF16):
         for one_plus in (False, True):
@@ -248,9 +338,17 @@ def cases():
         for n, vocab, block in ((1, 5, 16), (3, 100, 32), (4, 1000, 256), (2, 4096, 1024)):
             yield (f"head_softmax {dtype} {n}x{vocab} block {block}",
                    lambda rng, a=(n, vocab, block, dtype): check_head(*a, rng), dtype)
+            yield (f"head_softmax_entropy {dtype} {n}x{vocab} block {block}",
+                   lambda rng, a=(n, vocab, block, dtype): check_head_entropy(*a, rng), dtype)
         for n, step, wd in ((1, 1, 0.0), (1000, 1, 0.1), (4099, 7, 0.0), (300, 1000, 0.01)):
             yield (f"adamw {dtype} n {n} step {step} wd {wd}",
                    lambda rng, a=(n, step, wd, dtype): check_adamw(*a, rng), dtype)
+        for n, block in ((3, 16), (1000, 256), (4099, 1024)):
+            yield (f"accumulate_add {dtype} n {n} block {block}",
+                   lambda rng, a=(n, block, dtype): check_accumulate(*a, rng), dtype)
+        for vocab, n_rows, dim, block in ((5, 2, 16, 16), (7, 12, 48, 32), (50, 40, 300, 128)):
+            yield (f"accumulate_add_rows {dtype} {n_rows} rows of {dim} into {vocab} block {block}",
+                   lambda rng, a=(vocab, n_rows, dim, block, dtype): check_accumulate_rows(*a, rng), dtype)
         for name in ACTIVATIONS:
             for n, block in ((1, 16), (13, 16), (1000, 256), (4096, 1024)):
                 yield (f"{name} {dtype} n {n} block {block}",

@@ -142,9 +142,9 @@ impl GradSink {
         self.accumulate(name, matmul::matmul_of_bf16_values(a, b)?, true)
     }
 
-    /// Adds `rows[i]` into row `ids[i]` of the gradient of `name` (shaped like `table`): in place on
-    /// the host (a bf16 table's rows widened to its f32 accumulator first: `[rows, d]`, not the
-    /// table), else as a table-sized sum added like any other.
+    /// Adds `rows[i]` into row `ids[i]` of the gradient of `name` (shaped like `table`): in place
+    /// where [`accumulate::add_rows`] can (a half-precision table's rows widened into its f32 accumulator:
+    /// `[rows, d]`, not the table), else as a table-sized sum added like any other.
     pub(super) fn add_rows(
         &mut self,
         name: &str,
@@ -152,15 +152,13 @@ impl GradSink {
         ids: &Tensor,
         rows: &Tensor,
     ) -> Result<()> {
-        let on_host = table.device().is_cpu() && rows.dtype() == table.dtype();
         let float = matches!(
             table.dtype(),
             DType::F32 | DType::F64 | DType::BF16 | DType::F16
         );
-        if on_host && float {
+        if float && rows.dtype() == table.dtype() {
             if let Some(acc) = self.accumulator(name, table)? {
-                let rows = streambp_kernels::ops::cast::cast(rows, acc.dtype())?;
-                if accumulate::add_rows(&acc, ids, &rows)? {
+                if accumulate::add_rows(&acc, ids, rows)? {
                     return Ok(());
                 }
             }
@@ -170,18 +168,19 @@ impl GradSink {
     }
 
     /// Adds `grad` (`fresh`: a tensor only the sink holds) to the accumulator of `name`: in place
-    /// once the sink owns the accumulator, else as a new sum, which it then owns.
+    /// once the sink owns the accumulator (a half-precision gradient widened on the way), else as
+    /// a new sum, which it then owns.
     fn accumulate(&mut self, name: &str, grad: Tensor, fresh: bool) -> Result<()> {
-        let dtype = accumulator_dtype(grad.dtype());
-        let (grad, fresh) = match grad.dtype() == dtype {
-            true => (grad, fresh),
-            false => (grad.to_dtype(dtype)?, true),
-        };
         if let Some(acc) = self.acc.get(name) {
             if self.owned.contains(name) && accumulate::add(acc, &grad)? {
                 return Ok(());
             }
         }
+        let dtype = accumulator_dtype(grad.dtype());
+        let (grad, fresh) = match grad.dtype() == dtype {
+            true => (grad, fresh),
+            false => (grad.to_dtype(dtype)?, true),
+        };
         let (sum, owned) = match self.remove(name) {
             Some(prev) => ((prev.to_dtype(grad.dtype())? + grad)?, true),
             None => (grad, fresh),

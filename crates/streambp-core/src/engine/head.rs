@@ -6,6 +6,7 @@ use std::ops::Range;
 use candle_core::{DType, Tensor, Var, D};
 use streambp_kernels::op_times;
 use streambp_kernels::ops::cast::{cast, round_in_place};
+use streambp_kernels::ops::head_softmax::{self, HeadRows};
 use streambp_kernels::ops::matmul;
 use streambp_models::Model;
 use streambp_objectives::Objective;
@@ -36,9 +37,9 @@ pub(super) fn head_logprobs(
             let (b, c, d) = normed.dims3()?;
             let (z, _) = chunk_logits(detached, &normed.reshape((b * c, d))?)?;
             let idx = chunk_targets.reshape((b * c, 1))?.contiguous()?;
-            let rows = EntropyRows::of(&tempered(z, temperature)?, &idx)?;
-            parts.push(rows.logp.reshape((b, c))?);
-            entropies.push(rows.entropy.reshape((b, c))?);
+            let (logp, entropy) = EntropyRows::of(&tempered(z, temperature)?, &idx)?.values()?;
+            parts.push(logp.reshape((b, c))?);
+            entropies.push(entropy.reshape((b, c))?);
             continue;
         }
         parts.push(chunk_logprobs(
@@ -55,40 +56,66 @@ pub(super) fn head_logprobs(
     Ok((Tensor::cat(&parts, 1)?, entropy))
 }
 
-/// The log-softmax of tempered logits `z` (`[n, V]`) kept whole, for an objective that reads each
-/// position's entropy ([`Objective::reads_entropy`]): composed tensor ops, a few `[n, V]` buffers
-/// per logits chunk.
-struct EntropyRows {
-    /// `[n]`: the targets' log-probs.
-    logp: Tensor,
-    /// `[n]`: `H = −Σ_v p_v log p_v`.
-    entropy: Tensor,
-    /// `[n, V]`: `log p`.
-    log_probs: Tensor,
+/// Each row's target log-prob and entropy of tempered logits `z` (`[n, V]`), for an objective that
+/// reads the entropies ([`Objective::reads_entropy`]), and what their gradient needs: the kernels'
+/// passes ([`head_softmax::entropy_rows`], `z`'s buffer alone) where they apply, else composed
+/// tensor ops, which keep a few more `[n, V]` buffers per logits chunk.
+enum EntropyRows {
+    Fused {
+        rows: HeadRows,
+        /// `[n]`: the rows' entropies.
+        entropy: Tensor,
+    },
+    Composed {
+        /// `[n]`: the targets' log-probs.
+        logp: Tensor,
+        /// `[n]`: `H = −Σ_v p_v log p_v`.
+        entropy: Tensor,
+        /// `[n, V]`: `log p`.
+        log_probs: Tensor,
+    },
 }
 
 impl EntropyRows {
-    /// The rows of `z` and their targets `idx` (`[n, 1]`).
+    /// The rows of `z` and their targets `idx` (`[n, 1]`); `z` itself is left as it is, but its
+    /// buffer is handed over: [`EntropyRows::logit_grad`] may write over it.
     fn of(z: &Tensor, idx: &Tensor) -> Result<Self> {
+        if let Some(rows) = head_softmax::entropy_rows(z, idx)? {
+            if let Some(entropy) = rows.entropy.clone() {
+                return Ok(Self::Fused { rows, entropy });
+            }
+        }
         let lse = z.log_sum_exp(D::Minus1)?;
         let log_probs = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?;
         let entropy = (log_probs.exp()? * &log_probs)?.sum(D::Minus1)?.neg()?;
         let logp = log_probs.gather(idx, D::Minus1)?.squeeze(D::Minus1)?;
-        Ok(Self {
+        Ok(Self::Composed {
             logp,
             entropy,
             log_probs,
         })
     }
 
+    /// `[n]` target log-probs and `[n]` entropies.
+    fn values(&self) -> Result<(Tensor, Tensor)> {
+        Ok(match self {
+            Self::Fused { rows, entropy } => (rows.logp.clone(), entropy.clone()),
+            Self::Composed { logp, entropy, .. } => (logp.clone(), entropy.clone()),
+        })
+    }
+
     /// `dLoss/dz` from the gradients `g` of the targets' log-probs and `g_entropy` of the
     /// entropies (`[n, 1]` each): `g ⊙ (onehot − p) − g_entropy ⊙ p ⊙ (log p + H)`.
-    fn logit_grad(&self, idx: &Tensor, g: &Tensor, g_entropy: &Tensor) -> Result<Tensor> {
-        let p = self.log_probs.exp()?;
+    fn logit_grad(self, idx: &Tensor, g: &Tensor, g_entropy: &Tensor) -> Result<Tensor> {
+        let (entropy, log_probs) = match self {
+            Self::Fused { rows, .. } => return Ok(rows.logit_grad(g, Some(g_entropy))?),
+            Self::Composed {
+                entropy, log_probs, ..
+            } => (entropy, log_probs),
+        };
+        let p = log_probs.exp()?;
         let from_logp = p.broadcast_mul(&g.neg()?)?.scatter_add(idx, g, D::Minus1)?;
-        let centred = self
-            .log_probs
-            .broadcast_add(&self.entropy.unsqueeze(D::Minus1)?)?;
+        let centred = log_probs.broadcast_add(&entropy.unsqueeze(D::Minus1)?)?;
         let from_entropy = (p * centred)?.broadcast_mul(&g_entropy.neg()?)?;
         Ok((from_logp + from_entropy)?)
     }
@@ -111,12 +138,10 @@ fn chunk_logprobs(
     let (z, _) = chunk_logits(detached, &normed.reshape((b * c, d))?)?;
     let z = tempered(z, temperature)?;
     let idx = targets.reshape((b * c, 1))?.contiguous()?;
-    Ok(
-        match streambp_kernels::ops::head_softmax::log_softmax_rows(&z, &idx)? {
-            Some(rows) => rows.logp.reshape((b, c))?,
-            None => target_logprobs(&z.reshape((b, c, ()))?, targets)?,
-        },
-    )
+    Ok(match head_softmax::log_softmax_rows(&z, &idx)? {
+        Some(rows) => rows.logp.reshape((b, c))?,
+        None => target_logprobs(&z.reshape((b, c, ()))?, targets)?,
+    })
 }
 
 /// The logits of normed rows `h2` (`[n, d]`) in the compute dtype, for the softmax: on the host a
@@ -467,9 +492,8 @@ fn head_chunk(
     let (logp, entropy, mut dz) = op_times::timed("head.softmax", device, || {
         if reads == Reads::Logits {
             // The targets' log-probs and the entropies for the metrics; the loss of the logits.
-            let rows = EntropyRows::of(&z, &idx)?;
-            let (logp, entropy) = (rows.logp.reshape((b, c))?, rows.entropy.reshape((b, c))?);
-            drop(rows);
+            let (logp, entropy) = EntropyRows::of(&z, &idx)?.values()?;
+            let (logp, entropy) = (logp.reshape((b, c))?, entropy.reshape((b, c))?);
             let vocab = z.dim(1)?;
             let (dz, _) = grad_of(ChunkView::Logits(&z.reshape((b, c, vocab))?))?;
             let dz = tempered(dz.to_dtype(compute)?.reshape((n, vocab))?, temperature)?;
@@ -477,7 +501,8 @@ fn head_chunk(
         }
         if reads == Reads::TargetsAndEntropy {
             let rows = EntropyRows::of(&z, &idx)?;
-            let (logp, entropy) = (rows.logp.reshape((b, c))?, rows.entropy.reshape((b, c))?);
+            let (logp, entropy) = rows.values()?;
+            let (logp, entropy) = (logp.reshape((b, c))?, entropy.reshape((b, c))?);
             let view = ChunkView::Targets {
                 logp: &logp,
                 entropy: Some(&entropy),
@@ -489,35 +514,33 @@ fn head_chunk(
             let dz = rows.logit_grad(&idx, &column(g)?, &column(g_entropy)?)?;
             return Ok::<_, crate::EngineError>((logp, Some(entropy), dz));
         }
-        Ok(
-            match streambp_kernels::ops::head_softmax::log_softmax_rows(&z, &idx)? {
-                Some(rows) => {
-                    let logp = rows.logp.reshape((b, c))?;
-                    let view = ChunkView::Targets {
-                        logp: &logp,
-                        entropy: None,
-                    };
-                    let g = column(grad_of(view)?.0)?.reshape(n)?;
-                    let dz = rows.logit_grad(&g)?;
-                    (logp, None, dz)
-                }
-                None => {
-                    let lse = z.log_sum_exp(D::Minus1)?;
-                    let logp =
-                        (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
-                    let view = ChunkView::Targets {
-                        logp: &logp,
-                        entropy: None,
-                    };
-                    let g = column(grad_of(view)?.0)?;
-                    let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
-                    let dz = p
-                        .broadcast_mul(&g.neg()?)?
-                        .scatter_add(&idx, &g, D::Minus1)?;
-                    (logp, None, dz)
-                }
-            },
-        )
+        Ok(match head_softmax::log_softmax_rows(&z, &idx)? {
+            Some(rows) => {
+                let logp = rows.logp.reshape((b, c))?;
+                let view = ChunkView::Targets {
+                    logp: &logp,
+                    entropy: None,
+                };
+                let g = column(grad_of(view)?.0)?.reshape(n)?;
+                let dz = rows.logit_grad(&g, None)?;
+                (logp, None, dz)
+            }
+            None => {
+                let lse = z.log_sum_exp(D::Minus1)?;
+                let logp =
+                    (z.gather(&idx, D::Minus1)?.squeeze(D::Minus1)? - &lse)?.reshape((b, c))?;
+                let view = ChunkView::Targets {
+                    logp: &logp,
+                    entropy: None,
+                };
+                let g = column(grad_of(view)?.0)?;
+                let p = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?;
+                let dz = p
+                    .broadcast_mul(&g.neg()?)?
+                    .scatter_add(&idx, &g, D::Minus1)?;
+                (logp, None, dz)
+            }
+        })
     })?;
     if let Some(slope) = slope {
         dz = (dz * slope)?;

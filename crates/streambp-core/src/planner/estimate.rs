@@ -31,6 +31,11 @@ struct DeviceTerms {
     gemm: bool,
     /// Half-precision layers run in f32 (`DecoderLayer::computed_in_f32`, the host only).
     half_in_f32: bool,
+    /// `[rows, V]` buffers a logits chunk holds beside the softmax's for an objective that reads
+    /// the entropies: none on the host, whose passes keep the entropies' terms per row; five for
+    /// the composed ops (fitted on the host before its passes: log-probabilities, their
+    /// exponentials and the gradient's terms).
+    entropy_buffers: u64,
 }
 
 /// The host CPU's terms.
@@ -41,6 +46,7 @@ const HOST: DeviceTerms = DeviceTerms {
     moments_overlap: false,
     gemm: true,
     half_in_f32: true,
+    entropy_buffers: 0,
 };
 
 /// An accelerator's terms (CUDA).
@@ -51,6 +57,7 @@ const CARD: DeviceTerms = DeviceTerms {
     moments_overlap: true,
     gemm: false,
     half_in_f32: false,
+    entropy_buffers: 5,
 };
 
 /// The sizes every phase reads, in elements and bytes.
@@ -352,12 +359,12 @@ fn head_phase(s: &Sizes, held: &Held, checkpoints: &Checkpoints) -> u64 {
 }
 
 /// What the head holds per logits chunk for an objective that reads the entropies, beside the
-/// softmax's own buffer: the log-probabilities, their exponentials and the gradient's terms, in the
-/// head's compute dtype (fitted: five `[rows, V]` buffers, 0.308 MiB per row at V = 16,384 in f32
-/// between logits chunks 128 and 512; docs/benchmarks.md, "GRPO's entropy terms in the budget").
+/// softmax's own buffer ([`DeviceTerms::entropy_buffers`], in the head's compute dtype: 0.308 MiB
+/// per row at V = 16,384 in f32 for the composed ops; docs/benchmarks.md, "GRPO's entropy terms in
+/// the budget").
 fn entropy_rows(s: &Sizes) -> u64 {
     match s.p.reads_entropy {
-        true => 5 * s.b * s.lc * s.vocab * s.e.max(F32),
+        true => s.device.entropy_buffers * s.b * s.lc * s.vocab * s.e.max(F32),
         false => 0,
     }
 }

@@ -71,7 +71,8 @@ pub struct Problem<'a> {
     /// teacher's, a reference's weights); none by default.
     pub frozen: Frozen,
     /// The objective reads each position's entropy beside its target's log-prob (GRPO's entropy
-    /// terms): the head then holds the chunk's log-probabilities and their gradient's terms.
+    /// terms): where the head's passes do not run, it then holds the chunk's log-probabilities and
+    /// their gradient's terms.
     pub reads_entropy: bool,
 }
 
@@ -547,26 +548,30 @@ mod tests {
         assert_eq!(with.head_phase, alone.head_phase);
     }
 
-    /// Reading the entropies adds five logits-sized buffers per chunk to the head, nothing else.
+    /// Reading the entropies adds five logits-sized buffers per chunk to the head where the ops are
+    /// composed (the card's terms), nothing on the host (its passes keep per-row terms), nothing
+    /// else.
     #[test]
-    fn entropies_count_in_the_head() {
+    fn entropies_count_in_the_head_where_composed() {
         let cfg = qwen3_8b();
         let chunks = Chunks {
             chunk: 1024,
             logits_chunk: 512,
         };
-        let plain = estimate(problem(&cfg, 16_384, false), chunks);
-        let with = estimate(
-            Problem {
-                reads_entropy: true,
-                ..problem(&cfg, 16_384, false)
-            },
-            chunks,
-        );
-        let rows = 5 * 512 * cfg.vocab_size as u64 * 4;
-        assert_eq!(with.head_phase - plain.head_phase, rows);
-        assert_eq!(with.layer_phase, plain.layer_phase);
-        assert_eq!(with.resident, plain.resident);
+        for (host, buffers) in [(false, 5), (true, 0)] {
+            let plain = estimate(problem(&cfg, 16_384, host), chunks);
+            let with = estimate(
+                Problem {
+                    reads_entropy: true,
+                    ..problem(&cfg, 16_384, host)
+                },
+                chunks,
+            );
+            let rows = buffers * 512 * cfg.vocab_size as u64 * 4;
+            assert_eq!(with.head_phase - plain.head_phase, rows, "host {host}");
+            assert_eq!(with.layer_phase, plain.layer_phase);
+            assert_eq!(with.resident, plain.resident);
+        }
     }
 
     /// A budget takes the fastest way of storing the checkpoints that keeps the layer chunk at 128 or

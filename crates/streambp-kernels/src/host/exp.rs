@@ -20,6 +20,15 @@ pub trait BulkExp:
     /// `x ← exp(x − shift)` for every element, returning their sum (added as [`row_sum`](crate::host::reduce::row_sum) adds): a
     /// softmax row's exponentials and normalizer in one pass over it instead of three.
     fn exp_shifted_sum(xs: &mut [Self], shift: Self) -> Self;
+
+    /// `(Σ eᵈ, Σ eᵈ·d)` over the elements, `d = x − shift`, reading `xs` only: a softmax row's
+    /// normalizer and the first moment its entropy needs, in one pass. An element of −∞ adds 0 to
+    /// both.
+    fn exp_shifted_moments(xs: &[Self], shift: Self) -> (Self, Self);
+
+    /// `x ← f(d, eᵈ)` for every element, `d = x − shift`: a pass that rewrites a row from its
+    /// shifted exponentials (`f` is inlined into the vectorized loop).
+    fn exp_shifted_map(xs: &mut [Self], shift: Self, f: impl Fn(Self, Self) -> Self);
 }
 
 impl BulkExp for f64 {
@@ -32,6 +41,55 @@ impl BulkExp for f64 {
     fn exp_shifted_sum(xs: &mut [f64], shift: f64) -> f64 {
         exp_shifted_sum_by(xs, shift, f64::exp)
     }
+
+    fn exp_shifted_moments(xs: &[f64], shift: f64) -> (f64, f64) {
+        exp_shifted_moments_by(xs, shift, f64::exp)
+    }
+
+    fn exp_shifted_map(xs: &mut [f64], shift: f64, f: impl Fn(f64, f64) -> f64) {
+        exp_shifted_map_by(xs, shift, f64::exp, f)
+    }
+}
+
+/// [`BulkExp::exp_shifted_map`] with the exponential `exp`.
+#[inline(always)]
+fn exp_shifted_map_by<T: Float>(
+    xs: &mut [T],
+    shift: T,
+    exp: impl Fn(T) -> T,
+    f: impl Fn(T, T) -> T,
+) {
+    for x in xs {
+        let d = *x - shift;
+        *x = f(d, exp(d));
+    }
+}
+
+/// [`BulkExp::exp_shifted_moments`] with the exponential `exp`, each sum in [`LANES`] partial sums.
+#[inline(always)]
+fn exp_shifted_moments_by<T: Float>(xs: &[T], shift: T, exp: impl Fn(T) -> T) -> (T, T) {
+    let term = |x: T| {
+        let d = x - shift;
+        let e = exp(d);
+        // `e = 0` where `d = −∞`, whose product would be NaN.
+        (e, if e > T::zero() { e * d } else { T::zero() })
+    };
+    let (mut sums, mut moments) = ([T::zero(); LANES], [T::zero(); LANES]);
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for ((s, m), &x) in sums.iter_mut().zip(moments.iter_mut()).zip(chunk) {
+            let (e, ed) = term(x);
+            *s = *s + e;
+            *m = *m + ed;
+        }
+    }
+    let total = |lanes: [T; LANES]| lanes.iter().fold(T::zero(), |s, &x| s + x);
+    rest.iter()
+        .fold((total(sums), total(moments)), |(s, m), &x| {
+            let (e, ed) = term(x);
+            (s + e, m + ed)
+        })
 }
 
 /// [`BulkExp::exp_shifted_sum`] with the exponential `exp`, the sum in [`row_sum`](crate::host::reduce::row_sum)'s lanes and order.
@@ -67,6 +125,26 @@ impl BulkExp for f32 {
                 xs.iter_mut().for_each(|x| *x = exp_f32_fused(*x));
             } else {
                 xs.iter_mut().for_each(|x| *x = exp_f32(*x));
+            }
+        })
+    }
+
+    fn exp_shifted_moments(xs: &[f32], shift: f32) -> (f32, f32) {
+        vectorized!(|isa| {
+            if isa.fma() {
+                exp_shifted_moments_by(xs, shift, exp_f32_fused)
+            } else {
+                exp_shifted_moments_by(xs, shift, exp_f32)
+            }
+        })
+    }
+
+    fn exp_shifted_map(xs: &mut [f32], shift: f32, f: impl Fn(f32, f32) -> f32) {
+        vectorized!(|isa| {
+            if isa.fma() {
+                exp_shifted_map_by(xs, shift, exp_f32_fused, f)
+            } else {
+                exp_shifted_map_by(xs, shift, exp_f32, f)
             }
         })
     }
@@ -205,6 +283,45 @@ mod tests {
             check(&row, 3.25);
             let row32: Vec<f32> = row.iter().map(|&x| x as f32).collect();
             check(&row32, 3.25);
+        }
+    }
+
+    /// The moments' pass against the exponentials it stands for, within a few roundings in f32 and
+    /// f64, rows of 0..20 elements and one with −∞ (adding 0 to both sums); the map's pass gives
+    /// `f` each element's shifted value and its exponential.
+    #[test]
+    fn shifted_moments_and_map_equal_their_definitions() {
+        fn check<T: BulkExp + std::fmt::Debug + Into<f64>>(values: &[T], shift: T, bound: f64) {
+            let (sum, moment) = T::exp_shifted_moments(values, shift);
+            let (mut want_sum, mut want_moment) = (0.0f64, 0.0f64);
+            for &x in values {
+                let d = x.into() - shift.into();
+                if d > f64::NEG_INFINITY {
+                    want_sum += d.exp();
+                    want_moment += d.exp() * d;
+                }
+            }
+            assert!((sum.into() - want_sum).abs() <= bound * want_sum.max(1.0));
+            assert!((moment.into() - want_moment).abs() <= bound * want_sum.max(1.0) * 10.0);
+            let mut mapped = values.to_vec();
+            T::exp_shifted_map(&mut mapped, shift, |d, e| d + e);
+            for (&x, &y) in values.iter().zip(&mapped) {
+                let d = x.into() - shift.into();
+                let want = d + d.exp();
+                assert!(
+                    (y.into() - want).abs() <= bound * want.abs().max(1.0) || y.into() == want,
+                    "{x:?} -> {y:?}"
+                );
+            }
+        }
+        for n in 0..20 {
+            let mut row: Vec<f64> = (0..n).map(|i| (i as f64 * 0.77).sin() * 9.0).collect();
+            if n > 5 {
+                row[3] = f64::NEG_INFINITY;
+            }
+            check(&row, 3.25, 1e-14);
+            let row32: Vec<f32> = row.iter().map(|&x| x as f32).collect();
+            check(&row32, 3.25, 1e-5);
         }
     }
 }

@@ -269,8 +269,9 @@ pub(crate) fn assert_lists_fit(table: &'static [Compiled], args_for: impl Fn(&Co
 
 /// Every table, for the tests that hold them all to their cubins.
 #[cfg(test)]
-pub(crate) fn tables() -> [&'static [Compiled]; 6] {
+pub(crate) fn tables() -> [&'static [Compiled]; 7] {
     [
+        crate::ops::accumulate::compiled::KERNELS,
         crate::ops::head_softmax::compiled::KERNELS,
         crate::ops::adamw::compiled::KERNELS,
         crate::ops::attention::compiled::KERNELS,

@@ -40,6 +40,35 @@ pub(crate) fn logit_grad_args(c: &Chunk, g: u64) -> Args {
     ]
 }
 
+/// `head_log_softmax_entropy`'s arguments: as [`log_softmax_args`], and the rows' entropies into
+/// `entropy`.
+pub(crate) fn log_softmax_entropy_args(c: &Chunk, logp: u64, entropy: u64) -> Args {
+    vec![
+        ("Z", Value::Pointer(c.z)),
+        ("TARGETS", Value::Pointer(c.targets)),
+        ("LSE", Value::Pointer(c.lse)),
+        ("LOGP", Value::Pointer(logp)),
+        ("ENTROPY", Value::Pointer(entropy)),
+        ("stride_z", i64_of(c.vocab)),
+        ("vocab", i32_of(c.vocab)),
+    ]
+}
+
+/// `head_logit_grad_entropy`'s arguments: the logits' gradient over `z` from the rows' entropies
+/// and the gradients `g` of their log-probs and `g_entropy` of their entropies (f32 each).
+pub(crate) fn logit_grad_entropy_args(c: &Chunk, entropy: u64, (g, g_entropy): (u64, u64)) -> Args {
+    vec![
+        ("Z", Value::Pointer(c.z)),
+        ("TARGETS", Value::Pointer(c.targets)),
+        ("LSE", Value::Pointer(c.lse)),
+        ("ENTROPY", Value::Pointer(entropy)),
+        ("G", Value::Pointer(g)),
+        ("G_ENTROPY", Value::Pointer(g_entropy)),
+        ("stride_z", i64_of(c.vocab)),
+        ("vocab", i32_of(c.vocab)),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -57,11 +86,20 @@ mod tests {
 
     #[test]
     fn the_launchers_argument_lists_match_the_compiled_kernels() {
-        for kernel in ["head_log_softmax", "head_logit_grad"] {
+        for kernel in [
+            "head_log_softmax",
+            "head_logit_grad",
+            "head_log_softmax_entropy",
+            "head_logit_grad_entropy",
+        ] {
             assert!(compiled_everywhere(KERNELS, kernel, BLOCK), "{kernel}");
         }
         let args = |k: &Compiled, vocab| match k.kernel {
             "head_log_softmax" => log_softmax_args(&chunk(vocab), 0x4000),
+            "head_log_softmax_entropy" => log_softmax_entropy_args(&chunk(vocab), 0x4000, 0x5000),
+            "head_logit_grad_entropy" => {
+                logit_grad_entropy_args(&chunk(vocab), 0x4000, (0x5000, 0x6000))
+            }
             _ => logit_grad_args(&chunk(vocab), 0x4000),
         };
         assert_lists_fit(KERNELS, |k| args(k, 151_936));

@@ -1,4 +1,4 @@
-//! Gradient accumulators updated in place on the CPU.
+//! Gradient accumulators updated in place.
 //!
 //! Summing a gradient over chunks as `acc = acc + g` allocates a fresh parameter-sized buffer per
 //! chunk and, for a weight's share `aᵀ·b`, another for the product: at T = 2048 the LM head alone
@@ -9,9 +9,20 @@
 //!
 //! CPU, f32 and f64, accumulators their owner alone holds (contiguous, sharing no storage): the
 //! engine's gradient sink, and a trained projection's backward adding its weight's gradient straight
-//! into the sink's accumulator (`streambp_models`' `Linear::grad_into`). Elsewhere the functions answer
-//! `false` and the caller keeps the tensor-op sum (which CUDA runs).
+//! into the sink's accumulator (`streambp_models`' `Linear::grad_into`). On the card, [`add`] and
+//! [`add_rows`] into f32 accumulators from f32 or bf16 gradients, widened on the way (Triton
+//! kernels: `triton/accumulate.py`, `cuda.rs`), so neither a sum's buffer nor an f32 copy of a bf16
+//! gradient is made; the rows one after another, as the host adds them, without atomics. Elsewhere
+//! the functions answer `false` and the caller keeps the tensor-op sum.
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod compiled;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod cuda_table;
+
+use crate::backend::Backend;
 use crate::host::half_product::{self, Destination};
 use crate::host::products::{product_into, strided};
 use crate::host::skinny::SumType;
@@ -34,13 +45,30 @@ fn in_place(acc: &Tensor, operands: &[&Tensor]) -> bool {
             .all(|t| t.device().is_cpu() && t.dtype() == acc.dtype())
 }
 
-/// `acc += x` in place (same shape); `false`, with nothing done, where that does not apply.
+/// Whether `x` is a half-precision gradient for the f32 accumulator `acc`, widened before it is
+/// added.
+fn widened(acc: &Tensor, x: &Tensor) -> bool {
+    acc.dtype() == DType::F32 && matches!(x.dtype(), DType::BF16 | DType::F16)
+}
+
+/// `acc += x` in place (same shape; a half-precision `x` into an f32 `acc` widened); `false`, with
+/// nothing done, where that does not apply.
 pub fn add(acc: &Tensor, x: &Tensor) -> CResult<bool> {
-    if !in_place(acc, &[x]) || acc.shape() != x.shape() {
+    if acc.shape() != x.shape() {
         return Ok(false);
     }
-    acc.inplace_op2(&x.contiguous()?, &AddInto)?;
-    Ok(true)
+    match Backend::of(acc) {
+        Backend::Cpu if widened(acc, x) && x.device().is_cpu() => {
+            add(acc, &crate::ops::cast::cast(x, DType::F32)?)
+        }
+        Backend::Cpu if in_place(acc, &[x]) => {
+            acc.inplace_op2(&x.contiguous()?, &AddInto)?;
+            Ok(true)
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => cuda::add(acc, x),
+        _ => Ok(false),
+    }
 }
 
 /// `acc += a·b` in place for `a` `[m, k]`, `b` `[k, n]` (any strides) and `acc` `[m, n]`; `false`,
@@ -78,12 +106,22 @@ pub fn add_product_of_bf16_values(acc: &Tensor, a: &Tensor, b: &Tensor) -> CResu
 }
 
 /// `acc[ids[i]] += rows[i]` in place, row after row in order (as candle's `index_add` sums), for
-/// `acc` `[V, d]`, `ids` `[n]` (any integer dtype) and `rows` `[n, d]`; `false`, with nothing done,
-/// where that does not apply. An id outside `0..V` is an error.
+/// `acc` `[V, d]`, `ids` `[n]` (any integer dtype) and `rows` `[n, d]` (half-precision rows into an
+/// f32 `acc` widened); `false`, with nothing done, where that does not apply. On the host an id outside
+/// `0..V` is an error; the card skips it (reading the ids back would stop the card).
 pub fn add_rows(acc: &Tensor, ids: &Tensor, rows: &Tensor) -> CResult<bool> {
     let ((vocab, d), (n, d2)) = (acc.dims2()?, rows.dims2()?);
-    if !in_place(acc, &[rows]) || d != d2 || ids.dims1()? != n {
+    if d != d2 || ids.dims1()? != n {
         return Ok(false);
+    }
+    match Backend::of(acc) {
+        Backend::Cpu if widened(acc, rows) && rows.device().is_cpu() => {
+            return add_rows(acc, ids, &crate::ops::cast::cast(rows, DType::F32)?);
+        }
+        Backend::Cpu if in_place(acc, &[rows]) => {}
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => return cuda::add_rows(acc, ids, rows),
+        _ => return Ok(false),
     }
     let ids = ids.to_dtype(candle_core::DType::I64)?.to_vec1::<i64>()?;
     if let Some(bad) = ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
@@ -324,5 +362,39 @@ mod tests {
         let half = acc.to_dtype(DType::BF16).unwrap();
         let half_rows = rows.to_dtype(DType::BF16).unwrap();
         assert!(!add_rows(&half, &ids, &half_rows).unwrap());
+    }
+
+    /// Half-precision gradients into an f32 accumulator are widened and added: the sums of their
+    /// f32 values, bit for bit, whole tensors and rows (an id repeated).
+    #[test]
+    fn half_precision_gradients_add_widened() {
+        let dev = Device::Cpu;
+        let values = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i * 13 + seed) as f32 * 0.41).sin() * 3.0)
+                .collect()
+        };
+        let held = Tensor::from_vec(values(12, 1), (4, 3), &dev).unwrap();
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for half in [DType::BF16, DType::F16] {
+            let x = Tensor::from_vec(values(12, 2), (4, 3), &dev)
+                .and_then(|t| t.to_dtype(half))
+                .unwrap();
+            let want = (&held + x.to_dtype(DType::F32).unwrap()).unwrap();
+            let acc = held.copy().unwrap();
+            assert!(add(&acc, &x).unwrap());
+            assert_eq!(flat(&acc), flat(&want), "{half:?}");
+
+            let rows = Tensor::from_vec(values(9, 3), (3, 3), &dev)
+                .and_then(|t| t.to_dtype(half))
+                .unwrap();
+            let ids = Tensor::from_vec(vec![1u32, 3, 1], 3, &dev).unwrap();
+            let want = held
+                .index_add(&ids, &rows.to_dtype(DType::F32).unwrap(), 0)
+                .unwrap();
+            let acc = held.copy().unwrap();
+            assert!(add_rows(&acc, &ids, &rows).unwrap());
+            assert_eq!(flat(&acc), flat(&want), "{half:?} rows");
+        }
     }
 }
