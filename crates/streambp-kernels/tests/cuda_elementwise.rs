@@ -8,7 +8,8 @@
 //! (their launches are counted). The head's softmax passes (log-probs, then the logits' gradient
 //! over the chunk), without and with the rows' entropies, equal the CPU's on vocabularies of
 //! 16 × 7 and 151,936 columns, and a vocabulary not a multiple of 16 is left to the composed ops.
-//! The accumulators add into f32 in place from f32 and bf16 gradients as the CPU does, bit for bit.
+//! The accumulators add into f32 in place from f32 and bf16 gradients as the CPU does, bit for bit,
+//! and products into them (cuBLAS, β = 1) as the CPU's to f32 rounding.
 //!
 //! To run on the GPU machine: build with `CARGO_TARGET_DIR=target-cuda cargo test --release -p
 //! streambp-kernels --features cuda --test cuda_elementwise --no-run` and carry the binary.
@@ -16,7 +17,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use streambp_kernels::card_launches;
-use streambp_kernels::ops::accumulate::{add, add_rows};
+use streambp_kernels::ops::accumulate::{add, add_product, add_rows};
 use streambp_kernels::ops::adamw::{update_in_place, AdamWStep};
 use streambp_kernels::ops::geglu::{geglu, Gelu};
 use streambp_kernels::ops::head_softmax::{entropy_rows, log_softmax_rows};
@@ -342,6 +343,31 @@ fn the_cards_accumulators_equal_the_cpu() {
             let before = card_launches("accumulate_add_rows");
             assert_eq!(sum(&gpu), sum(&cpu), "add_rows {dtype:?} {n}x{dim}");
             assert_eq!(card_launches("accumulate_add_rows"), before + 1);
+        }
+    }
+    // `acc += a·b` by cuBLAS with β = 1: `a` contiguous and a transposed view (the LM head's
+    // `dzᵀ`, a projection's `gᵀ`), f32 and bf16 operands summed in f32, against the host's.
+    for dtype in [DType::F32, DType::BF16] {
+        for (m, k, n, transposed) in [(7, 5, 3, false), (96, 700, 64, true), (1, 9, 16, true)] {
+            let held = randn(&[m, n], DType::F32);
+            let a = match transposed {
+                true => randn(&[k, m], dtype).t().unwrap(),
+                false => randn(&[m, k], dtype),
+            };
+            let b = randn(&[k, n], dtype);
+            let sum = |device: &Device| {
+                let acc = held.to_device(device).unwrap();
+                let (a, b) = (a.to_device(device).unwrap(), b.to_device(device).unwrap());
+                assert!(add_product(&acc, &a, &b).unwrap());
+                acc.to_device(&cpu).unwrap()
+            };
+            let before = card_launches("accumulate_add_product");
+            let (card, host) = (sum(&gpu), sum(&cpu));
+            assert_eq!(card_launches("accumulate_add_product"), before + 1);
+            let what = format!("add_product {dtype:?} {m}x{k}x{n} transposed {transposed}");
+            let err = rel_err(&card, &host);
+            println!("{what}: {err:.1e}");
+            assert!(err < 1e-5, "{what}: {err:.1e}");
         }
     }
     let acc64 = Tensor::zeros(8, DType::F64, &gpu).unwrap();

@@ -109,11 +109,11 @@ impl GradSink {
     }
 
     /// Adds the gradient `a·b` (a weight's share from one chunk: the LM head's `dzᵀ·h`), into the
-    /// accumulator in place where it can. In half precision on the host the first chunk's share goes
-    /// into a zero f32 accumulator too, never through a product rounded to bf16.
+    /// accumulator in place where it can. In half precision the first chunk's share goes into a zero
+    /// f32 accumulator too, never through a product rounded to bf16.
     pub(super) fn add_product(&mut self, name: &str, a: &Tensor, b: &Tensor) -> Result<()> {
-        let half_on_host = a.device().is_cpu() && accumulator_dtype(a.dtype()) != a.dtype();
-        if !self.acc.contains_key(name) && half_on_host {
+        let half = accumulator_dtype(a.dtype()) != a.dtype();
+        if !self.acc.contains_key(name) && half {
             let shape = (a.dim(0)?, b.dim(1)?).into();
             self.accumulator_for(name, &shape, a.dtype(), a.device())?;
         }

@@ -21,8 +21,10 @@ struct DeviceTerms {
     /// f32-sized logits buffers a head chunk holds at once: one on the host, which its softmax and
     /// the softmax's VJP overwrite; four for the composed ops (scores, softmax, VJP, scatter).
     logits_buffers: u64,
-    /// The per-chunk share of the head weight's gradient is a buffer of its own (the composed
-    /// ops); on the host the product adds it into the accumulator.
+    /// The per-chunk share of the head weight's gradient is a buffer of its own (the composed ops;
+    /// still counted on the card, whose cuBLAS product now adds into the accumulator, until a card
+    /// measures it: the head's phase is fitted to a card's peak of the composed ops); on the host
+    /// the product adds it into the accumulator.
     head_share_buffer: bool,
     /// A chunk's attention and MLP gradient moments overlap: measured apart on the host, summed
     /// elsewhere to err high.

@@ -21,8 +21,8 @@ pub(crate) const ALIGN: usize = 16;
 /// Launches so far in this process, per kernel name (for tests that a kernel ran).
 static LAUNCHES: OnceLock<Mutex<HashMap<&'static str, usize>>> = OnceLock::new();
 
-/// How many of the card's Triton kernels whose name starts with `prefix` (`""`: all) this process
-/// has launched.
+/// How many of the card's kernels (Triton's, and the library calls counted with them) whose name
+/// starts with `prefix` (`""`: all) this process has launched.
 pub fn launches(prefix: &str) -> usize {
     LAUNCHES.get().and_then(|m| m.lock().ok()).map_or(0, |m| {
         m.iter()
@@ -126,10 +126,16 @@ pub(crate) fn launch(
     // pass addresses of live buffers of the extents their counts and strides say, and grids that
     // cover no more than that.
     unsafe { builder.launch(config) }.map_err(candle_core::Error::wrap)?;
-    if let Ok(mut m) = LAUNCHES.get_or_init(Default::default).lock() {
-        *m.entry(kernel.kernel).or_default() += 1;
-    }
+    count(kernel.kernel);
     Ok(())
+}
+
+/// Counts a launch of the card's kernel `name` ([`launches`]): the Triton kernels' and the library
+/// calls the ops make in their place (cuBLAS's products into accumulators).
+pub(crate) fn count(name: &'static str) {
+    if let Ok(mut m) = LAUNCHES.get_or_init(Default::default).lock() {
+        *m.entry(name).or_default() += 1;
+    }
 }
 
 /// The device address of `t`'s first element (the tensor must outlive the launches that read it).

@@ -12,8 +12,9 @@
 //! into the sink's accumulator (`streambp_models`' `Linear::grad_into`). On the card, [`add`] and
 //! [`add_rows`] into f32 accumulators from f32 or bf16 gradients, widened on the way (Triton
 //! kernels: `triton/accumulate.py`, `cuda.rs`), so neither a sum's buffer nor an f32 copy of a bf16
-//! gradient is made; the rows one after another, as the host adds them, without atomics. Elsewhere
-//! the functions answer `false` and the caller keeps the tensor-op sum.
+//! gradient is made; the rows one after another, as the host adds them, without atomics; and
+//! [`add_product`] by cuBLAS's product with β = 1, so a chunk's weight gradient makes no buffer of
+//! its own. Elsewhere the functions answer `false` and the caller keeps the tensor-op sum.
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod compiled;
@@ -73,9 +74,17 @@ pub fn add(acc: &Tensor, x: &Tensor) -> CResult<bool> {
 
 /// `acc += a·b` in place for `a` `[m, k]`, `b` `[k, n]` (any strides) and `acc` `[m, n]`; `false`,
 /// with nothing done, where that does not apply. bf16 operands add into an f32 accumulator
-/// ([`crate::host::half_product`]: summed in f32, unrounded).
+/// (summed in f32, unrounded: on the host [`crate::host::half_product`], on the card cuBLAS with
+/// β = 1, f32 and bf16 operands whose layout it reads).
 pub fn add_product(acc: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool> {
     let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
+    #[cfg(feature = "cuda")]
+    if Backend::of(acc) == Backend::Cuda {
+        return match k == k2 && acc.dims() == [m, n] {
+            true => cuda::add_product(acc, a, b),
+            false => Ok(false),
+        };
+    }
     let half_into_f32 = acc.dtype() == DType::F32
         && acc.is_contiguous()
         && [a, b]
