@@ -1,7 +1,7 @@
 //! Times the host's matrix products and casts one at a time, bf16 beside f32, at the shapes of a
 //! `qwen3-small` step (hidden 256, MLP 768, vocabulary 16,384, chunks of 128 rows, logits chunk
-//! 100): to find which of them makes one CPU slower than another where a whole step only says
-//! that it is. Medians of `REPEATS` (default 30) after one warm-up; threads are rayon's.
+//! 100), and AdamW's update of the embedding-sized parameter in place and composed: to find which
+//! of them makes one CPU slower than another where a whole step only says that it is. Medians of `REPEATS` (default 30) after one warm-up; threads are rayon's.
 //!
 //! `cargo run --release -p streambp-kernels --example op_timings [hidden mlp vocab rows]`
 
@@ -10,6 +10,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
 use streambp_kernels::host::{half_product, products};
+use streambp_kernels::ops::adamw::{composed, update_in_place, AdamWStep};
 use streambp_kernels::ops::cast;
 
 type Result<T> = candle_core::Result<T>;
@@ -171,6 +172,44 @@ fn main() -> Result<()> {
             "| {name} | {:.3} | {:.1} |",
             s * 1e3,
             (elements * 6) as f64 / s / 1e9
+        );
+    }
+    adamw_timings(vocab * hidden, repeats)
+}
+
+/// AdamW's update of one `n`-element parameter (the embedding's size), in place in one pass
+/// against the composed ops it equals, f32 and bf16 parameters (moments f32).
+fn adamw_timings(n: usize, repeats: usize) -> Result<()> {
+    let step = AdamWStep {
+        lr: 1e-5,
+        decay: 1.0 - 1e-5 * 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        bias_corrections: (0.1, 0.001),
+    };
+    println!(
+        "
+| AdamW on {n} elements | in place (ms) | composed (ms) |"
+    );
+    println!("|---|---|---|");
+    for dtype in [DType::F32, DType::BF16] {
+        let p = random(n, 1, dtype)?;
+        let g = random(n, 1, dtype)?;
+        let (m, v) = (random(n, 1, DType::F32)?, random(n, 1, DType::F32)?.abs()?);
+        let in_place = median_seconds(repeats, || {
+            assert!(update_in_place(&p, &g, (&m, &v), &step)?);
+            Ok(())
+        })?;
+        let composed = median_seconds(repeats, || {
+            let [p_new, m_new, v_new] = composed(&p, &g, (&m, &v), &step)?;
+            std::hint::black_box((p_new.to_dtype(dtype)?, m_new, v_new));
+            Ok(())
+        })?;
+        println!(
+            "| {dtype:?} parameter | {:.3} | {:.3} |",
+            in_place * 1e3,
+            composed * 1e3
         );
     }
     Ok(())

@@ -2,7 +2,7 @@
 //! gradient clipping, and the warmup + cosine/linear learning-rate schedules of transformers.
 
 use candle_core::{DType, Tensor, Var};
-use streambp_kernels::ops::adamw::{update_in_place, AdamWStep};
+use streambp_kernels::ops::adamw::{self, update_in_place, AdamWStep};
 use streambp_kernels::ops::cast::cast;
 use streambp_kernels::ops::grad_norm;
 
@@ -48,14 +48,12 @@ struct Slot {
 }
 
 /// AdamW over a model's parameters: one pair of moments per parameter, updated in place.
-/// Which elements of a parameter (shard) weight decay applies to.
-pub enum Decay<'a> {
-    /// None of them (biases, norms).
+/// Whether weight decay applies to a parameter (or its run of a shard).
+pub enum Decay {
+    /// Not (biases, norms).
     None,
-    /// All of them.
+    /// It does.
     All,
-    /// Where the 0/1 mask (same length, the state's dtype) is 1: a flat shard mixing parameters.
-    Mask(&'a Tensor),
 }
 
 /// A parameter's (or shard's) AdamW moments, updated in place.
@@ -69,33 +67,26 @@ pub struct Moments<'a> {
 impl AdamWConfig {
     /// One AdamW update of the values `p` with the gradient `g` (both in the moments' dtype) at rate
     /// `lr`, with the step's bias corrections `(1 − β1ᵗ, 1 − β2ᵗ)`: the new values (torch's AdamW,
-    /// decoupled decay first). The one update both the whole-parameter and the sharded optimizer use.
+    /// decoupled decay first), composed of tensor ops ([`adamw::composed`]), for a device without a
+    /// kernel that updates in place.
     pub fn update(
         &self,
         p: Tensor,
         g: &Tensor,
         moments: Moments,
         lr: f64,
-        (bc1, bc2): (f64, f64),
+        bc: (f64, f64),
         decay: Decay,
     ) -> Result<Tensor> {
-        let p = match (decay, self.weight_decay != 0.0) {
-            (_, false) | (Decay::None, _) => p,
-            (Decay::All, true) => (p * (1.0 - lr * self.weight_decay))?,
-            (Decay::Mask(mask), true) => {
-                (&p * (mask * (-lr * self.weight_decay))?.affine(1.0, 1.0)?)?
-            }
-        };
-        *moments.m = ((&*moments.m * self.beta1)? + (g * (1.0 - self.beta1))?)?;
-        *moments.v = ((&*moments.v * self.beta2)? + (g.sqr()? * (1.0 - self.beta2))?)?;
-        let denom = ((&*moments.v / bc2)?.sqrt()? + self.eps)?;
-        let update = ((&*moments.m / bc1)? / denom)?;
-        Ok((p - (update * lr)?)?)
+        let constants = self.step_constants(lr, bc, matches!(decay, Decay::All));
+        let [p, m, v] = adamw::composed(&p, g, (moments.m, moments.v), &constants)?;
+        (*moments.m, *moments.v) = (m, v);
+        Ok(p)
     }
 
     /// The constants of one update at rate `lr` with bias corrections `bc`, with or without decay,
     /// as the kernels that update in place take them.
-    fn step_constants(&self, lr: f64, bc: (f64, f64), decay: bool) -> AdamWStep {
+    pub(crate) fn step_constants(&self, lr: f64, bc: (f64, f64), decay: bool) -> AdamWStep {
         AdamWStep {
             lr,
             decay: match decay && self.weight_decay != 0.0 {

@@ -74,10 +74,11 @@ impl<T: WithDType, F: FnOnce(&mut [T], &candle_core::Layout) -> CResult<R>, R>
         let data: Option<&mut Vec<T>> = match storage {
             candle_core::CpuStorage::F32(v) => (v as &mut dyn Any).downcast_mut(),
             candle_core::CpuStorage::F64(v) => (v as &mut dyn Any).downcast_mut(),
+            candle_core::CpuStorage::BF16(v) => (v as &mut dyn Any).downcast_mut(),
             _ => None,
         };
         let (Some(data), Ok(mut f)) = (data, self.f.lock()) else {
-            candle_core::bail!("CPU pass: not f32 or f64");
+            candle_core::bail!("CPU pass: not f32, f64 or bf16");
         };
         let Some(f) = f.take() else {
             candle_core::bail!("CPU pass: run twice");
@@ -103,12 +104,13 @@ pub fn host_slice<'a, T: WithDType>(
 }
 
 /// The address of the CPU buffer `t` lies in, telling tensors that share storage apart (`None`
-/// off the CPU or outside f32/f64).
+/// off the CPU or outside f32/f64/bf16).
 pub fn storage_id(t: &Tensor) -> Option<usize> {
     let (storage, _) = t.storage_and_layout();
     match &*storage {
         Storage::Cpu(candle_core::CpuStorage::F32(v)) => Some(v.as_ptr() as usize),
         Storage::Cpu(candle_core::CpuStorage::F64(v)) => Some(v.as_ptr() as usize),
+        Storage::Cpu(candle_core::CpuStorage::BF16(v)) => Some(v.as_ptr() as usize),
         _ => None,
     }
 }

@@ -149,8 +149,36 @@ impl Buckets {
 
     /// This rank's shard of the flat, padded `flat` of bucket `b`.
     pub(super) fn shard(&self, b: usize, flat: &Tensor) -> Result<Tensor> {
+        let range = self.shard_range(b);
+        Ok(flat.narrow(0, range.start, range.len())?)
+    }
+
+    /// Where this rank's shard of bucket `b` lies in the flat, padded bucket.
+    fn shard_range(&self, b: usize) -> std::ops::Range<usize> {
         let n = self.buckets[b].padded / self.world;
-        Ok(flat.narrow(0, self.rank * n, n)?)
+        self.rank * n..(self.rank + 1) * n
+    }
+
+    /// This rank's shard of bucket `b` as runs of one parameter each: `(start in the shard,
+    /// length, the parameter's index)`, the padding's run with `None`.
+    pub(super) fn shard_runs(&self, b: usize) -> Vec<(usize, usize, Option<usize>)> {
+        let bucket = &self.buckets[b];
+        let shard = self.shard_range(b);
+        let mut at = 0;
+        let mut pieces: Vec<(std::ops::Range<usize>, Option<usize>)> = Vec::new();
+        for (&i, shape) in bucket.params.iter().zip(&bucket.shapes) {
+            let n: usize = shape.iter().product();
+            pieces.push((at..at + n, Some(i)));
+            at += n;
+        }
+        pieces.push((bucket.len..bucket.padded, None));
+        pieces
+            .into_iter()
+            .filter_map(|(range, param)| {
+                let (start, end) = (range.start.max(shard.start), range.end.min(shard.end));
+                (start < end).then(|| (start - shard.start, end - start, param))
+            })
+            .collect()
     }
 
     /// The sum over ranks of one group's gradients (`grads`, named in the model's order), scaled by

@@ -12,6 +12,7 @@ use streambp_models::Model;
 use super::Buckets;
 use crate::optim::{decays, AdamWConfig, Decay, Moments};
 use crate::{Result, TrainError};
+use streambp_kernels::ops::adamw::update_in_place;
 
 /// A step's gradient shards, bucket by bucket (ZeRO-1 and 2). As the engine's [`FinishedGradients`]
 /// (ZeRO-2) it reduce-scatters each finished layer at once, scaled by the micro-batch's `weight`.
@@ -78,8 +79,7 @@ pub struct ShardedAdamW {
     vars: Vec<Var>,
     m: Vec<Tensor>,
     v: Vec<Tensor>,
-    /// Whether weight decay applies, per parameter (its mask over a shard is built for each update,
-    /// so the state held is the moments alone).
+    /// Whether weight decay applies, per parameter.
     decays: Vec<bool>,
     /// Updates applied so far.
     pub step: usize,
@@ -107,24 +107,6 @@ impl ShardedAdamW {
         })
     }
 
-    /// This rank's shard of bucket `b`'s weight-decay mask: 1 where decay applies.
-    fn decay_mask(&self, b: usize) -> Result<Tensor> {
-        let bucket = &self.buckets.buckets[b];
-        let device = self.m[b].device();
-        let mask: Vec<Tensor> = bucket
-            .params
-            .iter()
-            .zip(&bucket.shapes)
-            .map(|(&i, shape)| {
-                let on = f64::from(u8::from(self.decays[i]));
-                let n: usize = shape.iter().product();
-                Ok(Tensor::full(on, n, device)?.to_dtype(self.buckets.dtype)?)
-            })
-            .collect::<Result<_>>()?;
-        let mask = self.buckets.pad(b, Tensor::cat(&mask, 0)?)?;
-        Ok(self.buckets.shard(b, &mask)?.contiguous()?)
-    }
-
     /// One update with this rank's gradient `shards` (one per bucket) at rate `lr`, then the
     /// all-gather of the new values into the parameters.
     pub fn apply(&mut self, comm: &dyn Communicator, shards: &[Tensor], lr: f64) -> Result<()> {
@@ -144,25 +126,33 @@ impl ShardedAdamW {
                 })
                 .collect::<Result<_>>()?;
             let flat = buckets.pad(b, Tensor::cat(&values, 0)?)?;
-            let p = buckets.shard(b, &flat)?;
-            let mask = match self.config.weight_decay {
-                0.0 => None,
-                _ => Some(self.decay_mask(b)?),
-            };
-            let moments = Moments {
-                m: &mut self.m[b],
-                v: &mut self.v[b],
-            };
-            let decay = mask.as_ref().map_or(Decay::None, Decay::Mask);
-            let p = self.config.update(
-                p,
-                &shards[b].to_dtype(buckets.dtype)?,
-                moments,
-                lr,
-                corrections,
-                decay,
-            )?;
-            let whole = comm.all_gather(&p.contiguous()?)?;
+            // A buffer of its own: the update writes into it.
+            let p = buckets.shard(b, &flat)?.copy()?;
+            let g = shards[b].to_dtype(buckets.dtype)?;
+            // Each parameter's run of the shard with its own decay, as the whole-parameter
+            // optimizer updates it: in place where the device has a kernel, else composed.
+            for (start, len, param) in buckets.shard_runs(b) {
+                let decays = param.is_some_and(|i| self.decays[i]);
+                let run = |t: &Tensor| t.narrow(0, start, len);
+                let (p_run, m_run, v_run) = (run(&p)?, run(&self.m[b])?, run(&self.v[b])?);
+                let constants = self.config.step_constants(lr, corrections, decays);
+                if update_in_place(&p_run, &run(&g)?, (&m_run, &v_run), &constants)? {
+                    continue;
+                }
+                let (mut m_new, mut v_new) = (m_run.copy()?, v_run.copy()?);
+                let moments = Moments {
+                    m: &mut m_new,
+                    v: &mut v_new,
+                };
+                let decay = if decays { Decay::All } else { Decay::None };
+                let p_new =
+                    self.config
+                        .update(p_run, &run(&g)?, moments, lr, corrections, decay)?;
+                p.slice_set(&p_new, 0, start)?;
+                self.m[b].slice_set(&m_new, 0, start)?;
+                self.v[b].slice_set(&v_new, 0, start)?;
+            }
+            let whole = comm.all_gather(&p)?;
             let mut at = 0;
             for (&i, shape) in bucket.params.iter().zip(&bucket.shapes) {
                 let n: usize = shape.iter().product();
