@@ -208,20 +208,21 @@ pub fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     Ok((picked - lse)?)
 }
 
-/// The objective's loss on `logp` (and `entropy`, where it reads them) of positions `cols` and its
-/// gradients `dLoss/dlogp` and `dLoss/dentropy` (autograd on the tiny `[batch, cols]` tensors).
+/// The objective's loss on `logp` (and `entropy`, where it reads them) of positions `cols` (an f64
+/// scalar on their device, not read here: see [`summed`]) and its gradients `dLoss/dlogp` and
+/// `dLoss/dentropy` (autograd on the tiny `[batch, cols]` tensors).
 fn loss_and_grad(
     objective: &dyn Objective,
     (logp, entropy): (&Tensor, Option<&Tensor>),
     cols: Range<usize>,
-) -> Result<(f64, Tensor, Option<Tensor>)> {
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let lp = Var::from_tensor(&logp.detach())?;
     let h = entropy.map(|e| Var::from_tensor(&e.detach())).transpose()?;
     let loss = match &h {
         Some(h) => objective.loss_with_entropy(lp.as_tensor(), h.as_tensor(), cols)?,
         None => objective.loss(lp.as_tensor(), cols)?,
     };
-    let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let value = loss.to_dtype(DType::F64)?.detach();
     let store = loss.backward()?;
     // An objective that does not read these positions (all ignored) has a zero gradient there.
     let grad_of = |x: &Var| -> Result<Tensor> {
@@ -232,6 +233,23 @@ fn loss_and_grad(
     };
     let grad_entropy = h.as_ref().map(grad_of).transpose()?;
     Ok((value, grad_of(&lp)?, grad_entropy))
+}
+
+/// `total + loss` for the chunks' losses, summed on their device: reading each chunk's loss back
+/// would make the host wait for the card at every logits chunk; the sum is read once.
+fn summed(total: Option<Tensor>, loss: Tensor) -> Result<Option<Tensor>> {
+    Ok(Some(match total {
+        Some(total) => (total + loss)?,
+        None => loss,
+    }))
+}
+
+/// The value of a summed loss (0 for none).
+fn read_loss(total: Option<Tensor>) -> Result<f64> {
+    Ok(match total {
+        Some(t) => t.to_scalar::<f64>()?,
+        None => 0.0,
+    })
 }
 
 /// Phase 2: final norm, LM head and loss over logits chunks. Returns the loss, the `[batch, T]` target
@@ -286,7 +304,7 @@ pub(super) fn head_backward(
     let grad_last = last.zeros_like()?;
     let mut logp_parts = Vec::with_capacity(ranges.len());
     let mut entropy_parts = Vec::new();
-    let mut loss = 0.0;
+    let mut loss = None;
     for c in chunks {
         let r = c.local.clone();
         let x = Var::from_tensor(&last.narrow(1, r.start, r.len())?)?;
@@ -300,12 +318,12 @@ pub(super) fn head_backward(
                 }
                 (None, ChunkView::Targets { logp, entropy }) => {
                     let (l, g, g_entropy) = loss_and_grad(objective, (logp, entropy), c.global())?;
-                    loss += l;
+                    loss = summed(loss.take(), l)?;
                     (g, g_entropy)
                 }
                 (None, ChunkView::Logits(z)) => {
                     let (l, dz) = logits_loss_and_grad(objective, z, c.global())?;
-                    loss += l;
+                    loss = summed(loss.take(), l)?;
                     (dz, None)
                 }
             })
@@ -338,8 +356,8 @@ pub(super) fn head_backward(
         entropy_parts.extend(out.entropy);
     }
     let loss = match whole {
-        Some((l, _, _)) => l,
-        None => shard.sum(loss)?,
+        Some((l, _, _)) => read_loss(Some(l))?,
+        None => shard.sum(read_loss(loss)?)?,
     };
     let whole_rows = |parts: &[Tensor]| shard.gather(&Tensor::cat(parts, 1)?, 1);
     Ok(HeadResult {
@@ -403,15 +421,16 @@ enum ChunkView<'t> {
 }
 
 /// The loss of an objective that reads the logits on a chunk's tempered logits `z` (positions
-/// `cols`) and its gradient `dLoss/dz` (autograd on the chunk).
+/// `cols`; an f64 scalar on their device, as [`loss_and_grad`]'s) and its gradient `dLoss/dz`
+/// (autograd on the chunk).
 fn logits_loss_and_grad(
     objective: &dyn Objective,
     z: &Tensor,
     cols: Range<usize>,
-) -> Result<(f64, Tensor)> {
+) -> Result<(Tensor, Tensor)> {
     let zv = Var::from_tensor(&z.detach())?;
     let loss = objective.logits_loss(zv.as_tensor(), cols)?;
-    let value = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let value = loss.to_dtype(DType::F64)?.detach();
     let grad = match loss.backward()?.get(zv.as_tensor()) {
         Some(g) => g.detach(),
         None => zv.as_tensor().zeros_like()?,
