@@ -11,15 +11,16 @@
 #   scripts/gpu_sweep.sh pack        # -> gpu/*.xz (ignored by git), plus the transformers peer script
 #
 # then carry `gpu` and run one step per device call (each stays under the 10-minute limit), from the
-# repository root: `scripts/gpu_sweep.sh parity|train|time|maxt|long|peer|disk|profile|cpu|attention`
-# (`attention`: the fused kernels' step of issue 59, all in one call), or, for
+# repository root: `scripts/gpu_sweep.sh parity|train|time|maxt|long|peer|disk|profile|cpu|attention|card-step`
+# (`attention`: the fused kernels' step of issues 59 and 60, all in one call; `card-step`: issue 60's
+# whole step beside the peer and the trainer on the card, in one call), or, for
 # the host CPU alone, `pack-cpu` here and `cpu-profile` there (carry gpu-cpu), or `pack-cpu` and
 # `pack-suite` here and `host-session` there (the whole test suite too). Results go to $OUT (or
 # gpu-out), JSON lines written as each point finishes, so a step cut off by the time limit keeps what
 # it measured.
 set -euo pipefail
 
-step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile|cpu|attention|pack-cpu|cpu-profile|pack-suite|suite|session|host-session}
+step=${1:?usage: gpu_sweep.sh pack|parity|train|time|maxt|long|peer|disk|profile|cpu|attention|card-step|pack-cpu|cpu-profile|pack-suite|suite|session|host-session}
 out=${OUT:-gpu-out}
 config=benches/configs/qwen3-8b.json
 bench=${BENCH:-gpu/streambp-bench}
@@ -244,6 +245,29 @@ attention)
     timeout "$(limit 90)" "$(peer_python)" scripts/sdpa_peer.py > "$out/sdpa_peer.jsonl" \
         2> "$out/sdpa_peer.err" || true
     LIMIT=200 "$0" profile > "$out/profile.log" 2>&1 || true
+    ;;
+card-step)
+    # Issue 60 in one device call (results.tgz in $OUT): Qwen3-8B bf16 on the card at 16K and 24K,
+    # one backward per mode (stream, checkpoint) with the trainer's AdamW step after it, beside
+    # transformers + gradient checkpointing's forward and backward on the same card (its first
+    # length, 4K, is its warm-up), then the trainer's built-in SFT run on the card, full and LoRA
+    # (losses beside the CPU's: docs/cuda.md, "First run on a GPU").
+    unpack
+    start_session
+    trap bundle EXIT
+    timeout "$(limit 240)" "$bench" --config "$config" --device cuda --dtype bf16 \
+        --seq-lens "${SEQS:-16384,24576}" --repeats 1 --chunk 2048 --logits-chunk 1024 \
+        --modes stream,checkpoint --optimizer-step --json "$out/time.jsonl" > "$out/time.md" 2>&1 || true
+    timeout "$(limit 120)" "$(peer_python)" gpu/peer_transformers.py --config "$config" --mode gc \
+        --seqs "4096,${SEQS:-16384,24576}" > "$out/peer_gc.jsonl" 2> "$out/peer_gc.err" || true
+    for job in "sft --max-steps 60" "sft --max-steps 60 --lora-r 8"; do
+        name=$(echo "$job" | tr -d ' -' | cut -c1-24)
+        echo "== $job" >> "$out/train.log"
+        # shellcheck disable=SC2086
+        timeout "$(limit 60)" gpu/streambp-train $job --device cuda --output-dir "/tmp/run-$name" \
+            --overwrite-output-dir 2>&1 | tr '\r' '\n' | tail -8 >> "$out/train.log" || true
+        cp "/tmp/run-$name/metrics.jsonl" "$out/metrics-$name.jsonl" 2>/dev/null || true
+    done
     ;;
 cpu)
     # Issue 25 on this host's CPU: the qwen3-small step beside transformers, both sides on the same
