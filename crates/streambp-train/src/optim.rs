@@ -47,7 +47,6 @@ struct Slot {
     decay: bool,
 }
 
-/// AdamW over a model's parameters: one pair of moments per parameter, updated in place.
 /// Whether weight decay applies to a parameter (or its run of a shard).
 pub enum Decay {
     /// Not (biases, norms).
@@ -170,7 +169,8 @@ impl AdamW {
                     slot.name
                 )));
             }
-            // One pass in place where the device has a kernel for it (the card); else composed.
+            // One pass in place where the device has a kernel for it (the host's, the card's); else
+            // composed.
             let constants = c.step_constants(lr, (bc1, bc2), slot.decay);
             let p = slot.var.as_tensor();
             if update_in_place(p, g, (&slot.m, &slot.v), &constants)? {

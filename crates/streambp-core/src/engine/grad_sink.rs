@@ -76,7 +76,7 @@ impl GradSink {
     }
 
     /// The accumulator of `name` (`like`'s shape), made zero if there is none yet, for adding into in
-    /// place; `None` where it could not be (one the sink does not own, or off the host). A half
+    /// place; `None` where it could not be (one the sink does not own, or in another dtype). A half
     /// precision parameter's accumulator is f32 ([`accumulator_dtype`]).
     pub(super) fn accumulator(&mut self, name: &str, like: &Tensor) -> Result<Option<Tensor>> {
         self.accumulator_for(name, like.shape(), like.dtype(), like.device())
@@ -109,11 +109,12 @@ impl GradSink {
     }
 
     /// Adds the gradient `a·b` (a weight's share from one chunk: the LM head's `dzᵀ·h`), into the
-    /// accumulator in place where it can. In half precision the first chunk's share goes into a zero
-    /// f32 accumulator too, never through a product rounded to bf16.
+    /// accumulator in place where it can. In half precision, where the product adds in place, the
+    /// first chunk's share goes into a zero f32 accumulator too, never through a product rounded to
+    /// bf16.
     pub(super) fn add_product(&mut self, name: &str, a: &Tensor, b: &Tensor) -> Result<()> {
         let half = accumulator_dtype(a.dtype()) != a.dtype();
-        if !self.acc.contains_key(name) && half {
+        if !self.acc.contains_key(name) && half && accumulate::adds_products_in_place(a) {
             let shape = (a.dim(0)?, b.dim(1)?).into();
             self.accumulator_for(name, &shape, a.dtype(), a.device())?;
         }
@@ -152,11 +153,7 @@ impl GradSink {
         ids: &Tensor,
         rows: &Tensor,
     ) -> Result<()> {
-        let float = matches!(
-            table.dtype(),
-            DType::F32 | DType::F64 | DType::BF16 | DType::F16
-        );
-        if float && rows.dtype() == table.dtype() {
+        if rows.dtype() == table.dtype() && accumulate::adds_rows_in_place(table, rows)? {
             if let Some(acc) = self.accumulator(name, table)? {
                 if accumulate::add_rows(&acc, ids, rows)? {
                     return Ok(());

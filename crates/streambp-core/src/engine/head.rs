@@ -81,9 +81,10 @@ impl EntropyRows {
     /// buffer is handed over: [`EntropyRows::logit_grad`] may write over it.
     fn of(z: &Tensor, idx: &Tensor) -> Result<Self> {
         if let Some(rows) = head_softmax::entropy_rows(z, idx)? {
-            if let Some(entropy) = rows.entropy.clone() {
-                return Ok(Self::Fused { rows, entropy });
-            }
+            let entropy = rows.entropy.clone().ok_or_else(|| {
+                candle_core::Error::Msg("head softmax: entropy rows without entropies".into())
+            })?;
+            return Ok(Self::Fused { rows, entropy });
         }
         let lse = z.log_sum_exp(D::Minus1)?;
         let log_probs = z.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?;
@@ -505,8 +506,9 @@ fn head_chunk(
             false => g.affine(1.0 / temperature, 0.0)?,
         })
     };
-    // On the CPU two passes per row in `z`'s buffer (streambp_kernels::ops::head_softmax); elsewhere the same with
-    // tensor ops.
+    // Two passes per row in `z`'s buffer where the host's or the card's kernels run
+    // (streambp_kernels::ops::head_softmax), with the entropies where the objective reads them;
+    // elsewhere the same with tensor ops.
     // Timed with the objective's loss and gradient of the chunk, which `grad_of` computes.
     let (logp, entropy, mut dz) = op_times::timed("head.softmax", device, || {
         if reads == Reads::Logits {

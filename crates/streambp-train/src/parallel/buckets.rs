@@ -10,6 +10,10 @@ use streambp_models::Model;
 
 use crate::{Result, TrainError};
 
+/// Every shard's length is a multiple of this many elements (16 bytes of f32), so each rank's
+/// shard starts where the card's kernels can read it (AdamW's in place).
+const SHARD_ALIGN: usize = 4;
+
 /// One group of parameters, flattened and sharded.
 #[derive(Debug, Clone)]
 pub(super) struct Bucket {
@@ -19,7 +23,7 @@ pub(super) struct Bucket {
     pub(super) shapes: Vec<Vec<usize>>,
     /// Elements before padding.
     len: usize,
-    /// Elements after padding to a multiple of the number of ranks.
+    /// Elements after padding to a multiple of the number of ranks times [`SHARD_ALIGN`].
     pub(super) padded: usize,
 }
 
@@ -76,7 +80,7 @@ impl Buckets {
                     params: group,
                     shapes,
                     len,
-                    padded: len.div_ceil(world) * world,
+                    padded: len.div_ceil(SHARD_ALIGN * world) * SHARD_ALIGN * world,
                 }
             })
             .collect();
@@ -248,5 +252,57 @@ impl Buckets {
                 Ok((name, g))
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The runs of every rank's shard tile it exactly, each inside one parameter (or the padding)
+    /// at its place in the bucket, for 1 to 4 ranks and lengths that do and do not divide.
+    #[test]
+    fn shard_runs_tile_each_shard_by_parameter() {
+        for shapes in [
+            vec![vec![3, 5], vec![7], vec![2, 2]],
+            vec![vec![16, 4]],
+            vec![vec![1]],
+        ] {
+            let sizes: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
+            let len: usize = sizes.iter().sum();
+            for world in 1..=4 {
+                let padded = len.div_ceil(SHARD_ALIGN * world) * SHARD_ALIGN * world;
+                let mut owner: Vec<Option<usize>> = Vec::new();
+                for (i, &n) in sizes.iter().enumerate() {
+                    owner.extend(std::iter::repeat_n(Some(i), n));
+                }
+                owner.resize(padded, None);
+                for rank in 0..world {
+                    let buckets = Buckets {
+                        buckets: vec![Bucket {
+                            params: (0..sizes.len()).collect(),
+                            shapes: shapes.clone(),
+                            len,
+                            padded,
+                        }],
+                        of_param: HashMap::new(),
+                        world,
+                        rank,
+                        dtype: DType::F32,
+                    };
+                    let n = padded / world;
+                    assert_eq!(n % SHARD_ALIGN, 0);
+                    let mut next = 0;
+                    for (start, run, param) in buckets.shard_runs(0) {
+                        assert_eq!(start, next, "runs in order, without gaps");
+                        assert!(run > 0);
+                        let at = rank * n + start;
+                        assert!(owner[at..at + run].iter().all(|o| *o == param), "{param:?}");
+                        next = start + run;
+                    }
+                    assert_eq!(next, n, "world {world} rank {rank}: the whole shard");
+                }
+            }
+        }
     }
 }

@@ -53,6 +53,17 @@ pub(super) fn add(acc: &Tensor, x: &Tensor) -> CResult<bool> {
     )
 }
 
+/// [`super::adds_rows_in_place`] on the card: the kernel compiled for this card and the rows'
+/// dtype, rows a multiple of 16 wide (as the kernel assumes of `dim`).
+pub(super) fn adds_rows(table: &Tensor, rows: &Tensor) -> CResult<bool> {
+    let Device::Cuda(device) = table.device() else {
+        return Ok(false);
+    };
+    let what = ("accumulate_add_rows", rows.dtype(), ROWS_BLOCK);
+    let compiled = compiled_for(super::compiled::KERNELS, device, what)?.is_some();
+    Ok(compiled && table.dims2()?.1.is_multiple_of(16))
+}
+
 /// [`super::add_rows`] on the card.
 pub(super) fn add_rows(acc: &Tensor, ids: &Tensor, rows: &Tensor) -> CResult<bool> {
     let Some(kernel) = kernel(acc, rows, ("accumulate_add_rows", ROWS_BLOCK))? else {
@@ -95,7 +106,7 @@ pub(super) fn add_product(acc: &Tensor, a: &Tensor, b: &Tensor) -> CResult<bool>
     let Some(g) = gemm_args(layout(a)?, layout(b)?) else {
         return Ok(false);
     };
-    if g.m * g.n * g.k == 0 {
+    if g.m == 0 || g.n == 0 || g.k == 0 {
         return Ok(true);
     }
     let op = |transposed| match transposed {

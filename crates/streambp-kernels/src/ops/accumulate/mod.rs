@@ -59,7 +59,7 @@ pub fn add(acc: &Tensor, x: &Tensor) -> CResult<bool> {
         return Ok(false);
     }
     match Backend::of(acc) {
-        Backend::Cpu if widened(acc, x) && x.device().is_cpu() => {
+        Backend::Cpu if widened(acc, x) && x.device().is_cpu() && acc.is_contiguous() => {
             add(acc, &crate::ops::cast::cast(x, DType::F32)?)
         }
         Backend::Cpu if in_place(acc, &[x]) => {
@@ -70,6 +70,29 @@ pub fn add(acc: &Tensor, x: &Tensor) -> CResult<bool> {
         Backend::Cuda => cuda::add(acc, x),
         _ => Ok(false),
     }
+}
+
+/// Whether [`add_product`] adds products of operands like `a` into an accumulator in place on their
+/// device (f32/f64, and bf16 into f32, on the host; f32 and bf16 into f32 on the card), so that an
+/// accumulator made for it ahead of the first product is used.
+pub fn adds_products_in_place(a: &Tensor) -> bool {
+    match Backend::of(a) {
+        Backend::Cpu => matches!(a.dtype(), DType::F32 | DType::F64 | DType::BF16),
+        Backend::Cuda => matches!(a.dtype(), DType::F32 | DType::BF16),
+        Backend::Composed => false,
+    }
+}
+
+/// Whether [`add_rows`] adds rows like `rows` into an accumulator shaped as `table` in place on its
+/// device (any float on the host; on the card f32 and bf16 rows a multiple of 16 wide, where the
+/// kernel is compiled for it), so that an accumulator made for it is used.
+pub fn adds_rows_in_place(table: &Tensor, rows: &Tensor) -> CResult<bool> {
+    Ok(match Backend::of(table) {
+        Backend::Cpu => rows.dtype().is_float(),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => cuda::adds_rows(table, rows)?,
+        _ => false,
+    })
 }
 
 /// `acc += a·b` in place for `a` `[m, k]`, `b` `[k, n]` (any strides) and `acc` `[m, n]`; `false`,
@@ -124,7 +147,7 @@ pub fn add_rows(acc: &Tensor, ids: &Tensor, rows: &Tensor) -> CResult<bool> {
         return Ok(false);
     }
     match Backend::of(acc) {
-        Backend::Cpu if widened(acc, rows) && rows.device().is_cpu() => {
+        Backend::Cpu if widened(acc, rows) && rows.device().is_cpu() && acc.is_contiguous() => {
             return add_rows(acc, ids, &crate::ops::cast::cast(rows, DType::F32)?);
         }
         Backend::Cpu if in_place(acc, &[rows]) => {}

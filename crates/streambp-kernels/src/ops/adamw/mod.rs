@@ -145,5 +145,12 @@ mod tests {
         assert!(
             !update_in_place(&p, &p.copy().unwrap(), (&m64, &m64.copy().unwrap()), &step).unwrap()
         );
+        // Operands sharing a buffer (a moment the parameter's, the gradient the parameter's, the
+        // two moments one): declined, not locked twice.
+        let p64 = values(1, (-1.0, 1.0));
+        let (g64, v64) = (values(2, (-1.0, 1.0)), values(4, (0.0, 1.0)));
+        for (g, m, v) in [(&g64, &p64, &m64), (&p64, &m64, &v64), (&g64, &m64, &m64)] {
+            assert!(!update_in_place(&p64, g, (m, v), &step).unwrap());
+        }
     }
 }

@@ -32,7 +32,7 @@ mod cuda_table;
 use crate::backend::Backend;
 use crate::host::exp::BulkExp;
 use crate::host::reduce::row_max;
-use crate::host::storage::{host_float, with_data_mut};
+use crate::host::storage::{host_float, with_data, with_data_mut};
 use crate::vectorized;
 use candle_core::{Device, Tensor, WithDType};
 use num_traits::Float;
@@ -47,8 +47,8 @@ pub struct HeadRows {
     pub logp: Tensor,
     /// `[n]`: each row's entropy, for rows from [`entropy_rows`].
     pub entropy: Option<Tensor>,
-    /// The logits chunk: on the host from [`log_softmax_rows`] now holding `exp(z − max)` per row,
-    /// otherwise `z` itself.
+    /// The logits chunk: on the host from [`log_softmax_rows`] now holding `exp(z − max)` per row;
+    /// from [`entropy_rows`], and on the card, `z` itself.
     chunk: Tensor,
     stats: Stats,
 }
@@ -171,7 +171,7 @@ fn entropy_rows_as<T: WithDType + BulkExp>(
     targets: &[u32],
 ) -> CResult<Option<Vec<(f64, f64, f64)>>> {
     let vocab = z.dims2()?.1.max(1);
-    with_rows::<T, _>(z, |z| {
+    with_data::<T, _>(z, |z| {
         Ok(z.par_chunks(vocab)
             .zip(targets.par_iter())
             .map(|(row, &target)| {
